@@ -1,0 +1,111 @@
+"""Torch attention backend: the CPU path and the reference every other backend is tested against.
+
+Keys are gathered from the paged cache through the block table and attended with
+``scaled_dot_product_attention`` under an explicit mask built from absolute positions. The one
+shortcut: a sequence whose query tokens are its whole context in order (a fresh prefill) is
+exactly the upper-left causal case, so it skips the gather and lets SDPA build the mask itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter ``k``/``v`` [num_tokens, kv_heads, head_dim] into their slots of the paged cache."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` keys and values of a sequence: [seq_len, kv_heads, head_dim] each."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_ids[:num_blocks]]  # [2, nb, bs, H, D]
+    blocks = blocks.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]
+    return blocks[0], blocks[1]
+
+
+def _sdpa(q, k, v, mask, scale, is_causal=False):
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence, queries and keys both at positions 0..n-1: plain causal attention."""
+    causal = q.shape[0] > 1
+    return _sdpa(q[None], k[None], v[None], None, scale, is_causal=causal)[0]
+
+
+def position_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Boolean [Lq, seq_len]: query at position p sees keys at positions <= p."""
+    key_positions = torch.arange(seq_len, device=q_positions.device)
+    return key_positions[None, :] <= q_positions[:, None]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, attn_metadata, scale):
+        if kv_cache is None:
+            assert attn_metadata is None
+            return dense_causal_attention(q, k, v, scale)
+        md: AttentionMetadata = attn_metadata
+        write_kv_cache(kv_cache, k, v, md.slot_mapping)
+        out = torch.empty_like(q)
+        starts = md.query_start_loc_cpu
+        decode_rows = []
+        for i in range(md.num_seqs):
+            lo, hi = starts[i], starts[i + 1]
+            seq_len = md.seq_lens_cpu[i]
+            if hi - lo == 1 and md.is_contiguous_prefill[i]:
+                decode_rows.append(i)
+                continue
+            if md.is_contiguous_prefill[i] and hi - lo == seq_len:
+                # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
+                out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
+                continue
+            keys, values = gather_kv(kv_cache, md.block_table[i], seq_len)
+            mask = position_mask(md.positions[lo:hi], seq_len)
+            out[lo:hi] = _sdpa(q[None, lo:hi], keys[None], values[None], mask, scale)[0]
+        if decode_rows:
+            self._batched_decode(q, kv_cache, md, decode_rows, out, scale)
+        return out
+
+    @staticmethod
+    def _batched_decode(q, kv_cache, md, rows, out, scale):
+        """All single-token rows at once: pad every context to the longest one and mask."""
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        seq_lens = [md.seq_lens_cpu[i] for i in rows]
+        max_len = max(seq_lens)
+        num_blocks = -(-max_len // block_size)
+        row_idx = torch.tensor(rows, dtype=torch.long, device=q.device)
+        tables = md.block_table[row_idx, :num_blocks].long()  # [B, nb]
+        kv = kv_cache[:, tables]  # [2, B, nb, bs, H, D]
+        kv = kv.reshape(2, len(rows), num_blocks * block_size, num_kv_heads, head_dim)
+        lens = torch.tensor(seq_lens, device=q.device)
+        mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < lens[:, None]
+        token_idx = torch.tensor([md.query_start_loc_cpu[i] for i in rows], device=q.device)
+        qd = q[token_idx][:, None]  # [B, 1, Hq, D]
+        res = _sdpa(qd, kv[0], kv[1], mask[:, None, None, :], scale)
+        out[token_idx] = res[:, 0]
