@@ -1,0 +1,84 @@
+"""Self-attention split into the steps the blending code calls one at a time.
+
+``project`` gives pre-RoPE q/k/v (the chunk store keeps K before RoPE); ``attend`` rotates,
+hands q/k/v to the attention backend (which writes K/V into the paged cache and attends) and
+applies ``o_proj``; ``forward`` composes the two. Shapes are flattened over tokens (no batch):
+
+    hidden [T, hidden_size] --project--> q [T, num_heads, head_dim]
+                                         k, v [T, num_kv_heads, head_dim]
+    --attend(positions, ...)--> [T, hidden_size]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+from blendkv.layers.rotary import RotaryEmbedding, head_dim_of
+
+
+class Attention(nn.Module):
+    """Parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) equal HF checkpoint keys."""
+
+    def __init__(
+        self,
+        config,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        self.scaling = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        # Shared objects, not owned submodules' parameters: the table has no checkpoint key and
+        # the backend is not an nn.Module.
+        self.rotary_emb = rotary_emb
+        self.attn_backend = attn_backend
+
+    def project(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden_size] -> pre-RoPE q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
+        t = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """RoPE at ``positions`` [T], backend attention (writes K/V to the cache), ``o_proj``."""
+        q, k = self.rotary_emb.apply_rotary(positions, q, k)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scaling)
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        q, k, v = self.project(hidden_states)
+        return self.attend(positions, q, k, v, kv_cache, attn_metadata)

@@ -1,0 +1,128 @@
+"""Rotary position embedding (RoPE), gathered at arbitrary absolute positions.
+
+The inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` so every rope type
+transformers knows (linear, dynamic, yarn, llama3, ...) and its ``attention_scaling`` factor are
+right by construction. cos/sin are precomputed once in float32 for ``max_position_embeddings``
+positions and *gathered* at ``positions``: query rows need not be contiguous (CacheBlend
+recomputes scattered rows) and stored keys can be re-rotated to new positions at load time
+(:meth:`RotaryEmbedding.rotate_k`).
+
+Convention: HF's ``rotate_half`` (the two halves of head_dim are the real/imaginary parts), not
+the interleaved GPT-J layout.
+
+Known limits: ``dynamic`` and ``longrope`` change their frequencies with the *current sequence
+length* in transformers. Up to ``max_position_embeddings`` (dynamic) / the original context
+(longrope) the table here is exact; beyond that it keeps the short-context frequencies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    """``config.rope_parameters`` (transformers 5), or the same dict built from the v4 fields."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    scaling["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return scaling
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def compute_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim // 2] float32, attention_scaling) exactly as transformers computes."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        # Transformers keeps "default" in each model file (LlamaRotaryEmbedding); same formula.
+        dim = head_dim_of(config)
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not known to transformers "
+            f"(known: default, {', '.join(ROPE_INIT_FUNCTIONS)})"
+        )
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float().cpu(), float(attention_scaling)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE for one model; shared by all its attention layers.
+
+    The cos/sin table is deliberately a plain attribute, not a buffer: the loader builds the model
+    on the ``meta`` device and ``Module.to(dtype)`` would cast a buffer to bf16, but the table
+    must stay real float32. It follows the inputs' device lazily.
+    """
+
+    def __init__(self, config, max_position: int | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        self.max_position = max_position or config.max_position_embeddings
+        # Real CPU tensors even when the model is built under `with torch.device("meta")`.
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = compute_inv_freq(config)
+        self.rotary_dim = 2 * inv_freq.numel()
+        if self.rotary_dim != self.head_dim:
+            raise ValueError(
+                f"partial rotary embeddings are not supported "
+                f"(rotary_dim {self.rotary_dim} != head_dim {self.head_dim})"
+            )
+        # Same float32 product as transformers (position * inv_freq), so cos/sin match bit for bit.
+        with torch.device("cpu"):
+            positions = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+            self._cos = freqs.cos() * self.attention_scaling
+            self._sin = freqs.sin() * self.attention_scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin gathered at ``positions``: [T, 1, head_dim] each, cast to ``dtype``."""
+        if self._cos.device != positions.device:
+            self._cos = self._cos.to(positions.device)
+            self._sin = self._sin.to(positions.device)
+        cos = self._cos[positions]
+        sin = self._sin[positions]
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype)
+        sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(dtype)
+        return cos, sin
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, heads, head_dim] whose row ``i`` sits at absolute ``positions[i]``."""
+        cos, sin = self.cos_sin(positions, x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+    def apply_rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k [T, kv_heads, head_dim] -> both rotated (new tensors)."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
+        return q, k
+
+    def rotate_k(self, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """RoPE on pre-RoPE keys alone (the chunk store re-rotates stored K to new positions)."""
+        return self.rotate(positions, k)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply_rotary(positions, q, k)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}"

@@ -1,0 +1,205 @@
+"""Llama / Mistral / SmolLM2 in plain PyTorch, flattened tokens, paged attention behind a backend.
+
+The module tree mirrors transformers' ``LlamaForCausalLM`` so ``named_parameters()`` equal the
+checkpoint keys and weights load by name::
+
+    model.embed_tokens.weight
+    model.layers.{i}.input_layernorm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias?}
+    model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.norm.weight
+    lm_head.weight            (the same Parameter as embed_tokens when tie_word_embeddings)
+
+Residual stream follows vLLM: each decoder layer takes and returns ``(hidden_states, residual)``
+and the add happens inside the next RMSNorm; ``residual`` is None going into layer 0.
+
+Sliding-window attention (Mistral's ``sliding_window``) is not applied: outputs are exact while a
+sequence is no longer than the window, so the engine should cap ``max_model_len`` to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from blendkv.errors import ModelLoadError
+from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+from blendkv.layers.attention import Attention
+from blendkv.layers.mlp import GatedMLP
+from blendkv.layers.norm import RMSNorm
+from blendkv.layers.rotary import RotaryEmbedding
+
+# Checkpoint entries that are not parameters (old transformers saved the RoPE buffer).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        qkv_bias: bool,
+        o_bias: bool,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary_emb, attn_backend, qkv_bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=getattr(config, "mlp_bias", False),
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, attn_backend, qkv_bias, o_bias)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        if (kv_caches is None) != (attn_metadata is None):
+            raise ValueError("kv_caches and attn_metadata must both be given or both be None")
+        if kv_caches is not None and len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} kv_caches, got {len(kv_caches)}")
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            kv_cache = None if kv_caches is None else kv_caches[i]
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, kv_cache, attn_metadata
+            )
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over flattened tokens: ``forward`` gives final hidden states, then
+    ``compute_logits`` on the rows that need them (vLLM style)."""
+
+    def __init__(self, config, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_bias(config)
+        self.model = LlamaModel(config, attn_backend, qkv_bias, o_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @staticmethod
+    def attention_bias(config) -> tuple[bool, bool]:
+        """(bias of q/k/v_proj, bias of o_proj) for this family."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding Parameter (again, e.g. after ``to_empty``)."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None = None,
+        attn_metadata: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size].
+
+        ``kv_caches=None`` (with ``attn_metadata=None``) is a dense causal pass over ONE sequence
+        at positions 0..T-1; otherwise one cache ``[2, num_blocks, block_size, kv_heads,
+        head_dim]`` per layer and the step's metadata.
+        """
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden_states).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into parameters by name (cast to each parameter's dtype).
+
+        Raises ModelLoadError naming unexpected, shape-mismatched or missing keys. With tied
+        embeddings a stored ``lm_head.weight`` is ignored (it is the embedding matrix).
+        """
+        params = dict(self.named_parameters())  # tied lm_head is de-duplicated away
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        mismatched: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            param = params.get(name)
+            if param is None:
+                unexpected.append(name)
+            elif tuple(param.shape) != tuple(tensor.shape):
+                mismatched.append(
+                    f"{name}: checkpoint {tuple(tensor.shape)} != model {tuple(param.shape)}"
+                )
+            else:
+                param.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        problems = []
+        if unexpected:
+            problems.append(f"unexpected keys {_head(unexpected)}")
+        if mismatched:
+            problems.append(f"shape mismatches {_head(mismatched)}")
+        if missing:
+            problems.append(f"missing keys {_head(missing)}")
+        if problems:
+            raise ModelLoadError(
+                f"checkpoint does not match {type(self).__name__} "
+                f"({self.config.num_hidden_layers} layers): " + "; ".join(problems)
+            )
+
+
+def _head(names: list[str], n: int = 5) -> str:
+    shown = ", ".join(names[:n])
+    return f"[{shown}{f', ... ({len(names)} total)' if len(names) > n else ''}]"
+
+
+# Mistral's module tree and checkpoint keys are Llama's.
+MistralForCausalLM = LlamaForCausalLM
