@@ -1,0 +1,68 @@
+"""Engine configuration: frozen, validated on construction, flows down only.
+
+Facts found at run time (how many KV blocks fit, the eos id, the model's shapes) live in
+:class:`blendkv.engine.llm_engine.RuntimeInfo`, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blendkv.errors import ConfigError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the user chooses when creating an :class:`~blendkv.LLM`.
+
+    Sizes are in tokens unless the name says blocks or bytes.
+    """
+
+    model: str | None = None  # None = embedded SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    cache_dir: str | None = None
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _positive("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ConfigError(
+                    "without chunked prefill max_num_batched_tokens "
+                    f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                    f"({self.max_model_len}), or a long prompt could never be scheduled"
+                )
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,250 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+``LLMEngine`` wires model loading, the KV pool size, the scheduler, the model runner and the
+output processing (detokenisation, stop checks). ``blendkv.LLM`` is the friendly front end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from blendkv.config import EngineConfig
+from blendkv.engine.block_manager import BlockManager
+from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
+from blendkv.engine.request_state import RequestState
+from blendkv.engine.scheduler import Scheduler
+from blendkv.engine.sequence import Sequence, SequenceStatus
+from blendkv.errors import (
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from blendkv.outputs import RequestOutput
+from blendkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to queue."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    request_id: str | None = None
+    prompt: str | None = None
+    extra: object = None  # extension payload carried on the Sequence (e.g. a blend plan)
+    cache_salt: bytes = b""
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Facts found while starting the engine (never written back into the config)."""
+
+    model_name: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from blendkv.engine.sampler import Sampler
+        from blendkv.kernels import get_attention_backend
+        from blendkv.models.loader import load_model, load_tokenizer, resolve_model
+
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.resolved = resolve_model(config.model, cache_dir=config.cache_dir)
+        self.tokenizer = load_tokenizer(self.resolved)
+        self.attn_backend = get_attention_backend(config.attention_backend)
+        self.model = load_model(self.resolved, config.torch_dtype, self.attn_backend)
+        self.hf_config = self.model.config
+        self.info = self._runtime_info()
+        self.block_manager = BlockManager(
+            self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.hf_config,
+            num_blocks=self.info.num_kv_blocks,
+            block_size=config.block_size,
+            dtype=config.torch_dtype,
+            sampler=Sampler(),
+        )
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------- startup
+    def _runtime_info(self) -> RuntimeInfo:
+        cfg, conf = self.hf_config, self.config
+        num_blocks = conf.num_kv_blocks or max(
+            1, conf.kv_cache_memory_bytes // kv_block_bytes(cfg, conf.block_size, conf.torch_dtype)
+        )
+        model_max = getattr(cfg, "max_position_embeddings", None) or 1 << 30
+        max_model_len = min(conf.max_model_len or model_max, model_max)
+        # One sequence must always fit in the whole pool, or preemption could never resolve.
+        max_model_len = min(max_model_len, num_blocks * conf.block_size)
+        if not conf.enable_chunked_prefill:
+            max_model_len = min(max_model_len, conf.max_num_batched_tokens)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return RuntimeInfo(
+            model_name=self.resolved.name,
+            architecture=(cfg.architectures or [type(self.model).__name__])[0],
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=cfg.vocab_size,
+            num_kv_blocks=num_blocks,
+            block_size=conf.block_size,
+            max_model_len=max_model_len,
+            eos_token_ids=self._eos_token_ids(),
+        )
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for source in (getattr(self.model, "generation_config", None), self.hf_config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            ids.extend(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(ids))
+
+    # ------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids out of range [0, {self.info.vocab_size}): {bad[:5]}"
+            )
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: object) -> SamplingParams:
+        """Raise a typed error for a request that cannot be served; the engine is untouched."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParamsError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if not prompt_token_ids:
+            raise EmptyPromptError("the prompt is empty (zero tokens)")
+        if len(prompt_token_ids) >= self.info.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                f"{self.info.max_model_len} (room for at least one output token is needed); "
+                "shorten the prompt or raise max_model_len / the KV pool size"
+            )
+        return params
+
+    def prepare_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> PreparedRequest:
+        """Tokenise and validate one request without queueing it (raises typed errors)."""
+        token_ids = self.tokenize(prompt)
+        params = self.validate(token_ids, sampling_params)
+        if request_id is not None and request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_text = prompt if isinstance(prompt, str) else None
+        return PreparedRequest(token_ids, params, request_id, prompt_text)
+
+    def add_prepared(self, req: PreparedRequest) -> str:
+        """Queue a request made by :meth:`prepare_request`; returns its id."""
+        request_id = req.request_id if req.request_id is not None else str(next(self._ids))
+        while req.request_id is None and request_id in self.requests:
+            request_id = str(next(self._ids))
+        room = self.info.max_model_len - len(req.prompt_token_ids)
+        max_tokens = req.sampling_params.max_tokens
+        max_out = min(max_tokens, room) if max_tokens is not None else room
+        seq = Sequence(
+            request_id, req.prompt_token_ids, req.sampling_params, max_out, extra=req.extra
+        )
+        seq.cache_salt = req.cache_salt
+        self.requests[request_id] = RequestState(seq, req.prompt, self.tokenizer)
+        self.scheduler.add(seq)
+        return request_id
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue one request; returns its id. Nothing is queued on error."""
+        return self.add_prepared(self.prepare_request(prompt, sampling_params, request_id))
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        state = self.requests.pop(request_id, None)
+        self.runner.release(request_id)
+        if state is not None and seq is not None:
+            state.finish_reason = "abort"
+        return seq is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; return outputs of requests that produced a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled_seqs, sampled = self.runner.execute(out)
+        self.scheduler.update_from_output(out)
+        now = time.perf_counter()
+        outputs = []
+        for i, seq in enumerate(sampled_seqs):
+            if seq.is_finished:
+                continue
+            state = self.requests[seq.request_id]
+            status = state.append(
+                sampled.token_ids[i],
+                sampled.logprobs[i],
+                sampled.top_logprobs[i],
+                now,
+                self.info.eos_token_ids,
+            )
+            if status is not None:
+                self.scheduler.finish(seq, status)
+                self.runner.release(seq.request_id)
+            outputs.append(state.make_output())
+            if seq.is_finished:
+                del self.requests[seq.request_id]
+        return outputs
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()
+        for seq in self.scheduler.running:
+            assert seq.status == SequenceStatus.RUNNING
+            assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens

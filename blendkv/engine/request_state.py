@@ -1,0 +1,101 @@
+"""Output processing for one request: detokenise, check stops, build ``RequestOutput``s."""
+
+from __future__ import annotations
+
+from blendkv.engine.detokenizer import IncrementalDetokenizer
+from blendkv.engine.sequence import Sequence, SequenceStatus
+from blendkv.engine.stop_checker import check_stop, stop_holdback_len
+from blendkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+_FINISH_STATUS = {
+    "stop": SequenceStatus.FINISHED_STOPPED,
+    "length": SequenceStatus.FINISHED_LENGTH,
+}
+
+
+class RequestState:
+    def __init__(self, seq: Sequence, prompt: str | None, tokenizer) -> None:
+        self.seq = seq
+        self.prompt = prompt
+        params = seq.sampling_params
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, seq.prompt_token_ids, params.skip_special_tokens
+        )
+        self.text = ""
+        self.num_streamed_chars = 0
+        self.holdback = stop_holdback_len(params)
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.blend_stats = None
+
+    def append(self, token_id, logprob, top_logprobs, now, eos_token_ids) -> SequenceStatus | None:
+        """Record one sampled token; return the finished status if the request stops."""
+        seq = self.seq
+        seq.append_token(token_id)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        if self.logprobs is not None:
+            entry = {token_id: logprob}
+            entry.update({t: lp for t, lp in (top_logprobs or []) if t != token_id})
+            self.logprobs.append(entry)
+            self.cumulative_logprob += logprob
+        delta = self.detokenizer.add(token_id)
+        if seq.num_output_tokens >= seq.max_output_tokens or token_id in eos_token_ids:
+            delta += self.detokenizer.finish()  # flush a held-back partial character
+        self.text += delta
+        eos = token_id if token_id in eos_token_ids else (eos_token_ids or (None,))[0]
+        result = check_stop(
+            new_token_id=token_id,
+            num_output_tokens=seq.num_output_tokens,
+            output_text=self.text,
+            new_text_len=len(delta),
+            params=seq.sampling_params,
+            eos_token_id=eos,
+            max_output_tokens=seq.max_output_tokens,
+        )
+        if result.truncate_text_to is not None:
+            self.text = self.text[: result.truncate_text_to]
+        if result.finish_reason is None:
+            return None
+        self.finish_reason = result.finish_reason
+        self.stop_reason = result.stop_reason
+        return _FINISH_STATUS[result.finish_reason]
+
+    def make_output(self) -> RequestOutput:
+        seq = self.seq
+        finished = self.finish_reason is not None
+        visible = len(self.text) if finished else max(len(self.text) - self.holdback, 0)
+        visible = max(visible, self.num_streamed_chars)
+        delta = self.text[self.num_streamed_chars : visible]
+        self.num_streamed_chars = visible
+        m = seq.metrics
+        metrics = RequestMetrics(
+            arrival_time=m.arrival_time,
+            first_scheduled_time=m.first_scheduled_time,
+            first_token_time=m.first_token_time,
+            finished_time=m.finished_time,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=m.num_cached_tokens,
+            num_preemptions=m.num_preemptions,
+        )
+        completion = CompletionOutput(
+            index=0,
+            text=self.text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=metrics,
+            blend_stats=self.blend_stats,
+            delta_text=delta,
+        )

@@ -1,0 +1,166 @@
+"""Continuous-batching scheduler. Pure Python: decides *which* tokens run, touches no tensors.
+
+Every step it fills one token budget (``max_num_batched_tokens``) with, in order:
+
+1. running sequences — a decode token each, or the next piece of a chunked prefill; when the
+   block pool runs dry the most recently admitted running sequence is preempted (its blocks
+   freed, its tokens recomputed later) until the current one fits;
+2. waiting sequences (new or preempted), first-come first-served, while budget, blocks and
+   ``max_num_seqs`` allow, after taking their prefix-cache hits.
+
+Prefill and decode tokens share one flattened batch; the runner receives a
+:class:`SchedulerOutput` and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from blendkv.engine.block_manager import BlockManager
+from blendkv.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The contract between scheduler and model runner for one step.
+
+    ``scheduled`` lists (sequence, num_scheduled_tokens) in batch order; a sequence's tokens
+    this step are positions ``[num_computed_tokens, num_computed_tokens + n)``.
+    """
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ------------------------------------------------------------ requests
+    def add(self, seq: Sequence) -> None:
+        assert seq.status == SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request wherever it is; returns it, or None if unknown or finished."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Called by the engine when a running sequence hit a stop condition."""
+        assert status.is_finished
+        self.running.remove(seq)
+        self._finish(seq, status)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self.block_manager.take_pending_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, f"running sequence with nothing to compute: {seq}"
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # lowest priority: admitted last, not yet scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return budget
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks, num_cached = bm.get_computed_blocks(seq)
+            num_new = seq.num_tokens - num_cached
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not bm.allocate_slots(seq, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+                seq.metrics.num_cached_tokens = num_cached
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    # --------------------------------------------------------- after a step
+    def update_from_output(self, out: SchedulerOutput) -> list[Sequence]:
+        """Advance counters after the runner executed ``out``.
+
+        Returns the sequences that reached the end of their tokens this step, i.e. those for
+        which the runner sampled a token (appended by the engine afterwards).
+        """
+        ready = []
+        for seq, num_new in out.scheduled:
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+            if seq.num_computed_tokens == seq.num_tokens:
+                ready.append(seq)
+        return ready
+
+    # -------------------------------------------------------------- helpers
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.block_manager.free(seq)
+        seq.status = status
+        seq.metrics.finished_time = time.perf_counter()

@@ -1,0 +1,143 @@
+"""``LLM``: the offline, vLLM-shaped entry point (``generate``, ``chat``, ``stream``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from blendkv.config import EngineConfig
+from blendkv.engine.llm_engine import LLMEngine
+from blendkv.errors import InvalidRequestError
+from blendkv.outputs import RequestOutput
+from blendkv.sampling_params import SamplingParams
+
+Prompt = Any  # str | list[int] | dict (blended prompt, see blendkv.blend)
+Message = dict[str, str]
+
+
+class LLM:
+    """A model plus a paged, continuously batched engine.
+
+    ``LLM()`` serves the embedded SmolLM2-135M-Instruct; ``model`` also takes a local HF
+    directory (config.json + safetensors) or a GGUF file. Every keyword of
+    :class:`~blendkv.config.EngineConfig` is accepted (``dtype``, ``block_size``,
+    ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
+    ``enable_prefix_caching``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        **request_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs in the order of ``prompts``.
+
+        A prompt is a string, a list of token ids, or a blended prompt dict. All requests are
+        validated before any is queued: a bad one raises and nothing runs.
+        """
+        prompts = self._as_list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        request_ids = self._add_all(prompts, params, **request_kwargs)
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(prompts), use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, **request_kwargs: Any
+    ) -> Iterator[RequestOutput]:
+        """Yield a ``RequestOutput`` per new token; ``out.delta_text`` is the new text.
+
+        Other queued requests keep running in the same batches. Closing the iterator early
+        aborts the request.
+        """
+        [request_id] = self._add_all([prompt], [sampling_params], **request_kwargs)
+        done = False
+        try:
+            while not done and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the tokenizer's chat template."""
+        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'}")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # -------------------------------------------------------------- helpers
+    def _add_all(self, prompts, params, **request_kwargs) -> list[str]:
+        engine = self.engine
+        prepared = []
+        for prompt, p in zip(prompts, params, strict=True):
+            prepared.append(engine.prepare_request(prompt, p, **request_kwargs))
+        return [engine.add_prepared(req) for req in prepared]
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]  # a single prompt given as token ids
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        return prompts
+
+    @staticmethod
+    def _params_list(params, n: int) -> list:
+        if params is None or isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
+        return params
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", disable=not enabled, unit="req")
