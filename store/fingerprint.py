@@ -1,0 +1,86 @@
+"""The model fingerprint a store is built for, and its stable serialisation.
+
+K/V computed by one model is garbage for another (other weights, dtype, tokenizer, RoPE
+config or anchor), so a store records the fingerprint of the model that filled it and refuses
+to serve K/V to any other. The engine computes the fingerprint from its model; this module only
+defines the type, its canonical JSON form and its digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys and no whitespace: equal values give equal strings."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Everything that changes a model's per-chunk K/V.
+
+    ``rope`` may be given as a dict (e.g. the HF ``rope_scaling`` plus ``rope_theta``); it is
+    stored as its canonical JSON string so the dataclass stays hashable and stable.
+    ``anchor_token_ids`` are the tokens every chunk was prefilled behind (BOS or system prefix).
+    """
+
+    architecture: str
+    weights_hash: str
+    dtype: str
+    tokenizer_hash: str
+    rope: str
+    anchor_token_ids: tuple[int, ...]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope, dict):
+            object.__setattr__(self, "rope", canonical_json(self.rope))
+        if not isinstance(self.rope, str):
+            raise ValueError(f"rope must be a dict or a JSON string, got {type(self.rope)}")
+        object.__setattr__(self, "anchor_token_ids", tuple(int(t) for t in self.anchor_token_ids))
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("architecture", "weights_hash", "dtype", "tokenizer_hash"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+
+    @property
+    def rope_config(self) -> dict:
+        return json.loads(self.rope)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["anchor_token_ids"] = list(self.anchor_token_ids)
+        return d
+
+    def to_json(self) -> str:
+        return canonical_json(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ModelFingerprint:
+        d = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) != names:
+            raise ValueError(f"fingerprint fields {sorted(d)} != expected {sorted(names)}")
+        return cls(**d)
+
+    def digest(self) -> str:
+        """Stable hex digest (blake2b-128 of the canonical JSON); equal across processes."""
+        return hashlib.blake2b(self.to_json().encode(), digest_size=16).hexdigest()
+
+    def diff(self, other: ModelFingerprint) -> tuple[str, ...]:
+        """Names of the fields whose values differ, in declaration order."""
+        return tuple(
+            f.name
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        )

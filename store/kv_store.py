@@ -1,0 +1,480 @@
+"""Persistent chunk-K/V store over LMDB, with a memory tier in front.
+
+One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) per store. Many
+processes may read while one writes: LMDB serialises write transactions across processes
+(``lock=True``) and readers see only committed transactions. Every chunk write (value,
+metadata, id map, LRU record, document index, counters) is one transaction, so a reader or a
+process killed mid-write never sees half an entry.
+
+Reads never copy more than once: values are read through LMDB's memory map (``buffers=True``)
+and copied straight into the destination tensor (:meth:`KVStore.read_into`) or into a fresh
+tensor (:meth:`KVStore.get`). :meth:`KVStore.reader` gives zero-copy views for the length of a
+read transaction.
+
+One process must not open the same store twice at once (LMDB's locks are per process); the
+store refuses it. A ``KVStore`` object is meant for one thread at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmdb
+import torch
+
+from . import format as fmt
+from . import layout, opening, txn_ops
+from .errors import (
+    CorruptValueError,
+    StoreError,
+    StoreReadOnlyError,
+)
+from .fingerprint import ModelFingerprint
+from .memory_tier import MemoryTier
+from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
+from .verify import verify_txn
+
+logger = logging.getLogger(__name__)
+
+
+def _payload_tensor(buf) -> torch.Tensor:
+    """Zero-copy uint8 tensor over a (read-only) buffer's payload."""
+    with warnings.catch_warnings():
+        # LMDB's map is read-only; torch warns that it cannot make the tensor read-only too.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8, offset=fmt.HEADER_SIZE)
+
+
+class KVStore:
+    """Chunk K/V values plus metadata, content-addressed, LRU-bounded, fingerprint-checked.
+
+    Args:
+        path: store directory (created when missing and ``create`` is true).
+        fingerprint: the model's fingerprint. ``None`` opens an existing store in *inspect*
+            mode: stats, metadata and verify work, K/V is neither served nor written.
+        create: create the store if the directory is missing or empty.
+        readonly: open without write access (implies ``create=False``).
+        max_bytes: capacity in value bytes; least-recently-used chunks are evicted past it.
+        map_size: initial LMDB map size in bytes; it grows automatically when full.
+        memory_tier_bytes: budget of the in-RAM LRU of hot chunks (0 disables it).
+        verify_reads: check each value's checksum when read from LMDB.
+        sync: fsync on commit (off trades durability on power loss, not consistency, for speed).
+        touch_flush_every: LRU touches from reads are batched and written every this many.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        fingerprint: ModelFingerprint | None = None,
+        *,
+        create: bool = True,
+        readonly: bool = False,
+        max_bytes: int | None = None,
+        map_size: int = 1 << 30,
+        memory_tier_bytes: int = 256 << 20,
+        verify_reads: bool = True,
+        sync: bool = True,
+        touch_flush_every: int = 256,
+    ) -> None:
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+        self.path = Path(path)
+        self.readonly = readonly
+        self.max_bytes = max_bytes
+        self.verify_reads = verify_reads
+        self.touch_flush_every = touch_flush_every
+        self.memory_tier = MemoryTier(memory_tier_bytes)
+        self.hits = self.misses = self.corrupt = 0
+        self.lmdb_hits = self.lmdb_misses = 0
+        self._pending_touches: OrderedDict[bytes, float] = OrderedDict()
+        self._env: lmdb.Environment | None = None
+        self._reg_key = None
+        is_new = opening.check_directory(
+            self.path, create=create, readonly=readonly, fingerprint=fingerprint
+        )
+        self._reg_key = opening.register(self.path)
+        try:
+            self._env = opening.open_env(self.path, readonly=readonly, map_size=map_size, sync=sync)
+            self._dbs = opening.open_dbs(self._env, self.path, create=is_new)
+            if is_new:
+                self._write(lambda txn, _: opening.initialise(txn, self._dbs, fingerprint))
+            with self._read() as txn:
+                self.fingerprint = opening.check_format_and_fingerprint(
+                    txn, self._dbs, self.path, fingerprint
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.inspect_only = fingerprint is None
+
+    def close(self) -> None:
+        if self._env is not None:
+            if not self.readonly and self._pending_touches:
+                try:
+                    self._write(lambda txn, counters: None)
+                except StoreError:
+                    logger.warning("could not flush LRU touches of %s", self.path)
+            self._env.close()
+            self._env = None
+        if self._reg_key is not None:
+            opening.unregister(self._reg_key)
+            self._reg_key = None
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- transactions ----------------------------------------------------------------------
+
+    @contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        if self._env is None:
+            raise StoreError("store is closed")
+        try:
+            txn = self._env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            self._env.set_mapsize(0)  # another process grew the map: adopt its size
+            txn = self._env.begin(buffers=True)
+        try:
+            yield txn
+        finally:
+            txn.abort()
+
+    def _write(self, fn):
+        """Run ``fn(txn, counters)`` in one write transaction; grow the map and retry when full.
+
+        ``fn`` must only touch the transaction (it may run more than once); the pending LRU
+        touches are flushed in the same transaction.
+        """
+        if self.readonly:
+            raise StoreReadOnlyError(f"store {self.path} is open read-only")
+        if self._env is None:
+            raise StoreError("store is closed")
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    counters = layout.Counters.read(txn, self._dbs["store"])
+                    self._flush_touches(txn, counters)
+                    result = fn(txn, counters)
+                    counters.write(txn, self._dbs["store"])
+                self._pending_touches.clear()
+                return result
+            except lmdb.MapFullError:
+                new_size = self._env.info()["map_size"] * 2
+                logger.info("LMDB map of %s full; growing to %d bytes", self.path, new_size)
+                self._env.set_mapsize(new_size)
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+
+    def _flush_touches(self, txn, counters: layout.Counters) -> None:
+        for key, when in self._pending_touches.items():
+            txn_ops.touch(txn, self._dbs, counters, key, when)
+
+    def _record_use(self, key: bytes) -> None:
+        if self.readonly:
+            return
+        self._pending_touches[key] = time.time()
+        self._pending_touches.move_to_end(key)
+        if len(self._pending_touches) >= self.touch_flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the batched LRU touches now."""
+        if not self.readonly and self._pending_touches:
+            self._write(lambda txn, counters: None)
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def _check_servable(self) -> None:
+        if self.inspect_only:
+            raise StoreError(f"store {self.path} was opened without a fingerprint (inspect mode)")
+
+    def _check_shape(self, chunk: NewChunk) -> None:
+        fp, kv = self.fingerprint, chunk.kv
+        want = (fp.num_layers, 2, None, fp.num_kv_heads, fp.head_dim)
+        pairs = zip(want, kv.shape, strict=False)
+        if kv.ndim != 5 or any(w is not None and w != s for w, s in pairs):
+            raise ValueError(
+                f"chunk K/V shape {tuple(kv.shape)} does not match [num_layers={fp.num_layers}, "
+                f"2, num_tokens, num_kv_heads={fp.num_kv_heads}, head_dim={fp.head_dim}]"
+            )
+        if chunk.token_ids and len(chunk.token_ids) != kv.shape[2]:
+            raise ValueError(f"{len(chunk.token_ids)} token ids for {kv.shape[2]} K/V tokens")
+
+    def put(self, key: bytes, kv: torch.Tensor, **meta) -> PutResult:
+        """Store one chunk (see :class:`NewChunk` for the metadata keywords)."""
+        return self.put_many([NewChunk(key, kv, **meta)])[0]
+
+    def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
+        """Store chunks in ONE transaction (all or none). Already-stored keys are only touched.
+
+        Evicts least-recently-used chunks (never ones of this batch) past ``max_bytes``.
+        """
+        self._check_servable()
+        encoded = []
+        for chunk in chunks:
+            self._check_shape(chunk)
+            encoded.append(fmt.encode_value(chunk.kv))
+        new_bytes = sum(len(v) for v in encoded)
+        if self.max_bytes is not None and new_bytes > self.max_bytes:
+            raise StoreError(f"batch of {new_bytes} bytes exceeds max_bytes={self.max_bytes}")
+        now = time.time()
+
+        def write(txn, counters):
+            results, batch_keys = [], set()
+            for chunk, value in zip(chunks, encoded, strict=True):
+                batch_keys.add(chunk.key)
+                raw = txn.get(chunk.key, db=self._dbs["chunks"])
+                if raw is not None:
+                    txn_ops.touch(txn, self._dbs, counters, chunk.key, now)
+                    results.append(PutResult(ChunkMeta.from_json(raw).chunk_id, False, ()))
+                    continue
+                cid = txn_ops.insert(txn, self._dbs, counters, chunk, value, now)
+                results.append(PutResult(cid, True, ()))
+            evicted = txn_ops.evict(txn, self._dbs, counters, self.max_bytes, batch_keys)
+            return results, evicted
+
+        results, evicted = self._write(write)
+        for key, _ in evicted:
+            self.memory_tier.discard(key)
+        if evicted:
+            ids = tuple(cid for _, cid in evicted)
+            results = [r._replace(evicted=ids) if i == 0 else r for i, r in enumerate(results)]
+        return results
+
+    def delete(self, keys: Sequence[bytes]) -> list[int]:
+        """Delete chunks by key in one transaction; returns the chunk ids that existed."""
+        for key in keys:
+            self.memory_tier.discard(key)
+
+        def delete(txn, counters):
+            return [txn_ops.delete(txn, self._dbs, counters, bytes(k)) for k in keys]
+
+        found = self._write(delete)
+        return [cid for cid in found if cid is not None]
+
+    def delete_document(self, doc_id: str) -> list[int]:
+        """Delete every chunk of ``doc_id``; returns their chunk ids."""
+        return self.delete([meta.key for meta in self.document_chunks(doc_id)])
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def _checked_header(self, txn, key: bytes, buf) -> fmt.ValueHeader | None:
+        try:
+            return fmt.check_value(buf, verify_checksum=self.verify_reads)
+        except CorruptValueError as e:
+            self.corrupt += 1
+            self.misses += 1
+            logger.warning("corrupt value for chunk %s in %s: %s", key.hex(), self.path, e)
+            return None
+
+    def _on_corrupt(self, key: bytes) -> None:
+        # Drop the entry so that a write-back can store a good copy (a miss is recomputed).
+        if not self.readonly:
+            self.delete([key])
+
+    def get(self, key: bytes) -> ChunkKV | None:
+        """The chunk's K/V, or None on a miss or a corrupt value.
+
+        The tensor owns its memory (it is not tied to any LMDB transaction) but may be shared
+        with the memory tier: treat it as read-only.
+        """
+        self._check_servable()
+        tensor = self.memory_tier.get(key) if self.memory_tier.max_bytes else None
+        if tensor is None:
+            tensor = self._load(key, None)
+            if tensor is None:
+                return None
+            self.memory_tier.put(key, tensor)
+        self.hits += 1
+        self._record_use(key)
+        return ChunkKV(key, tensor)
+
+    def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = False) -> bool:
+        """Copy the chunk's K/V straight from the memory map into ``out`` (any device).
+
+        ``out`` must have the stored shape and dtype. Returns False on a miss or corrupt value
+        (``out`` may then hold partial data). ``admit`` also keeps a copy in the memory tier.
+        """
+        self._check_servable()
+        tensor = self.memory_tier.get(key) if self.memory_tier.max_bytes else None
+        if tensor is not None:
+            if tensor.shape != out.shape or tensor.dtype != out.dtype:
+                raise ValueError(
+                    f"out is {out.dtype}{tuple(out.shape)}, stored {tensor.dtype}"
+                    f"{tuple(tensor.shape)}"
+                )
+            out.copy_(tensor)
+        else:
+            if self._load(key, out) is None:
+                return False
+            if admit and self.memory_tier.max_bytes:
+                self.memory_tier.put(key, out.detach().to("cpu", copy=True))
+        self.hits += 1
+        self._record_use(key)
+        return True
+
+    def _load(self, key: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Read from LMDB into ``out`` (or a new tensor); None on miss/corruption."""
+        corrupt = False
+        with self._read() as txn:
+            buf = txn.get(key, db=self._dbs["values"])
+            if buf is None:
+                self.misses += 1
+                self.lmdb_misses += 1
+                return None
+            header = self._checked_header(txn, key, buf)
+            if header is None:
+                corrupt = True
+            else:
+                if out is None:
+                    out = torch.empty(header.shape, dtype=header.dtype)
+                elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
+                    raise ValueError(
+                        f"out is {out.dtype}{tuple(out.shape)}, stored {header.dtype}{header.shape}"
+                    )
+                src = _payload_tensor(buf)
+                if out.is_contiguous():
+                    out.view(-1).view(torch.uint8).copy_(src)
+                else:
+                    out.copy_(src.view(header.dtype).view(header.shape))
+        if corrupt:
+            self._on_corrupt(key)
+            return None
+        self.lmdb_hits += 1
+        return out
+
+    @contextmanager
+    def reader(self) -> Iterator[_Reader]:
+        """A read transaction whose :meth:`_Reader.view` returns zero-copy tensors.
+
+        The views point into LMDB's read-only memory map: they are valid only inside the
+        ``with`` block and must never be written (writing faults the process).
+        """
+        self._check_servable()
+        with self._read() as txn:
+            yield _Reader(self, txn)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._read() as txn:
+            return txn.get(key, db=self._dbs["chunks"]) is not None
+
+    def __len__(self) -> int:
+        with self._read() as txn:
+            return txn.stat(self._dbs["chunks"])["entries"]
+
+    # ---- metadata --------------------------------------------------------------------------
+
+    def _meta(self, txn, key: bytes) -> ChunkMeta | None:
+        raw = txn.get(key, db=self._dbs["chunks"])
+        if raw is None:
+            return None
+        usage = txn.get(key, db=self._dbs["usage"])
+        return ChunkMeta.from_json(raw, layout.unpack_usage(usage)[1] if usage else 0.0)
+
+    def get_meta(self, key: bytes) -> ChunkMeta | None:
+        with self._read() as txn:
+            return self._meta(txn, key)
+
+    def key_for_id(self, chunk_id: int) -> bytes | None:
+        with self._read() as txn:
+            key = txn.get(layout.be64(chunk_id), db=self._dbs["ids"])
+            return bytes(key) if key is not None else None
+
+    def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
+        with self._read() as txn:
+            key = txn.get(layout.be64(chunk_id), db=self._dbs["ids"])
+            return self._meta(txn, bytes(key)) if key is not None else None
+
+    def chunk_ids(self) -> list[int]:
+        with self._read() as txn:
+            return [layout.from_be64(k) for k, _ in txn.cursor(db=self._dbs["ids"])]
+
+    def iter_meta(self) -> Iterator[ChunkMeta]:
+        with self._read() as txn:
+            for key, _ in txn.cursor(db=self._dbs["chunks"]):
+                yield self._meta(txn, bytes(key))
+
+    def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
+        """Metadata of every chunk of ``doc_id``, ordered by position."""
+        prefix = layout.doc_prefix(doc_id)
+        metas = []
+        with self._read() as txn:
+            cursor = txn.cursor(db=self._dbs["docs"])
+            if cursor.set_range(prefix):
+                for entry, key in cursor:
+                    if not bytes(entry).startswith(prefix):
+                        break
+                    metas.append(self._meta(txn, bytes(key)))
+        return sorted((m for m in metas if m is not None), key=lambda m: m.position)
+
+    def lru_keys(self) -> list[bytes]:
+        """Keys from least to most recently used (flushes pending touches first)."""
+        self.flush()
+        with self._read() as txn:
+            return [bytes(k) for _, k in txn.cursor(db=self._dbs["lru"])]
+
+    # ---- health ----------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        with self._read() as txn:
+            counters = layout.Counters.read(txn, self._dbs["store"])
+            entries = txn.stat(self._dbs["chunks"])["entries"]
+        info, stat = self._env.info(), self._env.stat()
+        tier = self.memory_tier
+        return StoreStats(
+            entries=entries,
+            bytes=counters.total_bytes,
+            max_bytes=self.max_bytes,
+            map_size=info["map_size"],
+            map_used=(info["last_pgno"] + 1) * stat["psize"],
+            evictions=counters.evictions,
+            hits=self.hits,
+            misses=self.misses,
+            corrupt=self.corrupt,
+            memory_hits=tier.hits,
+            memory_misses=tier.misses,
+            memory_evictions=tier.evictions,
+            memory_entries=len(tier),
+            memory_bytes=tier.nbytes,
+            lmdb_hits=self.lmdb_hits,
+            lmdb_misses=self.lmdb_misses,
+        )
+
+    def verify(self) -> VerifyReport:
+        """Re-check every value's header and checksum and the cross-database consistency."""
+        report = VerifyReport()
+        with self._read() as txn:
+            verify_txn(txn, self._dbs, report)
+        return report
+
+
+class _Reader:
+    """Zero-copy access inside one read transaction (see :meth:`KVStore.reader`)."""
+
+    def __init__(self, store: KVStore, txn) -> None:
+        self._store, self._txn = store, txn
+
+    def view(self, key: bytes) -> ChunkKV | None:
+        store = self._store
+        buf = self._txn.get(key, db=store._dbs["values"])
+        if buf is None:
+            store.misses += 1
+            store.lmdb_misses += 1
+            return None
+        header = store._checked_header(self._txn, key, buf)
+        if header is None:
+            return None
+        store.hits += 1
+        store.lmdb_hits += 1
+        tensor = _payload_tensor(buf).view(header.dtype).view(header.shape)
+        return ChunkKV(key, tensor)

@@ -1,0 +1,84 @@
+"""A bounded in-RAM LRU of hot chunk K/V, in front of LMDB.
+
+Values are content-addressed, so an entry can never be stale in content; it can at most outlive
+its LMDB entry (evicted by another process), which is harmless. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+
+class MemoryTier:
+    """LRU cache ``key -> tensor`` bounded by ``max_bytes`` of tensor data.
+
+    Tensors handed in are kept as they are (not copied); callers must treat tensors returned
+    by :meth:`get` as read-only.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def keys(self) -> list[bytes]:
+        """Keys from least to most recently used."""
+        with self._lock:
+            return list(self._entries)
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        with self._lock:
+            tensor = self._entries.get(key)
+            if tensor is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return tensor
+
+    def put(self, key: bytes, tensor: torch.Tensor) -> bool:
+        """Admit ``tensor``; returns False if it is larger than the whole budget."""
+        size = tensor.numel() * tensor.element_size()
+        if size > self.max_bytes:
+            return False
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.numel() * old.element_size()
+            while self._entries and self._bytes + size > self.max_bytes:
+                _, victim = self._entries.popitem(last=False)
+                self._bytes -= victim.numel() * victim.element_size()
+                self.evictions += 1
+            self._entries[key] = tensor
+            self._bytes += size
+            return True
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.numel() * old.element_size()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0

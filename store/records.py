@@ -1,0 +1,165 @@
+"""Plain result types of the store: chunk K/V, chunk metadata, stats and verify reports."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkKV:
+    """K (pre-RoPE) and V of one chunk for all layers.
+
+    ``kv`` has shape ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``; index 0 of dim 1
+    is K, index 1 is V.
+    """
+
+    key: bytes
+    kv: torch.Tensor
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[2]
+
+
+@dataclass(frozen=True)
+class NewChunk:
+    """One chunk to write: its key, its K/V tensor and the metadata kept beside it."""
+
+    key: bytes
+    kv: torch.Tensor
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    doc_id: str | None = None
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        if self.doc_id is not None and "\x00" in self.doc_id:
+            raise ValueError("doc_id must not contain NUL")
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """Metadata of a stored chunk, kept as JSON in its own LMDB database.
+
+    ``position`` is the chunk's index within its source document; times are Unix seconds.
+    """
+
+    chunk_id: int
+    key: bytes
+    text: str
+    token_ids: tuple[int, ...]
+    doc_id: str | None
+    position: int
+    num_tokens: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    created: float
+    last_used: float = 0.0
+
+    def to_json(self) -> bytes:
+        d = {
+            "chunk_id": self.chunk_id,
+            "key": self.key.hex(),
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "doc_id": self.doc_id,
+            "position": self.position,
+            "num_tokens": self.num_tokens,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "created": self.created,
+        }
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | memoryview, last_used: float = 0.0) -> ChunkMeta:
+        d = json.loads(bytes(raw))
+        return cls(
+            chunk_id=int(d["chunk_id"]),
+            key=bytes.fromhex(d["key"]),
+            text=d["text"],
+            token_ids=tuple(d["token_ids"]),
+            doc_id=d["doc_id"],
+            position=int(d["position"]),
+            num_tokens=int(d["num_tokens"]),
+            nbytes=int(d["nbytes"]),
+            dtype=d["dtype"],
+            shape=tuple(d["shape"]),
+            created=float(d["created"]),
+            last_used=last_used,
+        )
+
+
+class PutResult(NamedTuple):
+    """Outcome of writing one chunk; ``evicted`` lists chunk ids the write pushed out (LRU)."""
+
+    chunk_id: int
+    inserted: bool  # False: the key was already stored (content-addressed, nothing rewritten)
+    evicted: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters of one store. Entries, bytes and evictions are store-wide (persisted);
+    hits/misses/corrupt and the memory-tier numbers count this process only."""
+
+    entries: int
+    bytes: int
+    max_bytes: int | None
+    map_size: int
+    map_used: int
+    evictions: int
+    hits: int
+    misses: int
+    corrupt: int
+    memory_hits: int
+    memory_misses: int
+    memory_evictions: int
+    memory_entries: int
+    memory_bytes: int
+    lmdb_hits: int
+    lmdb_misses: int
+
+
+class VerifyProblem(NamedTuple):
+    kind: str  # e.g. "corrupt_value", "missing_value", "id_mismatch", "bytes_mismatch"
+    subject: str  # key hex, chunk id or db name
+    detail: str
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`KVStore.verify` found; ``ok`` is True when ``problems`` is empty."""
+
+    entries: int = 0
+    bytes: int = 0
+    problems: list[VerifyProblem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, kind: str, subject: object, detail: str) -> None:
+        self.problems.append(VerifyProblem(kind, str(subject), detail))
+
+    def __str__(self) -> str:
+        head = f"{self.entries} entries, {self.bytes} bytes: "
+        if self.ok:
+            return head + "OK"
+        lines = [f"  {p.kind} {p.subject}: {p.detail}" for p in self.problems]
+        return head + f"{len(self.problems)} problem(s)\n" + "\n".join(lines)
