@@ -1,0 +1,174 @@
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``.
+
+A ``SamplingParams`` is frozen: the engine reads it and never mutates it. Every field is validated
+in ``__post_init__``; a bad value raises :class:`~blendkv.errors.InvalidSamplingParamsError`
+naming the parameter, the value and the allowed range. Two fields are normalised on the way in:
+``stop`` becomes a ``list[str]`` and ``stop_token_ids`` a ``list[int]`` (both empty when None),
+and ``top_k=-1`` becomes ``0`` (both mean "disabled").
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+
+from blendkv.errors import InvalidSamplingParamsError
+
+# Temperatures below this are treated as greedy: dividing logits by them overflows float32.
+_SAMPLING_EPS = 1e-5
+# Upper bound on ``logprobs`` (the number of top alternatives returned per token), as in vLLM.
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _bad(name: str, value: object, allowed: str) -> InvalidSamplingParamsError:
+    return InvalidSamplingParamsError(f"SamplingParams.{name} must be {allowed}; got {value!r}")
+
+
+def _check_float(name: str, value: object, allowed: str, ok) -> float:
+    # bool is an int subclass; True where a number is expected is almost always a bug.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _bad(name, value, allowed)
+    value = float(value)
+    if not math.isfinite(value) or not ok(value):
+        raise _bad(name, value, allowed)
+    return value
+
+
+def _check_int(name: str, value: object, allowed: str, ok) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _bad(name, value, allowed)
+    value = int(value)
+    if not ok(value):
+        raise _bad(name, value, allowed)
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(name, value, "a bool (True or False)")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick output tokens and when to stop.
+
+    temperature: 0 (or below 1e-5) means greedy (argmax); otherwise logits are divided by it.
+    top_p: nucleus sampling; keep the smallest set of tokens whose probability sums to >= top_p.
+    top_k: keep the k most likely tokens; 0 or -1 disables.
+    min_p: drop tokens whose probability is below ``min_p`` times the top token's probability.
+    seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
+    max_tokens: cap on output tokens; None means "until max_model_len".
+    min_tokens: EOS, stop token ids and stop strings are ignored until this many tokens exist.
+    stop: stop strings; the output text ends before the first one (after it with
+        ``include_stop_str_in_output``).
+    stop_token_ids: token ids that end the request like EOS (but also under ``ignore_eos``).
+    ignore_eos: keep generating after the EOS token.
+    logprobs: None returns no logprobs; n >= 0 returns the chosen token's logprob and the n most
+        likely tokens' logprobs, all from the unmodified model distribution.
+    include_stop_str_in_output: keep the matched stop string (or stop token text) in the text.
+    skip_special_tokens: leave special tokens out of the detokenized text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Frozen dataclass: normalised values are written with object.__setattr__.
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put(
+            "temperature",
+            _check_float("temperature", self.temperature, "a finite float >= 0", lambda v: v >= 0),
+        )
+        put("top_p", _check_float("top_p", self.top_p, "a float in (0, 1]", lambda v: 0 < v <= 1))
+        top_k = _check_int("top_k", self.top_k, "an int >= -1 (0 or -1 disable)", lambda v: v >= -1)
+        put("top_k", max(top_k, 0))
+        put("min_p", _check_float("min_p", self.min_p, "a float in [0, 1]", lambda v: 0 <= v <= 1))
+        if self.seed is not None:
+            put(
+                "seed",
+                _check_int(
+                    "seed", self.seed, "None or an int in [-2**63, 2**64)",
+                    lambda v: _SEED_MIN <= v <= _SEED_MAX,
+                ),
+            )  # fmt: skip
+        if self.max_tokens is not None:
+            put(
+                "max_tokens",
+                _check_int("max_tokens", self.max_tokens, "None or an int >= 1", lambda v: v >= 1),
+            )
+        put(
+            "min_tokens", _check_int("min_tokens", self.min_tokens, "an int >= 0", lambda v: v >= 0)
+        )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        put("stop", self._normalise_stop(self.stop))
+        put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        if self.logprobs is not None:
+            put(
+                "logprobs",
+                _check_int(
+                    "logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]",
+                    lambda v: 0 <= v <= MAX_LOGPROBS,
+                ),
+            )  # fmt: skip
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        allowed = "None, a non-empty str or a list of non-empty str"
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise _bad("stop", stop, allowed)
+        for s in items:
+            if not isinstance(s, str) or not s:
+                raise _bad("stop", stop, allowed)
+        return list(items)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        allowed = "None or a list of ints >= 0"
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise _bad("stop_token_ids", ids, allowed)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+                raise _bad("stop_token_ids", ids, allowed)
+        return [int(i) for i in ids]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED

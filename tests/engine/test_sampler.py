@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blendkv.engine.sampler import Sampler, SamplerOutput, _filtered_sorted_probs
+from blendkv.sampling_params import SamplingParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def gen(seed: int, device: str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample(logits, params, generators=None):
+    if generators is None:
+        generators = [None] * len(params)
+    return Sampler().sample(logits, params, generators)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(device, dtype):
+    logits = torch.randn(7, 50, generator=gen(0)).to(device=device, dtype=dtype)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # tie -> lowest id
+    out = sample(logits, [SamplingParams(temperature=0)] * 7)
+    assert isinstance(out, SamplerOutput)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.token_ids[3] == 10
+    assert out.logprobs == [None] * 7 and out.top_logprobs == [None] * 7
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_1_is_greedy_for_any_temperature(device):
+    logits = torch.randn(6, 300, generator=gen(1)).to(device)
+    logits[2, 5] = logits[2, 250] = logits[2].max() + 0.5
+    for temperature in (0.01, 0.7, 1.0, 10.0, 1000.0):
+        params = [SamplingParams(temperature=temperature, top_k=1, seed=i) for i in range(6)]
+        gens = [gen(i, device) for i in range(6)]
+        assert sample(logits, params, gens).token_ids == logits.argmax(-1).tolist()
+
+
+def test_tiny_top_p_is_argmax():
+    logits = torch.randn(5, 100, generator=gen(2))
+    params = [SamplingParams(temperature=2.0, top_p=1e-6)] * 5
+    for _ in range(3):
+        assert sample(logits, params).token_ids == logits.argmax(-1).tolist()
+
+
+PROBS = torch.tensor([0.05, 0.5, 0.1, 0.2, 0.15])  # sorted: 1, 3, 4, 2, 0
+
+
+def support(params: SamplingParams, logits: torch.Tensor | None = None) -> set[int]:
+    logits = PROBS.log() if logits is None else logits
+    probs, order = _filtered_sorted_probs(logits.unsqueeze(0), [params])
+    return set(order[0][probs[0] > 0].tolist())
+
+
+def test_filters_exact_on_hand_built_distribution():
+    assert support(SamplingParams()) == {0, 1, 2, 3, 4}
+    # min-p 0.25: threshold 0.125 keeps 0.5, 0.2, 0.15; min-p 0.35: 0.175 keeps 0.5, 0.2.
+    assert support(SamplingParams(min_p=0.25)) == {1, 3, 4}
+    assert support(SamplingParams(min_p=0.35)) == {1, 3}
+    assert support(SamplingParams(min_p=1.0)) == {1}
+    assert support(SamplingParams(min_p=0.15)) == {1, 2, 3, 4}
+    # top-p: cumulative 0.5, 0.7, 0.85, 0.95, 1.0 -> smallest prefix reaching p.
+    assert support(SamplingParams(top_p=0.5)) == {1}
+    assert support(SamplingParams(top_p=0.6)) == {1, 3}
+    assert support(SamplingParams(top_p=0.8)) == {1, 3, 4}
+    assert support(SamplingParams(top_p=0.9)) == {1, 2, 3, 4}
+    assert support(SamplingParams(top_k=2)) == {1, 3}
+    assert support(SamplingParams(top_k=100)) == {0, 1, 2, 3, 4}
+    # top-p applies to the top-k renormalised distribution: 0.5/0.85 = 0.59 < 0.7.
+    assert support(SamplingParams(top_k=3, top_p=0.7)) == {1, 3}
+    # Ties at the top-k boundary keep the lowest ids.
+    assert support(SamplingParams(top_k=2), torch.tensor([1.0, 2.0, 2.0, 2.0])) == {1, 2}
+
+
+def test_filters_vectorised_per_row():
+    params = [SamplingParams(min_p=0.25), SamplingParams(top_p=0.6), SamplingParams(top_k=1)]
+    probs, order = _filtered_sorted_probs(PROBS.log().expand(3, 5), params)
+    got = [set(order[i][probs[i] > 0].tolist()) for i in range(3)]
+    assert got == [{1, 3, 4}, {1, 3}, {1}]
+
+
+def test_min_p_sampling_stays_in_support_with_right_frequencies():
+    params = [SamplingParams(min_p=0.25)] * 4000
+    out = sample(PROBS.log().expand(4000, 5), params, [gen(3)] * 4000)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=5).float()
+    assert counts[0] == 0 and counts[2] == 0
+    expected = torch.tensor([0, 0.5, 0, 0.2, 0.15]) / 0.85 * 4000
+    assert torch.allclose(counts, expected, atol=4000 * 0.03)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_sampling_reproducible_and_independent_of_batch(device):
+    vocab = 1000
+    target = torch.randn(vocab, generator=gen(4)).to(device)
+    params = SamplingParams(temperature=1.3, top_p=0.95, top_k=500, seed=1234)
+
+    def run(batch_size: int, position: int, other_seed: int) -> list[int]:
+        others = torch.randn(batch_size, vocab, generator=gen(other_seed)).to(device)
+        logits = others.clone()
+        logits[position] = target
+        all_params = [
+            SamplingParams(temperature=0.9, seed=other_seed + i) for i in range(batch_size)
+        ]
+        all_params[position] = params
+        gens = [gen(other_seed + i, device) for i in range(batch_size)]
+        gens[position] = gen(params.seed, device)
+        tokens = []
+        for _ in range(20):  # 20 decode steps, the generator carries its state across steps
+            tokens.append(sample(logits, all_params, gens).token_ids[position])
+        return tokens
+
+    alone = run(1, 0, 10)
+    assert len(set(alone)) > 1  # really random
+    assert run(5, 3, 11) == alone
+    assert run(8, 7, 12) == alone
+    assert run(3, 0, 13) == alone
+
+
+def test_temperature_sampling_matches_softmax():
+    logits = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0, -1.5])
+    temperature = 0.7
+    n = 20000
+    out = sample(logits.expand(n, 6), [SamplingParams(temperature=temperature)] * n, [gen(5)] * n)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=6).double()
+    expected = torch.softmax(logits.double() / temperature, -1) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001
+    # The test can fail: the untempered distribution is far off.
+    wrong = torch.softmax(logits.double(), -1) * n
+    assert float(((counts - wrong) ** 2 / wrong).sum()) > 100
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax(device):
+    logits = torch.randn(4, 64, generator=gen(6)).to(device)
+    params = [
+        SamplingParams(temperature=0.5, top_k=3, logprobs=5),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0, logprobs=20),
+    ]
+    out = sample(logits, params, [gen(i, device) for i in range(4)])
+    expected = torch.log_softmax(logits.float(), -1).cpu()
+    for i in (0, 1, 3):
+        assert out.logprobs[i] == pytest.approx(float(expected[i, out.token_ids[i]]), abs=1e-5)
+    assert out.logprobs[2] is None and out.top_logprobs[2] is None
+    assert out.top_logprobs[1] == []
+    for i, n in ((0, 5), (3, 20)):
+        top = out.top_logprobs[i]
+        assert len(top) == n
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True)
+        ref_values, ref_ids = expected[i].topk(n)
+        assert [t for t, _ in top] == ref_ids.tolist()
+        assert values == pytest.approx(ref_values.tolist(), abs=1e-5)
+    # Greedy with logprobs: the chosen token is the top one.
+    assert out.top_logprobs[3][0][0] == out.token_ids[3]
+
+
+def test_random_rows_never_pick_filtered_or_masked_tokens():
+    logits = torch.randn(64, 200, generator=gen(7))
+    logits[:, 100:] = float("-inf")  # e.g. padded vocabulary
+    params = [SamplingParams(temperature=1.5, top_k=10)] * 64
+    out = sample(logits, params, [gen(i) for i in range(64)])
+    top10 = logits.topk(10, -1).indices
+    for i, t in enumerate(out.token_ids):
+        assert t in top10[i].tolist()
