@@ -50,6 +50,31 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(bits(a), bits(b))
 
 
+NUM_CONCURRENT = 48
+
+
+def reader_main(path: str, readonly: bool, stop_at: float, ready, results) -> None:
+    """Read chunks in a loop while another process writes; report (exact, none, bad) counts."""
+    seen = bad = none = 0
+    with KVStore(path, make_fingerprint(), readonly=readonly, memory_tier_bytes=0) as s:
+        ready.put(True)
+        i = 0
+        while time.time() < stop_at and seen < NUM_CONCURRENT:
+            i = (i * 7 + 3) % NUM_CONCURRENT
+            out = torch.empty(2, 2, 512, 2, 4, dtype=torch.bfloat16)
+            got = s.get(key_of(i))
+            if got is None:
+                none += 1
+            elif same_bits(got.kv, make_kv(i, 512)):
+                if s.read_into(key_of(i), out) and same_bits(out, got.kv):
+                    seen += 1
+                else:
+                    bad += 1
+            else:
+                bad += 1
+    results.put((seen, none, bad))
+
+
 def _writer_main(path: str, num_batches: int, batch: int, num_tokens: int) -> None:
     """Write batches forever-ish, announcing each commit on stdout (killed by the test)."""
     store = KVStore(path, make_fingerprint(), map_size=1 << 20)
