@@ -1,8 +1,8 @@
 """blendkv: a RAG serving engine that reuses stored document K/V caches (CacheBlend-style).
 
-    from blendkv import LLM, SamplingParams
-    llm = LLM()                      # embedded SmolLM2-135M-Instruct
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+from blendkv import LLM, SamplingParams
+llm = LLM()                      # embedded SmolLM2-135M-Instruct
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 _ROOT_HASH = 0
 
 
-def hash_block_tokens(parent_hash: int, token_ids: list[int] | tuple[int, ...], salt: bytes = b"") -> int:
+def hash_block_tokens(
+    parent_hash: int, token_ids: list[int] | tuple[int, ...], salt: bytes = b""
+) -> int:
     """Stable 128-bit hash of one full block given the hash of the block before it."""
     h = xxhash.xxh3_128()
     h.update(parent_hash.to_bytes(16, "little"))
@@ -164,7 +166,9 @@ class BlockManager:
         parent = hashes[-1] if hashes else _ROOT_HASH
         for index in range(len(hashes), num_full):
             start = index * self.block_size
-            parent = hash_block_tokens(parent, tokens[start : start + self.block_size], seq.cache_salt)
+            parent = hash_block_tokens(
+                parent, tokens[start : start + self.block_size], seq.cache_salt
+            )
             hashes.append(parent)
             block_id = seq.block_table[index]
             if self.block_hash[block_id] is None and parent not in self.hash_to_block:

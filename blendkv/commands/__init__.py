@@ -1,0 +1,1 @@
+"""Subcommands of the ``blendkv`` CLI, one module each with a ``register(subparsers)``."""

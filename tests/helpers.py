@@ -1,0 +1,83 @@
+"""Test helpers: tiny random checkpoints with a real byte-level BPE tokenizer on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join while others decode.",
+    "CacheBlend recomputes a few tokens to restore cross-attention.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Emoji 😀 and café and 東京 test multi-byte characters.",
+]
+
+
+def make_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
+    )
+
+
+def make_tiny_model_dir(path: Path, arch: str = "llama", **overrides) -> Path:
+    """Save a random-weight ``arch`` ("llama" or "qwen2") model plus tokenizer to ``path``."""
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = cfg_cls(**{**TINY, **overrides})
+    torch.manual_seed(0)
+    model = model_cls(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # peaky logits: greedy ties between implementations stay unlikely
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    model.save_pretrained(path, safe_serialization=True)
+    tok = make_tokenizer(config.vocab_size)
+    assert len(tok) <= config.vocab_size
+    tok.save_pretrained(path)
+    return path
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
