@@ -160,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors into parameters by name (cast to each parameter's dtype).
 
         Raises ModelLoadError naming unexpected, shape-mismatched or missing keys. With tied
-        embeddings a stored ``lm_head.weight`` is ignored (it is the embedding matrix).
+        embeddings a stored ``lm_head.weight`` is ignored (it is the embedding matrix). A model
+        built on the ``meta`` device gets the checkpoint tensors themselves (no second copy).
         """
         params = dict(self.named_parameters())  # tied lm_head is de-duplicated away
         loaded: set[str] = set()
@@ -179,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
                     f"{name}: checkpoint {tuple(tensor.shape)} != model {tuple(param.shape)}"
                 )
             else:
-                param.copy_(tensor)
+                self._set_param(name, param, tensor)
                 loaded.add(name)
+        self.tie_weights()
         missing = sorted(set(params) - loaded)
         problems = []
         if unexpected:
@@ -194,6 +196,14 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint does not match {type(self).__name__} "
                 f"({self.config.num_hidden_layers} layers): " + "; ".join(problems)
             )
+
+    def _set_param(self, name: str, param: nn.Parameter, tensor: torch.Tensor) -> None:
+        if not param.is_meta:
+            param.copy_(tensor)
+            return
+        module_name, _, attr = name.rpartition(".")
+        tensor = tensor.to(param.dtype)
+        setattr(self.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
 
 
 def _head(names: list[str], n: int = 5) -> str:

@@ -7,8 +7,8 @@ Accepted model specs (no network, ever):
     path/to/hf_dir          a directory with config.json + *.safetensors -> used in place
 
 A GGUF file is de-quantised by transformers (~30 s) and saved as float32 safetensors plus
-tokenizer files under ``<cache_dir>/models/<name>-<content hash>``; later resolves find that
-directory and take no conversion time. The directory appears atomically (written to a temp
+tokenizer files under ``<cache_dir>/models/<gguf file stem>-<content hash>``; later resolves
+find that directory and take no conversion time. The directory appears atomically (written to a temp
 directory, then renamed), and a file lock keeps two processes from converting at once.
 
 Cache dir: the ``cache_dir`` argument, else ``$BLENDKV_CACHE``, else ``~/.cache/blendkv``.
@@ -123,7 +123,9 @@ def gguf_content_hash(path: Path) -> str:
 
 def _resolve_gguf(gguf: Path, cache_dir: Path, name: str) -> ResolvedModel:
     models_dir = cache_dir / "models"
-    target = models_dir / f"{name}-{gguf_content_hash(gguf)}"
+    # Keyed by the file, not the display name: the embedded model and a path to the same GGUF
+    # share one conversion.
+    target = models_dir / f"{gguf.stem}-{gguf_content_hash(gguf)}"
     if not (target / CONVERTED_MARKER).is_file():
         models_dir.mkdir(parents=True, exist_ok=True)
         with _file_lock(models_dir / f".{target.name}.lock"):
@@ -211,9 +213,8 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype, attn_backend) -> nn.
     config = load_config(resolved)
     model_cls = get_model_class(config)
     with torch.device("meta"):
-        model = model_cls(config, attn_backend)
-    model = model.to(dtype).to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives each module its own new tensor, breaking the tie
+        model = model_cls(config, attn_backend).to(dtype)
+    # Meta parameters are replaced by the checkpoint tensors (cast to dtype) as they stream in.
     model.load_weights(iter_safetensors(resolved.model_dir))
     return model.eval()
 

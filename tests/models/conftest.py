@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from blendkv.kernels.attention import AttentionMetadata
 
 

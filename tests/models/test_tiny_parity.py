@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from blendkv.kernels.torch_attention import TorchAttentionBackend
 
+from blendkv.kernels.torch_attention import TorchAttentionBackend
 from blendkv.models.loader import load_model, resolve_model
 
 ATOL = 1e-5
@@ -39,10 +39,17 @@ CONFIGS = {
     "llama3-rope": lambda: transformers.LlamaConfig(
         **COMMON, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE
     ),
+    "mistral": lambda: transformers.MistralConfig(
+        **COMMON, tie_word_embeddings=False, sliding_window=None
+    ),
     "qwen2-untied": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False),
     "qwen2-tied": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
 }
-HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}
+HF_CLASSES = {
+    "llama": transformers.LlamaForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+}
 
 
 def _randomize(model: torch.nn.Module) -> None:
