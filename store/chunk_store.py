@@ -1,0 +1,132 @@
+"""The store facade: K/V store and FAISS index kept in step.
+
+Adds write the K/V (one LMDB transaction) and then index the new chunks; evictions and
+removals delete from both. The index file lives beside the LMDB files
+(``<store>/chunks.faiss``). If a process dies between the two steps, the next writable open
+re-syncs the index from the store (:meth:`ChunkStore.sync_index`): ids the store lacks are
+dropped, chunks the index lacks are re-embedded from their stored text.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .embedding import Embedder, MiniLMEmbedder
+from .fingerprint import ModelFingerprint
+from .index import ChunkIndex
+from .kv_store import KVStore
+from .records import ChunkMeta, NewChunk, PutResult, VerifyReport
+
+INDEX_FILE = "chunks.faiss"
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    chunk_id: int
+    score: float
+    meta: ChunkMeta
+
+
+class ChunkStore:
+    """Chunk K/V (:attr:`kv`) plus their embedding index (:attr:`index`).
+
+    ``store_kwargs`` go to :class:`KVStore` (``max_bytes``, ``memory_tier_bytes``, ...).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        fingerprint: ModelFingerprint | None = None,
+        embedder: Embedder | None = None,
+        *,
+        index_kind: str = "flat",
+        readonly: bool = False,
+        **store_kwargs,
+    ) -> None:
+        self.embedder = embedder if embedder is not None else MiniLMEmbedder()
+        self.kv = KVStore(path, fingerprint, readonly=readonly, **store_kwargs)
+        self.index_path = self.kv.path / INDEX_FILE
+        try:
+            if self.index_path.exists():
+                self.index = ChunkIndex.load(self.index_path, self.embedder.name, self.embedder.dim)
+            else:
+                self.index = ChunkIndex(self.embedder.dim, self.embedder.name, index_kind)
+            if not readonly and not self.kv.inspect_only:
+                self.sync_index()
+        except BaseException:
+            self.kv.close()
+            raise
+
+    def close(self) -> None:
+        self.kv.close()
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def save_index(self) -> None:
+        self.index.save(self.index_path)
+
+    def add_chunks(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
+        """Store chunks (one transaction) and index the new ones; returns per-chunk results."""
+        results = self.kv.put_many(chunks)
+        new = [(c, r.chunk_id) for c, r in zip(chunks, results, strict=True) if r.inserted]
+        evicted = [cid for r in results for cid in r.evicted]
+        if evicted:
+            self.index.remove(evicted)
+        if new:
+            vectors = self.embedder.embed([c.text for c, _ in new])
+            self.index.add([cid for _, cid in new], vectors)
+        if new or evicted:
+            self.save_index()
+        return results
+
+    def remove_document(self, doc_id: str) -> list[int]:
+        """Delete every chunk of ``doc_id`` from store and index; returns their chunk ids."""
+        removed = self.kv.delete_document(doc_id)
+        if removed:
+            self.index.remove(removed)
+            self.save_index()
+        return removed
+
+    def search(self, text: str, k: int = 5) -> list[SearchHit]:
+        """The ``k`` stored chunks most similar to ``text``, best first."""
+        query = self.embedder.embed([text])[0]
+        hits = []
+        for cid, score in self.index.search(query, k):
+            meta = self.kv.meta_for_id(cid)
+            if meta is not None:  # evicted by another process since: skip
+                hits.append(SearchHit(cid, score, meta))
+        return hits
+
+    def sync_index(self) -> tuple[int, int]:
+        """Make the index hold exactly the store's chunk ids; returns (removed, added)."""
+        store_ids = set(self.kv.chunk_ids())
+        index_ids = set(self.index.ids().tolist())
+        stale = sorted(index_ids - store_ids)
+        missing = sorted(store_ids - index_ids)
+        if stale:
+            self.index.remove(stale)
+        if missing:
+            texts = [self.kv.meta_for_id(cid).text for cid in missing]
+            self.index.add(missing, self.embedder.embed(texts))
+        if stale or missing:
+            self.save_index()
+        return len(stale), len(missing)
+
+    def verify(self) -> VerifyReport:
+        """Store verify plus index <-> store id agreement."""
+        report = self.kv.verify()
+        store_ids = set(self.kv.chunk_ids())
+        index_ids = self.index.ids().tolist()
+        if len(index_ids) != len(set(index_ids)):
+            report.add("index_duplicate", "index", "an id appears more than once")
+        for cid in sorted(set(index_ids) - store_ids):
+            report.add("index_orphan", cid, "indexed but not in the store")
+        for cid in sorted(store_ids - set(index_ids)):
+            report.add("index_missing", cid, "stored but not indexed")
+        return report
