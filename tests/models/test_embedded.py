@@ -84,12 +84,16 @@ def test_prefill_logits_and_paged_greedy_decode_match_hf(embedded, paged_kv):
     md = kv.metadata([(list(range(len(ids))), len(ids), table)])
     hidden = ours(torch.tensor(ids), md.positions, kv.kv_caches, md)
     tokens = list(ids)
+    hf_out = hf(torch.tensor([ids]), use_cache=True)  # HF's own incremental decode as oracle
     for _ in range(8):
         logits = ours.compute_logits(hidden[-1:])[0]
-        hf_logits = hf(torch.tensor([tokens])).logits[0, -1]
+        hf_logits = hf_out.logits[0, -1]
         assert (logits - hf_logits).abs().max() < 1e-3
         assert int(logits.argmax()) == int(hf_logits.argmax())
         tokens.append(int(logits.argmax()))
+        hf_out = hf(
+            torch.tensor([tokens[-1:]]), past_key_values=hf_out.past_key_values, use_cache=True
+        )
         n = len(tokens)
         md = kv.metadata([([n - 1], n, table)])
         hidden = ours(torch.tensor(tokens[-1:]), md.positions, kv.kv_caches, md)
