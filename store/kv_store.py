@@ -64,7 +64,9 @@ class KVStore:
         max_bytes: capacity in value bytes; least-recently-used chunks are evicted past it.
         map_size: initial LMDB map size in bytes; it grows automatically when full.
         memory_tier_bytes: budget of the in-RAM LRU of hot chunks (0 disables it).
-        verify_reads: check each value's checksum when read from LMDB.
+        verify_reads: payload checksum on reads from LMDB: ``True`` on every read, ``"once"``
+            on the first read of each key by this object (values are immutable once written;
+            the header is still checked every time), ``False`` never.
         sync: fsync on commit (off trades durability on power loss, not consistency, for speed).
         touch_flush_every: LRU touches from reads are batched and written every this many.
     """
@@ -79,7 +81,7 @@ class KVStore:
         max_bytes: int | None = None,
         map_size: int = 1 << 30,
         memory_tier_bytes: int = 256 << 20,
-        verify_reads: bool = True,
+        verify_reads: bool | str = "once",
         sync: bool = True,
         touch_flush_every: int = 256,
     ) -> None:
@@ -88,7 +90,10 @@ class KVStore:
         self.path = Path(path)
         self.readonly = readonly
         self.max_bytes = max_bytes
+        if verify_reads not in (True, False, "once"):
+            raise ValueError(f"verify_reads must be True, False or 'once', got {verify_reads!r}")
         self.verify_reads = verify_reads
+        self._verified: set[bytes] = set()
         self.touch_flush_every = touch_flush_every
         self.memory_tier = MemoryTier(memory_tier_bytes)
         self.hits = self.misses = self.corrupt = 0
@@ -246,6 +251,7 @@ class KVStore:
         results, evicted = self._write(write)
         for key, _ in evicted:
             self.memory_tier.discard(key)
+            self._verified.discard(key)
         if evicted:
             ids = tuple(cid for _, cid in evicted)
             results = [r._replace(evicted=ids) if i == 0 else r for i, r in enumerate(results)]
@@ -255,6 +261,7 @@ class KVStore:
         """Delete chunks by key in one transaction; returns the chunk ids that existed."""
         for key in keys:
             self.memory_tier.discard(key)
+            self._verified.discard(key)
 
         def delete(txn, counters):
             return [txn_ops.delete(txn, self._dbs, counters, bytes(k)) for k in keys]
@@ -269,8 +276,15 @@ class KVStore:
     # ---- reading ---------------------------------------------------------------------------
 
     def _checked_header(self, txn, key: bytes, buf) -> fmt.ValueHeader | None:
+        once = self.verify_reads == "once"
+        full = self.verify_reads is True or (once and key not in self._verified)
         try:
-            return fmt.check_value(buf, verify_checksum=self.verify_reads)
+            header = fmt.check_value(buf, verify_checksum=full)
+            if once and full:
+                if len(self._verified) > 1_000_000:  # bound the memory: just re-verify later
+                    self._verified.clear()
+                self._verified.add(key)
+            return header
         except CorruptValueError as e:
             self.corrupt += 1
             self.misses += 1
