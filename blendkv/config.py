@@ -34,6 +34,14 @@ class EngineConfig:
     cache_dir: str | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # Blending: where chunk K/V lives (None = a private temporary store for this process),
+    # its byte limits, and the anchor every chunk is precomputed behind (the chat template's
+    # prefix with this system prompt / instruction).
+    kv_store_dir: str | None = None
+    kv_store_max_bytes: int | None = None
+    kv_store_memory_bytes: int = 256 << 20
+    anchor_system: str | None = None
+    anchor_instruction: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -55,6 +63,9 @@ class EngineConfig:
                 )
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        if self.kv_store_max_bytes is not None:
+            _positive("kv_store_max_bytes", self.kv_store_max_bytes)
+        _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
 
     @property
     def torch_dtype(self):

@@ -41,6 +41,7 @@ class PreparedRequest:
     prompt: str | None = None
     extra: object = None  # extension payload carried on the Sequence (e.g. a blend plan)
     cache_salt: bytes = b""
+    logits_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,36 @@ class LLMEngine:
         )
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
+        self._blend_manager = None
+
+    def blend_manager(self):
+        """The chunk-KV store and blending machinery, created on first use."""
+        if self._blend_manager is None:
+            from blendkv.blend.executor import BlendExecutor
+            from blendkv.blend.manager import BlendManager
+            from blendkv.models.loader import weights_hash
+
+            conf = self.config
+            self._blend_manager = BlendManager(
+                self.model,
+                self.tokenizer,
+                architecture=self.info.architecture,
+                weights_hash=weights_hash(self.resolved),
+                dtype=conf.dtype,
+                store_dir=conf.kv_store_dir,
+                store_max_bytes=conf.kv_store_max_bytes,
+                memory_tier_bytes=conf.kv_store_memory_bytes,
+                anchor_system=conf.anchor_system,
+                anchor_instruction=conf.anchor_instruction,
+            )
+            self.runner.blend = BlendExecutor(self._blend_manager, conf.block_size)
+        return self._blend_manager
+
+    def close(self) -> None:
+        if self._blend_manager is not None:
+            self._blend_manager.close()
+            self._blend_manager = None
+            self.runner.blend = None
 
     # ------------------------------------------------------------- startup
     def _runtime_info(self) -> RuntimeInfo:
@@ -166,17 +197,42 @@ class LLMEngine:
 
     def prepare_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        blend: object = None,
+        logits_from: int | None = None,
     ) -> PreparedRequest:
-        """Tokenise and validate one request without queueing it (raises typed errors)."""
-        token_ids = self.tokenize(prompt)
+        """Tokenise and validate one request without queueing it (raises typed errors).
+
+        A dict prompt is a blended prompt (see :mod:`blendkv.blend`), ``blend`` its
+        :class:`~blendkv.blend.BlendConfig`. ``logits_from`` asks for the logits of every prompt
+        position from that one on (``RequestOutput.extra["prompt_logits"]``).
+        """
+        plan = None
+        if isinstance(prompt, dict):
+            plan = self.blend_manager().prepare(prompt, blend)
+            token_ids = plan.prompt.token_ids
+        elif blend is not None:
+            raise InvalidRequestError("a blend config needs a blended prompt (a dict)")
+        else:
+            token_ids = self.tokenize(prompt)
         params = self.validate(token_ids, sampling_params)
         if request_id is not None and request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if logits_from is not None and not 0 <= logits_from < len(token_ids):
+            raise InvalidRequestError(f"logits_from={logits_from} is outside the prompt")
         prompt_text = prompt if isinstance(prompt, str) else None
-        return PreparedRequest(token_ids, params, request_id, prompt_text)
+        return PreparedRequest(
+            token_ids,
+            params,
+            request_id,
+            prompt_text,
+            extra=plan,
+            cache_salt=plan.salt if plan is not None else b"",
+            logits_from=logits_from,
+        )
 
     def add_prepared(self, req: PreparedRequest) -> str:
         """Queue a request made by :meth:`prepare_request`; returns its id."""
@@ -190,6 +246,12 @@ class LLMEngine:
             request_id, req.prompt_token_ids, req.sampling_params, max_out, extra=req.extra
         )
         seq.cache_salt = req.cache_salt
+        seq.logits_from = req.logits_from
+        if req.extra is not None:
+            plan, num_layers = req.extra, self.info.num_layers
+            seq.fused_prefill_cost = lambda computed, new: (
+                plan.estimated_cost(new, num_layers) if plan.needs_fusion(computed) else None
+            )
         self.requests[request_id] = RequestState(seq, req.prompt, self.tokenizer)
         self.scheduler.add(seq)
         return request_id
@@ -220,7 +282,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled_seqs, sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
+        sampled_seqs, sampled = result.sampled_seqs, result.sampled
+        for request_id, logits in result.logits.items():
+            self.requests[request_id].add_prompt_logits(logits)
         self.scheduler.update_from_output(out)
         now = time.perf_counter()
         outputs = []

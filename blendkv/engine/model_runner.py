@@ -26,6 +26,15 @@ class ModelInputs:
     attn_metadata: AttentionMetadata
     sample_indices: list[int]  # row of the hidden states to sample from, per sampled sequence
     sample_seqs: list[Sequence]
+    # Rows whose logits a request asked for (Sequence.logits_from): request_id -> row indices.
+    logits_rows: dict[str, list[int]]
+
+
+@dataclass
+class StepResult:
+    sampled_seqs: list[Sequence]
+    sampled: object  # SamplerOutput, None when no sequence sampled
+    logits: dict[str, torch.Tensor]  # request_id -> [rows, vocab] float32 (logits_from)
 
 
 def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -65,6 +74,7 @@ class ModelRunner:
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        self.blend = None  # a BlendExecutor once blending is enabled (blendkv.blend)
 
     # --------------------------------------------------------------- inputs
     def slot_mapping(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -79,6 +89,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_indices: list[int] = []
         sample_seqs: list[Sequence] = []
+        logits_rows: dict[str, list[int]] = {}
         for seq, num_new in out.scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
@@ -94,6 +105,9 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_indices.append(query_start_loc[-1] - 1)
                 sample_seqs.append(seq)
+            if seq.logits_from is not None and end > seq.logits_from:
+                first = query_start_loc[-2] + max(seq.logits_from - start, 0)
+                logits_rows[seq.request_id] = list(range(first, query_start_loc[-1]))
         max_blocks = max(len(seq.block_table) for seq, _ in out.scheduled)
         block_table = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
         for i, (seq, _) in enumerate(out.scheduled):
@@ -112,7 +126,7 @@ class ModelRunner:
             is_contiguous_prefill=[True] * len(out.scheduled),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return ModelInputs(ids, md, sample_indices, sample_seqs)
+        return ModelInputs(ids, md, sample_indices, sample_seqs, logits_rows)
 
     # -------------------------------------------------------------- execute
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -124,17 +138,30 @@ class ModelRunner:
             kv[:, dst] = kv[:, src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput):
-        """Run one step; returns ``(sampled sequences, SamplerOutput)``."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step: forward (fused where a blended prefill runs), logits, sampling."""
         self.copy_blocks(out.blocks_to_copy)
         inputs = self.prepare_inputs(out)
-        hidden = self.model(
-            inputs.input_ids, inputs.attn_metadata.positions, self.kv_caches, inputs.attn_metadata
-        )
+        blending = self.blend.blending(out.scheduled) if self.blend is not None else []
+        if blending:
+            hidden, rows = self.blend.forward(
+                self.model, inputs, out.scheduled, self.kv_caches, blending
+            )
+            where = {r: i for i, r in enumerate(rows.tolist())}
+            remap = lambda idx: [where[i] for i in idx]  # noqa: E731
+        else:
+            md = inputs.attn_metadata
+            hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
+            remap = lambda idx: idx  # noqa: E731
+        logits = {
+            rid: self.model.compute_logits(hidden[remap(idx)])
+            for rid, idx in inputs.logits_rows.items()
+        }
         if not inputs.sample_seqs:
-            return [], None
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        return inputs.sample_seqs, self.sample(logits, inputs.sample_seqs)
+            return StepResult([], None, logits)
+        sample_logits = self.model.compute_logits(hidden[remap(inputs.sample_indices)])
+        sampled = self.sample(sample_logits, inputs.sample_seqs)
+        return StepResult(inputs.sample_seqs, sampled, logits)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         params = [seq.sampling_params for seq in seqs]

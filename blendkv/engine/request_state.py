@@ -28,7 +28,10 @@ class RequestState:
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
-        self.blend_stats = None
+        self.prompt_logits: list = []  # [rows, vocab] tensors for Sequence.logits_from
+
+    def add_prompt_logits(self, logits) -> None:
+        self.prompt_logits.append(logits)
 
     def append(self, token_id, logprob, top_logprobs, now, eos_token_ids) -> SequenceStatus | None:
         """Record one sampled token; return the finished status if the request stops."""
@@ -89,6 +92,14 @@ class RequestState:
             cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
         )
+        extra = {}
+        if self.prompt_logits:
+            import torch
+
+            extra["prompt_logits"] = torch.cat(self.prompt_logits)
+        blend_stats = getattr(seq.extra, "stats", None)
+        if blend_stats is not None:
+            blend_stats.ttft = metrics.ttft
         return RequestOutput(
             request_id=seq.request_id,
             prompt=self.prompt,
@@ -96,6 +107,7 @@ class RequestState:
             outputs=[completion],
             finished=finished,
             metrics=metrics,
-            blend_stats=self.blend_stats,
+            blend_stats=blend_stats,
             delta_text=delta,
+            extra=extra,
         )

@@ -119,10 +119,19 @@ class Scheduler:
             seq = self.waiting[0]
             computed_blocks, num_cached = bm.get_computed_blocks(seq)
             num_new = seq.num_tokens - num_cached
-            if num_new > budget:
+            cost = num_new
+            fused_cost = seq.fused_prefill_cost and seq.fused_prefill_cost(num_cached, num_new)
+            if fused_cost is not None:
+                # A fused prefill runs whole. It waits for budget unless it could never fit,
+                # then it goes alone among this step's prefills so it cannot starve.
+                cost = fused_cost
+                prefills_scheduled = any(n > 1 for _, n in out.scheduled)
+                if cost > budget and (cost <= self.max_num_batched_tokens or prefills_scheduled):
+                    break
+            elif num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
-                num_new = budget
+                num_new = cost = budget
             if not bm.allocate_slots(seq, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -133,7 +142,7 @@ class Scheduler:
                 seq.metrics.num_cached_tokens = num_cached
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
-            budget -= num_new
+            budget -= min(cost, budget)
 
     # --------------------------------------------------------- after a step
     def update_from_output(self, out: SchedulerOutput) -> list[Sequence]:

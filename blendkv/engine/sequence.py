@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,12 @@ class Sequence:
         self.extra = extra
         # Mixed into every block hash: K/V computed differently (blending) never aliases plain.
         self.cache_salt = b""
+        # Set for requests whose prefill must run as one unit (a fused blended prefill):
+        # (num_computed_tokens, num_new_tokens) -> token-budget cost, or None when the
+        # remaining prefill is an ordinary (chunkable) one.
+        self.fused_prefill_cost: Callable[[int, int], int | None] | None = None
+        # Return the logits of every prompt position >= this one (teacher forcing, eval).
+        self.logits_from: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

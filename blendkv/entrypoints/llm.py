@@ -109,6 +109,16 @@ class LLM:
         return list(ids)
 
     # -------------------------------------------------------------- helpers
+    def close(self) -> None:
+        """Release the chunk-KV store (a private temporary store is deleted)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _add_all(self, prompts, params, **request_kwargs) -> list[str]:
         engine = self.engine
         prepared = []

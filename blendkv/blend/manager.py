@@ -1,0 +1,199 @@
+"""Turns blended prompts into plans and serves chunk K/V: store lookup, miss precompute, write-back.
+
+One manager per engine. It owns the chunk-KV store (LMDB with a memory tier in front), the
+prompt builder and the anchor every chunk is precomputed behind. The store's fingerprint ties it
+to this model, dtype, tokenizer, RoPE configuration and anchor.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+
+import torch
+import xxhash
+
+from blendkv.blend.config import BlendConfig
+from blendkv.blend.plan import BlendPlan
+from blendkv.blend.precompute import compute_chunk_kv
+from blendkv.blend.prompt import BlendedPrompt, PromptBuilder
+from blendkv.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+def tokenizer_hash(tokenizer) -> str:
+    h = xxhash.xxh3_64()
+    for token, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}:{token}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+class BlendManager:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        architecture: str,
+        weights_hash: str,
+        dtype: str,
+        store_dir: str | None = None,
+        store_max_bytes: int | None = None,
+        memory_tier_bytes: int = 256 << 20,
+        anchor_system: str | None = None,
+        anchor_instruction: str | None = None,
+    ) -> None:
+        from blendkv.layers.rotary import rope_parameters
+        from blendkv.store import KVStore, ModelFingerprint
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.builder = PromptBuilder(tokenizer)
+        self.anchor_ids = self.builder.anchor(anchor_system, anchor_instruction)
+        cfg = model.config
+        attn = model.model.layers[0].self_attn
+        self.num_layers = cfg.num_hidden_layers
+        self.fingerprint = ModelFingerprint(
+            architecture=architecture,
+            weights_hash=weights_hash,
+            dtype=dtype,
+            tokenizer_hash=tokenizer_hash(tokenizer),
+            rope=rope_parameters(cfg),
+            anchor_token_ids=tuple(self.anchor_ids),
+            num_layers=self.num_layers,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+        )
+        self._tmpdir = None
+        if store_dir is None:  # no persistent store asked for: a private one for this process
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="blendkv-store-")
+            store_dir = self._tmpdir.name
+        self.store = KVStore(
+            store_dir,
+            self.fingerprint,
+            max_bytes=store_max_bytes,
+            memory_tier_bytes=memory_tier_bytes,
+        )
+
+    def close(self) -> None:
+        self.store.close()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+
+    # ------------------------------------------------------------- requests
+    def chunk_key(self, chunk_ids: list[int]) -> bytes:
+        from blendkv.store import chunk_key
+
+        return chunk_key(self.fingerprint, self.anchor_ids, chunk_ids)
+
+    def prepare(self, prompt: dict, config: BlendConfig | None) -> BlendPlan:
+        """Parse a blended prompt dict (see ``blendkv.blend``) into a plan; raises on bad input."""
+        config = config or BlendConfig()
+        config.validate_for(self.num_layers)
+        unknown = set(prompt) - {
+            "documents",
+            "chunks",
+            "chunk_ids",
+            "query",
+            "system",
+            "instruction",
+        }
+        if unknown:
+            raise InvalidRequestError(f"unknown keys in blended prompt: {sorted(unknown)}")
+        chunks = self._chunks(prompt)
+        query = prompt.get("query", "")
+        if not isinstance(query, (str, list)):
+            raise InvalidRequestError("'query' must be a string or a list of token ids")
+        for key in ("system", "instruction"):
+            if prompt.get(key) is not None and not isinstance(prompt[key], str):
+                raise InvalidRequestError(f"'{key}' must be a string")
+        built = self.builder.build(chunks, query, prompt.get("system"), prompt.get("instruction"))
+        keys = [self.chunk_key(c) for c in chunks]
+        salt = self._salt(built, keys, config)
+        plan = BlendPlan(prompt=built, config=config, chunk_keys=keys, salt=salt)
+        plan.stats.num_chunks = len(chunks)
+        return plan
+
+    def _chunks(self, prompt: dict) -> list[list[int]]:
+        given = [k for k in ("documents", "chunks", "chunk_ids") if k in prompt]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "a blended prompt needs exactly one of 'documents' (strings), 'chunks' (token "
+                f"id lists) or 'chunk_ids' (stored chunk ids); got {given or 'none'}"
+            )
+        items = prompt[given[0]]
+        if not isinstance(items, (list, tuple)):
+            raise InvalidRequestError(f"'{given[0]}' must be a list")
+        chunks = []
+        for i, item in enumerate(items):
+            if given[0] == "documents":
+                if not isinstance(item, str):
+                    raise InvalidRequestError(f"document {i} is not a string")
+                ids = self.builder.encode(item)
+            elif given[0] == "chunks":
+                if not isinstance(item, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in item
+                ):
+                    raise InvalidRequestError(f"chunk {i} is not a list of token ids")
+                ids = list(item)
+            else:
+                meta = self.store.meta_for_id(int(item))
+                if meta is None:
+                    raise InvalidRequestError(f"stored chunk id {item} does not exist")
+                ids = list(meta.token_ids)
+            if not ids:
+                raise InvalidRequestError(f"{given[0][:-1]} {i} is empty (zero tokens)")
+            chunks.append(ids)
+        return chunks
+
+    @staticmethod
+    def _salt(built: BlendedPrompt, keys: list[bytes], config: BlendConfig) -> bytes:
+        """Prefix-cache salt: fused K/V depends on the whole chunk set and the blend config."""
+        h = xxhash.xxh3_128()
+        h.update(config.cache_key())
+        h.update(built.prefix_len.to_bytes(8, "little"))
+        for start, key in zip(built.chunk_starts, keys, strict=True):
+            h.update(start.to_bytes(8, "little"))
+            h.update(key)
+        return b"blend:" + h.digest()
+
+    # ---------------------------------------------------------------- loading
+    def fetch(self, plan: BlendPlan, index: int) -> torch.Tensor:
+        """K/V of chunk ``index``: from the store, or computed now and written back."""
+        key = plan.chunk_keys[index]
+        found = self.store.get(key)
+        if found is not None:
+            plan.stats.chunks_hit += 1
+            return found.kv
+        t0 = time.perf_counter()
+        ids = plan.prompt.chunks[index]
+        kv = compute_chunk_kv(self.model, self.anchor_ids, ids)
+        plan.stats.precompute_seconds += time.perf_counter() - t0
+        plan.stats.chunks_missed += 1
+        try:
+            self.store.put(key, kv, text=self.tokenizer.decode(ids), token_ids=tuple(ids))
+        except Exception as exc:  # a full or read-only store must not fail the request
+            logger.warning("could not write chunk K/V back to the store: %s", exc)
+        return kv
+
+    def precompute(self, chunks: list[list[int]], texts=None, doc_id=None, progress=None) -> list:
+        """Ingest: compute and store the K/V of chunks not stored yet. Returns the PutResults."""
+        from blendkv.store import NewChunk
+
+        results = []
+        for i, ids in enumerate(chunks):
+            key = self.chunk_key(ids)
+            if key in self.store:
+                results.append(None)
+            else:
+                kv = compute_chunk_kv(self.model, self.anchor_ids, ids)
+                text = texts[i] if texts is not None else self.tokenizer.decode(ids)
+                chunk = NewChunk(
+                    key, kv, text=text, token_ids=tuple(ids), doc_id=doc_id, position=i
+                )
+                results.append(self.store.put_many([chunk])[0])
+            if progress is not None:
+                progress(1)
+        return results

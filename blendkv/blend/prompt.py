@@ -1,0 +1,92 @@
+"""Blended prompts assembled from token-id pieces; nothing is re-tokenised after assembly.
+
+    | template prefix (+ instruction) | chunk 0 | chunk 1 | ... | query | template suffix |
+      always recomputed                 reused K/V from the store      always recomputed
+
+The chat template is rendered once with a sentinel standing for the user content; the text
+before and after it is tokenised on its own to give the exact prefix and suffix ids. Documents
+and the query are tokenised separately (``add_special_tokens=False``) and the ids concatenated,
+so a chunk's ids in a prompt are exactly the ids its K/V was stored under.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blendkv.errors import InvalidRequestError
+
+_SENTINEL = "\u2063BLENDKV_CONTENT\u2063"
+
+
+@dataclass(frozen=True)
+class BlendedPrompt:
+    """A blended prompt: its ids and where each reusable chunk sits (absolute positions)."""
+
+    token_ids: list[int]
+    prefix_len: int
+    chunks: list[list[int]]
+    chunk_starts: list[int]
+    query_start: int  # first position after the last chunk
+
+    @property
+    def chunk_spans(self) -> list[tuple[int, int]]:
+        return [(s, s + len(c)) for s, c in zip(self.chunk_starts, self.chunks, strict=True)]
+
+    @property
+    def num_chunk_tokens(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+class PromptBuilder:
+    """Builds blended prompts for one tokenizer (and its chat template)."""
+
+    def __init__(self, tokenizer, use_chat_template: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.use_chat_template = use_chat_template and bool(
+            getattr(tokenizer, "chat_template", None)
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def template_pieces(self, system: str | None) -> tuple[list[int], list[int]]:
+        """(prefix ids, suffix ids) around the user content of a one-turn chat."""
+        if not self.use_chat_template:
+            bos = self.tokenizer.bos_token_id
+            return ([bos] if bos is not None else []), []
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": _SENTINEL})
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        before, sep, after = text.partition(_SENTINEL)
+        assert sep, "the chat template dropped the user content"
+        return self.encode(before), self.encode(after)
+
+    def anchor(self, system: str | None = None, instruction: str | None = None) -> list[int]:
+        """The ids every chunk is precomputed behind: the template prefix (+ instruction)."""
+        prefix, _ = self.template_pieces(system)
+        return prefix + (self.encode(instruction) if instruction else [])
+
+    def build(
+        self,
+        chunks: list[list[int]],
+        query: str | list[int],
+        system: str | None = None,
+        instruction: str | None = None,
+    ) -> BlendedPrompt:
+        prefix, suffix = self.template_pieces(system)
+        if instruction:
+            prefix = prefix + self.encode(instruction)
+        query_ids = self.encode(query) if isinstance(query, str) else list(query)
+        ids = list(prefix)
+        starts = []
+        for chunk in chunks:
+            starts.append(len(ids))
+            ids.extend(chunk)
+        query_start = len(ids)
+        ids.extend(query_ids)
+        ids.extend(suffix)
+        if len(ids) == query_start:
+            raise InvalidRequestError("a blended prompt needs a query or a template suffix")
+        return BlendedPrompt(ids, len(prefix), [list(c) for c in chunks], starts, query_start)
