@@ -81,6 +81,21 @@ class BlendManager:
         self.store.close()
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def use_store(self, store) -> None:
+        """Serve chunk K/V from ``store`` (a KVStore opened with :attr:`fingerprint`), e.g. the
+        one inside a ``ChunkStore``; the previous store is closed."""
+        from blendkv.store import FingerprintMismatchError
+
+        theirs = getattr(store, "fingerprint", None)
+        if theirs is not None and theirs != self.fingerprint:
+            raise FingerprintMismatchError(
+                "the store was built for another model/anchor: "
+                + ", ".join(self.fingerprint.diff(theirs))
+            )
+        self.close()
+        self.store = store
 
     # ------------------------------------------------------------- requests
     def chunk_key(self, chunk_ids: list[int]) -> bytes:
@@ -109,7 +124,14 @@ class BlendManager:
         for key in ("system", "instruction"):
             if prompt.get(key) is not None and not isinstance(prompt[key], str):
                 raise InvalidRequestError(f"'{key}' must be a string")
-        built = self.builder.build(chunks, query, prompt.get("system"), prompt.get("instruction"))
+        continuation = prompt.get("continuation") or []
+        if not isinstance(continuation, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in continuation
+        ):
+            raise InvalidRequestError("'continuation' must be a list of token ids")
+        built = self.builder.build(
+            chunks, query, prompt.get("system"), prompt.get("instruction"), continuation
+        )
         keys = [self.chunk_key(c) for c in chunks]
         salt = self._salt(built, keys, config)
         plan = BlendPlan(prompt=built, config=config, chunk_keys=keys, salt=salt)

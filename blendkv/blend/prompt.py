@@ -74,7 +74,10 @@ class PromptBuilder:
         query: str | list[int],
         system: str | None = None,
         instruction: str | None = None,
+        continuation: list[int] | None = None,
     ) -> BlendedPrompt:
+        """``continuation``: ids appended after the template suffix (e.g. an answer to score
+        teacher-forced); like the query they are always recomputed."""
         prefix, suffix = self.template_pieces(system)
         if instruction:
             prefix = prefix + self.encode(instruction)
@@ -87,6 +90,7 @@ class PromptBuilder:
         query_start = len(ids)
         ids.extend(query_ids)
         ids.extend(suffix)
+        ids.extend(continuation or [])
         if len(ids) == query_start:
             raise InvalidRequestError("a blended prompt needs a query or a template suffix")
         return BlendedPrompt(ids, len(prefix), [list(c) for c in chunks], starts, query_start)
