@@ -8,7 +8,7 @@ import sys
 
 from blendkv.errors import BlendKVError
 
-_COMMANDS = ("generate", "chat", "bench")
+_COMMANDS = ("generate", "chat", "bench", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

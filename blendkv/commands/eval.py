@@ -1,0 +1,58 @@
+"""``blendkv eval --data FILE|synthetic --methods full,reuse,blend@0.15 --out DIR``.
+
+Runs every method on every example (see ``blendkv.eval.runner``), writes results.json,
+per_example.jsonl, report.md and plots into ``--out`` and prints the report table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="quality and TTFT of full prefill, prefix caching, reuse and blending"
+    )
+    p.add_argument("--data", required=True, help="'synthetic', a CacheBlend .json or a .jsonl")
+    p.add_argument(
+        "--methods",
+        default="full,reuse,blend@0.15",
+        help="comma-separated: full, prefix, reuse, hf, blend@R (R in [0, 1])",
+    )
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data set")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer")
+    p.add_argument(
+        "--answer-tokens", type=int, default=16,
+        help="tokens of full prefill's answer the teacher-forced KL follows",
+    )  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-store-dir", default=None, help="chunk store (default: a temporary one)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blendkv.eval.report import format_table, write_outputs
+    from blendkv.eval.runner import EvalConfig, run_eval
+
+    config = EvalConfig(
+        data=args.data,
+        methods=args.methods,
+        limit=args.limit,
+        model=args.model,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        answer_tokens=args.answer_tokens,
+        max_model_len=args.max_model_len,
+        kv_store_dir=args.kv_store_dir,
+    )  # validates the method names before the model loads
+    result = run_eval(config, progress=not args.no_progress)
+    paths = write_outputs(args.out, result)
+    print(format_table(result.summary))
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0

@@ -1,0 +1,244 @@
+"""Evaluation methods: parsing their names and running one method on one example.
+
+A method is how the prompt's K/V comes about:
+
+- ``full``: plain prefill of the blended prompt's token ids (the quality and TTFT reference).
+- ``prefix``: the engine's prefix cache, warmed by the same documents in reversed order just
+  before (what a vLLM user gets when passages are retrieved in another order).
+- ``reuse``: every chunk's stored K/V as is (``BlendConfig(recompute_ratio=0.0)``).
+- ``blend@R``: CacheBlend with recompute ratio ``R`` in [0, 1].
+- ``hf``: transformers ``generate`` on the same token ids (an engine-independent reference).
+
+Every engine request starts from an empty prefix cache (except the ``prefix`` warm-up), so TTFT
+measures the method's own path and teacher-forced logit rows are never served from the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from blendkv.blend.config import BlendConfig
+from blendkv.errors import BlendKVError
+
+__all__ = ["Method", "MethodError", "MethodRun", "parse_method", "parse_methods", "run_method"]
+
+PLAIN_METHODS = ("full", "prefix", "reuse", "hf")
+
+
+class MethodError(BlendKVError, ValueError):
+    """A method name on the command line is not one ``blendkv eval`` knows."""
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # as written on the command line (``blend@0.15``), the key in every output
+    kind: str  # "full" | "prefix" | "blend" | "hf"
+    blend: BlendConfig | None = None  # for kind == "blend" (``reuse`` is blend at 0.0)
+
+
+def parse_method(name: str) -> Method:
+    """``"full"``, ``"prefix"``, ``"reuse"``, ``"hf"`` or ``"blend@R"`` with R in [0, 1]."""
+    name = name.strip()
+    if name in ("full", "prefix", "hf"):
+        return Method(name, name)
+    if name == "reuse":
+        return Method(name, "blend", BlendConfig(recompute_ratio=0.0))
+    if name.startswith("blend@"):
+        text = name.removeprefix("blend@")
+        try:
+            ratio = float(text)
+        except ValueError:
+            raise MethodError(
+                f"bad method {name!r}: the recompute ratio after 'blend@' must be a number "
+                "in [0, 1], e.g. blend@0.15"
+            ) from None
+        if not 0.0 <= ratio <= 1.0:
+            raise MethodError(f"bad method {name!r}: recompute ratio {ratio} is not in [0, 1]")
+        return Method(name, "blend", BlendConfig(recompute_ratio=ratio))
+    raise MethodError(
+        f"unknown method {name!r}; use one of {', '.join(PLAIN_METHODS)} or blend@R "
+        "(R in [0, 1], e.g. blend@0.15)"
+    )
+
+
+def parse_methods(spec: str) -> list[Method]:
+    """A comma-separated list of method names; duplicates (also ``reuse`` and ``blend@0``, or
+    ``blend@1`` and ``blend@1.0``) and empty lists are errors."""
+    names = [n for n in (s.strip() for s in spec.split(",")) if n]
+    if not names:
+        raise MethodError("no methods given; e.g. --methods full,reuse,blend@0.15")
+    methods = [parse_method(n) for n in names]
+    seen: dict[tuple, str] = {}
+    for m in methods:
+        key = (m.kind, m.blend)
+        if key in seen:
+            raise MethodError(f"methods {seen[key]!r} and {m.name!r} are the same method")
+        seen[key] = m.name
+    return methods
+
+
+class MethodRun(NamedTuple):
+    """One method's greedy generation on one example (timed)."""
+
+    token_ids: list[int]
+    text: str
+    ttft: float  # seconds
+    num_cached_tokens: int  # prompt tokens served by the engine's prefix cache
+    blend_stats: dict[str, Any] | None
+
+
+@dataclass
+class ExamplePrompt:
+    """One example's prompt in the forms the methods need."""
+
+    blended: dict[str, Any]  # the blended prompt dict (documents, query, instruction)
+    token_ids: list[int]  # its exact ids, i.e. full prefill's prompt
+    reversed_token_ids: list[int]  # same documents in reversed order (the ``prefix`` warm-up)
+
+
+def _engine_run(llm, prompt, params, **kwargs):
+    """One request on an empty prefix cache; returns its RequestOutput."""
+    llm.engine.block_manager.reset_prefix_cache()
+    return llm.generate([prompt], params, **kwargs)[0]
+
+
+def run_method(llm, hf, method: Method, ex: ExamplePrompt, params) -> MethodRun:
+    """Greedy generation of ``method`` on ``ex``; ``hf`` is an :class:`HFRunner` (or None)."""
+    if method.kind == "hf":
+        return hf.generate(ex.token_ids, params.max_tokens)
+    if method.kind == "blend":
+        out = _engine_run(llm, ex.blended, params, blend=method.blend)
+    elif method.kind == "prefix":
+        from blendkv import SamplingParams
+
+        llm.engine.block_manager.reset_prefix_cache()
+        llm.generate([ex.reversed_token_ids], SamplingParams(max_tokens=1))
+        out = llm.generate([ex.token_ids], params)[0]  # timed with the warm prefix cache
+    else:
+        out = _engine_run(llm, ex.token_ids, params)
+    stats = out.blend_stats.to_dict() if out.blend_stats is not None else None
+    return MethodRun(
+        list(out.outputs[0].token_ids),
+        out.text,
+        float(out.metrics.ttft),
+        int(out.metrics.num_cached_tokens),
+        stats,
+    )
+
+
+def teacher_forced_rows(llm, hf, method: Method, ex: ExamplePrompt, answer: list[int]):
+    """Next-token logits ``[len(answer) + 1, V]`` (float32) along ``answer``: row ``t`` is the
+    distribution after the prompt plus ``answer[:t]``, under ``method``."""
+    from blendkv import SamplingParams
+
+    start = len(ex.token_ids) - 1
+    if method.kind == "hf":
+        return hf.prompt_logits(ex.token_ids + answer, start)
+    params = SamplingParams(max_tokens=1)
+    if method.kind == "blend":
+        out = _blended_with_continuation(llm, ex.blended, method.blend, answer, params, start)
+    elif method.kind == "prefix":
+        llm.engine.block_manager.reset_prefix_cache()
+        llm.generate([ex.reversed_token_ids], params)
+        out = llm.generate([ex.token_ids + answer], params, logits_from=start)[0]
+    else:
+        out = _engine_run(llm, ex.token_ids + answer, params, logits_from=start)
+    rows = out.extra["prompt_logits"]
+    assert rows.shape[0] == len(answer) + 1, (tuple(rows.shape), len(answer))
+    return rows
+
+
+def _blended_with_continuation(llm, prompt, config, answer, params, logits_from):
+    """A blended request with ``"continuation": answer``.
+
+    Some engine versions reject the ``continuation`` key in ``BlendManager.prepare`` although the
+    prompt builder supports it; then the plan is built here from the same pieces.
+    """
+    from blendkv.blend.plan import BlendPlan
+    from blendkv.engine.llm_engine import PreparedRequest
+    from blendkv.errors import InvalidRequestError
+
+    try:
+        return _engine_run(
+            llm, {**prompt, "continuation": list(answer)}, params, blend=config,
+            logits_from=logits_from,
+        )  # fmt: skip
+    except InvalidRequestError as exc:
+        if "continuation" not in str(exc):
+            raise
+    engine = llm.engine
+    manager = engine.blend_manager()
+    base = manager.prepare(prompt, config)
+    built = manager.builder.build(
+        base.prompt.chunks, prompt["query"], prompt.get("system"), prompt.get("instruction"),
+        list(answer),
+    )  # fmt: skip
+    assert built.token_ids[: len(base.prompt.token_ids)] == base.prompt.token_ids
+    plan = BlendPlan(prompt=built, config=config, chunk_keys=base.chunk_keys, salt=base.salt)
+    plan.stats.num_chunks = len(built.chunks)
+    params = engine.validate(built.token_ids, params)
+    req = PreparedRequest(
+        built.token_ids, params, extra=plan, cache_salt=plan.salt, logits_from=logits_from
+    )
+    engine.block_manager.reset_prefix_cache()
+    request_id = engine.add_prepared(req)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+    raise AssertionError("the teacher-forced request never finished")
+
+
+class HFRunner:
+    """transformers on the engine's own checkpoint, for the ``hf`` method."""
+
+    def __init__(self, model_dir, dtype: str, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, dtype)
+        ).eval()
+        self.tokenizer = tokenizer
+        self.eos = list(eos_token_ids)  # the engine's stop ids, so both stop alike
+
+    @torch.inference_mode()
+    def generate(self, token_ids: list[int], max_tokens: int) -> MethodRun:
+        from transformers.generation.streamers import BaseStreamer
+
+        times: list[float] = []
+
+        class _Clock(BaseStreamer):
+            # generate() calls put() once with the prompt, then once per new token.
+            def put(self, value):
+                times.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        ids = torch.tensor([token_ids])
+        t0 = time.perf_counter()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=self.eos or None,
+            pad_token_id=self.eos[0] if self.eos else 0,
+            streamer=_Clock(),
+        )
+        new = out[0, len(token_ids) :].tolist()
+        ttft = times[1] - t0 if len(times) > 1 else time.perf_counter() - t0
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return MethodRun(new, text, ttft, 0, None)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], start: int) -> torch.Tensor:
+        ids = torch.tensor([token_ids])
+        return self.model(ids).logits[0, start:].float()

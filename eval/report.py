@@ -1,0 +1,147 @@
+"""Writing an evaluation's results: JSON, per-example JSONL, a markdown table and two plots.
+
+    DIR/results.json        {"config": {...}, "methods": {name: aggregates}}
+    DIR/per_example.jsonl   one record per (example, method)
+    DIR/report.md           one table row per method, TTFT speedup vs full
+    DIR/quality_vs_ttft.png F1 against median TTFT, one labelled point per method
+    DIR/recompute_sweep.png answer_kl and F1 against R (only with two or more blend@R)
+
+Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_table", "write_outputs"]
+
+# (results key, column header, format)
+_COLUMNS = (
+    ("n", "n", "{:d}"),
+    ("f1", "F1", "{:.3f}"),
+    ("em", "EM", "{:.3f}"),
+    ("rouge_l", "Rouge-L", "{:.3f}"),
+    ("first_token_agreement", "1st-tok agree", "{:.2f}"),
+    ("first_token_kl", "1st-tok KL", "{:.4f}"),
+    ("answer_kl", "answer KL", "{:.4f}"),
+    ("answer_agreement", "answer agree", "{:.3f}"),
+    ("continuation_match", "cont. match", "{:.2f}"),
+    ("ttft_median_s", "TTFT p50 (s)", "{:.3f}"),
+    ("ttft_p90_s", "TTFT p90 (s)", "{:.3f}"),
+    ("ttft_speedup", "speedup vs full", "{:.2f}x"),
+    ("recompute_fraction", "recompute", "{:.3f}"),
+    ("kv_bytes_loaded", "K/V loaded (MB)", "mb"),
+    ("load_seconds", "load (s)", "{:.3f}"),
+)
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "–"
+    if fmt == "mb":
+        return f"{value / 1e6:.1f}"
+    return fmt.format(value)
+
+
+def format_table(methods: dict[str, dict[str, Any]]) -> str:
+    """A markdown table, one row per method in the given order."""
+    header = "| method | " + " | ".join(h for _, h, _ in _COLUMNS) + " |"
+    rule = "|---|" + "|".join("---:" for _ in _COLUMNS) + "|"
+    rows = [
+        f"| {name} | " + " | ".join(_cell(s.get(k), f) for k, _, f in _COLUMNS) + " |"
+        for name, s in methods.items()
+    ]
+    return "\n".join([header, rule, *rows])
+
+
+def _report_md(config: dict[str, Any], methods: dict[str, dict[str, Any]]) -> str:
+    model = config.get("model") or f"embedded ({config.get('model_name')})"
+    return (
+        "# blendkv eval\n\n"
+        f"- data: `{config['data']}` ({config['num_examples']} examples), model: {model}, "
+        f"dtype: {config['dtype']}\n"
+        f"- greedy, max_tokens={config['max_tokens']}; fidelity vs full prefill, teacher-forced "
+        f"along its first {config['answer_tokens']} answer tokens; blend selection "
+        f"{config['selection']} at layer {config['check_layer']}\n"
+        "- TTFT measured interleaved per example after warming the chunk store; speedup = "
+        "full's median TTFT / the method's. `recompute` = share of reused chunk tokens "
+        "recomputed (blend) or of prompt tokens computed (full, prefix, hf).\n\n"
+        + format_table(methods)
+        + "\n"
+    )
+
+
+def write_outputs(out_dir: str | Path, result) -> dict[str, Path]:
+    """Write every output file of ``result`` (an ``EvalResult``) into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "results": out / "results.json",
+        "per_example": out / "per_example.jsonl",
+        "report": out / "report.md",
+        "quality_vs_ttft": out / "quality_vs_ttft.png",
+    }
+    doc = {"config": result.config, "methods": result.summary}
+    paths["results"].write_text(json.dumps(doc, indent=2) + "\n")
+    with paths["per_example"].open("w") as f:
+        for record in result.records:
+            f.write(json.dumps(record) + "\n")
+    paths["report"].write_text(_report_md(result.config, result.summary))
+    _plot_quality_vs_ttft(result.summary, paths["quality_vs_ttft"])
+    sweep = _blend_ratios(result.summary)
+    if len(sweep) >= 2:
+        paths["recompute_sweep"] = out / "recompute_sweep.png"
+        _plot_sweep(result.summary, sweep, paths["recompute_sweep"])
+    return paths
+
+
+def _blend_ratios(methods: dict[str, dict[str, Any]]) -> list[tuple[float, str]]:
+    return sorted(
+        (float(name.removeprefix("blend@")), name) for name in methods if name.startswith("blend@")
+    )
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_quality_vs_ttft(methods: dict[str, dict[str, Any]], path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in methods.items():
+        ax.scatter(s["ttft_median_s"], s["f1"])
+        ax.annotate(name, (s["ttft_median_s"], s["f1"]), textcoords="offset points",
+                    xytext=(5, 4))  # fmt: skip
+    ax.set_xlabel("median TTFT (s)")
+    ax.set_ylabel("F1")
+    ax.set_title("quality vs time to first token")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_sweep(methods, sweep: list[tuple[float, str]], path: Path) -> None:
+    plt = _pyplot()
+    ratios = [r for r, _ in sweep]
+    fig, ax_kl = plt.subplots(figsize=(6, 4))
+    ax_kl.plot(ratios, [methods[n]["answer_kl"] for _, n in sweep], "o-", color="tab:red")
+    ax_kl.set_xlabel("recompute ratio R")
+    ax_kl.set_ylabel("answer KL vs full (nats)", color="tab:red")
+    ax_f1 = ax_kl.twinx()
+    ax_f1.plot(ratios, [methods[n]["f1"] for _, n in sweep], "s--", color="tab:blue")
+    ax_f1.set_ylabel("F1", color="tab:blue")
+    if "full" in methods:
+        ax_f1.axhline(methods["full"]["f1"], color="tab:blue", alpha=0.3, label="full F1")
+        ax_f1.legend(loc="lower right")
+    ax_kl.set_title("blend recompute sweep")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

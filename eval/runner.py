@@ -1,0 +1,251 @@
+"""The evaluation loop: load examples, warm the chunk store, run every method on every example.
+
+    load + render  ->  warm-up (precompute every document's K/V, one untimed request per
+    method)  ->  for each example: every method in turn (timed, interleaved), then the
+    teacher-forced logits of each method along full prefill's answer  ->  aggregate
+
+Interleaving methods per example makes slow drift of a shared machine hit all methods alike;
+the warm-up keeps chunk precompute and first-call costs out of TTFT. ``full`` is the reference
+for every fidelity metric, so it always runs (first), even when not asked for.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from blendkv.errors import ConfigError
+from blendkv.eval import metrics
+from blendkv.eval.methods import (
+    ExamplePrompt,
+    HFRunner,
+    Method,
+    MethodError,
+    MethodRun,
+    parse_methods,
+    run_method,
+    teacher_forced_rows,
+)
+
+__all__ = ["EvalConfig", "EvalResult", "run_eval", "summarize_method"]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What ``blendkv eval`` runs. ``answer_tokens``: how much of full prefill's greedy answer
+    the teacher-forced fidelity follows (tokens)."""
+
+    data: str
+    methods: str = "full,reuse,blend@0.15"
+    limit: int | None = None
+    model: str | None = None
+    dtype: str = "bfloat16"
+    max_tokens: int = 32
+    seed: int = 0
+    answer_tokens: int = 16
+    max_model_len: int | None = None
+    kv_store_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "answer_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        parse_methods(self.methods)  # raise MethodError now, before any model loads
+
+    @property
+    def method_list(self) -> list[Method]:
+        methods = parse_methods(self.methods)
+        if all(m.name != "full" for m in methods):
+            methods.insert(0, parse_methods("full")[0])  # the fidelity reference
+        return sorted(methods, key=lambda m: m.name != "full")  # full first
+
+
+@dataclass
+class EvalResult:
+    config: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)  # one per (example, method)
+    summary: dict[str, dict[str, Any]] = field(default_factory=dict)  # method -> aggregates
+
+
+def run_eval(config: EvalConfig, progress: bool = True) -> EvalResult:
+    from tqdm.auto import tqdm
+
+    from blendkv import LLM, SamplingParams
+    from blendkv.eval.datasets import dataset_kind, load_dataset
+    from blendkv.eval.prompts import get_prompt_spec, render_prompt
+
+    methods = config.method_list
+    examples = load_dataset(config.data, config.limit, config.seed)
+    if not examples:
+        raise MethodError(f"{config.data}: no examples to evaluate")
+    spec = get_prompt_spec(dataset_kind(config.data))
+    llm = LLM(
+        config.model,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        kv_store_dir=config.kv_store_dir,
+        anchor_instruction=spec.system,  # chunks are precomputed behind the real prompt prefix
+    )
+    try:
+        manager = llm.engine.blend_manager()
+        prompts = [_example_prompt(manager, render_prompt(ex, spec)) for ex in examples]
+        hf = None
+        if any(m.kind == "hf" for m in methods):
+            engine = llm.engine
+            hf = HFRunner(
+                engine.resolved.model_dir, config.dtype, engine.tokenizer, engine.info.eos_token_ids
+            )
+        _warm_up(llm, hf, methods, prompts, progress)
+        params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
+        result = EvalResult(config=_config_dict(config, llm, methods, len(examples)))
+        bar = tqdm(list(zip(examples, prompts, strict=True)), desc="eval", disable=not progress)
+        for ex, prompt in bar:
+            runs = {m.name: run_method(llm, hf, m, prompt, params) for m in methods}
+            result.records.extend(_score_example(llm, hf, methods, ex, prompt, runs, config))
+            bar.set_postfix({m: f"{r.ttft:.2f}s" for m, r in runs.items()})
+        for m in methods:
+            rows = [r for r in result.records if r["method"] == m.name]
+            result.summary[m.name] = summarize_method(rows)
+        _add_speedups(result.summary)
+        return result
+    finally:
+        llm.close()
+
+
+def _example_prompt(manager, rendered) -> ExamplePrompt:
+    from blendkv.blend.config import BlendConfig
+
+    blended = {"documents": rendered.documents, "query": rendered.query}
+    blended["instruction"] = rendered.system
+    ids = manager.prepare(blended, BlendConfig()).prompt.token_ids
+    rev = manager.prepare({**blended, "documents": rendered.documents[::-1]}, BlendConfig())
+    return ExamplePrompt(blended, list(ids), list(rev.prompt.token_ids))
+
+
+def _warm_up(llm, hf, methods: list[Method], prompts: list[ExamplePrompt], progress: bool) -> None:
+    """Store every document's K/V, then run each method once on a one-document prompt."""
+    from tqdm.auto import tqdm
+
+    from blendkv import SamplingParams
+
+    manager = llm.engine.blend_manager()
+    chunks: dict[tuple[int, ...], None] = {}
+    for p in prompts:
+        for doc in p.blended["documents"]:
+            chunks.setdefault(tuple(manager.builder.encode(doc)), None)
+    with tqdm(total=len(chunks), desc="warm-up store", disable=not progress) as bar:
+        manager.precompute([list(c) for c in chunks], progress=bar.update)
+    small = {**prompts[0].blended, "documents": prompts[0].blended["documents"][:1]}
+    ids = manager.prepare(small, None).prompt.token_ids
+    tiny = ExamplePrompt(small, list(ids), list(ids))
+    for m in methods:
+        run_method(llm, hf, m, tiny, SamplingParams(max_tokens=2))
+
+
+def _score_example(llm, hf, methods, ex, prompt, runs: dict[str, MethodRun], config):
+    full = runs["full"]
+    answer = full.token_ids[: config.answer_tokens]
+    ref = teacher_forced_rows(llm, hf, methods[0], prompt, answer)
+    records = []
+    for m in methods:
+        run = runs[m.name]
+        rows = ref if m.name == "full" else teacher_forced_rows(llm, hf, m, prompt, answer)
+        k = len(answer)
+        fid = metrics.teacher_forced_fidelity(ref[:k], rows[:k], config.answer_tokens)
+        pred = metrics.first_line(run.text)
+        stats = run.blend_stats or {}
+        n_prompt = len(prompt.token_ids)
+        if m.kind == "blend":
+            recompute = stats["recompute_fraction"]
+            computed = stats["tokens_recomputed"] / n_prompt
+        else:
+            recompute = computed = (n_prompt - run.num_cached_tokens) / n_prompt
+        records.append(
+            {
+                "id": ex.id,
+                "method": m.name,
+                "prediction": pred,
+                "generation": run.text,
+                "answers": ex.answers,
+                "f1": metrics.f1_score(pred, ex.answers),
+                "em": metrics.exact_match(pred, ex.answers),
+                "rouge_l": metrics.rouge_l(pred, ex.answers),
+                "first_token_agreement": float(metrics.first_token_agreement(ref[0], rows[0])),
+                "first_token_kl": float(metrics.kl_divergence(ref[0], rows[0])),
+                "answer_kl": fid.mean_kl,
+                "answer_agreement": fid.top1_agreement,
+                "continuation_match": float(run.token_ids == full.token_ids),
+                "ttft_s": run.ttft,
+                "ttft_speedup": full.ttft / run.ttft,
+                "num_prompt_tokens": n_prompt,
+                "num_cached_tokens": run.num_cached_tokens,
+                "recompute_fraction": recompute,
+                "computed_fraction": computed,
+                "kv_bytes_loaded": stats.get("kv_bytes_loaded", 0),
+                "load_seconds": stats.get("load_seconds", 0.0),
+                "blend_stats": run.blend_stats,
+            }
+        )
+    return records
+
+
+_MEANS = (
+    "f1",
+    "em",
+    "rouge_l",
+    "first_token_agreement",
+    "first_token_kl",
+    "answer_kl",
+    "answer_agreement",
+    "continuation_match",
+    "recompute_fraction",
+    "computed_fraction",
+    "kv_bytes_loaded",
+    "load_seconds",
+)
+
+
+def summarize_method(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregates of one method's per-example records: means, TTFT median/p90/mean, and the
+    median of the per-example TTFT speedups over full prefill (paired, so drift cancels)."""
+    if not records:
+        raise ValueError("no records to summarise")
+    out: dict[str, Any] = {"n": len(records)}
+    for key in _MEANS:
+        out[key] = statistics.fmean(float(r[key]) for r in records)
+    ttft = metrics.summarize(r["ttft_s"] for r in records)
+    out["ttft_median_s"], out["ttft_p90_s"], out["ttft_mean_s"] = (
+        ttft["median"],
+        ttft["p90"],
+        ttft["mean"],
+    )
+    out["ttft_speedup_paired_median"] = statistics.median(r["ttft_speedup"] for r in records)
+    return out
+
+
+def _add_speedups(summary: dict[str, dict[str, Any]]) -> None:
+    full = summary["full"]["ttft_median_s"]
+    for s in summary.values():
+        s["ttft_speedup"] = full / s["ttft_median_s"]
+
+
+def _config_dict(config: EvalConfig, llm, methods: list[Method], n: int) -> dict[str, Any]:
+    from blendkv.blend.config import BlendConfig
+
+    info, blend = llm.engine.info, BlendConfig()
+    d = asdict(config)
+    d.update(
+        methods=[m.name for m in methods],
+        num_examples=n,
+        model_name=info.model_name,
+        architecture=info.architecture,
+        reference="full",
+        decoding="greedy",
+        selection=blend.selection,
+        check_layer=blend.check_layer,
+    )
+    return d
