@@ -81,3 +81,11 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+BLEND_DOCS = [
+    "Paris is the capital of France. The Seine flows through Paris. " * 2,
+    "Berlin is the capital of Germany. It has many museums and parks.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+]
+BLEND_QUERY = "Which city is the capital of France?"

@@ -107,14 +107,8 @@ class BlendManager:
         """Parse a blended prompt dict (see ``blendkv.blend``) into a plan; raises on bad input."""
         config = config or BlendConfig()
         config.validate_for(self.num_layers)
-        unknown = set(prompt) - {
-            "documents",
-            "chunks",
-            "chunk_ids",
-            "query",
-            "system",
-            "instruction",
-        }
+        allowed = {"documents", "chunks", "chunk_ids", "query", "system", "instruction"}
+        unknown = set(prompt) - allowed - {"continuation"}
         if unknown:
             raise InvalidRequestError(f"unknown keys in blended prompt: {sorted(unknown)}")
         chunks = self._chunks(prompt)

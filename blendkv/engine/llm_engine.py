@@ -261,9 +261,15 @@ class LLMEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        **kwargs,
     ) -> str:
-        """Validate and queue one request; returns its id. Nothing is queued on error."""
-        return self.add_prepared(self.prepare_request(prompt, sampling_params, request_id))
+        """Validate and queue one request; returns its id. Nothing is queued on error.
+
+        Keyword arguments are those of :meth:`prepare_request` (``blend``, ``logits_from``).
+        """
+        return self.add_prepared(
+            self.prepare_request(prompt, sampling_params, request_id, **kwargs)
+        )
 
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)

@@ -105,9 +105,14 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_indices.append(query_start_loc[-1] - 1)
                 sample_seqs.append(seq)
-            if seq.logits_from is not None and end > seq.logits_from:
-                first = query_start_loc[-2] + max(seq.logits_from - start, 0)
-                logits_rows[seq.request_id] = list(range(first, query_start_loc[-1]))
+            if (
+                seq.logits_from is not None
+                and seq.logits_from < end
+                and start < seq.num_prompt_tokens
+            ):
+                lo = query_start_loc[-2] - start  # row of position 0 of this sequence
+                first, last = max(seq.logits_from, start), min(end, seq.num_prompt_tokens)
+                logits_rows[seq.request_id] = list(range(lo + first, lo + last))
         max_blocks = max(len(seq.block_table) for seq, _ in out.scheduled)
         block_table = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
         for i, (seq, _) in enumerate(out.scheduled):
