@@ -1,0 +1,76 @@
+"""Plain result types of the RAG pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    """One retrieved chunk. ``score`` is the index similarity (higher is closer);
+    ``kv_cached`` is True when the chunk's K/V is in the store (the blend will hit it)."""
+
+    chunk_id: int
+    doc_id: str | None
+    text: str
+    score: float
+    kv_cached: bool
+    position: int = 0  # the chunk's index within its document
+    metadata: dict[str, Any] = field(default_factory=dict)  # the document's metadata
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_id": self.chunk_id,
+            "doc_id": self.doc_id,
+            "position": self.position,
+            "score": self.score,
+            "kv_cached": self.kv_cached,
+            "text": self.text,
+            "metadata": dict(self.metadata),
+        }
+
+
+@dataclass
+class RAGAnswer:
+    """A generated answer, the chunks it was generated from (in prompt order), the blend stats
+    (:class:`blendkv.blend.plan.BlendStats`) and the time to first token in seconds."""
+
+    answer: str
+    sources: list[RetrievedChunk]
+    blend_stats: Any
+    ttft: float | None
+    finish_reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        stats = self.blend_stats.to_dict() if self.blend_stats is not None else None
+        return {
+            "answer": self.answer,
+            "ttft_s": self.ttft,
+            "finish_reason": self.finish_reason,
+            "blend_stats": stats,
+            "sources": [s.to_dict() for s in self.sources],
+        }
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    """Outcome of :meth:`RAGPipeline.ingest`, one entry per input document, in input order.
+
+    ``added`` and ``skipped`` are doc ids (skipped = already in the store, nothing written);
+    ``num_chunks`` counts the chunks written by this call.
+    """
+
+    doc_ids: tuple[str, ...]
+    added: tuple[str, ...]
+    skipped: tuple[str, ...]
+    num_chunks: int
+    num_tokens: int
+    seconds: float
+
+    def summary(self) -> str:
+        return (
+            f"{len(self.added)} document(s) added ({self.num_chunks} chunks, "
+            f"{self.num_tokens} tokens), {len(self.skipped)} already stored, "
+            f"in {self.seconds:.1f}s"
+        )
