@@ -64,7 +64,9 @@ class RAGPipeline:
         self.store_dir = Path(store_dir)
         if not create and not (self.store_dir / "data.mdb").exists():
             # Fail before loading a model.
-            raise StoreNotFoundError(f"no blendkv store at {self.store_dir}; ingest documents first")
+            raise StoreNotFoundError(
+                f"no blendkv store at {self.store_dir}; ingest documents first"
+            )
         self.chunk_tokens = chunk_tokens
         self.instruction = instruction
         self._owns_llm = llm is None
@@ -77,7 +79,9 @@ class RAGPipeline:
         try:
             self.manager = llm.engine.blend_manager()
             embedder = embedder if embedder is not None else MiniLMEmbedder()
-            self.store = ChunkStore(self.store_dir, self.manager.fingerprint, embedder, create=create)
+            self.store = ChunkStore(
+                self.store_dir, self.manager.fingerprint, embedder, create=create
+            )
             self.manager.use_store(self.store.kv)
             self.catalog = DocumentCatalog(self.store_dir)
         except BaseException:
@@ -298,7 +302,12 @@ class RAGPipeline:
 
         sources = self.retrieve(question, k)
         params = sampling_params or SamplingParams(max_tokens=128, temperature=0.0)
-        return sources, self.blended_prompt(question, sources, system), params, blend or BlendConfig()
+        return (
+            sources,
+            self.blended_prompt(question, sources, system),
+            params,
+            blend or BlendConfig(),
+        )
 
     @staticmethod
     def _answer(out, sources: list[RetrievedChunk]) -> RAGAnswer:

@@ -1,0 +1,67 @@
+"""``blendkv ingest PATH... --store DIR``: chunk, embed and precompute documents into a store."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True, metavar="DIR", help="chunk-KV store directory")
+
+
+def open_pipeline(args: argparse.Namespace, *, create: bool, chunk_tokens: int = 256):
+    """A RAGPipeline over ``args.store`` with the model options of ``args``.
+
+    A missing store (``create=False``) fails before the model is loaded.
+    """
+    from blendkv import LLM
+    from blendkv.cli import engine_kwargs
+    from blendkv.rag import RAGPipeline
+    from blendkv.store import StoreNotFoundError
+
+    if not create and not (Path(args.store) / "data.mdb").exists():
+        raise StoreNotFoundError(
+            f"no blendkv store at {args.store}; create one with `blendkv ingest PATH --store DIR`"
+        )
+    # Prefix caching off: every query goes through the chunk store (honest blend stats).
+    llm = LLM(args.model, enable_prefix_caching=False, **engine_kwargs(args))
+    try:
+        return RAGPipeline(args.store, llm=llm, chunk_tokens=chunk_tokens, create=create)
+    except BaseException:
+        llm.close()
+        raise
+
+
+def register(sub) -> None:
+    from blendkv.cli import add_model_args
+
+    p = sub.add_parser("ingest", help="add .txt/.md files or folders to a chunk-KV store")
+    p.add_argument("paths", nargs="+", help="files or folders (.txt/.md, searched recursively)")
+    add_store_arg(p)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="target chunk length in tokens")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blendkv.rag.documents import load_documents
+
+    paths = [Path(p) for p in args.paths]
+    docs = load_documents(paths)  # validate every file before loading the model
+    pipeline = open_pipeline(args, create=True, chunk_tokens=args.chunk_tokens)
+    try:
+        report = pipeline.ingest(paths, progress=not args.no_progress)
+        for doc, doc_id in zip(docs, report.doc_ids, strict=True):
+            state = "added" if doc_id in report.added else "already stored"
+            print(f"{doc_id}  {state:14s}  {doc.source}")
+        print(report.summary())
+        print(
+            f"store {args.store}: {len(pipeline.store.kv)} chunks, "
+            f"{len(pipeline.documents())} documents"
+        )
+    finally:
+        pipeline.close()
+        pipeline.llm.close()
+    return 0
