@@ -1,0 +1,100 @@
+"""LangChain adapters: a retriever over a :class:`~blendkv.rag.RAGPipeline` and a generator that
+hands retrieved ``Document``s to blendkv *as separate chunks*, so their stored K/V is blended.
+
+    retriever = BlendKVRetriever(pipeline=rag, k=4)
+    chain = {"question": RunnablePassthrough(), "documents": retriever} | BlendKVGenerator(rag)
+    chain.invoke("Who created Python?")   # AIMessage; blend stats in .response_metadata
+
+Joining the documents into one string (the usual ``format_docs`` step) would defeat reuse: the
+chunk boundaries, and so the stored K/V, would be lost. Needs ``pip install langchain-core``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import Runnable, RunnableConfig
+from pydantic import ConfigDict
+
+from blendkv.errors import InvalidRequestError
+
+
+def chunk_to_document(chunk) -> Document:
+    """A RetrievedChunk as a Document (metadata: chunk_id, doc_id, score, kv_cached, ...)."""
+    metadata = dict(chunk.metadata)
+    metadata.update(
+        chunk_id=chunk.chunk_id,
+        doc_id=chunk.doc_id,
+        position=chunk.position,
+        score=chunk.score,
+        kv_cached=chunk.kv_cached,
+    )
+    return Document(page_content=chunk.text, metadata=metadata)
+
+
+class BlendKVRetriever(BaseRetriever):
+    """Top-``k`` chunks of a RAGPipeline's store as ``Document``s; ``k`` may also be passed
+    per call (``retriever.invoke(q, k=3)``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    pipeline: Any
+    k: int = 6
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
+    ) -> list[Document]:
+        chunks = self.pipeline.retrieve(query, self.k if k is None else k)
+        return [chunk_to_document(c) for c in chunks]
+
+
+class BlendKVGenerator(Runnable[dict, AIMessage]):
+    """``{"question": str, "documents": list[Document]}`` -> ``AIMessage`` answer.
+
+    Documents carrying a ``chunk_id`` of the pipeline's store are served from their stored K/V;
+    others are tokenised, computed and written back (a cache miss), all in the given order.
+    ``response_metadata`` holds ``blend_stats`` (a dict), ``ttft_s`` and ``finish_reason``.
+    """
+
+    def __init__(self, pipeline, sampling_params=None, blend=None, system: str | None = None):
+        self.pipeline = pipeline
+        self.sampling_params = sampling_params
+        self.blend = blend
+        self.system = system
+
+    def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> AIMessage:
+        from blendkv import SamplingParams
+
+        if not isinstance(input, dict) or "question" not in input or "documents" not in input:
+            raise InvalidRequestError(
+                "BlendKVGenerator takes {'question': str, 'documents': [...]}"
+            )
+        question, docs = input["question"], list(input["documents"])
+        if not docs:
+            raise InvalidRequestError("BlendKVGenerator got no documents to answer from")
+        prompt = self.pipeline.blended_prompt(question, [], self.system)
+        del prompt["chunk_ids"]
+        prompt["chunks"] = [self._token_ids(d) for d in docs]
+        params = self.sampling_params or SamplingParams(max_tokens=128, temperature=0.0)
+        [out] = self.pipeline.llm.generate([prompt], params, blend=self.blend)
+        stats = out.blend_stats.to_dict() if out.blend_stats is not None else None
+        return AIMessage(
+            content=out.text.strip(),
+            response_metadata={
+                "blend_stats": stats,
+                "ttft_s": out.metrics.ttft,
+                "finish_reason": out.outputs[0].finish_reason,
+            },
+        )
+
+    def _token_ids(self, doc: Document) -> list[int]:
+        cid = doc.metadata.get("chunk_id")
+        if cid is not None:
+            meta = self.pipeline.store.kv.meta_for_id(int(cid))
+            if meta is not None and meta.text == doc.page_content:
+                return list(meta.token_ids)  # exactly the ids its K/V was stored under
+        return self.pipeline.manager.builder.encode(doc.page_content)
