@@ -63,6 +63,9 @@ def position_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
     return key_positions[None, :] <= q_positions[:, None]
 
 
+_DECODE_GROUP = 8
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -88,8 +91,11 @@ class TorchAttentionBackend(AttentionBackend):
             keys, values = gather_kv(kv_cache, md.block_table[i], seq_len)
             mask = position_mask(md.positions[lo:hi], seq_len)
             out[lo:hi] = _sdpa(q[None, lo:hi], keys[None], values[None], mask, scale)[0]
-        if decode_rows:
-            self._batched_decode(q, kv_cache, md, decode_rows, out, scale)
+        # Decode rows in groups of similar context length: one padded SDPA call per group
+        # keeps the gathered K/V close to the real context sizes.
+        decode_rows.sort(key=lambda i: md.seq_lens_cpu[i])
+        for g in range(0, len(decode_rows), _DECODE_GROUP):
+            self._batched_decode(q, kv_cache, md, decode_rows[g : g + _DECODE_GROUP], out, scale)
         return out
 
     @staticmethod

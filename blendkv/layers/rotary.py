@@ -87,18 +87,25 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):
             positions = torch.arange(self.max_position, dtype=torch.float32)
             freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
-            self._cos = freqs.cos() * self.attention_scaling
-            self._sin = freqs.sin() * self.attention_scaling
+            cos = freqs.cos() * self.attention_scaling
+            sin = freqs.sin() * self.attention_scaling
+            # Both halves stored, so a lookup is one gather (no per-layer concatenation).
+            self._cos = torch.cat((cos, cos), dim=-1)
+            self._sin = torch.cat((sin, sin), dim=-1)
+        # Every layer of one forward passes the same positions tensor: gather once per forward.
+        self._memo: tuple | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin gathered at ``positions``: [T, 1, head_dim] each, cast to ``dtype``."""
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == dtype:
+            return memo[2], memo[3]
         if self._cos.device != positions.device:
             self._cos = self._cos.to(positions.device)
             self._sin = self._sin.to(positions.device)
-        cos = self._cos[positions]
-        sin = self._sin[positions]
-        cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype)
-        sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(dtype)
+        cos = self._cos[positions][:, None, :].to(dtype)
+        sin = self._sin[positions][:, None, :].to(dtype)
+        self._memo = (positions, dtype, cos, sin)
         return cos, sin
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
