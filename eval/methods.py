@@ -132,7 +132,12 @@ def run_method(llm, hf, method: Method, ex: ExamplePrompt, params) -> MethodRun:
 
 def teacher_forced_rows(llm, hf, method: Method, ex: ExamplePrompt, answer: list[int]):
     """Next-token logits ``[len(answer) + 1, V]`` (float32) along ``answer``: row ``t`` is the
-    distribution after the prompt plus ``answer[:t]``, under ``method``."""
+    distribution after the prompt plus ``answer[:t]``, under ``method``.
+
+    ``prefix`` is scored like ``full`` (cold cache): its warm blocks hold the exact K/V of the
+    same tokens at the same positions, and re-running its warm-up would double the cost of the
+    slowest method. Its generation (F1, continuation match, TTFT) is its own.
+    """
     from blendkv import SamplingParams
 
     start = len(ex.token_ids) - 1
@@ -141,11 +146,7 @@ def teacher_forced_rows(llm, hf, method: Method, ex: ExamplePrompt, answer: list
     params = SamplingParams(max_tokens=1)
     if method.kind == "blend":
         out = _blended_with_continuation(llm, ex.blended, method.blend, answer, params, start)
-    elif method.kind == "prefix":
-        llm.engine.block_manager.reset_prefix_cache()
-        llm.generate([ex.reversed_token_ids], params)
-        out = llm.generate([ex.token_ids + answer], params, logits_from=start)[0]
-    else:
+    else:  # full and prefix: prefix caching reuses exact K/V, so both score full's rows
         out = _engine_run(llm, ex.token_ids + answer, params, logits_from=start)
     rows = out.extra["prompt_logits"]
     assert rows.shape[0] == len(answer) + 1, (tuple(rows.shape), len(answer))

@@ -67,9 +67,9 @@ def _report_md(config: dict[str, Any], methods: dict[str, dict[str, Any]]) -> st
         f"{config['selection']} at layer {config['check_layer']}\n"
         "- TTFT measured interleaved per example after warming the chunk store; speedup = "
         "full's median TTFT / the method's. `recompute` = share of reused chunk tokens "
-        "recomputed (blend) or of prompt tokens computed (full, prefix, hf).\n\n"
-        + format_table(methods)
-        + "\n"
+        "recomputed (blend) or of prompt tokens computed (full, prefix, hf). `prefix` reuses exact "
+        "K/V, so its logit fidelity is full's (not re-measured); its answers and TTFT are its "
+        "own.\n\n" + format_table(methods) + "\n"
     )
 
 

@@ -153,7 +153,8 @@ def _score_example(llm, hf, methods, ex, prompt, runs: dict[str, MethodRun], con
     records = []
     for m in methods:
         run = runs[m.name]
-        rows = ref if m.name == "full" else teacher_forced_rows(llm, hf, m, prompt, answer)
+        same = m.kind in ("full", "prefix")  # see teacher_forced_rows
+        rows = ref if same else teacher_forced_rows(llm, hf, m, prompt, answer)
         k = len(answer)
         fid = metrics.teacher_forced_fidelity(ref[:k], rows[:k], config.answer_tokens)
         pred = metrics.first_line(run.text)
@@ -188,6 +189,7 @@ def _score_example(llm, hf, methods, ex, prompt, runs: dict[str, MethodRun], con
                 "kv_bytes_loaded": stats.get("kv_bytes_loaded", 0),
                 "load_seconds": stats.get("load_seconds", 0.0),
                 "blend_stats": run.blend_stats,
+                "fidelity_rows": "full" if same else m.name,
             }
         )
     return records

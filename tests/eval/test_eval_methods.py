@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from blendkv.blend.config import BlendConfig
+from blendkv.eval.methods import MethodError, parse_method, parse_methods
+from blendkv.eval.report import format_table, write_outputs
+from blendkv.eval.runner import EvalConfig, EvalResult, summarize_method
+
+
+def test_parse_blend_ratio():
+    m = parse_method("blend@0.15")
+    assert (m.name, m.kind, m.blend) == ("blend@0.15", "blend", BlendConfig(recompute_ratio=0.15))
+    assert parse_method("blend@1.0").blend == BlendConfig(recompute_ratio=1.0)
+    assert parse_method("reuse").blend == BlendConfig(recompute_ratio=0.0)
+    for name in ("full", "prefix", "hf"):
+        assert parse_method(name) == parse_method(f" {name} ")
+        assert parse_method(name).blend is None
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("blend@x", "must be a number"),
+        ("blend@1.5", "not in [0, 1]"),
+        ("blend@-0.1", "not in [0, 1]"),
+        ("blend@nan", "not in [0, 1]"),
+        ("blend", "unknown method"),
+        ("fulll", "unknown method"),
+        ("", "no methods"),
+        (" , ", "no methods"),
+        ("full,full", "same method"),
+        ("reuse,blend@0", "same method"),
+        ("blend@1,blend@1.0", "same method"),
+    ],
+)
+def test_bad_method_names_raise_clearly(spec, message):
+    with pytest.raises(MethodError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_methods(spec)
+
+
+def test_eval_config_validates_before_loading_and_puts_full_first():
+    with pytest.raises(MethodError):
+        EvalConfig(data="synthetic", methods="full,bogus")
+    with pytest.raises(ValueError, match="max_tokens"):
+        EvalConfig(data="synthetic", max_tokens=0)
+    names = [m.name for m in EvalConfig(data="synthetic", methods="reuse,blend@0.5").method_list]
+    assert names == ["full", "reuse", "blend@0.5"]  # full added: it is the fidelity reference
+
+
+def _record(method, ttft, f1, full_ttft=2.0):
+    keys = (
+        "em rouge_l first_token_agreement first_token_kl answer_kl answer_agreement "
+        "continuation_match recompute_fraction computed_fraction kv_bytes_loaded load_seconds"
+    ).split()
+    rec = {k: 0.5 for k in keys}
+    rec.update(method=method, ttft_s=ttft, f1=f1, ttft_speedup=full_ttft / ttft)
+    return rec
+
+
+def test_summarize_method_by_hand():
+    recs = [_record("blend@0.1", t, f) for t, f in [(1.0, 0.0), (2.0, 1.0), (4.0, 0.5)]]
+    s = summarize_method(recs)
+    assert s["n"] == 3
+    assert s["f1"] == pytest.approx(0.5)
+    assert s["ttft_median_s"] == pytest.approx(2.0)
+    assert s["ttft_p90_s"] == pytest.approx(2.0 + 0.8 * 2.0)  # 0.9 * (3 - 1) = 1.8 -> v1 + .8 d
+    assert s["ttft_speedup_paired_median"] == pytest.approx(1.0)  # ratios 2, 1, 0.5
+
+
+def test_write_outputs_files_and_sweep_only_with_two_ratios(tmp_path):
+    config = {
+        "data": "synthetic", "num_examples": 1, "model": None, "model_name": "m",
+        "dtype": "float32", "max_tokens": 4, "answer_tokens": 16, "selection": "v_deviation",
+        "check_layer": 1,
+    }  # fmt: skip
+    ttfts = [("full", 2.0), ("reuse", 1.0)]
+    summary = {m: summarize_method([_record(m, t, 0.5)]) for m, t in ttfts}
+    for s in summary.values():
+        s["ttft_speedup"] = 2.0 / s["ttft_median_s"]
+    result = EvalResult(config, [_record("full", 2.0, 0.5)], summary)
+    paths = write_outputs(tmp_path / "a", result)
+    assert "recompute_sweep" not in paths
+    assert (tmp_path / "a" / "quality_vs_ttft.png").stat().st_size > 0
+    assert json.loads(paths["results"].read_text())["methods"]["reuse"]["ttft_speedup"] == 2.0
+    table = format_table(summary)
+    assert table.count("\n") == 3 and "| reuse | 1 |" in table and "2.00x" in table
+    for r in (0.1, 0.3):
+        summary[f"blend@{r}"] = summary["reuse"]
+    paths = write_outputs(tmp_path / "b", result)
+    assert paths["recompute_sweep"].stat().st_size > 0
