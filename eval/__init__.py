@@ -1,9 +1,13 @@
 """Quality/latency evaluation harness (``blendkv eval``).
 
-Model-independent groundwork, one concern per module:
+One concern per module:
 
 - :mod:`blendkv.eval.datasets`: :class:`Example`/:class:`Passage` and the data set loaders.
 - :mod:`blendkv.eval.synthetic`: seeded two-hop QA whose hops sit in different passages.
 - :mod:`blendkv.eval.prompts`: prompt pieces (system, one string per passage, query) as data.
 - :mod:`blendkv.eval.metrics`: EM/F1/Rouge-L and fidelity to full prefill (KL, top-1).
+- :mod:`blendkv.eval.methods`: method names (full, prefix, reuse, blend@R, hf) and running one
+  method on one example, timed and teacher-forced.
+- :mod:`blendkv.eval.runner`: the loop (store warm-up, interleaved methods, aggregation).
+- :mod:`blendkv.eval.report`: results.json, per_example.jsonl, report.md and the plots.
 """
