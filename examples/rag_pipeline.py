@@ -32,7 +32,7 @@ def main() -> None:
         answer = rag.query(
             question,
             k=3,
-            sampling_params=SamplingParams(max_tokens=48),
+            sampling_params=SamplingParams(max_tokens=48, temperature=0.0),
             blend=BlendConfig(recompute_ratio=0.15),
         )
         print(f"\nQ: {question}\nA: {answer.answer}")
