@@ -14,6 +14,7 @@ import torch
 from blendkv.blend.fused_forward import SeqBlend, fused_forward
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.plan import BlendPlan
+from blendkv.kernels.torch_attention import write_kv_cache
 
 
 class BlendExecutor:
@@ -66,10 +67,7 @@ class BlendExecutor:
                 table[positions // self.block_size] * self.block_size + positions % self.block_size
             )
             for layer in range(first, len(kv_caches)):
-                cache = kv_caches[layer]
-                flat = cache.view(2, -1, *cache.shape[-2:])
-                flat[0].index_copy_(0, slots, k[layer - first].to(cache.dtype))
-                flat[1].index_copy_(0, slots, kv[layer - first, 1].to(cache.dtype))
+                write_kv_cache(kv_caches[layer], k[layer - first], kv[layer - first, 1], slots)
             reused[lo - start : e - start] = True
             stats.kv_bytes_loaded += kv.numel() * kv.element_size()
         stats.tokens_reused = int(reused.sum())

@@ -100,6 +100,10 @@ class RequestState:
         blend_stats = getattr(seq.extra, "stats", None)
         if blend_stats is not None:
             blend_stats.ttft = metrics.ttft
+            # Also when the prefix cache served every chunk and no fused prefill ran.
+            blend_stats.prefix_cached_tokens = max(
+                blend_stats.prefix_cached_tokens, m.num_cached_tokens
+            )
         return RequestOutput(
             request_id=seq.request_id,
             prompt=self.prompt,
