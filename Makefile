@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/blendkv demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
