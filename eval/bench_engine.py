@@ -42,7 +42,9 @@ def make_prompts(n: int, vocab: int, special: set[int], seed: int = 0) -> list[l
     return [[rng.choice(pool) for _ in range(rng.randint(64, 512))] for _ in range(n)]
 
 
+@torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (EOS ignored): the reference."""
     ids = torch.tensor([prompt])
     out = model.generate(
         ids,

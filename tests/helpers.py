@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from blendkv.eval.bench_engine import hf_greedy  # noqa: F401  (re-exported for tests)
+
 TINY = dict(
     vocab_size=320,
     hidden_size=64,
@@ -67,20 +69,6 @@ def make_tiny_model_dir(path: Path, arch: str = "llama", **overrides) -> Path:
     assert len(tok) <= config.vocab_size
     tok.save_pretrained(path)
     return path
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 BLEND_DOCS = [
