@@ -74,7 +74,13 @@ class ChunkStore:
     def add_chunks(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
         """Store chunks (one transaction) and index the new ones; returns per-chunk results."""
         results = self.kv.put_many(chunks)
-        new = [(c, r.chunk_id) for c, r in zip(chunks, results, strict=True) if r.inserted]
+        # Only document chunks are retrievable; K/V written back at query time (no doc_id) is
+        # a cache entry, kept out of the index.
+        new = [
+            (c, r.chunk_id)
+            for c, r in zip(chunks, results, strict=True)
+            if r.inserted and c.doc_id is not None
+        ]
         evicted = [cid for r in results for cid in r.evicted]
         if evicted:
             self.index.remove(evicted)
@@ -103,9 +109,13 @@ class ChunkStore:
                 hits.append(SearchHit(cid, score, meta))
         return hits
 
+    def indexable_ids(self) -> set[int]:
+        """Ids of the stored chunks that belong to a document (the ones the index holds)."""
+        return {m.chunk_id for m in self.kv.iter_meta() if m.doc_id is not None}
+
     def sync_index(self) -> tuple[int, int]:
-        """Make the index hold exactly the store's chunk ids; returns (removed, added)."""
-        store_ids = set(self.kv.chunk_ids())
+        """Make the index hold exactly the stored document chunks; returns (removed, added)."""
+        store_ids = self.indexable_ids()
         index_ids = set(self.index.ids().tolist())
         stale = sorted(index_ids - store_ids)
         missing = sorted(store_ids - index_ids)
@@ -121,7 +131,7 @@ class ChunkStore:
     def verify(self) -> VerifyReport:
         """Store verify plus index <-> store id agreement."""
         report = self.kv.verify()
-        store_ids = set(self.kv.chunk_ids())
+        store_ids = self.indexable_ids()
         index_ids = self.index.ids().tolist()
         if len(index_ids) != len(set(index_ids)):
             report.add("index_duplicate", "index", "an id appears more than once")

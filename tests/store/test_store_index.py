@@ -76,13 +76,24 @@ def test_chunk_store_keeps_index_and_store_in_step(store_path, fp):
 def test_chunk_store_resyncs_index_after_crash_between_steps(store_path, fp):
     with ChunkStore(store_path, fp, HashEmbedder()) as cs:
         cs.add_chunks(_chunks(["one two", "three four"], "d"))
-        cs.kv.put(key_of(9), make_kv(9), text="five six")  # stored, never indexed
+        cs.kv.put(key_of(9), make_kv(9), text="five six", doc_id="d2")  # stored, never indexed
         cs.index.add([77], HashEmbedder().embed(["ghost"]))  # indexed, never stored
         kinds = sorted(p.kind for p in cs.verify().problems)
         assert kinds == ["index_missing", "index_orphan"]
         cs.save_index()
     with ChunkStore(store_path, fp, HashEmbedder()) as cs:
         assert cs.verify().ok and cs.search("five six", 1)[0].chunk_id == 2
+
+
+def test_write_back_chunks_are_cached_but_not_indexed(store_path, fp):
+    """K/V written back at query time (no document) is a cache entry, not a search result."""
+    with ChunkStore(store_path, fp, HashEmbedder()) as cs:
+        cs.add_chunks(_chunks(["one two"], "d"))
+        cs.add_chunks([NewChunk(key_of(5), make_kv(5), text="five six")])
+        assert len(cs.kv) == 2 and cs.index.ids().tolist() == [0]
+        assert cs.verify().ok
+    with ChunkStore(store_path, fp, HashEmbedder()) as cs:  # reopen runs sync_index
+        assert cs.index.ids().tolist() == [0] and cs.verify().ok
 
 
 def test_chunk_store_refuses_index_of_other_embedder(store_path, fp):
