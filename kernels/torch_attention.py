@@ -27,13 +27,26 @@ def write_kv_cache(
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype).reshape(-1, width).contiguous())
 
 
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """K and V of ``block_ids`` (any shape ``S``): [2, *S, block_size, kv_heads, head_dim].
+
+    One ``index_select`` over 2-D rows of whole blocks: several times faster on CPU than
+    advanced indexing of the 5-D pool.
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat_ids = block_ids.reshape(-1).long()
+    rows = kv_cache.view(2 * num_blocks, block_size * num_kv_heads * head_dim)
+    picked = rows.index_select(0, torch.cat((flat_ids, flat_ids + num_blocks)))
+    return picked.view(2, *block_ids.shape, block_size, num_kv_heads, head_dim)
+
+
 def gather_kv(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``seq_len`` keys and values of a sequence: [seq_len, kv_heads, head_dim] each."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks = -(-seq_len // block_size)
-    blocks = kv_cache[:, block_ids[:num_blocks]]  # [2, nb, bs, H, D]
+    blocks = gather_blocks(kv_cache, block_ids[:num_blocks])  # [2, nb, bs, H, D]
     blocks = blocks.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]
     return blocks[0], blocks[1]
 
@@ -109,8 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
         max_len = max(seq_lens)
         num_blocks = -(-max_len // block_size)
         row_idx = torch.tensor(rows, dtype=torch.long, device=q.device)
-        tables = md.block_table[row_idx, :num_blocks].long()  # [B, nb]
-        kv = kv_cache[:, tables]  # [2, B, nb, bs, H, D]
+        tables = md.block_table[row_idx, :num_blocks]  # [B, nb]
+        kv = gather_blocks(kv_cache, tables)  # [2, B, nb, bs, H, D]
         kv = kv.reshape(2, len(rows), num_blocks * block_size, num_kv_heads, head_dim)
         lens = torch.tensor(seq_lens, device=q.device)
         mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < lens[:, None]

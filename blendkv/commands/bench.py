@@ -14,6 +14,7 @@ def register(sub) -> None:
     e.add_argument("--num-requests", type=int, default=32)
     e.add_argument("--output-tokens", type=int, default=64)
     e.add_argument("--prefill-tokens", type=int, default=2048)
+    e.add_argument("--repeats", type=int, default=3, help="prefill timings (best of N)")
     e.add_argument("--json", default=None, help="also write the results to this file")
     e.set_defaults(func=_engine)
     b = bench.add_parser("blend", help="TTFT of full prefill vs blend vs reuse on MuSiQue")

@@ -48,16 +48,27 @@ class Attention(nn.Module):
         # the backend is not an nn.Module.
         self.rotary_emb = rotary_emb
         self.attn_backend = attn_backend
+        self.fused_qkv = None  # set by fuse() once weights are loaded
 
     def project(
         self, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, hidden_size] -> pre-RoPE q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
         t = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        if self.fused_qkv is not None:
+            q, k, v = self.fused_qkv(hidden_states)
+        else:
+            q, k, v = (p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         return q, k, v
+
+    def fuse(self) -> None:
+        """One GEMM for q/k/v from now on (parameters become views; names unchanged)."""
+        from blendkv.layers.fused import FusedLinear
+
+        self.fused_qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def attend(
         self,

@@ -216,6 +216,9 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype, attn_backend) -> nn.
         model = model_cls(config, attn_backend).to(dtype)
     # Meta parameters are replaced by the checkpoint tensors (cast to dtype) as they stream in.
     model.load_weights(iter_safetensors(resolved.model_dir))
+    for module in model.modules():
+        if hasattr(module, "fuse") and callable(module.fuse):
+            module.fuse()
     return model.eval()
 
 
