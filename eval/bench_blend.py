@@ -55,7 +55,10 @@ def main(args) -> int:
     manager = llm.engine.blend_manager()
     one = SamplingParams(temperature=0.0, max_tokens=1)
     answer_params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
-    methods = {"blend": BlendConfig(recompute_ratio=args.ratio), "reuse": BlendConfig(recompute_ratio=0.0)}
+    methods = {
+        "blend": BlendConfig(recompute_ratio=args.ratio),
+        "reuse": BlendConfig(recompute_ratio=0.0),
+    }
     prompts = [_blended(ex, spec) for ex in examples]
 
     # Warm the store (precompute every chunk) and check correctness before timing.

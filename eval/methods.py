@@ -154,44 +154,10 @@ def teacher_forced_rows(llm, hf, method: Method, ex: ExamplePrompt, answer: list
 
 
 def _blended_with_continuation(llm, prompt, config, answer, params, logits_from):
-    """A blended request with ``"continuation": answer``.
-
-    Some engine versions reject the ``continuation`` key in ``BlendManager.prepare`` although the
-    prompt builder supports it; then the plan is built here from the same pieces.
-    """
-    from blendkv.blend.plan import BlendPlan
-    from blendkv.engine.llm_engine import PreparedRequest
-    from blendkv.errors import InvalidRequestError
-
-    try:
-        return _engine_run(
-            llm, {**prompt, "continuation": list(answer)}, params, blend=config,
-            logits_from=logits_from,
-        )  # fmt: skip
-    except InvalidRequestError as exc:
-        if "continuation" not in str(exc):
-            raise
-    engine = llm.engine
-    manager = engine.blend_manager()
-    base = manager.prepare(prompt, config)
-    built = manager.builder.build(
-        base.prompt.chunks, prompt["query"], prompt.get("system"), prompt.get("instruction"),
-        list(answer),
-    )  # fmt: skip
-    assert built.token_ids[: len(base.prompt.token_ids)] == base.prompt.token_ids
-    plan = BlendPlan(prompt=built, config=config, chunk_keys=base.chunk_keys, salt=base.salt)
-    plan.stats.num_chunks = len(built.chunks)
-    params = engine.validate(built.token_ids, params)
-    req = PreparedRequest(
-        built.token_ids, params, extra=plan, cache_salt=plan.salt, logits_from=logits_from
+    """A blended request with ``"continuation": answer`` (teacher forcing)."""
+    return _engine_run(
+        llm, {**prompt, "continuation": list(answer)}, params, blend=config, logits_from=logits_from
     )
-    engine.block_manager.reset_prefix_cache()
-    request_id = engine.add_prepared(req)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                return out
-    raise AssertionError("the teacher-forced request never finished")
 
 
 class HFRunner:

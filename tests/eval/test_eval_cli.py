@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from blendkv.cli import main
 
 METHODS = ["full", "reuse", "blend@0.5", "blend@1.0"]

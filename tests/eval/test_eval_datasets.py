@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from blendkv.errors import BlendKVError
 from blendkv.eval.datasets import (
     DatasetError,
     Example,
@@ -14,8 +16,6 @@ from blendkv.eval.datasets import (
     load_longbench_jsonl,
     split_context,
 )
-
-from blendkv.errors import BlendKVError
 
 # tests/eval/<this file> -> parents[2] is the repository root; CI keeps ../shared beside it.
 MUSIQUE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "musique_dev.json"

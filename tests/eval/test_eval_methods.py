@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from blendkv.blend.config import BlendConfig
 from blendkv.eval.methods import MethodError, parse_method, parse_methods
 from blendkv.eval.report import format_table, write_outputs

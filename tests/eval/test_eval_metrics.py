@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from blendkv.eval.metrics import (
     Fidelity,
     exact_match,

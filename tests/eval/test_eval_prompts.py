@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from blendkv.eval.datasets import Example, Passage
 from blendkv.eval.prompts import (
     DEFAULT_PROMPTS,

@@ -3,6 +3,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from blendkv.eval.synthetic import ATTRIBUTES, ROLES, make_synthetic
 
 # Patterns for the placeholders, written here (not taken from the generator) so that a change
