@@ -82,6 +82,35 @@ def position_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
 _DECODE_GROUP = 8
 
 
+def masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Rows of one sequence at ascending (possibly scattered) ``positions`` over its keys.
+
+    With an explicit mask SDPA computes every (row, key) pair, masked ones included. The rows
+    are split into groups and each group only gets the keys up to its last row's position,
+    which skips most of the masked triangle (measured 1.3-1.5x faster for 1K scattered rows
+    over 6K keys on CPU). Needs ``positions`` ascending, as the runner lays rows out.
+    """
+    n = q.shape[0]
+    num_groups = max(1, min(_MAX_ROW_GROUPS, n // _MIN_GROUP_ROWS))
+    if num_groups == 1:
+        mask = position_mask(positions, keys.shape[0])
+        return _sdpa(q[None], keys[None], values[None], mask, scale)[0]
+    bounds = [round(g * n / num_groups) for g in range(num_groups + 1)]
+    last_positions = positions[[b - 1 for b in bounds[1:]]].tolist()
+    out = torch.empty_like(q)
+    for lo, hi, last in zip(bounds[:-1], bounds[1:], last_positions, strict=True):
+        end = last + 1
+        mask = position_mask(positions[lo:hi], end)
+        out[lo:hi] = _sdpa(q[None, lo:hi], keys[None, :end], values[None, :end], mask, scale)[0]
+    return out
+
+
+_MAX_ROW_GROUPS = 8
+_MIN_GROUP_ROWS = 64
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -105,8 +134,7 @@ class TorchAttentionBackend(AttentionBackend):
                 out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
                 continue
             keys, values = gather_kv(kv_cache, md.block_table[i], seq_len)
-            mask = position_mask(md.positions[lo:hi], seq_len)
-            out[lo:hi] = _sdpa(q[None, lo:hi], keys[None], values[None], mask, scale)[0]
+            out[lo:hi] = masked_attention(q[lo:hi], keys, values, md.positions[lo:hi], scale)
         # Decode rows in groups of similar context length: one padded SDPA call per group
         # keeps the gathered K/V close to the real context sizes.
         decode_rows.sort(key=lambda i: md.seq_lens_cpu[i])
