@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(
+    0, str(Path(__file__).parent / "rag")
+)  # rag_helpers, shared by rag/ and integrations/
 
 from helpers import make_tiny_model_dir  # noqa: E402
 
@@ -18,3 +21,18 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def rag():
+    """The session's RAG pipeline over the bundled demo documents (tests/rag/rag_helpers.py)."""
+    from rag_helpers import shared_pipeline
+
+    return shared_pipeline()[0]
+
+
+@pytest.fixture(scope="session")
+def demo_report():
+    from rag_helpers import shared_pipeline
+
+    return shared_pipeline()[1]

@@ -25,15 +25,7 @@ from blendkv.errors import InvalidRequestError
 
 def chunk_to_document(chunk) -> Document:
     """A RetrievedChunk as a Document (metadata: chunk_id, doc_id, score, kv_cached, ...)."""
-    metadata = dict(chunk.metadata)
-    metadata.update(
-        chunk_id=chunk.chunk_id,
-        doc_id=chunk.doc_id,
-        position=chunk.position,
-        score=chunk.score,
-        kv_cached=chunk.kv_cached,
-    )
-    return Document(page_content=chunk.text, metadata=metadata)
+    return Document(page_content=chunk.text, metadata=chunk.retriever_metadata())
 
 
 class BlendKVRetriever(BaseRetriever):

@@ -24,14 +24,8 @@ class BlendKVLlamaIndexRetriever(BaseRetriever):
         chunks = self._pipeline.retrieve(query_bundle.query_str, self._similarity_top_k)
         nodes = []
         for c in chunks:
-            metadata = dict(c.metadata)
-            metadata.update(
-                chunk_id=c.chunk_id,
-                doc_id=c.doc_id,
-                position=c.position,
-                score=c.score,
-                kv_cached=c.kv_cached,
+            node = TextNode(
+                id_=f"blendkv-chunk-{c.chunk_id}", text=c.text, metadata=c.retriever_metadata()
             )
-            node = TextNode(id_=f"blendkv-chunk-{c.chunk_id}", text=c.text, metadata=metadata)
             nodes.append(NodeWithScore(node=node, score=c.score))
         return nodes

@@ -19,6 +19,19 @@ class RetrievedChunk:
     position: int = 0  # the chunk's index within its document
     metadata: dict[str, Any] = field(default_factory=dict)  # the document's metadata
 
+    def retriever_metadata(self) -> dict[str, Any]:
+        """The document's metadata plus chunk_id, doc_id, position, score and kv_cached: what
+        the LangChain and LlamaIndex retrievers attach to each result."""
+        metadata = dict(self.metadata)
+        metadata.update(
+            chunk_id=self.chunk_id,
+            doc_id=self.doc_id,
+            position=self.position,
+            score=self.score,
+            kv_cached=self.kv_cached,
+        )
+        return metadata
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "chunk_id": self.chunk_id,
