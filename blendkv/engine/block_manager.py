@@ -86,11 +86,16 @@ class BlockManager:
         """Longest run of cached full blocks at the start of ``seq``'s tokens.
 
         Only the first ``num_tokens - 1`` tokens are matched: at least one token must be
-        computed to produce logits. Returns (block ids, number of tokens they hold).
+        computed to produce logits. A request asking for prompt logits (``logits_from``) matches
+        only tokens before that position, so every row it asked for is computed. Returns
+        (block ids, number of tokens they hold).
         """
         if not self.enable_prefix_caching:
             return [], 0
-        tokens = seq.all_token_ids[: seq.num_tokens - 1]
+        limit = seq.num_tokens - 1
+        if seq.logits_from is not None:
+            limit = min(limit, seq.logits_from)
+        tokens = seq.all_token_ids[:limit]
         blocks: list[int] = []
         for h in hash_prefix_blocks(tokens, self.block_size, seq.cache_salt):
             block_id = self.hash_to_block.get(h)

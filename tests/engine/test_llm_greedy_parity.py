@@ -77,6 +77,22 @@ def test_prefix_cache_hits_keep_outputs_exact(model_and_refs):
     llm.engine.check_integrity()
 
 
+def test_prompt_logits_are_computed_past_a_prefix_cache_hit(model_and_refs):
+    """``logits_from`` caps the prefix-cache match: every asked-for row is computed, and equals
+    the cold request's (the warm prefix holds the same K/V)."""
+    path, prompts, _ = model_and_refs
+    llm = LLM(str(path), dtype="float32", block_size=4)
+    prompt, start = prompts[4], 30  # 64 tokens; rows from 30 on
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    cold = llm.generate([prompt], params, logits_from=start)[0]
+    warm = llm.generate([prompt], params, logits_from=start)[0]
+    assert cold.metrics.num_cached_tokens == 0
+    assert warm.metrics.num_cached_tokens == 28  # full blocks before position 30 only
+    rows_cold, rows_warm = cold.extra["prompt_logits"], warm.extra["prompt_logits"]
+    assert rows_warm.shape == rows_cold.shape == (len(prompt) - start, rows_cold.shape[1])
+    torch.testing.assert_close(rows_warm, rows_cold, rtol=1e-4, atol=1e-4)
+
+
 def test_streaming_deltas_concatenate_to_final_text(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32")
     prompt = "The quick brown fox"
