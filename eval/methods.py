@@ -9,8 +9,10 @@ A method is how the prompt's K/V comes about:
 - ``blend@R``: CacheBlend with recompute ratio ``R`` in [0, 1].
 - ``hf``: transformers ``generate`` on the same token ids (an engine-independent reference).
 
-Every engine request starts from an empty prefix cache (except the ``prefix`` warm-up), so TTFT
-measures the method's own path and teacher-forced logit rows are never served from the cache.
+Every timed request starts from an empty prefix cache (except the ``prefix`` warm-up), so TTFT
+measures the method's own path. The teacher-forced request that follows a method's run reuses
+that run's prompt K/V through the prefix cache (the same K/V, not recomputed), so it computes
+only the answer tokens and the prompt's last partial block.
 """
 
 from __future__ import annotations
@@ -130,34 +132,41 @@ def run_method(llm, hf, method: Method, ex: ExamplePrompt, params) -> MethodRun:
     )
 
 
-def teacher_forced_rows(llm, hf, method: Method, ex: ExamplePrompt, answer: list[int]):
-    """Next-token logits ``[len(answer) + 1, V]`` (float32) along ``answer``: row ``t`` is the
-    distribution after the prompt plus ``answer[:t]``, under ``method``.
+class TeacherForced(NamedTuple):
+    rows: torch.Tensor  # [len(answer) + 1, V] float32 next-token logits
+    num_cached_tokens: int  # prompt tokens the request took from the prefix cache
 
-    ``prefix`` is scored like ``full`` (cold cache): its warm blocks hold the exact K/V of the
-    same tokens at the same positions, and re-running its warm-up would double the cost of the
-    slowest method. Its generation (F1, continuation match, TTFT) is its own.
+
+def teacher_forced_rows(
+    llm, hf, method: Method, ex: ExamplePrompt, answer: list[int]
+) -> TeacherForced:
+    """Next-token logits along ``answer``: row ``t`` is the distribution after the prompt plus
+    ``answer[:t]``, under ``method``.
+
+    Call it right after :func:`run_method` of the same method on the same example: the request
+    then hits that run's prompt blocks in the prefix cache (``full``: the exact K/V; ``blend``:
+    the fused K/V, whose cache salt is the chunk set and blend config) and computes only the
+    rest. A blended request whose hit stops inside the chunks would re-blend the rest on its
+    own, so it is rerun cold instead. ``prefix`` is scored like ``full``: its warm blocks hold
+    the exact K/V of the same tokens at the same positions.
     """
     from blendkv import SamplingParams
 
     start = len(ex.token_ids) - 1
     if method.kind == "hf":
-        return hf.prompt_logits(ex.token_ids + answer, start)
+        return TeacherForced(hf.prompt_logits(ex.token_ids + answer, start), 0)
     params = SamplingParams(max_tokens=1)
     if method.kind == "blend":
-        out = _blended_with_continuation(llm, ex.blended, method.blend, answer, params, start)
-    else:  # full and prefix: prefix caching reuses exact K/V, so both score full's rows
-        out = _engine_run(llm, ex.token_ids + answer, params, logits_from=start)
+        prompt = {**ex.blended, "continuation": list(answer)}
+        kwargs = dict(blend=method.blend, logits_from=start)
+        out = llm.generate([prompt], params, **kwargs)[0]
+        if out.blend_stats.tokens_reused:  # fused again: not the run's own K/V
+            out = _engine_run(llm, prompt, params, **kwargs)
+    else:  # full and prefix
+        out = llm.generate([ex.token_ids + answer], params, logits_from=start)[0]
     rows = out.extra["prompt_logits"]
     assert rows.shape[0] == len(answer) + 1, (tuple(rows.shape), len(answer))
-    return rows
-
-
-def _blended_with_continuation(llm, prompt, config, answer, params, logits_from):
-    """A blended request with ``"continuation": answer`` (teacher forcing)."""
-    return _engine_run(
-        llm, {**prompt, "continuation": list(answer)}, params, blend=config, logits_from=logits_from
-    )
+    return TeacherForced(rows, int(out.metrics.num_cached_tokens))
 
 
 class HFRunner:

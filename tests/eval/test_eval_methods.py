@@ -91,3 +91,35 @@ def test_write_outputs_files_and_sweep_only_with_two_ratios(tmp_path):
         summary[f"blend@{r}"] = summary["reuse"]
     paths = write_outputs(tmp_path / "b", result)
     assert paths["recompute_sweep"].stat().st_size > 0
+
+
+def test_teacher_forced_rows_reuse_the_runs_own_kv(tiny_llama_dir):
+    """Right after a method's run, its teacher-forced request hits that run's prompt blocks
+    (exact or fused K/V) and gives the rows a cold request gives."""
+    import torch
+
+    from blendkv import LLM, SamplingParams
+    from blendkv.eval.methods import ExamplePrompt, run_method, teacher_forced_rows
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    try:
+        manager = llm.engine.blend_manager()
+        docs = ["alpha beta gamma delta epsilon zeta", "one two three four five six seven"]
+        blended = {"documents": docs, "query": "which words come first in the list?"}
+        ids = list(manager.prepare(blended, BlendConfig()).prompt.token_ids)
+        ex = ExamplePrompt(blended, ids, ids)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        answer = run_method(llm, None, parse_method("full"), ex, params).token_ids[:4]
+        for name in ("full", "blend@0.3"):
+            m = parse_method(name)
+            run_method(llm, None, m, ex, params)
+            warm = teacher_forced_rows(llm, None, m, ex, answer)
+            assert warm.num_cached_tokens == (len(ids) - 1) // 4 * 4  # every full prompt block
+            llm.engine.block_manager.reset_prefix_cache()
+            cold = teacher_forced_rows(llm, None, m, ex, answer)
+            assert cold.num_cached_tokens == 0
+            warm, cold = warm.rows, cold.rows
+            assert warm.shape == cold.shape == (len(answer) + 1, warm.shape[1])
+            torch.testing.assert_close(warm, cold, rtol=1e-4, atol=1e-4)
+    finally:
+        llm.close()
