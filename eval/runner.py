@@ -17,6 +17,7 @@ from typing import Any
 
 from blendkv.errors import ConfigError
 from blendkv.eval import metrics
+from blendkv.eval.journal import Journal
 from blendkv.eval.methods import (
     ExamplePrompt,
     HFRunner,
@@ -71,17 +72,37 @@ class EvalResult:
     summary: dict[str, dict[str, Any]] = field(default_factory=dict)  # method -> aggregates
 
 
-def run_eval(config: EvalConfig, progress: bool = True) -> EvalResult:
-    from tqdm.auto import tqdm
-
-    from blendkv import LLM, SamplingParams
-    from blendkv.eval.datasets import dataset_kind, load_dataset
-    from blendkv.eval.prompts import get_prompt_spec, render_prompt
+def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None = None):
+    """Run every method on every example; with a ``journal``, examples it holds are skipped
+    (their records join the result) and each finished example is appended to it."""
+    from blendkv.eval.datasets import load_dataset
 
     methods = config.method_list
     examples = load_dataset(config.data, config.limit, config.seed)
     if not examples:
         raise MethodError(f"{config.data}: no examples to evaluate")
+    wanted = {ex.id for ex in examples}
+    done = [r for r in journal.records if r["id"] in wanted] if journal else []
+    todo = [ex for ex in examples if ex.id not in {r["id"] for r in done}]
+    if todo or journal is None or journal.run_config is None:
+        result = _run_examples(config, methods, todo, len(examples), progress, journal)
+    else:  # everything is in the journal: aggregate only, no model
+        result = EvalResult(config={**journal.run_config, "num_examples": len(examples)})
+    result.records[:0] = done
+    for m in methods:
+        rows = [r for r in result.records if r["method"] == m.name]
+        result.summary[m.name] = summarize_method(rows)
+    _add_speedups(result.summary)
+    return result
+
+
+def _run_examples(config, methods, examples, num_examples: int, progress: bool, journal):
+    from tqdm.auto import tqdm
+
+    from blendkv import LLM, SamplingParams
+    from blendkv.eval.datasets import dataset_kind
+    from blendkv.eval.prompts import get_prompt_spec, render_prompt
+
     spec = get_prompt_spec(dataset_kind(config.data))
     llm = LLM(
         config.model,
@@ -99,18 +120,21 @@ def run_eval(config: EvalConfig, progress: bool = True) -> EvalResult:
             hf = HFRunner(
                 engine.resolved.model_dir, config.dtype, engine.tokenizer, engine.info.eos_token_ids
             )
+        result = EvalResult(config=_config_dict(config, llm, methods, num_examples))
+        if journal is not None:
+            journal.start(result.config)
+        if not examples:
+            return result
         _warm_up(llm, hf, methods, prompts, progress)
         params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
-        result = EvalResult(config=_config_dict(config, llm, methods, len(examples)))
         bar = tqdm(list(zip(examples, prompts, strict=True)), desc="eval", disable=not progress)
         for ex, prompt in bar:
             runs, rows = _run_example(llm, hf, methods, prompt, params, config.answer_tokens)
-            result.records.extend(_score_example(methods, ex, prompt, runs, rows, config))
+            records = _score_example(methods, ex, prompt, runs, rows, config)
+            if journal is not None:
+                journal.append(records)
+            result.records.extend(records)
             bar.set_postfix({m: f"{r.ttft:.2f}s" for m, r in runs.items()})
-        for m in methods:
-            rows = [r for r in result.records if r["method"] == m.name]
-            result.summary[m.name] = summarize_method(rows)
-        _add_speedups(result.summary)
         return result
     finally:
         llm.close()

@@ -1,12 +1,15 @@
 """``blendkv eval --data FILE|synthetic --methods full,reuse,blend@0.15 --out DIR``.
 
 Runs every method on every example (see ``blendkv.eval.runner``), writes results.json,
-per_example.jsonl, report.md and plots into ``--out`` and prints the report table.
+per_example.jsonl, report.md and plots into ``--out`` and prints the report table. Finished
+examples go to ``--out`` as they finish; ``--resume`` continues an interrupted run there.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import asdict
 
 
 def register(sub) -> None:
@@ -32,10 +35,15 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-store-dir", default=None, help="chunk store (default: a temporary one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="continue the run journaled in --out (same settings; --limit may grow)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from blendkv.eval.journal import Journal
     from blendkv.eval.report import format_table, write_outputs
     from blendkv.eval.runner import EvalConfig, run_eval
 
@@ -51,7 +59,19 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_store_dir=args.kv_store_dir,
     )  # validates the method names before the model loads
-    result = run_eval(config, progress=not args.no_progress)
+    journal = Journal(args.out, asdict(config), [m.name for m in config.method_list], args.resume)
+    if journal.records:
+        n = len(journal.done_ids)
+        print(f"resuming: {n} example(s) already in {args.out}", file=sys.stderr)
+    try:
+        result = run_eval(config, progress=not args.no_progress, journal=journal)
+    except KeyboardInterrupt:
+        n = len(journal.done_ids)
+        print(
+            f"\ninterrupted: {n} example(s) saved in {args.out}; rerun with --resume to go on",
+            file=sys.stderr,
+        )
+        return 130
     paths = write_outputs(args.out, result)
     print(format_table(result.summary))
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
