@@ -1,12 +1,13 @@
 """The evaluation loop: load examples, warm the chunk store, run every method on every example.
 
     load + render  ->  warm-up (precompute every document's K/V, one untimed request per
-    method)  ->  for each example: every method in turn (timed, interleaved), then the
-    teacher-forced logits of each method along full prefill's answer  ->  aggregate
+    method)  ->  for each example: every method in turn (timed, interleaved), each followed by
+    its teacher-forced logits along full prefill's answer  ->  journal  ->  aggregate
 
 Interleaving methods per example makes slow drift of a shared machine hit all methods alike;
 the warm-up keeps chunk precompute and first-call costs out of TTFT. ``full`` is the reference
-for every fidelity metric, so it always runs (first), even when not asked for.
+for every fidelity metric, so it always runs (first), even when not asked for. Examples already
+in the journal (``blendkv eval --resume``) are not run again.
 """
 
 from __future__ import annotations
