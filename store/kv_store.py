@@ -31,11 +31,7 @@ import torch
 
 from . import format as fmt
 from . import layout, opening, txn_ops
-from .errors import (
-    CorruptValueError,
-    StoreError,
-    StoreReadOnlyError,
-)
+from .errors import CorruptValueError, StoreError, StoreReadOnlyError
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
 from .queries import StoreQueries
