@@ -122,10 +122,14 @@ def _plot_quality_vs_ttft(methods: dict[str, dict[str, Any]], path: Path) -> Non
         (ax_kl, "answer_kl", "answer KL vs full prefill (lower is better)"),
     )
     for ax, key, label in panels:
+        placed: dict[tuple[float, float], int] = {}  # rounded point -> labels already there
         for name, s in methods.items():
-            ax.scatter(s["ttft_median_s"], s[key])
-            ax.annotate(name, (s["ttft_median_s"], s[key]), textcoords="offset points",
-                        xytext=(5, 4), fontsize=8)  # fmt: skip
+            x, y = s["ttft_median_s"], s[key]
+            ax.scatter(x, y)
+            spot = (round(x, 1), round(y, 3))
+            n = placed[spot] = placed.get(spot, -1) + 1  # stack labels of coinciding points
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4 + 10 * n),
+                        fontsize=8)  # fmt: skip
         ax.set_xlabel("median TTFT (s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
