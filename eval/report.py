@@ -122,12 +122,13 @@ def _plot_quality_vs_ttft(methods: dict[str, dict[str, Any]], path: Path) -> Non
         (ax_kl, "answer_kl", "answer KL vs full prefill (lower is better)"),
     )
     for ax, key, label in panels:
-        placed: dict[tuple[float, float], int] = {}  # rounded point -> labels already there
-        for name, s in methods.items():
-            x, y = s["ttft_median_s"], s[key]
+        points = [(name, s["ttft_median_s"], s[key]) for name, s in methods.items()]
+        dx = 0.02 * (max(p[1] for p in points) - min(p[1] for p in points) or 1.0)
+        dy = 0.02 * (max(p[2] for p in points) - min(p[2] for p in points) or 1.0)
+        for i, (name, x, y) in enumerate(points):
             ax.scatter(x, y)
-            spot = (round(x, 1), round(y, 3))
-            n = placed[spot] = placed.get(spot, -1) + 1  # stack labels of coinciding points
+            # Stack the labels of points that (nearly) coincide, e.g. full and prefix.
+            n = sum(abs(x - px) <= dx and abs(y - py) <= dy for _, px, py in points[:i])
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4 + 10 * n),
                         fontsize=8)  # fmt: skip
         ax.set_xlabel("median TTFT (s)")
