@@ -84,7 +84,8 @@ def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None 
         raise MethodError(f"{config.data}: no examples to evaluate")
     wanted = {ex.id for ex in examples}
     done = [r for r in journal.records if r["id"] in wanted] if journal else []
-    todo = [ex for ex in examples if ex.id not in {r["id"] for r in done}]
+    done_ids = {r["id"] for r in done}
+    todo = [ex for ex in examples if ex.id not in done_ids]
     if todo or journal is None or journal.run_config is None:
         result = _run_examples(config, methods, todo, len(examples), progress, journal)
     else:  # everything is in the journal: aggregate only, no model
