@@ -6,7 +6,9 @@ A method is how the prompt's K/V comes about:
 - ``prefix``: the engine's prefix cache, warmed by the same documents in reversed order just
   before (what a vLLM user gets when passages are retrieved in another order).
 - ``reuse``: every chunk's stored K/V as is (``BlendConfig(recompute_ratio=0.0)``).
-- ``blend@R``: CacheBlend with recompute ratio ``R`` in [0, 1].
+- ``blend@R``: CacheBlend with recompute ratio ``R`` in [0, 1]; ``blend@R:SELECTION`` picks the
+  recomputed tokens with another strategy of :class:`BlendConfig` (``attention``,
+  ``k_deviation``, ``random``; the default is ``v_deviation``).
 - ``hf``: transformers ``generate`` on the same token ids (an engine-independent reference).
 
 Every timed request starts from an empty prefix cache (except the ``prefix`` warm-up), so TTFT
@@ -23,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from blendkv.blend.config import BlendConfig
+from blendkv.blend.config import SELECTIONS, BlendConfig
 from blendkv.errors import BlendKVError
 
 __all__ = ["Method", "MethodError", "MethodRun", "parse_method", "parse_methods", "run_method"]
@@ -43,14 +45,15 @@ class Method:
 
 
 def parse_method(name: str) -> Method:
-    """``"full"``, ``"prefix"``, ``"reuse"``, ``"hf"`` or ``"blend@R"`` with R in [0, 1]."""
+    """``"full"``, ``"prefix"``, ``"reuse"``, ``"hf"``, ``"blend@R"`` with R in [0, 1], or
+    ``"blend@R:SELECTION"`` with SELECTION one of :data:`~blendkv.blend.config.SELECTIONS`."""
     name = name.strip()
     if name in ("full", "prefix", "hf"):
         return Method(name, name)
     if name == "reuse":
         return Method(name, "blend", BlendConfig(recompute_ratio=0.0))
     if name.startswith("blend@"):
-        text = name.removeprefix("blend@")
+        text, colon, selection = name.removeprefix("blend@").partition(":")
         try:
             ratio = float(text)
         except ValueError:
@@ -60,23 +63,40 @@ def parse_method(name: str) -> Method:
             ) from None
         if not 0.0 <= ratio <= 1.0:
             raise MethodError(f"bad method {name!r}: recompute ratio {ratio} is not in [0, 1]")
-        return Method(name, "blend", BlendConfig(recompute_ratio=ratio))
+        if colon and selection not in SELECTIONS:
+            raise MethodError(
+                f"bad method {name!r}: unknown selection {selection!r} after ':'; use one of "
+                f"{', '.join(SELECTIONS)}, e.g. blend@0.15:attention"
+            )
+        config = BlendConfig(recompute_ratio=ratio, selection=selection or "v_deviation")
+        return Method(name, "blend", config)
     raise MethodError(
-        f"unknown method {name!r}; use one of {', '.join(PLAIN_METHODS)} or blend@R "
-        "(R in [0, 1], e.g. blend@0.15)"
+        f"unknown method {name!r}; use one of {', '.join(PLAIN_METHODS)}, blend@R "
+        "(R in [0, 1], e.g. blend@0.15) or blend@R:SELECTION (e.g. blend@0.15:attention)"
     )
 
 
+def _identity(method: Method) -> tuple:
+    """Methods with equal identities compute the same K/V: the selection strategy does not
+    matter when no reused token (R=0) or every one (R=1) is recomputed."""
+    if method.blend is None:
+        return (method.kind,)
+    b = method.blend
+    selection = b.selection if 0.0 < b.recompute_ratio < 1.0 else None
+    return (method.kind, b.recompute_ratio, selection)
+
+
 def parse_methods(spec: str) -> list[Method]:
-    """A comma-separated list of method names; duplicates (also ``reuse`` and ``blend@0``, or
-    ``blend@1`` and ``blend@1.0``) and empty lists are errors."""
+    """A comma-separated list of method names; duplicates (also ``reuse`` and ``blend@0``,
+    ``blend@1`` and ``blend@1.0:random``, or ``blend@0.15`` and ``blend@0.15:v_deviation``) and
+    empty lists are errors."""
     names = [n for n in (s.strip() for s in spec.split(",")) if n]
     if not names:
         raise MethodError("no methods given; e.g. --methods full,reuse,blend@0.15")
     methods = [parse_method(n) for n in names]
     seen: dict[tuple, str] = {}
     for m in methods:
-        key = (m.kind, m.blend)
+        key = _identity(m)
         if key in seen:
             raise MethodError(f"methods {seen[key]!r} and {m.name!r} are the same method")
         seen[key] = m.name

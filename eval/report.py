@@ -4,7 +4,8 @@
     DIR/per_example.jsonl   one record per (example, method)
     DIR/report.md           one table row per method, TTFT speedup vs full
     DIR/quality_vs_ttft.png F1 and answer KL against median TTFT, one point per method
-    DIR/recompute_sweep.png answer_kl and F1 against R (only with two or more blend@R)
+    DIR/recompute_sweep.png answer KL and F1 against R, one line per selection strategy (only
+                            with two or more blend@R of one strategy; reuse is R = 0)
 
 Plots use matplotlib's Agg backend (no display needed).
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from blendkv.eval.methods import parse_method
 
 __all__ = ["format_table", "write_outputs"]
 
@@ -64,7 +67,8 @@ def _report_md(config: dict[str, Any], methods: dict[str, dict[str, Any]]) -> st
         f"dtype: {config['dtype']}\n"
         f"- greedy, max_tokens={config['max_tokens']}; fidelity vs full prefill, teacher-forced "
         f"along its first {config['answer_tokens']} answer tokens; blend selection "
-        f"{config['selection']} at layer {config['check_layer']}\n"
+        f"{config['selection']} (unless the method name gives another) at layer "
+        f"{config['check_layer']}\n"
         "- TTFT measured interleaved per example after warming the chunk store; speedup = "
         "full's median TTFT / the method's. `recompute` = share of reused chunk tokens "
         "recomputed (blend) or of prompt tokens computed (full, prefix, hf). `prefix` reuses exact "
@@ -90,17 +94,25 @@ def write_outputs(out_dir: str | Path, result) -> dict[str, Path]:
             f.write(json.dumps(record) + "\n")
     paths["report"].write_text(_report_md(result.config, result.summary))
     _plot_quality_vs_ttft(result.summary, paths["quality_vs_ttft"])
-    sweep = _blend_ratios(result.summary)
-    if len(sweep) >= 2:
+    sweeps = _blend_sweeps(result.summary)
+    if any(sum(n.startswith("blend@") for _, n in points) >= 2 for points in sweeps.values()):
         paths["recompute_sweep"] = out / "recompute_sweep.png"
-        _plot_sweep(result.summary, sweep, paths["recompute_sweep"])
+        _plot_sweep(result.summary, sweeps, paths["recompute_sweep"])
     return paths
 
 
-def _blend_ratios(methods: dict[str, dict[str, Any]]) -> list[tuple[float, str]]:
-    return sorted(
-        (float(name.removeprefix("blend@")), name) for name in methods if name.startswith("blend@")
-    )
+def _blend_sweeps(methods: dict[str, dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
+    """Selection strategy -> its ``blend@R[:SELECTION]`` methods as sorted ``(R, name)``."""
+    sweeps: dict[str, list[tuple[float, str]]] = {}
+    for name in methods:
+        if name.startswith("blend@"):
+            blend = parse_method(name).blend
+            sweeps.setdefault(blend.selection, []).append((blend.recompute_ratio, name))
+    if "reuse" in methods:  # R = 0 is the same K/V under every strategy
+        for points in sweeps.values():
+            if all(r > 0.0 for r, _ in points):
+                points.append((0.0, "reuse"))
+    return {selection: sorted(points) for selection, points in sweeps.items()}
 
 
 def _pyplot():
@@ -140,20 +152,22 @@ def _plot_quality_vs_ttft(methods: dict[str, dict[str, Any]], path: Path) -> Non
     plt.close(fig)
 
 
-def _plot_sweep(methods, sweep: list[tuple[float, str]], path: Path) -> None:
+def _plot_sweep(methods, sweeps: dict[str, list[tuple[float, str]]], path: Path) -> None:
+    """Answer KL (left) and F1 (right) against R, one line per selection strategy."""
     plt = _pyplot()
-    ratios = [r for r, _ in sweep]
-    fig, ax_kl = plt.subplots(figsize=(6, 4))
-    ax_kl.plot(ratios, [methods[n]["answer_kl"] for _, n in sweep], "o-", color="tab:red")
-    ax_kl.set_xlabel("recompute ratio R")
-    ax_kl.set_ylabel("answer KL vs full (nats)", color="tab:red")
-    ax_f1 = ax_kl.twinx()
-    ax_f1.plot(ratios, [methods[n]["f1"] for _, n in sweep], "s--", color="tab:blue")
-    ax_f1.set_ylabel("F1", color="tab:blue")
+    fig, (ax_kl, ax_f1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for selection, points in sweeps.items():
+        ratios = [r for r, _ in points]
+        ax_kl.plot(ratios, [methods[n]["answer_kl"] for _, n in points], "o-", label=selection)
+        ax_f1.plot(ratios, [methods[n]["f1"] for _, n in points], "s--", label=selection)
     if "full" in methods:
-        ax_f1.axhline(methods["full"]["f1"], color="tab:blue", alpha=0.3, label="full F1")
-        ax_f1.legend(loc="lower right")
-    ax_kl.set_title("blend recompute sweep")
+        ax_f1.axhline(methods["full"]["f1"], color="gray", alpha=0.5, label="full prefill")
+    for ax, label in ((ax_kl, "answer KL vs full prefill (nats)"), (ax_f1, "F1")):
+        ax.set_xlabel("recompute ratio R")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(title="selection", fontsize=8)
+    fig.suptitle("blend recompute sweep")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -20,7 +20,8 @@ def register(sub) -> None:
     p.add_argument(
         "--methods",
         default="full,reuse,blend@0.15",
-        help="comma-separated: full, prefix, reuse, hf, blend@R (R in [0, 1])",
+        help="comma-separated: full, prefix, reuse, hf, blend@R (R in [0, 1]), "
+        "blend@R:SELECTION (attention, k_deviation, random; default v_deviation)",
     )
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")

@@ -8,7 +8,7 @@ import pytest
 
 from blendkv.cli import main
 
-METHODS = ["full", "reuse", "blend@0.5", "blend@1.0"]
+METHODS = ["full", "reuse", "blend@0.5", "blend@0.5:attention", "blend@1.0"]
 SUMMARY_KEYS = {
     "n", "f1", "em", "rouge_l", "first_token_agreement", "first_token_kl", "answer_kl",
     "answer_agreement", "continuation_match", "ttft_median_s", "ttft_p90_s",
@@ -57,6 +57,8 @@ def test_fidelity_orders_methods(eval_dir):
     # Reusing chunk K/V as is loses the cross-chunk attention; some of it shows in the KL.
     assert m["reuse"]["answer_kl"] > m["blend@1.0"]["answer_kl"]
     assert m["reuse"]["recompute_fraction"] == 0.0 and m["reuse"]["kv_bytes_loaded"] > 0
+    # Another selection strategy recomputes as many tokens, picked by the query's attention.
+    assert m["blend@0.5:attention"]["recompute_fraction"] == pytest.approx(0.5, abs=0.02)
 
 
 def test_bad_method_fails_before_loading(tmp_path, capsys):

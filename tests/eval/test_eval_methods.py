@@ -6,7 +6,7 @@ import pytest
 
 from blendkv.blend.config import BlendConfig
 from blendkv.eval.methods import MethodError, parse_method, parse_methods
-from blendkv.eval.report import format_table, write_outputs
+from blendkv.eval.report import _blend_sweeps, format_table, write_outputs
 from blendkv.eval.runner import EvalConfig, EvalResult, summarize_method
 
 
@@ -18,6 +18,18 @@ def test_parse_blend_ratio():
     for name in ("full", "prefix", "hf"):
         assert parse_method(name) == parse_method(f" {name} ")
         assert parse_method(name).blend is None
+
+
+def test_parse_blend_selection():
+    m = parse_method("blend@0.15:attention")
+    assert (m.name, m.kind) == ("blend@0.15:attention", "blend")
+    assert m.blend == BlendConfig(recompute_ratio=0.15, selection="attention")
+    assert parse_method("blend@0.3:random").blend.selection == "random"
+    # Same ratio, other strategies: distinct methods, compared side by side.
+    names = "blend@0.15,blend@0.15:attention,blend@0.15:k_deviation,blend@0.15:random"
+    assert [m.blend.selection for m in parse_methods(names)] == [
+        "v_deviation", "attention", "k_deviation", "random",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -34,6 +46,12 @@ def test_parse_blend_ratio():
         ("full,full", "same method"),
         ("reuse,blend@0", "same method"),
         ("blend@1,blend@1.0", "same method"),
+        ("blend@0.15:best", "unknown selection 'best'"),
+        ("blend@0.15:", "unknown selection ''"),
+        ("blend@x:attention", "must be a number"),
+        ("blend@0.15,blend@0.15:v_deviation", "same method"),  # the default strategy
+        ("reuse,blend@0:attention", "same method"),  # nothing recomputed: no pick to make
+        ("blend@1,blend@1.0:random", "same method"),  # everything recomputed
     ],
 )
 def test_bad_method_names_raise_clearly(spec, message):
@@ -91,6 +109,19 @@ def test_write_outputs_files_and_sweep_only_with_two_ratios(tmp_path):
         summary[f"blend@{r}"] = summary["reuse"]
     paths = write_outputs(tmp_path / "b", result)
     assert paths["recompute_sweep"].stat().st_size > 0
+
+
+def test_sweep_lines_group_ratios_by_selection():
+    names = ["full", "reuse", "blend@0.3", "blend@0.1", "blend@0.1:attention", "blend@1.0:random"]
+    sweeps = _blend_sweeps(dict.fromkeys(names, {}))
+    assert sweeps == {
+        "v_deviation": [(0.0, "reuse"), (0.1, "blend@0.1"), (0.3, "blend@0.3")],
+        "attention": [(0.0, "reuse"), (0.1, "blend@0.1:attention")],
+        "random": [(0.0, "reuse"), (1.0, "blend@1.0:random")],
+    }
+    assert _blend_sweeps(dict.fromkeys(["full", "blend@0.2"], {})) == {
+        "v_deviation": [(0.2, "blend@0.2")]
+    }
 
 
 def test_teacher_forced_rows_reuse_the_runs_own_kv(tiny_llama_dir):
