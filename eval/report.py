@@ -135,8 +135,9 @@ def _plot_quality_vs_ttft(methods: dict[str, dict[str, Any]], path: Path) -> Non
     )
     for ax, key, label in panels:
         points = [(name, s["ttft_median_s"], s[key]) for name, s in methods.items()]
-        dx = 0.02 * (max(p[1] for p in points) - min(p[1] for p in points) or 1.0)
-        dy = 0.02 * (max(p[2] for p in points) - min(p[2] for p in points) or 1.0)
+        # A label is ~15% of the x range wide and ~4% of the y range high.
+        dx = 0.15 * (max(p[1] for p in points) - min(p[1] for p in points) or 1.0)
+        dy = 0.04 * (max(p[2] for p in points) - min(p[2] for p in points) or 1.0)
         for i, (name, x, y) in enumerate(points):
             ax.scatter(x, y)
             # Stack the labels of points that (nearly) coincide, e.g. full and prefix.
