@@ -68,7 +68,7 @@ def parse_method(name: str) -> Method:
                 f"bad method {name!r}: unknown selection {selection!r} after ':'; use one of "
                 f"{', '.join(SELECTIONS)}, e.g. blend@0.15:attention"
             )
-        config = BlendConfig(recompute_ratio=ratio, selection=selection or "v_deviation")
+        config = BlendConfig(recompute_ratio=ratio, selection=selection or BlendConfig.selection)
         return Method(name, "blend", config)
     raise MethodError(
         f"unknown method {name!r}; use one of {', '.join(PLAIN_METHODS)}, blend@R "
