@@ -1,0 +1,58 @@
+"""Forward-path goldens: what the engine computes for fixed inputs, captured through its API.
+
+``capture(llm)`` returns named fp32 tensors: the prompt logits of a plain prefill, the logprobs
+of eight greedy decode steps, the prompt logits (from the query on) and decode logprobs of a
+blended prefill at ratios 0, 0.15 and 1.0, and one chunk precompute's stored K/V. Recorded once
+from main before the one-forward-path refactor (``record.py``); ``test_forward_golden.py``
+checks that today's engine still computes exactly (bit for bit) the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blendkv import SamplingParams
+from blendkv.blend.config import BlendConfig
+
+DOCS = [
+    "Paris is the capital of France. The Seine flows through Paris. " * 2,
+    "Berlin is the capital of Germany. It has many museums and parks.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+]
+QUERY = "Which city is the capital of France?"
+PLAIN = "Continuous batching lets new requests join while others decode. Paged attention"
+RATIOS = (0.0, 0.15, 1.0)
+DECODE = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+
+
+def _decode_logprobs(out) -> torch.Tensor:
+    """[steps, 6]: the sampled token's logprob and the top-5 logprobs of every decode step."""
+    rows = []
+    for tok, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True):
+        top = sorted(entry.values(), reverse=True)[:5]
+        rows.append([entry[tok], *top, *[0.0] * (5 - len(top))])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def capture(llm, chunk_kv, query_start) -> dict[str, torch.Tensor]:
+    """``chunk_kv(llm, token_ids)`` -> the stored [L, 2, n, Hkv, D] K/V of one chunk;
+    ``query_start(llm, prompt)`` -> the position of a blended prompt's first query token."""
+    got: dict[str, torch.Tensor] = {}
+    ids = llm.tokenizer.encode(PLAIN, add_special_tokens=False)
+    out = llm.generate([ids], DECODE, logits_from=0)[0]
+    got["plain.prompt_logits"] = out.extra["prompt_logits"]
+    got["plain.decode_logprobs"] = _decode_logprobs(out)
+    got["plain.tokens"] = torch.tensor(out.outputs[0].token_ids)
+    prompt = {"documents": DOCS, "query": QUERY}
+    for r in RATIOS:
+        blend = BlendConfig(recompute_ratio=r)
+        out = llm.generate([prompt], DECODE, blend=blend)[0]
+        # The query and template suffix are the rows every blended prefill computes.
+        start = query_start(llm, prompt)
+        again = llm.generate([prompt], DECODE, blend=blend, logits_from=start)[0]
+        got[f"blend{r}.prompt_logits"] = again.extra["prompt_logits"]
+        got[f"blend{r}.decode_logprobs"] = _decode_logprobs(out)
+        got[f"blend{r}.tokens"] = torch.tensor(out.outputs[0].token_ids)
+    doc_ids = llm.tokenizer.encode(DOCS[1], add_special_tokens=False)
+    got["chunk.kv"] = chunk_kv(llm, doc_ids)
+    return {k: v.contiguous() for k, v in got.items()}
