@@ -12,13 +12,17 @@ tensor (:meth:`KVStore.get`). :meth:`KVStore.reader` gives zero-copy views for t
 read transaction.
 
 One process must not open the same store twice at once (LMDB's locks are per process); the
-store refuses it. A ``KVStore`` object is meant for one thread at a time.
+store refuses it. A ``KVStore`` object may be shared between threads (the engine's background
+writer puts while the engine reads): one re-entrant lock serialises its calls, since LMDB's map
+resizing and the store's own bookkeeping (memory tier, LRU touches) are not thread-safe.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
 import warnings
 from collections import OrderedDict
@@ -38,6 +42,17 @@ from .queries import StoreQueries
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
 
 logger = logging.getLogger(__name__)
+
+
+def _locked(method):
+    """Run ``method`` holding the store's lock (re-entrant: locked methods call each other)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _payload_tensor(buf) -> torch.Tensor:
@@ -83,6 +98,7 @@ class KVStore(StoreQueries):
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+        self._lock = threading.RLock()
         self.path = Path(path)
         self.readonly = readonly
         self.max_bytes = max_bytes
@@ -115,6 +131,7 @@ class KVStore(StoreQueries):
             raise
         self.inspect_only = fingerprint is None
 
+    @_locked
     def close(self) -> None:
         if self._env is not None:
             if not self.readonly and self._pending_touches:
@@ -138,18 +155,20 @@ class KVStore(StoreQueries):
 
     @contextmanager
     def _read(self) -> Iterator[lmdb.Transaction]:
-        if self._env is None:
-            raise StoreError("store is closed")
-        try:
-            txn = self._env.begin(buffers=True)
-        except lmdb.MapResizedError:
-            self._env.set_mapsize(0)  # another process grew the map: adopt its size
-            txn = self._env.begin(buffers=True)
-        try:
-            yield txn
-        finally:
-            txn.abort()
+        with self._lock:
+            if self._env is None:
+                raise StoreError("store is closed")
+            try:
+                txn = self._env.begin(buffers=True)
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)  # another process grew the map: adopt its size
+                txn = self._env.begin(buffers=True)
+            try:
+                yield txn
+            finally:
+                txn.abort()
 
+    @_locked
     def _write(self, fn):
         """Run ``fn(txn, counters)`` in one write transaction; grow the map and retry when full.
 
@@ -180,6 +199,7 @@ class KVStore(StoreQueries):
         for key, when in self._pending_touches.items():
             txn_ops.touch(txn, self._dbs, counters, key, when)
 
+    @_locked
     def _record_use(self, key: bytes) -> None:
         if self.readonly:
             return
@@ -188,6 +208,7 @@ class KVStore(StoreQueries):
         if len(self._pending_touches) >= self.touch_flush_every:
             self.flush()
 
+    @_locked
     def flush(self) -> None:
         """Write the batched LRU touches now."""
         if not self.readonly and self._pending_touches:
@@ -215,6 +236,7 @@ class KVStore(StoreQueries):
         """Store one chunk (see :class:`NewChunk` for the metadata keywords)."""
         return self.put_many([NewChunk(key, kv, **meta)])[0]
 
+    @_locked
     def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
         """Store chunks in ONE transaction (all or none). Already-stored keys are only touched.
 
@@ -253,6 +275,7 @@ class KVStore(StoreQueries):
             results = [r._replace(evicted=ids) if i == 0 else r for i, r in enumerate(results)]
         return results
 
+    @_locked
     def delete(self, keys: Sequence[bytes]) -> list[int]:
         """Delete chunks by key in one transaction; returns the chunk ids that existed."""
         for key in keys:
@@ -292,6 +315,7 @@ class KVStore(StoreQueries):
         if not self.readonly:
             self.delete([key])
 
+    @_locked
     def get(self, key: bytes) -> ChunkKV | None:
         """The chunk's K/V, or None on a miss or a corrupt value.
 
@@ -309,6 +333,7 @@ class KVStore(StoreQueries):
         self._record_use(key)
         return ChunkKV(key, tensor)
 
+    @_locked
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = False) -> bool:
         """Copy the chunk's K/V straight from the memory map into ``out`` (any device).
 
