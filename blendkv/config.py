@@ -7,10 +7,12 @@ Facts found at run time (how many KV blocks fit, the eos id, the model's shapes)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from blendkv.errors import ConfigError
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_DEVICES = ("cpu",)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
+    device: str = "cpu"  # where the model, the KV pool and the step tensors live
+    # Engine extension that brings K/V from outside (blendkv.engine.kv_connector): a registered
+    # name ("blend": document K/V reuse, the default), a factory ``context -> connector``, or
+    # None (dict prompts are then refused).
+    kv_connector: Any = "blend"
     cache_dir: str | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
@@ -46,6 +53,17 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise ConfigError(
+                f"device must be one of {_DEVICES}, got {self.device!r} "
+                "(CUDA execution is not implemented yet)"
+            )
+        if not (self.kv_connector is None or isinstance(self.kv_connector, str)):
+            if not callable(self.kv_connector):
+                raise ConfigError(
+                    "kv_connector must be None, a registered name or a factory callable, "
+                    f"got {self.kv_connector!r}"
+                )
         _positive("block_size", self.block_size)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)

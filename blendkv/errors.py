@@ -34,7 +34,3 @@ class ModelLoadError(BlendKVError):
 
 class ConfigError(BlendKVError, ValueError):
     """An engine configuration value is invalid."""
-
-
-class OutOfKVBlocksError(BlendKVError):
-    """A single request needs more KV blocks than the whole pool holds."""

@@ -39,7 +39,7 @@ def _teacher_forced(llm, prompt, answer, blend, sp):
         out = llm.generate([prompt + answer], sp, logits_from=len(prompt) - 1)[0]
     else:
         tf = {**prompt, "continuation": answer}
-        n = len(llm.engine.blend_manager().prepare(tf, blend).prompt.token_ids)
+        n = len(llm.blend_manager().prepare(tf, blend).prompt.token_ids)
         out = llm.generate([tf], sp, blend=blend, logits_from=n - len(answer) - 1)[0]
     return out.extra["prompt_logits"][: len(answer)]
 
@@ -59,7 +59,7 @@ def main(args) -> int:
         max_model_len=8192,
         kv_store_memory_bytes=4 << 30,
     )
-    manager = llm.engine.blend_manager()
+    manager = llm.blend_manager()
     one = SamplingParams(temperature=0.0, max_tokens=1)
     answer_params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
     methods = {

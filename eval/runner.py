@@ -114,7 +114,7 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         anchor_instruction=spec.system,  # chunks are precomputed behind the real prompt prefix
     )
     try:
-        manager = llm.engine.blend_manager()
+        manager = llm.blend_manager()
         prompts = [_example_prompt(manager, render_prompt(ex, spec)) for ex in examples]
         hf = None
         if any(m.kind == "hf" for m in methods):
@@ -158,7 +158,7 @@ def _warm_up(llm, hf, methods: list[Method], prompts: list[ExamplePrompt], progr
 
     from blendkv import SamplingParams
 
-    manager = llm.engine.blend_manager()
+    manager = llm.blend_manager()
     chunks: dict[tuple[int, ...], None] = {}
     for p in prompts:
         for doc in p.blended["documents"]:

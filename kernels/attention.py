@@ -1,8 +1,10 @@
-"""Attention metadata and the backend interface.
+"""Attention metadata and the attention backend interface.
 
-The model calls one function per layer, ``backend.forward(q, k, v, kv_cache, attn_metadata)``;
-everything about paging hides behind it. Tokens of all sequences in a step are flattened into
-one dimension (no batch dimension), vLLM-style::
+The backend owns everything about the paged KV pool: allocating it, turning a step's layout
+into metadata tensors, writing K/V into blocks, reading them back and attention. The model
+calls ``backend.forward(q, k, v, kv_cache, attn_metadata)`` once per layer; the runner and
+the KV connectors never index the pool themselves. Tokens of all sequences in a step are
+flattened into one dimension (no batch dimension), vLLM-style::
 
     tokens:           | seq 0 (3 new) | seq 1 (1 new) | seq 2 (4 new)  |
     query_start_loc:  0               3               4                8
@@ -25,7 +27,7 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Per-step tensors shared by every layer. Built by the model runner.
+    """Per-step tensors shared by every layer. Built by :meth:`AttentionBackend.build_metadata`.
 
     Attributes:
         positions: [num_tokens] int64, absolute position of each query token.
@@ -39,6 +41,9 @@ class AttentionMetadata:
         query_start_loc_cpu / seq_lens_cpu: Python lists mirroring the tensors (cheap loops).
         is_contiguous_prefill: per sequence, True when its query tokens are exactly positions
             ``seq_len - query_len .. seq_len - 1`` in order (ordinary prefill/decode).
+
+    Dense metadata (:meth:`AttentionBackend.dense_metadata`, no KV pool) has empty
+    ``slot_mapping`` and ``block_table``: every sequence is a fresh prefill at 0..n-1.
     """
 
     positions: torch.Tensor
@@ -61,12 +66,110 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
 
+    def row_seq_ids(self) -> torch.Tensor:
+        """[num_tokens] int64: the index (in the step) of the sequence each row belongs to."""
+        starts = self.query_start_loc_cpu
+        counts = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)])
+        return torch.repeat_interleave(torch.arange(self.num_seqs), counts)
+
+    def subset(self, keep: torch.Tensor, seq_ids: torch.Tensor) -> AttentionMetadata:
+        """Metadata for the rows in ``keep`` (bool over the current rows; order preserved).
+
+        ``seq_ids`` is :meth:`row_seq_ids` of the current rows. A sequence keeps its keys
+        (``seq_lens``, ``block_table``): rows that leave stop being computed, not being seen.
+        """
+        counts = torch.bincount(seq_ids[keep], minlength=self.num_seqs).tolist()
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        old = self.query_start_loc_cpu
+        contiguous = [
+            bool(c) and self.is_contiguous_prefill[i] and c == old[i + 1] - old[i]
+            for i, c in enumerate(counts)
+        ]
+        return AttentionMetadata(
+            positions=self.positions[keep],
+            slot_mapping=self.slot_mapping[keep],
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.positions.device),
+            seq_lens=self.seq_lens,
+            block_table=self.block_table,
+            block_size=self.block_size,
+            max_query_len=max(counts),
+            max_seq_len=self.max_seq_len,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=self.seq_lens_cpu,
+            is_contiguous_prefill=contiguous,
+        )
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the paged KV pool: one ``[2, num_blocks, block_size, kv_heads, head_dim]``
+    tensor per layer (index 0 = K after RoPE, 1 = V)."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
 
 class AttentionBackend(ABC):
-    """Writes new K/V into the paged cache and computes attention for the step's query tokens."""
+    """Owns the paged KV pool's layout: metadata, K/V writes and reads, attention."""
 
     name: str = "abstract"
 
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    # ---- the pool -----------------------------------------------------------------------
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[torch.Tensor]:
+        """One zeroed KV tensor per layer, ``spec.layer_shape``, on this backend's device."""
+        return [
+            torch.zeros(spec.layer_shape, dtype=spec.dtype, device=self.device)
+            for _ in range(spec.num_layers)
+        ]
+
+    @abstractmethod
+    def write_kv(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Scatter ``k``/``v`` [num_tokens, kv_heads, head_dim] into their slots."""
+
+    @abstractmethod
+    def read_kv(
+        self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V held at ``slot_mapping``: [num_tokens, kv_heads, head_dim] each."""
+
+    @abstractmethod
+    def copy_blocks(self, kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``(src, dst)`` in every layer (copy-on-write)."""
+
+    # ---- metadata -----------------------------------------------------------------------
+    @abstractmethod
+    def build_metadata(
+        self,
+        num_computed_tokens: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> AttentionMetadata:
+        """Metadata for a step where sequence ``i`` computes positions
+        ``[num_computed_tokens[i], num_computed_tokens[i] + query_lens[i])`` into the blocks of
+        ``block_tables[i]``."""
+
+    @abstractmethod
+    def dense_metadata(self, seq_lens: list[int]) -> AttentionMetadata:
+        """Metadata for a pass without a KV pool: sequence ``i`` is ``seq_lens[i]`` fresh tokens
+        at positions 0..n-1 (chunk precompute)."""
+
+    # ---- attention ----------------------------------------------------------------------
     @abstractmethod
     def forward(
         self,
@@ -77,14 +180,13 @@ class AttentionBackend(ABC):
         attn_metadata: AttentionMetadata | None,
         scale: float,
     ) -> torch.Tensor:
-        """Attention for one layer.
+        """Write this layer's new K/V into the pool, then attend.
 
         Args:
             q: [num_tokens, num_heads, head_dim] (RoPE applied).
             k, v: [num_tokens, num_kv_heads, head_dim] (RoPE applied to k).
-            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] or None. None means a
-                dense causal pass over one sequence (tests and the chunk precompute).
-            attn_metadata: None together with ``kv_cache=None``.
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], or None for a pass
+                without a pool (dense metadata, or ``attn_metadata=None``: one sequence).
             scale: softmax scale (usually head_dim ** -0.5).
 
         Returns:

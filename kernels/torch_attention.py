@@ -114,12 +114,84 @@ _MIN_GROUP_ROWS = 64
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    # ---- the pool -----------------------------------------------------------------------
+    def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
+        write_kv_cache(kv_cache, k, v, slot_mapping)
+
+    def read_kv(self, kv_cache, slot_mapping):
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        return flat[0, slot_mapping], flat[1, slot_mapping]
+
+    def copy_blocks(self, kv_caches, copies) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for kv in kv_caches:
+            kv[:, dst] = kv[:, src]
+
+    # ---- metadata -----------------------------------------------------------------------
+    def build_metadata(self, num_computed_tokens, query_lens, block_tables, block_size):
+        positions, slots = [], []
+        query_start_loc, seq_lens = [0], []
+        for start, n, table in zip(num_computed_tokens, query_lens, block_tables, strict=True):
+            pos = torch.arange(start, start + n, dtype=torch.long)
+            blocks = torch.tensor(table, dtype=torch.long)
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(start + n)
+        max_blocks = max(len(t) for t in block_tables)
+        block_table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+        for i, table in enumerate(block_tables):
+            block_table[i, : len(table)] = torch.tensor(table)
+        dev = self.device
+        return AttentionMetadata(
+            positions=torch.cat(positions).to(dev),
+            slot_mapping=torch.cat(slots).to(dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=block_table.to(dev),
+            block_size=block_size,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            is_contiguous_prefill=[True] * len(query_lens),
+        )
+
+    def dense_metadata(self, seq_lens):
+        starts = [0]
+        for n in seq_lens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        return AttentionMetadata(
+            positions=torch.cat([torch.arange(n) for n in seq_lens]).to(dev),
+            slot_mapping=torch.empty(0, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.empty(len(seq_lens), 0, dtype=torch.int32, device=dev),
+            block_size=0,
+            max_query_len=max(seq_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=list(seq_lens),
+            is_contiguous_prefill=[True] * len(seq_lens),
+        )
+
+    # ---- attention ----------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, attn_metadata, scale):
+        md: AttentionMetadata | None = attn_metadata
         if kv_cache is None:
-            assert attn_metadata is None
-            return dense_causal_attention(q, k, v, scale)
-        md: AttentionMetadata = attn_metadata
-        write_kv_cache(kv_cache, k, v, md.slot_mapping)
+            if md is None or md.num_seqs == 1:
+                return dense_causal_attention(q, k, v, scale)
+            out = torch.empty_like(q)
+            starts = md.query_start_loc_cpu
+            for lo, hi in zip(starts, starts[1:], strict=False):
+                out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
+            return out
+        self.write_kv(kv_cache, k, v, md.slot_mapping)
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
         decode_rows = []

@@ -1,22 +1,22 @@
-"""Turns blended prompts into plans and serves chunk K/V: store lookup, miss precompute, write-back.
+"""Turns blended prompts into plans and owns the chunk K/V: store, background writer, precompute.
 
 One manager per engine. It owns the chunk-KV store (LMDB with a memory tier in front), the
-prompt builder and the anchor every chunk is precomputed behind. The store's fingerprint ties it
-to this model, dtype, tokenizer, RoPE configuration and anchor.
+background writer that stores chunks computed at query time, the prompt builder and the anchor
+every chunk is precomputed behind. The store's fingerprint ties it to this model, dtype,
+tokenizer, RoPE configuration and anchor.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
-import time
 
 import torch
 import xxhash
 
 from blendkv.blend.config import BlendConfig
 from blendkv.blend.plan import BlendPlan
-from blendkv.blend.precompute import compute_chunk_kv
+from blendkv.blend.precompute import compute_chunks_kv
 from blendkv.blend.prompt import BlendedPrompt, PromptBuilder
 from blendkv.errors import InvalidRequestError
 
@@ -35,6 +35,7 @@ class BlendManager:
         self,
         model,
         tokenizer,
+        attn_backend,
         *,
         architecture: str,
         weights_hash: str,
@@ -47,9 +48,11 @@ class BlendManager:
     ) -> None:
         from blendkv.layers.rotary import rope_parameters
         from blendkv.store import KVStore, ModelFingerprint
+        from blendkv.store.writer import BackgroundWriter
 
         self.model = model
         self.tokenizer = tokenizer
+        self.attn_backend = attn_backend
         self.builder = PromptBuilder(tokenizer)
         self.anchor_ids = self.builder.anchor(anchor_system, anchor_instruction)
         cfg = model.config
@@ -76,8 +79,14 @@ class BlendManager:
             max_bytes=store_max_bytes,
             memory_tier_bytes=memory_tier_bytes,
         )
+        self.writer = BackgroundWriter(self.store)
+
+    def flush(self) -> None:
+        """Block until every chunk computed at query time so far is in the store."""
+        self.writer.flush()
 
     def close(self) -> None:
+        self.writer.close()
         self.store.close()
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
@@ -95,7 +104,10 @@ class BlendManager:
                 + ", ".join(self.fingerprint.diff(theirs))
             )
         self.close()
+        from blendkv.store.writer import BackgroundWriter
+
         self.store = store
+        self.writer = BackgroundWriter(store)
 
     # ------------------------------------------------------------- requests
     def chunk_key(self, chunk_ids: list[int]) -> bytes:
@@ -175,41 +187,64 @@ class BlendManager:
             h.update(key)
         return b"blend:" + h.digest()
 
-    # ---------------------------------------------------------------- loading
-    def fetch(self, plan: BlendPlan, index: int) -> torch.Tensor:
-        """K/V of chunk ``index``: from the store, or computed now and written back."""
-        key = plan.chunk_keys[index]
-        found = self.store.get(key)
-        if found is not None:
-            plan.stats.chunks_hit += 1
-            return found.kv
-        t0 = time.perf_counter()
-        ids = plan.prompt.chunks[index]
-        kv = compute_chunk_kv(self.model, self.anchor_ids, ids)
-        plan.stats.precompute_seconds += time.perf_counter() - t0
-        plan.stats.chunks_missed += 1
-        try:
-            self.store.put(key, kv, text=self.tokenizer.decode(ids), token_ids=tuple(ids))
-        except Exception as exc:  # a full or read-only store must not fail the request
-            logger.warning("could not write chunk K/V back to the store: %s", exc)
-        return kv
+    # ---------------------------------------------------------------- chunk K/V
+    def compute_kv(self, chunks: list[list[int]]) -> list[torch.Tensor]:
+        """Each chunk's K (pre-RoPE) and V, prefilled alone behind the anchor (one forward)."""
+        return compute_chunks_kv(self.model, self.attn_backend, self.anchor_ids, chunks)
 
-    def precompute(self, chunks: list[list[int]], texts=None, doc_id=None, progress=None) -> list:
-        """Ingest: compute and store the K/V of chunks not stored yet. Returns the PutResults."""
+    def has(self, key: bytes) -> bool:
+        """The chunk is stored or waiting in the writer (its value may still turn out corrupt)."""
+        return self.writer.pending(key) is not None or key in self.store
+
+    def read_into(self, key: bytes, out: torch.Tensor) -> bool:
+        """Copy a chunk's K/V into ``out``: from the writer's pending set, else the store
+        (memory tier, then LMDB). False on a miss."""
+        pending = self.writer.pending(key)
+        if pending is not None:
+            out.copy_(pending)
+            return True
+        return self.store.read_into(key, out, admit=True)
+
+    def write_back(self, keys: list[bytes], chunks: list[list[int]], kvs) -> None:
+        """Hand chunks computed at query time to the background writer (returns at once)."""
         from blendkv.store import NewChunk
 
-        results = []
-        for i, ids in enumerate(chunks):
-            key = self.chunk_key(ids)
-            if key in self.store:
-                results.append(None)
-            else:
-                kv = compute_chunk_kv(self.model, self.anchor_ids, ids)
-                text = texts[i] if texts is not None else self.tokenizer.decode(ids)
-                chunk = NewChunk(
-                    key, kv, text=text, token_ids=tuple(ids), doc_id=doc_id, position=i
+        self.writer.submit(
+            [
+                NewChunk(key, kv, text=self.tokenizer.decode(ids), token_ids=tuple(ids))
+                for key, ids, kv in zip(keys, chunks, kvs, strict=True)
+            ]
+        )
+
+    def precompute(self, chunks: list[list[int]], texts=None, doc_id=None, progress=None) -> list:
+        """Ingest: compute and store the K/V of chunks not stored yet (synchronously, in
+        batches of one forward each). Returns a PutResult per chunk (None: already stored)."""
+        from blendkv.store import NewChunk
+
+        self.flush()
+        results: list = [None] * len(chunks)
+        todo = [i for i, ids in enumerate(chunks) if self.chunk_key(ids) not in self.store]
+        if progress is not None and len(todo) < len(chunks):
+            progress(len(chunks) - len(todo))
+        for start in range(0, len(todo), _PRECOMPUTE_BATCH):
+            batch = todo[start : start + _PRECOMPUTE_BATCH]
+            kvs = self.compute_kv([chunks[i] for i in batch])
+            new = [
+                NewChunk(
+                    self.chunk_key(chunks[i]),
+                    kv,
+                    text=texts[i] if texts is not None else self.tokenizer.decode(chunks[i]),
+                    token_ids=tuple(chunks[i]),
+                    doc_id=doc_id,
+                    position=i,
                 )
-                results.append(self.store.put_many([chunk])[0])
+                for i, kv in zip(batch, kvs, strict=True)
+            ]
+            for i, result in zip(batch, self.store.put_many(new), strict=True):
+                results[i] = result
             if progress is not None:
-                progress(1)
+                progress(len(batch))
         return results
+
+
+_PRECOMPUTE_BATCH = 8  # chunks per store transaction at ingest

@@ -1,4 +1,4 @@
-"""Per-request blend state (carried on ``Sequence.extra``) and the stats users see."""
+"""Per-request blend state (kept by the blend connector) and the stats users see."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
-``LLMEngine`` wires model loading, the KV pool size, the scheduler, the model runner and the
-output processing (detokenisation, stop checks). ``blendkv.LLM`` is the friendly front end.
+``LLMEngine`` wires model loading, the KV pool size, the attention backend, the KV connector
+(``EngineConfig.kv_connector``; blending is one), the scheduler, the model runner and the output
+processing (detokenisation, stop checks). ``blendkv.LLM`` is the friendly front end.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from blendkv.config import EngineConfig
 from blendkv.engine.block_manager import BlockManager
+from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
 from blendkv.engine.request_state import RequestState
 from blendkv.engine.scheduler import Scheduler
@@ -39,7 +42,7 @@ class PreparedRequest:
     sampling_params: SamplingParams
     request_id: str | None = None
     prompt: str | None = None
-    extra: object = None  # extension payload carried on the Sequence (e.g. a blend plan)
+    kv_transfer_params: Any = None  # the KV connector's payload for a dict prompt
     cache_salt: bytes = b""
     logits_from: int | None = None
 
@@ -63,7 +66,7 @@ class RuntimeInfo:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from blendkv.engine.sampler import Sampler
-        from blendkv.kernels import get_attention_backend
+        from blendkv.kernels import KVCacheSpec, get_attention_backend
         from blendkv.models.loader import load_model, load_tokenizer, resolve_model
 
         self.config = config
@@ -71,10 +74,16 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.tokenizer = load_tokenizer(self.resolved)
-        self.attn_backend = get_attention_backend(config.attention_backend)
+        self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.model = load_model(self.resolved, config.torch_dtype, self.attn_backend)
         self.hf_config = self.model.config
         self.info = self._runtime_info()
+        self.kv_connector = create_kv_connector(
+            config.kv_connector,
+            KVConnectorContext(
+                config, self.model, self.tokenizer, self.attn_backend, self.info, self.resolved
+            ),
+        )
         self.block_manager = BlockManager(
             self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -83,47 +92,27 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            connector=self.kv_connector,
+        )
+        info = self.info
+        spec = KVCacheSpec(
+            num_layers=info.num_layers,
+            num_blocks=info.num_kv_blocks,
+            block_size=info.block_size,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            dtype=config.torch_dtype,
         )
         self.runner = ModelRunner(
-            self.model,
-            self.hf_config,
-            num_blocks=self.info.num_kv_blocks,
-            block_size=config.block_size,
-            dtype=config.torch_dtype,
-            sampler=Sampler(),
+            self.model, self.attn_backend, spec, Sampler(), connector=self.kv_connector
         )
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        self._blend_manager = None
-
-    def blend_manager(self):
-        """The chunk-KV store and blending machinery, created on first use."""
-        if self._blend_manager is None:
-            from blendkv.blend.executor import BlendExecutor
-            from blendkv.blend.manager import BlendManager
-            from blendkv.models.loader import weights_hash
-
-            conf = self.config
-            self._blend_manager = BlendManager(
-                self.model,
-                self.tokenizer,
-                architecture=self.info.architecture,
-                weights_hash=weights_hash(self.resolved),
-                dtype=conf.dtype,
-                store_dir=conf.kv_store_dir,
-                store_max_bytes=conf.kv_store_max_bytes,
-                memory_tier_bytes=conf.kv_store_memory_bytes,
-                anchor_system=conf.anchor_system,
-                anchor_instruction=conf.anchor_instruction,
-            )
-            self.runner.blend = BlendExecutor(self._blend_manager, conf.block_size)
-        return self._blend_manager
 
     def close(self) -> None:
-        if self._blend_manager is not None:
-            self._blend_manager.close()
-            self._blend_manager = None
-            self.runner.blend = None
+        """Flush and release the KV connector (a blend store's pending writes land first)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     # ------------------------------------------------------------- startup
     def _runtime_info(self) -> RuntimeInfo:
@@ -210,10 +199,14 @@ class LLMEngine:
         :class:`~blendkv.blend.BlendConfig`. ``logits_from`` asks for the logits of every prompt
         position from that one on (``RequestOutput.extra["prompt_logits"]``).
         """
-        plan = None
+        connector_prompt = None
         if isinstance(prompt, dict):
-            plan = self.blend_manager().prepare(prompt, blend)
-            token_ids = plan.prompt.token_ids
+            if self.kv_connector is None:
+                raise InvalidRequestError(
+                    "dict prompts need a KV connector (EngineConfig.kv_connector='blend')"
+                )
+            connector_prompt = self.kv_connector.prepare_prompt(prompt, blend)
+            token_ids = connector_prompt.token_ids
         elif blend is not None:
             raise InvalidRequestError("a blend config needs a blended prompt (a dict)")
         else:
@@ -223,14 +216,21 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if logits_from is not None and not 0 <= logits_from < len(token_ids):
             raise InvalidRequestError(f"logits_from={logits_from} is outside the prompt")
+        if connector_prompt is not None and logits_from is not None:
+            if logits_from < connector_prompt.min_logits_position:
+                raise InvalidRequestError(
+                    f"logits_from={logits_from}: this prompt has logits only from position "
+                    f"{connector_prompt.min_logits_position} on (reused chunk rows are not "
+                    "computed through every layer)"
+                )
         prompt_text = prompt if isinstance(prompt, str) else None
         return PreparedRequest(
             token_ids,
             params,
             request_id,
             prompt_text,
-            extra=plan,
-            cache_salt=plan.salt if plan is not None else b"",
+            kv_transfer_params=connector_prompt and connector_prompt.kv_transfer_params,
+            cache_salt=connector_prompt.cache_salt if connector_prompt is not None else b"",
             logits_from=logits_from,
         )
 
@@ -242,16 +242,11 @@ class LLMEngine:
         room = self.info.max_model_len - len(req.prompt_token_ids)
         max_tokens = req.sampling_params.max_tokens
         max_out = min(max_tokens, room) if max_tokens is not None else room
-        seq = Sequence(
-            request_id, req.prompt_token_ids, req.sampling_params, max_out, extra=req.extra
-        )
+        seq = Sequence(request_id, req.prompt_token_ids, req.sampling_params, max_out)
         seq.cache_salt = req.cache_salt
         seq.logits_from = req.logits_from
-        if req.extra is not None:
-            plan, num_layers = req.extra, self.info.num_layers
-            seq.fused_prefill_cost = lambda computed, new: (
-                plan.estimated_cost(new, num_layers) if plan.needs_fusion(computed) else None
-            )
+        if self.kv_connector is not None:
+            self.kv_connector.add_request(request_id, req.kv_transfer_params)
         self.requests[request_id] = RequestState(seq, req.prompt, self.tokenizer)
         self.scheduler.add(seq)
         return request_id
@@ -275,6 +270,8 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         state = self.requests.pop(request_id, None)
         self.runner.release(request_id)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request_id)
         if state is not None and seq is not None:
             state.finish_reason = "abort"
         return seq is not None
@@ -309,9 +306,14 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(seq, status)
                 self.runner.release(seq.request_id)
-            outputs.append(state.make_output())
+            stats = None
+            if self.kv_connector is not None:
+                stats = self.kv_connector.request_stats(seq)
+            outputs.append(state.make_output(stats))
             if seq.is_finished:
                 del self.requests[seq.request_id]
+                if self.kv_connector is not None:
+                    self.kv_connector.request_finished(seq.request_id)
         return outputs
 
     def check_integrity(self) -> None:

@@ -1,8 +1,8 @@
 """Turns a :class:`SchedulerOutput` into tensors, runs the model, samples. Makes no decisions.
 
-Owns the paged KV pool: one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``
-(index 0 = K after RoPE, 1 = V); slot ``s`` is block ``s // block_size``, offset
-``s % block_size``.
+The paged KV pool (one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``)
+is allocated, written and read by the attention backend; a KV connector, if any, loads external
+K/V into it before the forward and gives the forward its row plan and layer hooks.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blendkv.kernels.attention import AttentionMetadata
+from blendkv.engine.kv_connector import ForwardInputs
+from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
+    from blendkv.engine.kv_connector import KVConnectorBase
     from blendkv.engine.sampler import Sampler
     from blendkv.engine.scheduler import SchedulerOutput
     from blendkv.engine.sequence import Sequence
@@ -51,42 +53,25 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        hf_config,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
+        attn_backend: AttentionBackend,
+        kv_cache_spec: KVCacheSpec,
         sampler: Sampler,
-        device: torch.device | str = "cpu",
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.model = model
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.attn_backend = attn_backend
+        self.spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.device = attn_backend.device
         self.sampler = sampler
-        self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or (
-            hf_config.hidden_size // hf_config.num_attention_heads
-        )
-        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        self.connector = connector
+        self.kv_caches = attn_backend.allocate_kv_cache(kv_cache_spec)
         self.generators: dict[str, torch.Generator] = {}
-        self.blend = None  # a BlendExecutor once blending is enabled (blendkv.blend)
 
     # --------------------------------------------------------------- inputs
-    def slot_mapping(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
+        row = 0
         sample_indices: list[int] = []
         sample_seqs: list[Sequence] = []
         logits_rows: dict[str, list[int]] = {}
@@ -97,67 +82,54 @@ class ModelRunner:
                 input_ids.append(seq.token_id_at(start))  # decode: avoid copying all ids
             else:
                 input_ids.extend(seq.all_token_ids[start:end])
-            pos = torch.arange(start, end, dtype=torch.long)
-            positions.append(pos)
-            slots.append(self.slot_mapping(seq.block_table, pos))
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(end)
+            row += num_new
             if end == seq.num_tokens:
-                sample_indices.append(query_start_loc[-1] - 1)
+                sample_indices.append(row - 1)
                 sample_seqs.append(seq)
             if (
                 seq.logits_from is not None
                 and seq.logits_from < end
                 and start < seq.num_prompt_tokens
             ):
-                lo = query_start_loc[-2] - start  # row of position 0 of this sequence
+                lo = row - num_new - start  # row of position 0 of this sequence
                 first, last = max(seq.logits_from, start), min(end, seq.num_prompt_tokens)
                 logits_rows[seq.request_id] = list(range(lo + first, lo + last))
-        max_blocks = max(len(seq.block_table) for seq, _ in out.scheduled)
-        block_table = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
-        for i, (seq, _) in enumerate(out.scheduled):
-            block_table[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
-        md = AttentionMetadata(
-            positions=torch.cat(positions).to(self.device),
-            slot_mapping=torch.cat(slots).to(self.device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_table=block_table.to(self.device),
-            block_size=self.block_size,
-            max_query_len=max(n for _, n in out.scheduled),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            is_contiguous_prefill=[True] * len(out.scheduled),
+        md = self.attn_backend.build_metadata(
+            [seq.num_computed_tokens for seq, _ in out.scheduled],
+            [n for _, n in out.scheduled],
+            [seq.block_table for seq, _ in out.scheduled],
+            self.block_size,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ModelInputs(ids, md, sample_indices, sample_seqs, logits_rows)
 
     # -------------------------------------------------------------- execute
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for kv in self.kv_caches:
-            kv[:, dst] = kv[:, src]
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step: forward (fused where a blended prefill runs), logits, sampling."""
-        self.copy_blocks(out.blocks_to_copy)
+        """Run one step: external K/V in, forward (one layer loop), logits, sampling."""
+        self.attn_backend.copy_blocks(self.kv_caches, out.blocks_to_copy)
         inputs = self.prepare_inputs(out)
-        blending = self.blend.blending(out.scheduled) if self.blend is not None else []
-        if blending:
-            hidden, rows = self.blend.forward(
-                self.model, inputs, out.scheduled, self.kv_caches, blending
+        md = inputs.attn_metadata
+        conn = self.connector
+        plan = None
+        if conn is not None:
+            conn.bind_connector_metadata(out.kv_connector_metadata)
+            fwd = ForwardInputs(inputs.input_ids, md, self.kv_caches)
+            conn.start_load_kv(fwd)
+            plan = conn.row_plan(fwd)
+        try:
+            hidden = self.model(
+                inputs.input_ids, md.positions, self.kv_caches, md, row_plan=plan, hooks=conn
             )
-            where = {r: i for i, r in enumerate(rows.tolist())}
+            if conn is not None:
+                conn.wait_for_save()
+        finally:
+            if conn is not None:
+                conn.clear_connector_metadata()
+        remap = _identity
+        if plan is not None:
+            where = {r: i for i, r in enumerate(plan.rows.tolist())}
             remap = lambda idx: [where[i] for i in idx]  # noqa: E731
-        else:
-            md = inputs.attn_metadata
-            hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
-            remap = lambda idx: idx  # noqa: E731
         logits = {
             rid: self.model.compute_logits(hidden[remap(idx)])
             for rid, idx in inputs.logits_rows.items()
@@ -186,3 +158,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+
+
+def _identity(idx: list[int]) -> list[int]:
+    return idx

@@ -66,7 +66,8 @@ class RequestState:
         self.stop_reason = result.stop_reason
         return _FINISH_STATUS[result.finish_reason]
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self, blend_stats=None) -> RequestOutput:
+        """The output so far; ``blend_stats`` are the KV connector's stats for this request."""
         seq = self.seq
         finished = self.finish_reason is not None
         visible = len(self.text) if finished else max(len(self.text) - self.holdback, 0)
@@ -97,13 +98,6 @@ class RequestState:
             import torch
 
             extra["prompt_logits"] = torch.cat(self.prompt_logits)
-        blend_stats = getattr(seq.extra, "stats", None)
-        if blend_stats is not None:
-            blend_stats.ttft = metrics.ttft
-            # Also when the prefix cache served every chunk and no fused prefill ran.
-            blend_stats.prefix_cached_tokens = max(
-                blend_stats.prefix_cached_tokens, m.num_cached_tokens
-            )
         return RequestOutput(
             request_id=seq.request_id,
             prompt=self.prompt,

@@ -6,7 +6,9 @@ Every step it fills one token budget (``max_num_batched_tokens``) with, in order
    block pool runs dry the most recently admitted running sequence is preempted (its blocks
    freed, its tokens recomputed later) until the current one fits;
 2. waiting sequences (new or preempted), first-come first-served, while budget, blocks and
-   ``max_num_seqs`` allow, after taking their prefix-cache hits.
+   ``max_num_seqs`` allow, after taking their prefix-cache hits and the tokens a KV connector
+   supplies (``get_num_new_matched_tokens``). A prefill the connector must run whole (a fused
+   blended prefill, ``fused_prefill_cost``) is never chunked.
 
 Prefill and decode tokens share one flattened batch; the runner receives a
 :class:`SchedulerOutput` and nothing else.
@@ -17,9 +19,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from blendkv.engine.block_manager import BlockManager
 from blendkv.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from blendkv.engine.kv_connector import KVConnectorBase, KVConnectorMetadata
 
 
 @dataclass
@@ -33,6 +39,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -50,8 +57,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -82,10 +91,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -94,6 +99,8 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -114,13 +121,20 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bm = self.block_manager
+        bm, conn = self.block_manager, self.connector
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             computed_blocks, num_cached = bm.get_computed_blocks(seq)
-            num_new = seq.num_tokens - num_cached
+            num_external = 0
+            if conn is not None:
+                # At least one token is computed: its logits are sampled.
+                room = seq.num_tokens - num_cached - 1
+                num_external = min(conn.get_num_new_matched_tokens(seq, num_cached), room)
+            num_new = seq.num_tokens - num_cached - num_external
             cost = num_new
-            fused_cost = seq.fused_prefill_cost and seq.fused_prefill_cost(num_cached, num_new)
+            fused_cost = None
+            if conn is not None:
+                fused_cost = conn.fused_prefill_cost(seq, num_cached + num_external, num_new)
             if fused_cost is not None:
                 # A fused prefill runs whole. It waits for budget unless it could never fit,
                 # then it goes alone among this step's prefills so it cannot starve.
@@ -132,14 +146,16 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = cost = budget
-            if not bm.allocate_slots(seq, num_new, computed_blocks):
+            if not bm.allocate_slots(seq, num_external + num_new, computed_blocks):
                 break
             self.waiting.popleft()
-            seq.num_computed_tokens = num_cached
+            seq.num_computed_tokens = num_cached + num_external
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
                 seq.metrics.num_cached_tokens = num_cached
+            if conn is not None:
+                conn.update_state_after_alloc(seq, num_external)
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= min(cost, budget)

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from blendkv.sampling_params import SamplingParams
@@ -57,7 +56,6 @@ class Sequence:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         max_output_tokens: int,
-        extra: Any = None,
     ) -> None:
         assert prompt_token_ids, "empty prompts are rejected before they become sequences"
         self.request_id = request_id
@@ -72,14 +70,8 @@ class Sequence:
         self.metrics = SequenceMetrics()
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        # Per-request payload of an extension (e.g. a blend plan). The engine core ignores it.
-        self.extra = extra
         # Mixed into every block hash: K/V computed differently (blending) never aliases plain.
         self.cache_salt = b""
-        # Set for requests whose prefill must run as one unit (a fused blended prefill):
-        # (num_computed_tokens, num_new_tokens) -> token-budget cost, or None when the
-        # remaining prefill is an ordinary (chunkable) one.
-        self.fused_prefill_cost: Callable[[int, int], int | None] | None = None
         # Return the logits of every prompt position >= this one (teacher forcing, eval).
         self.logits_from: int | None = None
 

@@ -33,6 +33,19 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def blend_manager(self):
+        """The chunk-KV store and blended-prompt machinery of the blend KV connector
+        (:class:`~blendkv.blend.manager.BlendManager`), created on first use."""
+        from blendkv.blend.connector import BlendConnector
+        from blendkv.errors import ConfigError
+
+        conn = self.engine.kv_connector
+        if not isinstance(conn, BlendConnector):
+            raise ConfigError(
+                f"this LLM's kv_connector is {self.config.kv_connector!r}, not 'blend'"
+            )
+        return conn.manager
+
     # ------------------------------------------------------------ generate
     def generate(
         self,

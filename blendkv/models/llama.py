@@ -14,6 +14,11 @@ checkpoint keys and weights load by name::
 Residual stream follows vLLM: each decoder layer takes and returns ``(hidden_states, residual)``
 and the add happens inside the next RMSNorm; ``residual`` is None going into layer 0.
 
+``LlamaModel.forward`` holds the only loop over decoder layers in blendkv. Plain steps, blended
+prefills (rows that stop being computed after a selection layer) and chunk precompute (K/V
+handed to the store) all run through it; they differ only in the row plan and the layer hooks
+they pass (:mod:`blendkv.models.hooks`).
+
 Sliding-window attention (Mistral's ``sliding_window``) is not applied: outputs are exact while a
 sequence is no longer than the window, so the engine should cap ``max_model_len`` to it.
 """
@@ -31,6 +36,7 @@ from blendkv.layers.attention import Attention
 from blendkv.layers.mlp import GatedMLP
 from blendkv.layers.norm import RMSNorm
 from blendkv.layers.rotary import RotaryEmbedding
+from blendkv.models.hooks import LayerHooks, RowPlan
 
 # Checkpoint entries that are not parameters (old transformers saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -56,21 +62,19 @@ class LlamaDecoderLayer(nn.Module):
             bias=getattr(config, "mlp_bias", False),
         )
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor | None,
-        attn_metadata: AttentionMetadata | None,
+    def input_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (normed hidden, residual) entering the attention block."""
         if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual)
+
+    def finish(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention output -> (hidden, residual) leaving the layer (post-norm + MLP)."""
+        hidden_states, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(hidden_states), residual
 
 
@@ -93,18 +97,44 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
         attn_metadata: AttentionMetadata | None,
-    ) -> torch.Tensor:
-        if (kv_caches is None) != (attn_metadata is None):
-            raise ValueError("kv_caches and attn_metadata must both be given or both be None")
+        row_plan: RowPlan | None = None,
+        hooks: LayerHooks | None = None,
+        kv_only: bool = False,
+    ) -> torch.Tensor | None:
+        """The one layer loop; see :mod:`blendkv.models.hooks` for the seams.
+
+        ``kv_only``: the caller wants only the K/V the hooks save (chunk precompute): the last
+        layer stops after its projections and None is returned.
+        """
+        if kv_caches is not None and attn_metadata is None:
+            raise ValueError("kv_caches need attn_metadata")
         if kv_caches is not None and len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv_caches, got {len(kv_caches)}")
+        md = attn_metadata
         hidden_states = self.embed_tokens(input_ids)
         residual = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             kv_cache = None if kv_caches is None else kv_caches[i]
-            hidden_states, residual = layer(
-                positions, hidden_states, residual, kv_cache, attn_metadata
-            )
+            if hooks is not None:
+                hooks.wait_for_layer_load(i)
+            normed, residual = layer.input_norm(hidden_states, residual)
+            attn = layer.self_attn
+            q, k, v = attn.project(normed)
+            if row_plan is not None and row_plan.selects_at(i):
+                keep = row_plan.select(i, attn, q, k, v, kv_cache, md)
+                if keep is not None:
+                    md = md.subset(keep, md.row_seq_ids())
+                    positions = md.positions
+                    normed, residual, q, k, v = (t[keep] for t in (normed, residual, q, k, v))
+            if kv_only and i == last:
+                if hooks is not None:
+                    hooks.save_kv_layer(i, k, v, kv_cache, md)
+                return None
+            out = attn.attend(positions, q, k, v, kv_cache, md)
+            if hooks is not None:
+                hooks.save_kv_layer(i, k, v, kv_cache, md)
+            hidden_states, residual = layer.finish(out, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -142,14 +172,19 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None = None,
         attn_metadata: AttentionMetadata | None = None,
-    ) -> torch.Tensor:
+        row_plan: RowPlan | None = None,
+        hooks: LayerHooks | None = None,
+        kv_only: bool = False,
+    ) -> torch.Tensor | None:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size].
 
-        ``kv_caches=None`` (with ``attn_metadata=None``) is a dense causal pass over ONE sequence
-        at positions 0..T-1; otherwise one cache ``[2, num_blocks, block_size, kv_heads,
-        head_dim]`` per layer and the step's metadata.
+        ``kv_caches=None`` is a pass without a KV pool: dense causal attention over ONE sequence
+        at positions 0..T-1 (``attn_metadata=None``) or over each sequence of a dense metadata
+        (:meth:`AttentionBackend.dense_metadata`); otherwise one cache ``[2, num_blocks,
+        block_size, kv_heads, head_dim]`` per layer and the step's metadata. With a
+        ``row_plan`` the rows returned are ``row_plan.rows``.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, row_plan, hooks, kv_only)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size]."""

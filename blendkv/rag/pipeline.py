@@ -77,7 +77,7 @@ class RAGPipeline:
         self.llm = llm
         self.store = None
         try:
-            self.manager = llm.engine.blend_manager()
+            self.manager = llm.blend_manager()
             embedder = embedder if embedder is not None else MiniLMEmbedder()
             self.store = ChunkStore(
                 self.store_dir, self.manager.fingerprint, embedder, create=create
@@ -175,22 +175,21 @@ class RAGPipeline:
         return chunk_token_ids(token_ids, self.llm.tokenizer, self.chunk_tokens)
 
     def _write_document(self, doc_id: str, chunks, bar) -> None:
-        from blendkv.blend.precompute import compute_chunk_kv
         from blendkv.store import NewChunk
 
         m = self.manager
         try:
             for start in range(0, len(chunks), _WRITE_BATCH):
-                batch = []
-                for pos in range(start, min(start + _WRITE_BATCH, len(chunks))):
-                    c = chunks[pos]
-                    ids = list(c.token_ids)
-                    kv = compute_chunk_kv(m.model, m.anchor_ids, ids)
+                batch = chunks[start : start + _WRITE_BATCH]
+                ids = [list(c.token_ids) for c in batch]
+                kvs = m.compute_kv(ids)  # one forward for the batch
+                new = [
                     # The key the blend path computes for these ids, so queries hit it.
-                    key = m.chunk_key(ids)
-                    batch.append(NewChunk(key, kv, c.text, c.token_ids, doc_id, pos))
-                    bar.update(1)
-                self.store.add_chunks(batch)
+                    NewChunk(m.chunk_key(i), kv, c.text, c.token_ids, doc_id, start + j)
+                    for j, (c, i, kv) in enumerate(zip(batch, ids, kvs, strict=True))
+                ]
+                self.store.add_chunks(new)
+                bar.update(len(batch))
         except BaseException:
             self.store.remove_document(doc_id)  # new document: removing it is an exact rollback
             raise

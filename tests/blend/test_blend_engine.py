@@ -94,7 +94,7 @@ def test_prefix_cache_alongside_blending(tiny_llama_dir):
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert second.blend_stats.prefix_cached_tokens == second.metrics.num_cached_tokens
     # The same token ids as a plain prompt never alias the blended (approximate) blocks.
-    ids = llm.engine.blend_manager().prepare(PROMPT, cfg).prompt.token_ids
+    ids = llm.blend_manager().prepare(PROMPT, cfg).prompt.token_ids
     plain = llm.generate([ids], GREEDY)[0]
     assert plain.metrics.num_cached_tokens == 0
     # Another ratio is another cache salt.

@@ -17,7 +17,7 @@ PROMPT = {"documents": DOCS, "query": QUERY}
 
 
 def test_ratio_one_equals_full_prefill(blend_llm):
-    plan = blend_llm.engine.blend_manager().prepare(PROMPT, BlendConfig(recompute_ratio=1.0))
+    plan = blend_llm.blend_manager().prepare(PROMPT, BlendConfig(recompute_ratio=1.0))
     start = plan.prompt.query_start
     blended = blend_llm.generate(
         [PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=1.0), logits_from=start
@@ -86,7 +86,7 @@ def reference_full_reuse_logits(hf, manager, plan):
 
 
 def test_ratio_zero_equals_independent_reference(blend_llm, hf_model):
-    manager = blend_llm.engine.blend_manager()
+    manager = blend_llm.blend_manager()
     config = BlendConfig(recompute_ratio=0.0)
     plan = manager.prepare(PROMPT, config)
     out = blend_llm.generate([PROMPT], GREEDY, blend=config, logits_from=plan.prompt.query_start)[0]
@@ -103,6 +103,7 @@ def test_ratio_zero_equals_independent_reference(blend_llm, hf_model):
 def fused_kv_after_prefill(llm, prompt, config):
     """Run only the fused prefill step and read the request's K/V back from its blocks."""
     engine = llm.engine
+    blended = llm.blend_manager().prepare(prompt, config).prompt
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4), blend=config)
     seq = engine.requests[rid].seq
     engine.step()
@@ -112,7 +113,7 @@ def fused_kv_after_prefill(llm, prompt, config):
     slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
     kv = torch.stack([c.view(2, -1, *c.shape[-2:])[:, slots] for c in engine.runner.kv_caches])
     engine.abort_request(rid)
-    return kv, seq.extra.prompt
+    return kv, blended
 
 
 def test_recomputed_context_rows_never_see_later_tokens(blend_llm):

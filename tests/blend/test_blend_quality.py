@@ -28,7 +28,7 @@ def teacher_forced_logits(llm, prompt, answer, blend):
         )
     else:
         prompt = {**prompt, "continuation": answer}
-        plan = llm.engine.blend_manager().prepare(prompt, blend)
+        plan = llm.blend_manager().prepare(prompt, blend)
         start = len(plan.prompt.token_ids) - len(answer) - 1
         out = llm.generate(
             [prompt], SamplingParams(temperature=0, max_tokens=1), blend=blend, logits_from=start
@@ -47,7 +47,7 @@ def test_divergence_shrinks_with_recompute_ratio():
         ex = type(ex)(ex.id, ex.question, ex.answers, ex.passages[:NUM_PASSAGES])
         r = render_prompt(ex, spec)
         blended = {"documents": r.documents, "query": r.query, "system": r.system or None}
-        plan = llm.engine.blend_manager().prepare(blended, BlendConfig(recompute_ratio=1.0))
+        plan = llm.blend_manager().prepare(blended, BlendConfig(recompute_ratio=1.0))
         full_ids = plan.prompt.token_ids
         answer = (
             llm.generate(

@@ -134,7 +134,7 @@ def test_teacher_forced_rows_reuse_the_runs_own_kv(tiny_llama_dir):
 
     llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
     try:
-        manager = llm.engine.blend_manager()
+        manager = llm.blend_manager()
         docs = ["alpha beta gamma delta epsilon zeta", "one two three four five six seven"]
         blended = {"documents": docs, "query": "which words come first in the list?"}
         ids = list(manager.prepare(blended, BlendConfig()).prompt.token_ids)

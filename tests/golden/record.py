@@ -25,12 +25,13 @@ from blendkv import LLM  # noqa: E402
 
 
 def chunk_kv_before_refactor(llm, ids):
-    manager = llm.engine.blend_manager()
+    manager = llm.blend_manager()
+    manager.flush()  # query-time misses are written in the background
     return manager.store.get(manager.chunk_key(ids)).kv.clone()
 
 
 def query_start_before_refactor(llm, prompt):
-    return llm.engine.blend_manager().prepare(prompt, None).prompt.query_start
+    return llm.blend_manager().prepare(prompt, None).prompt.query_start
 
 
 def digest(t: torch.Tensor) -> str:

@@ -1,0 +1,162 @@
+"""Blending as a KV connector: stored chunk K/V in, a fused prefill that repairs it.
+
+Scheduler side: a blended request's prefill runs whole (never chunked) while some chunk token has
+no K/V in its blocks yet, and costs the budget what it computes (``BlendPlan.estimated_cost``);
+nothing counts as computed in advance, since every row runs the layers before the check layer.
+Worker side: before the forward, the chunks are loaded into the request's blocks
+(:mod:`blendkv.blend.loader`); the forward then follows :class:`BlendRowPlan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blendkv.blend.plan import BlendPlan, BlendStats
+from blendkv.engine.kv_connector import (
+    ConnectorPrompt,
+    ForwardInputs,
+    KVConnectorBase,
+    KVConnectorContext,
+    KVConnectorMetadata,
+)
+
+
+@dataclass(frozen=True)
+class FusedPrefill:
+    """One blended request whose fused prefill runs in this step."""
+
+    index: int  # position of the sequence in the step's batch
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: tuple[int, ...]
+
+
+@dataclass
+class BlendConnectorMetadata(KVConnectorMetadata):
+    fused: list[FusedPrefill] = field(default_factory=list)
+
+
+class BlendConnector(KVConnectorBase):
+    def __init__(self, context: KVConnectorContext) -> None:
+        super().__init__(context)
+        self._manager = None
+        self._loader = None
+        self._plans: dict[str, BlendPlan] = {}
+        self._metadata: BlendConnectorMetadata | None = None
+        self._step = []  # this step's SeqBlends
+
+    @property
+    def manager(self):
+        """The chunk-KV store and prompt machinery (:class:`BlendManager`), made on first use."""
+        if self._manager is None:
+            from blendkv.blend.loader import ChunkLoader
+            from blendkv.blend.manager import BlendManager
+            from blendkv.models.loader import weights_hash
+
+            ctx, conf = self.context, self.context.config
+            self._manager = BlendManager(
+                ctx.model,
+                ctx.tokenizer,
+                ctx.attn_backend,
+                architecture=ctx.info.architecture,
+                weights_hash=weights_hash(ctx.resolved),
+                dtype=conf.dtype,
+                store_dir=conf.kv_store_dir,
+                store_max_bytes=conf.kv_store_max_bytes,
+                memory_tier_bytes=conf.kv_store_memory_bytes,
+                anchor_system=conf.anchor_system,
+                anchor_instruction=conf.anchor_instruction,
+            )
+            info = ctx.info
+            self._loader = ChunkLoader(
+                self._manager,
+                ctx.model.model.rotary_emb,
+                (info.num_layers, info.num_kv_heads, info.head_dim),
+            )
+        return self._manager
+
+    # ---- requests -----------------------------------------------------------------------
+    def prepare_prompt(self, prompt: dict, options) -> ConnectorPrompt:
+        plan = self.manager.prepare(prompt, options)
+        return ConnectorPrompt(
+            plan.prompt.token_ids,
+            cache_salt=plan.salt,
+            kv_transfer_params=plan,
+            # Rows before the query may stop being computed after the check layer.
+            min_logits_position=plan.prompt.query_start if plan.prompt.chunks else 0,
+        )
+
+    def add_request(self, request_id: str, kv_transfer_params) -> None:
+        if isinstance(kv_transfer_params, BlendPlan):
+            self._plans[request_id] = kv_transfer_params
+
+    def request_stats(self, seq) -> BlendStats | None:
+        plan = self._plans.get(seq.request_id)
+        if plan is None:
+            return None
+        stats = plan.stats
+        m = seq.metrics
+        if m.first_token_time is not None:
+            stats.ttft = m.first_token_time - m.arrival_time
+        # Also when the prefix cache served every chunk and no fused prefill ran.
+        stats.prefix_cached_tokens = max(stats.prefix_cached_tokens, m.num_cached_tokens)
+        return stats
+
+    def request_finished(self, request_id: str) -> None:
+        self._plans.pop(request_id, None)
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = self._loader = None
+
+    # ---- scheduler side -----------------------------------------------------------------
+    def fused_prefill_cost(self, seq, num_computed_tokens: int, num_new_tokens: int):
+        plan = self._plans.get(seq.request_id)
+        if plan is None or not plan.needs_fusion(num_computed_tokens):
+            return None
+        return plan.estimated_cost(num_new_tokens, self.context.info.num_layers)
+
+    def build_connector_meta(self, scheduler_output) -> BlendConnectorMetadata:
+        meta = BlendConnectorMetadata()
+        for i, (seq, num_new) in enumerate(scheduler_output.scheduled):
+            plan = self._plans.get(seq.request_id)
+            if plan is not None and plan.needs_fusion(seq.num_computed_tokens):
+                meta.fused.append(
+                    FusedPrefill(
+                        i, seq.request_id, seq.num_computed_tokens, num_new, tuple(seq.block_table)
+                    )
+                )
+        return meta
+
+    # ---- worker side --------------------------------------------------------------------
+    def start_load_kv(self, inputs: ForwardInputs) -> None:
+        meta = self._metadata
+        self._step = []
+        if meta is None or not meta.fused:
+            return
+        self.manager  # noqa: B018  (the store and loader exist from here on)
+        for f in meta.fused:
+            plan = self._plans[f.request_id]
+            self._step.append(
+                self._loader.load(
+                    f.index,
+                    plan,
+                    f.num_computed_tokens,
+                    f.num_new_tokens,
+                    f.block_table,
+                    inputs.kv_caches,
+                )
+            )
+
+    def row_plan(self, inputs: ForwardInputs):
+        if not self._step:
+            return None
+        from blendkv.blend.row_plan import BlendRowPlan
+
+        return BlendRowPlan(inputs.attn_metadata, self._step, self.context.attn_backend)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._step = []

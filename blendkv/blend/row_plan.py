@@ -1,0 +1,110 @@
+"""The fused prefill's row plan: which rows each layer computes when a step blends.
+
+A step's rows are the flattened tokens of all scheduled sequences (plain prefills, decodes and
+blended prefills). Plain rows run every layer. For a blended sequence, at each of its selection
+layers the fresh Q/K/V of its rows are scored against the reused K/V already in its blocks, and
+the reused rows not picked leave the set: from then on their K/V stays the reused one. Rows that
+remain write fresh K/V and attend over the whole fused K/V with the exact per-row causal mask of
+the attention backend (a row at position p sees keys at positions <= p, whatever rows are
+around it). The layer loop itself is the model's (:mod:`blendkv.models.hooks`).
+
+    layer:        0 .. check-1      check            check+1 .. last
+    blended seq:  every row         fresh QKV, pick  picked reused + non-reused rows only
+    plain seq:    every row         every row        every row
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blendkv.blend.config import BlendConfig
+from blendkv.blend.plan import BlendStats
+from blendkv.blend.selection import SelectionInputs, score_rows, top_rows
+from blendkv.models.hooks import RowPlan
+
+
+@dataclass
+class SeqBlend:
+    """A blended sequence in this step. ``reused`` flags its rows (in step order)."""
+
+    index: int  # position of the sequence in the step's batch
+    reused: torch.Tensor  # bool [num rows of this seq in the step]
+    config: BlendConfig
+    query_start: int  # absolute position of the first token after the last chunk
+    total_reused: int
+    generator: torch.Generator
+    stats: BlendStats
+
+
+class BlendRowPlan(RowPlan):
+    def __init__(self, attn_metadata, blends: list[SeqBlend], attn_backend) -> None:
+        md = attn_metadata
+        n = md.num_tokens
+        starts = md.query_start_loc_cpu
+        self.blends = blends
+        self.backend = attn_backend
+        self.rows = torch.arange(n)
+        self.seq_ids = md.row_seq_ids()
+        self.reused = torch.zeros(n, dtype=torch.bool)
+        for sb in blends:
+            self.reused[starts[sb.index] : starts[sb.index + 1]] = sb.reused
+        self.starts = starts
+        self.schedules = [sb.config.selection_layers() for sb in blends]
+        self.layers = set().union(*self.schedules)
+
+    def selects_at(self, layer_idx: int) -> bool:
+        return layer_idx in self.layers
+
+    def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
+        keep = torch.ones(len(self.rows), dtype=torch.bool)
+        for sb, schedule in zip(self.blends, self.schedules, strict=True):
+            if layer_idx in schedule:
+                self._select(attn, sb, schedule[layer_idx], attn_metadata, q, k, v, kv_cache, keep)
+        if not keep.all():
+            self.rows, self.seq_ids, self.reused = (
+                t[keep] for t in (self.rows, self.seq_ids, self.reused)
+            )
+        self._record()
+        return None if keep.all() else keep
+
+    def _select(self, attn, sb: SeqBlend, ratio, md, q, k, v, kv_cache, keep) -> None:
+        """Drop from ``keep`` the reused rows of ``sb`` that are not among the top ``ratio``."""
+        seq_rows = torch.nonzero(self.seq_ids == sb.index).flatten()
+        cand = seq_rows[self.reused[seq_rows]]
+        count = int(round(ratio * sb.total_reused))
+        if len(cand) == 0 or count >= len(cand):
+            return
+        positions = md.positions
+        cached_k, cached_v = self.backend.read_kv(kv_cache, md.slot_mapping[cand])
+        strategy = sb.config.selection
+        inputs = SelectionInputs(
+            cand=cand,
+            fresh_k=attn.rotary_emb.rotate_k(positions[cand], k[cand])
+            if strategy != "v_deviation"
+            else k[cand],
+            fresh_v=v[cand],
+            cached_k=cached_k,
+            cached_v=cached_v,
+        )
+        if strategy == "attention":
+            query_rows = seq_rows[positions[seq_rows] >= sb.query_start]
+            qr, kr = attn.rotary_emb.apply_rotary(positions[seq_rows], q[seq_rows], k[seq_rows])
+            inputs.query_q = qr[torch.searchsorted(seq_rows, query_rows)]
+            inputs.seq_k = kr
+            inputs.seq_k_positions = positions[seq_rows]
+            inputs.query_positions = positions[query_rows]
+            inputs.cand_in_seq = torch.searchsorted(seq_rows, cand)
+        chosen = top_rows(score_rows(strategy, inputs, sb.generator), count)
+        keep[cand] = False
+        keep[cand[chosen]] = True
+
+    def _record(self) -> None:
+        """Rows computed through the last layer so far, per blended sequence (final after the
+        last selection layer: rows only ever leave the set there)."""
+        for sb in self.blends:
+            lo, hi = self.starts[sb.index], self.starts[sb.index + 1]
+            mine = self.rows[(self.rows >= lo) & (self.rows < hi)] - lo
+            sb.stats.tokens_recomputed = len(mine)
+            sb.stats.reused_tokens_recomputed = int(sb.reused[mine].sum())

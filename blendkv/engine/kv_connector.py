@@ -1,0 +1,161 @@
+"""The KV connector: how an engine extension brings K/V from outside (and saves it).
+
+Shaped like vLLM v1's ``KVConnectorBase_V1``: one object with a scheduler side and a worker side.
+The engine sees only this interface; blending (``blendkv.blend.connector``) is one
+implementation, a test's dict-backed connector another. Configured with
+``EngineConfig(kv_connector=...)``.
+
+    request in ──prepare_prompt / add_request──▶ connector keeps per-request state
+    scheduler ──get_num_new_matched_tokens──▶ tokens whose K/V comes from outside (skipped)
+              ──fused_prefill_cost─────────▶ prefills that must run whole, and their cost
+              ──update_state_after_alloc───▶ blocks are allocated: remember what to load
+              ──build_connector_meta───────▶ KVConnectorMetadata, carried on SchedulerOutput
+    runner    ──bind_connector_metadata, start_load_kv (K/V into the request's blocks)
+              ──row_plan──────────────────▶ rows each layer computes (None = all)
+    forward   ──wait_for_layer_load(l) / save_kv_layer(l)   (LayerHooks, per layer)
+    runner    ──wait_for_save, clear_connector_metadata
+    engine    ──request_stats (into RequestOutput.blend_stats), request_finished
+
+Scheduler-side methods are pure Python (ids and ints); tensors appear only on the worker side.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from blendkv.errors import InvalidRequestError
+from blendkv.models.hooks import LayerHooks
+
+if TYPE_CHECKING:
+    import torch
+
+    from blendkv.config import EngineConfig
+    from blendkv.engine.scheduler import SchedulerOutput
+    from blendkv.engine.sequence import Sequence
+    from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+    from blendkv.models.hooks import RowPlan
+
+
+class KVConnectorMetadata:
+    """What the scheduler side tells the worker side about one step (subclassed)."""
+
+
+@dataclass(frozen=True)
+class KVConnectorContext:
+    """What a connector is built from (facts of the running engine)."""
+
+    config: EngineConfig
+    model: Any  # the causal LM (torch module)
+    tokenizer: Any
+    attn_backend: AttentionBackend
+    info: Any  # RuntimeInfo
+    resolved: Any  # the resolved model (paths, for fingerprints)
+
+
+@dataclass
+class ConnectorPrompt:
+    """A prompt the connector parsed: its token ids, the salt mixed into its prefix-cache block
+    hashes, the connector's own per-request payload (handed back by ``add_request``), and the
+    first position whose prompt logits exist (rows before it may skip the last layers)."""
+
+    token_ids: list[int]
+    cache_salt: bytes = b""
+    kv_transfer_params: Any = None
+    min_logits_position: int = 0
+
+
+@dataclass
+class ForwardInputs:
+    """The step's tensors, as the worker side sees them."""
+
+    input_ids: torch.Tensor
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+
+
+class KVConnectorBase(LayerHooks, ABC):
+    """Base class: every method has a do-nothing default except the request hooks."""
+
+    def __init__(self, context: KVConnectorContext) -> None:
+        self.context = context
+        self._metadata: KVConnectorMetadata | None = None
+
+    # ---- requests (engine) --------------------------------------------------------------
+    def prepare_prompt(self, prompt: dict, options: Any) -> ConnectorPrompt:
+        """Parse a dict prompt (raise a typed error on bad input). Default: not supported."""
+        raise InvalidRequestError(
+            f"{type(self).__name__} does not take dict prompts; pass a string or token ids"
+        )
+
+    def add_request(self, request_id: str, kv_transfer_params: Any) -> None:
+        """A request was queued (``kv_transfer_params`` from :meth:`prepare_prompt`, or None)."""
+
+    def request_stats(self, seq: Sequence) -> Any:
+        """Per-request stats to put on its output (``RequestOutput.blend_stats``), or None."""
+        return None
+
+    def request_finished(self, request_id: str) -> None:
+        """The request finished or was aborted; drop its state."""
+
+    def close(self) -> None:
+        """Flush what is pending and release resources (the engine is shutting down)."""
+
+    # ---- scheduler side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """How many tokens past ``num_computed_tokens`` (the prefix-cache hit) the connector
+        can supply K/V for; the scheduler counts them as computed. Must be side-effect free."""
+        return 0
+
+    def fused_prefill_cost(
+        self, seq: Sequence, num_computed_tokens: int, num_new_tokens: int
+    ) -> int | None:
+        """None for an ordinary (chunkable) prefill. An int: the ``num_new_tokens`` must be
+        scheduled in one step, and cost this many tokens of the step's budget."""
+        return None
+
+    def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
+        """Blocks for ``seq`` are allocated; ``num_external_tokens`` of them are to be loaded."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The worker side's instructions for this step (called once, after scheduling)."""
+        return KVConnectorMetadata()
+
+    # ---- worker side --------------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    def start_load_kv(self, inputs: ForwardInputs) -> None:
+        """Start bringing this step's external K/V into the blocks (before the forward)."""
+
+    def row_plan(self, inputs: ForwardInputs) -> RowPlan | None:
+        """Rows each layer computes this step; None = every row at every layer."""
+        return None
+
+    def wait_for_save(self) -> None:
+        """Block until this step's saves are handed off (the forward is done)."""
+
+
+def create_kv_connector(spec: Any, context: KVConnectorContext) -> KVConnectorBase | None:
+    """``spec``: None, a registered name (``"blend"``), or a factory ``context -> connector``."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        import importlib
+
+        from blendkv.errors import ConfigError
+
+        target = KV_CONNECTORS.get(spec)
+        if target is None:
+            raise ConfigError(f"unknown kv_connector {spec!r}; registered: {sorted(KV_CONNECTORS)}")
+        module, _, name = target.partition(":")
+        spec = getattr(importlib.import_module(module), name)
+    return spec(context)
+
+
+# Registered connectors by name, imported on use (the engine depends on none of them).
+KV_CONNECTORS = {"blend": "blendkv.blend.connector:BlendConnector"}

@@ -1,0 +1,72 @@
+"""The seams of the one forward path: which rows each layer computes, and layer-boundary hooks.
+
+``LlamaModel.forward`` is the only place decoder layers run. What varies between a plain step,
+a blended prefill and a chunk precompute plugs in here, never by attributes set from outside:
+
+    for each layer l:
+        hooks.wait_for_layer_load(l)          K/V of layer l brought from outside is in place
+        norm, project -> q, k, v (pre-RoPE)
+        row_plan.select(l, ...)               rows that stop being computed from layer l on
+        attention (writes fresh K/V), MLP
+        hooks.save_kv_layer(l, k, v, ...)     K/V of layer l computed this step, to save
+
+Without a plan every row runs every layer; without hooks nothing waits or saves.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from blendkv.kernels.attention import AttentionMetadata
+    from blendkv.layers.attention import Attention
+
+
+class RowPlan(ABC):
+    """Which of a step's rows each layer computes (a shrinking set).
+
+    ``rows`` holds, after the forward, the indices (into the step's rows) of the rows whose
+    final hidden states the forward returned, in order.
+    """
+
+    rows: torch.Tensor
+
+    @abstractmethod
+    def selects_at(self, layer_idx: int) -> bool:
+        """True when :meth:`select` must be called at this layer."""
+
+    @abstractmethod
+    def select(
+        self,
+        layer_idx: int,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Given the layer's fresh pre-RoPE q/k/v of the current rows, return a bool keep-mask
+        over them (None = keep all). Rows dropped keep the K/V already in the pool from here
+        on. The plan updates :attr:`rows` itself."""
+
+
+class LayerHooks:
+    """Layer-boundary callbacks (the worker side of a KV connector implements them)."""
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until K/V of ``layer_idx`` loaded from outside is in the pool."""
+
+    def save_kv_layer(
+        self,
+        layer_idx: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> None:
+        """Fresh K (pre-RoPE) and V of the rows computed at ``layer_idx``; ``kv_cache`` (if any)
+        already holds them (post-RoPE K) at ``attn_metadata.slot_mapping``."""
