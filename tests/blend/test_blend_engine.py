@@ -124,3 +124,13 @@ def test_bad_blended_prompts(tiny_llama_dir):
             llm.generate(["plain text"], GREEDY, blend=BlendConfig())
         assert not llm.engine.has_unfinished_requests()
         assert llm.generate([PROMPT], GREEDY, blend=BlendConfig())[0].finished
+
+
+def test_prompt_logits_of_reused_rows_are_refused(blend_llm):
+    """Reused chunk rows stop being computed after the check layer: no logits exist for them."""
+    plan = blend_llm.blend_manager().prepare(PROMPT, BlendConfig())
+    start = plan.prompt.query_start
+    with pytest.raises(InvalidRequestError, match=f"from position {start}"):
+        blend_llm.generate([PROMPT], GREEDY, blend=BlendConfig(), logits_from=start - 1)
+    out = blend_llm.generate([PROMPT], GREEDY, blend=BlendConfig(), logits_from=start)[0]
+    assert out.extra["prompt_logits"].shape[0] == len(plan.prompt.token_ids) - start

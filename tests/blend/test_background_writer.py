@@ -1,0 +1,104 @@
+"""Chunk K/V computed at query time is stored off the engine step (store/writer.py).
+
+A store whose ``put_many`` blocks until the test opens a gate stands in for a slow disk (no
+timing in the test): a decode running beside a blended request with ten missing chunks keeps
+stepping while those writes are pending, and every chunk is in the store after ``flush`` and
+after shutdown.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from blendkv import LLM, SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.store import KVStore
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
+DOCS = [f"Document {w}: the {w} river runs past the {w} mill." for w in WORDS]
+
+
+class SlowStore(KVStore):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.writes_started = threading.Event()
+        self.gate = threading.Event()
+
+    def put_many(self, chunks):
+        self.writes_started.set()
+        assert self.gate.wait(timeout=60), "the test never opened the gate"
+        return super().put_many(chunks)
+
+
+def test_decode_keeps_stepping_while_writes_are_pending(tiny_llama_dir, tmp_path):
+    store_dir = tmp_path / "store"
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
+    manager = llm.blend_manager()
+    slow = SlowStore(store_dir, manager.fingerprint)
+    manager.use_store(slow)
+    engine = llm.engine
+    decode_id = engine.add_request(
+        [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    )
+    for _ in range(3):
+        engine.step()
+    prompt = {"documents": DOCS, "query": "Which river runs past the golf mill?"}
+    plan = manager.prepare(prompt, BlendConfig())
+    blend_id = engine.add_request(
+        prompt, SamplingParams(temperature=0.0, max_tokens=2), blend=BlendConfig()
+    )
+    stats = None
+    for out in engine.step():  # the blended request's fused prefill: 10 misses computed
+        if out.request_id == blend_id:
+            stats = out.blend_stats
+    assert stats is not None and stats.chunks_missed == 10
+    assert manager.writer.num_pending > 0  # handed over, not written inside the step
+    assert slow.writes_started.wait(timeout=60)  # the writer thread is inside put_many
+    decode_steps_while_pending = 0
+    for _ in range(20):
+        outs = engine.step()
+        if manager.writer.num_pending == 10 and any(o.request_id == decode_id for o in outs):
+            decode_steps_while_pending += 1
+    assert decode_steps_while_pending == 20
+    slow.gate.set()
+    manager.flush()
+    assert all(key in slow for key in plan.chunk_keys)
+    engine.abort_request(decode_id)
+    llm.close()
+
+
+def test_shutdown_flushes_pending_writes(tiny_llama_dir, tmp_path):
+    store_dir = tmp_path / "store"
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, kv_store_dir=str(store_dir))
+    manager = llm.blend_manager()
+    fingerprint = manager.fingerprint
+    prompt = {"documents": DOCS[:4], "query": "Which mill?"}
+    keys = manager.prepare(prompt, None).chunk_keys
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert out.blend_stats.chunks_missed == 4
+    stored_kv = manager.writer.pending(keys[0])
+    stored_kv = None if stored_kv is None else stored_kv.clone()
+    llm.close()  # flushes the writer before closing the store
+    with KVStore(store_dir, fingerprint) as store:
+        assert all(key in store for key in keys)
+        if stored_kv is not None:
+            assert torch.equal(store.get(keys[0]).kv, stored_kv)
+
+
+def test_a_second_request_reads_pending_chunks_instead_of_recomputing(tiny_llama_dir, tmp_path):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
+    manager = llm.blend_manager()
+    slow = SlowStore(tmp_path / "store", manager.fingerprint)
+    manager.use_store(slow)
+    prompt = {"documents": DOCS[:3], "query": "Which mill?"}
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    first = llm.generate([prompt], greedy)[0]
+    assert manager.writer.num_pending == 3  # the write is held at the gate
+    second = llm.generate([prompt], greedy)[0]
+    slow.gate.set()
+    assert first.blend_stats.chunks_missed == 3
+    assert second.blend_stats.chunks_hit == 3 and second.blend_stats.chunks_missed == 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.close()
