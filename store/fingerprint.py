@@ -53,10 +53,6 @@ class ModelFingerprint:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
 
-    @property
-    def rope_config(self) -> dict:
-        return json.loads(self.rope)
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["anchor_token_ids"] = list(self.anchor_token_ids)
