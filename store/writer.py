@@ -12,6 +12,7 @@ chunks are dropped from the pending set, and the engine goes on serving.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -39,6 +40,8 @@ class BackgroundWriter:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="blendkv-kv-writer", daemon=True)
         self._thread.start()
+        # A script that never closes its engine still gets its chunks written at exit.
+        atexit.register(self.close)
 
     def submit(self, chunks: Sequence[NewChunk]) -> None:
         """Queue chunks for writing; returns at once."""
@@ -66,6 +69,7 @@ class BackgroundWriter:
 
     def close(self) -> None:
         """Flush, then stop the thread. Idempotent."""
+        atexit.unregister(self.close)
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()

@@ -92,6 +92,7 @@ class RAGPipeline:
     def close(self) -> None:
         """Close the store (and the model, when the pipeline loaded it)."""
         if self.store is not None:
+            self.manager.flush()  # chunk K/V computed at query time lands before the close
             self.store.close()
             self.store = None
         if self._owns_llm and self.llm is not None:

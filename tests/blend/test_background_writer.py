@@ -102,3 +102,38 @@ def test_a_second_request_reads_pending_chunks_instead_of_recomputing(tiny_llama
     assert second.blend_stats.chunks_hit == 3 and second.blend_stats.chunks_missed == 0
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     llm.close()
+
+
+def test_a_script_that_never_closes_still_writes_its_chunks(tiny_llama_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    store_dir = tmp_path / "store"
+    script = f"""
+import json, time
+from blendkv import LLM, SamplingParams
+from blendkv.store import KVStore
+
+class SlowStore(KVStore):  # the write is still going on when the script ends
+    def put_many(self, chunks):
+        time.sleep(1.0)
+        return super().put_many(chunks)
+
+llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", block_size=4)
+prompt = {{"documents": {DOCS[:3]!r}, "query": "Which mill?"}}
+m = llm.blend_manager()
+m.use_store(SlowStore({str(store_dir)!r}, m.fingerprint))
+out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))[0]
+assert out.blend_stats.chunks_missed == 3
+print(json.dumps([k.hex() for k in m.prepare(prompt, None).chunk_keys]))
+print(json.dumps(m.fingerprint.to_dict()))
+"""  # no llm.close(): the writer's exit handler must flush
+    done = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+    keys_line, fp_line = done.stdout.decode().strip().splitlines()[-2:]
+    from blendkv.store import ModelFingerprint
+
+    fp = json.loads(fp_line)
+    fingerprint = ModelFingerprint(**{**fp, "anchor_token_ids": tuple(fp["anchor_token_ids"])})
+    with KVStore(store_dir, fingerprint) as store:
+        assert all(bytes.fromhex(k) in store for k in json.loads(keys_line))
