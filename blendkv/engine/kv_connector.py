@@ -76,7 +76,8 @@ class ForwardInputs:
 
 
 class KVConnectorBase(LayerHooks, ABC):
-    """Base class: every method has a do-nothing default except the request hooks."""
+    """Base class. Every method has a do-nothing default (dict prompts are refused), so the
+    base class itself is the engine's connector when ``EngineConfig.kv_connector`` is None."""
 
     def __init__(self, context: KVConnectorContext) -> None:
         self.context = context
@@ -86,7 +87,8 @@ class KVConnectorBase(LayerHooks, ABC):
     def prepare_prompt(self, prompt: dict, options: Any) -> ConnectorPrompt:
         """Parse a dict prompt (raise a typed error on bad input). Default: not supported."""
         raise InvalidRequestError(
-            f"{type(self).__name__} does not take dict prompts; pass a string or token ids"
+            f"dict prompts need a KV connector that takes them (EngineConfig.kv_connector="
+            f"'blend'); this engine's is {type(self).__name__}: pass a string or token ids"
         )
 
     def add_request(self, request_id: str, kv_transfer_params: Any) -> None:
@@ -140,10 +142,11 @@ class KVConnectorBase(LayerHooks, ABC):
         """Block until this step's saves are handed off (the forward is done)."""
 
 
-def create_kv_connector(spec: Any, context: KVConnectorContext) -> KVConnectorBase | None:
-    """``spec``: None, a registered name (``"blend"``), or a factory ``context -> connector``."""
+def create_kv_connector(spec: Any, context: KVConnectorContext) -> KVConnectorBase:
+    """``spec``: None (the do-nothing base connector), a registered name (``"blend"``), or a
+    factory ``context -> connector``."""
     if spec is None:
-        return None
+        return KVConnectorBase(context)
     if isinstance(spec, str):
         import importlib
 

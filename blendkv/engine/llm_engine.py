@@ -111,8 +111,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Flush and release the KV connector (a blend store's pending writes land first)."""
-        if self.kv_connector is not None:
-            self.kv_connector.close()
+        self.kv_connector.close()
 
     # ------------------------------------------------------------- startup
     def _runtime_info(self) -> RuntimeInfo:
@@ -201,10 +200,6 @@ class LLMEngine:
         """
         connector_prompt = None
         if isinstance(prompt, dict):
-            if self.kv_connector is None:
-                raise InvalidRequestError(
-                    "dict prompts need a KV connector (EngineConfig.kv_connector='blend')"
-                )
             connector_prompt = self.kv_connector.prepare_prompt(prompt, blend)
             token_ids = connector_prompt.token_ids
         elif blend is not None:
@@ -245,8 +240,7 @@ class LLMEngine:
         seq = Sequence(request_id, req.prompt_token_ids, req.sampling_params, max_out)
         seq.cache_salt = req.cache_salt
         seq.logits_from = req.logits_from
-        if self.kv_connector is not None:
-            self.kv_connector.add_request(request_id, req.kv_transfer_params)
+        self.kv_connector.add_request(request_id, req.kv_transfer_params)
         self.requests[request_id] = RequestState(seq, req.prompt, self.tokenizer)
         self.scheduler.add(seq)
         return request_id
@@ -270,8 +264,7 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         state = self.requests.pop(request_id, None)
         self.runner.release(request_id)
-        if self.kv_connector is not None:
-            self.kv_connector.request_finished(request_id)
+        self.kv_connector.request_finished(request_id)
         if state is not None and seq is not None:
             state.finish_reason = "abort"
         return seq is not None
@@ -306,14 +299,10 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(seq, status)
                 self.runner.release(seq.request_id)
-            stats = None
-            if self.kv_connector is not None:
-                stats = self.kv_connector.request_stats(seq)
-            outputs.append(state.make_output(stats))
+            outputs.append(state.make_output(self.kv_connector.request_stats(seq)))
             if seq.is_finished:
                 del self.requests[seq.request_id]
-                if self.kv_connector is not None:
-                    self.kv_connector.request_finished(seq.request_id)
+                self.kv_connector.request_finished(seq.request_id)
         return outputs
 
     def check_integrity(self) -> None:

@@ -56,7 +56,7 @@ class ModelRunner:
         attn_backend: AttentionBackend,
         kv_cache_spec: KVCacheSpec,
         sampler: Sampler,
-        connector: KVConnectorBase | None = None,
+        connector: KVConnectorBase,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -111,21 +111,17 @@ class ModelRunner:
         inputs = self.prepare_inputs(out)
         md = inputs.attn_metadata
         conn = self.connector
-        plan = None
-        if conn is not None:
-            conn.bind_connector_metadata(out.kv_connector_metadata)
+        conn.bind_connector_metadata(out.kv_connector_metadata)
+        try:
             fwd = ForwardInputs(inputs.input_ids, md, self.kv_caches)
             conn.start_load_kv(fwd)
             plan = conn.row_plan(fwd)
-        try:
             hidden = self.model(
                 inputs.input_ids, md.positions, self.kv_caches, md, row_plan=plan, hooks=conn
             )
-            if conn is not None:
-                conn.wait_for_save()
+            conn.wait_for_save()
         finally:
-            if conn is not None:
-                conn.clear_connector_metadata()
+            conn.clear_connector_metadata()
         remap = _identity
         if plan is not None:
             where = {r: i for i, r in enumerate(plan.rows.tolist())}
