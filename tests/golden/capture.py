@@ -34,7 +34,20 @@ def _decode_logprobs(out) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float64)
 
 
-def capture(llm, chunk_kv, query_start) -> dict[str, torch.Tensor]:
+def stored_chunk_kv(llm, ids) -> torch.Tensor:
+    """The stored K/V of the chunk ``ids`` (after the background writes landed)."""
+    manager = llm.blend_manager()
+    manager.flush()
+    return manager.store.get(manager.chunk_key(ids)).kv.clone()
+
+
+def blended_query_start(llm, prompt) -> int:
+    return llm.blend_manager().prepare(prompt, None).prompt.query_start
+
+
+def capture(
+    llm, chunk_kv=stored_chunk_kv, query_start=blended_query_start
+) -> dict[str, torch.Tensor]:
     """``chunk_kv(llm, token_ids)`` -> the stored [L, 2, n, Hkv, D] K/V of one chunk;
     ``query_start(llm, prompt)`` -> the position of a blended prompt's first query token."""
     got: dict[str, torch.Tensor] = {}
