@@ -90,7 +90,7 @@ class LLMEngine:
             num_blocks=self.info.num_kv_blocks,
             block_size=config.block_size,
             dtype=config.torch_dtype,
-            sampler=Sampler(),
+            sampler=Sampler(self.info.eos_token_ids),
         )
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
