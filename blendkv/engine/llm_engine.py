@@ -27,6 +27,7 @@ from blendkv.errors import (
 )
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
+from blendkv.text import replace_in_blended_prompt, replace_lone_surrogates
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,7 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            prompt = replace_lone_surrogates(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
@@ -212,7 +214,7 @@ class LLMEngine:
         """
         plan = None
         if isinstance(prompt, dict):
-            plan = self.blend_manager().prepare(prompt, blend)
+            plan = self.blend_manager().prepare(replace_in_blended_prompt(prompt), blend)
             token_ids = plan.prompt.token_ids
         elif blend is not None:
             raise InvalidRequestError("a blend config needs a blended prompt (a dict)")

@@ -23,6 +23,7 @@ from blendkv.rag.catalog import DocumentCatalog
 from blendkv.rag.documents import SourceDocument, content_doc_id, load_documents
 from blendkv.rag.errors import DocumentError, EmptyDocumentError, NoChunksError
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
+from blendkv.text import replace_lone_surrogates
 
 DEFAULT_INSTRUCTION = "Answer the question using the passages below.\n\n"
 # Chunks per store transaction: bounds the K/V held in memory while a document is ingested
@@ -203,8 +204,10 @@ class RAGPipeline:
         if len(doc_ids) != len(docs):
             raise DocumentError(f"{len(doc_ids)} doc ids for {len(docs)} documents")
         for d in doc_ids:
-            if not isinstance(d, str) or not d or "\x00" in d:
-                raise DocumentError(f"doc id {d!r} must be a non-empty string without NUL")
+            if not isinstance(d, str) or not d or "\x00" in d or not _is_unicode(d):
+                raise DocumentError(
+                    f"doc id {d!r} must be a non-empty string without NUL or lone surrogates"
+                )
         return doc_ids
 
     @staticmethod
@@ -215,9 +218,10 @@ class RAGPipeline:
         if len(metas) != n or not all(isinstance(m, dict) for m in metas):
             raise DocumentError(f"metadata must be one dict or {n} dicts")
         try:
-            json.dumps(metas)
+            # As the catalog writes it (UTF-8): lone surrogates fail here, not after the chunks.
+            json.dumps(metas, ensure_ascii=False).encode("utf-8")
         except (TypeError, ValueError) as e:
-            raise DocumentError(f"metadata must be JSON-serialisable: {e}") from e
+            raise DocumentError(f"metadata must be JSON-serialisable UTF-8 text: {e}") from e
         return [dict(m) for m in metas]
 
     # -------------------------------------------------------------------- documents
@@ -242,6 +246,7 @@ class RAGPipeline:
         self._check_open()
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequestError("the question is empty")
+        question = replace_lone_surrogates(question, "question")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise InvalidRequestError(f"k must be a positive integer, got {k!r}")
         if len(self.store.index) == 0:
@@ -300,6 +305,8 @@ class RAGPipeline:
         from blendkv import SamplingParams
         from blendkv.blend.config import BlendConfig
 
+        if isinstance(question, str):  # once here, not again in retrieve and the prompt
+            question = replace_lone_surrogates(question, "question")
         sources = self.retrieve(question, k)
         params = sampling_params or SamplingParams(max_tokens=128, temperature=0.0)
         return (
@@ -324,3 +331,12 @@ class RAGPipeline:
             from blendkv.rag.errors import RAGError
 
             raise RAGError("the pipeline is closed")
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding lone surrogates (it has no UTF-8 encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
