@@ -54,7 +54,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = pipeline.ingest(paths, progress=not args.no_progress)
         for doc, doc_id in zip(docs, report.doc_ids, strict=True):
-            state = "added" if doc_id in report.added else "already stored"
+            state = (
+                "added"
+                if doc_id in report.added
+                else "repaired"
+                if doc_id in report.repaired
+                else "already stored"
+            )
             print(f"{doc_id}  {state:14s}  {doc.source}")
         print(report.summary())
         print(

@@ -20,6 +20,7 @@ from typing import Any
 
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.rag.catalog import DocumentCatalog
+from blendkv.rag.consistency import DocumentAction, check_documents, document_action
 from blendkv.rag.documents import SourceDocument, content_doc_id, load_documents
 from blendkv.rag.errors import DocumentError, EmptyDocumentError, NoChunksError
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
@@ -132,6 +133,11 @@ class RAGPipeline:
         a hash of the text, so re-adding a document is a no-op (reported in ``skipped``).
         Every input is read and validated before anything is written; a document's chunks are
         written all or none (a failure rolls the document back).
+
+        A document an interrupted ingest left behind (chunks stored, catalog entry missing, or
+        only part of its chunks stored; see :mod:`blendkv.rag.consistency`) is repaired when it
+        is given again: its catalog entry is written, or its chunks are written anew
+        (reported in ``repaired``).
         """
         t0 = time.perf_counter()
         self._check_open()
@@ -139,32 +145,47 @@ class RAGPipeline:
         ids = self._doc_ids(docs, doc_ids)
         metas = self._metadata(metadata, len(docs))
         pieces = [self._chunk(doc, i) for i, doc in enumerate(docs)]
-        pending, seen = [], set()
+        actions: dict[int, tuple[DocumentAction, list[bytes]]] = {}
+        seen: set[str] = set()
         for i, doc_id in enumerate(ids):
-            if doc_id in seen or self.has_document(doc_id):
+            if doc_id in seen:
                 continue
             seen.add(doc_id)
-            pending.append(i)
-        total = sum(len(pieces[i]) for i in pending)
+            keys = [self.manager.chunk_key(list(c.token_ids)) for c in pieces[i]]
+            action = document_action(self.catalog, self.store.kv, doc_id, keys)
+            if action is not DocumentAction.SKIP:
+                actions[i] = (action, keys)
+        written = [i for i, (a, _) in actions.items() if a is not DocumentAction.CATALOG]
+        total = sum(len(pieces[i]) for i in written)
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc="ingest", unit="chunk", disable=not progress or total == 0)
         try:
-            for i in pending:
-                self._write_document(ids[i], pieces[i], bar)
-                self.catalog.put(
-                    ids[i], source=docs[i].source, metadata=metas[i], num_chunks=len(pieces[i])
-                )
+            for i, (action, keys) in actions.items():
+                if action is DocumentAction.REWRITE:
+                    self.store.remove_document(ids[i])
+                if action is not DocumentAction.CATALOG:
+                    self._write_document(ids[i], pieces[i], bar)
+                try:
+                    self.catalog.put(
+                        ids[i], source=docs[i].source, metadata=metas[i], chunk_keys=keys
+                    )
+                except BaseException:
+                    if action is not DocumentAction.CATALOG:
+                        self.store.remove_document(ids[i])
+                    raise
         finally:
             bar.close()
-        added = tuple(ids[i] for i in pending)
+        added = tuple(ids[i] for i, (a, _) in actions.items() if a is DocumentAction.ADD)
+        repaired = tuple(ids[i] for i, (a, _) in actions.items() if a is not DocumentAction.ADD)
         return IngestReport(
             doc_ids=tuple(ids),
             added=added,
-            skipped=tuple(d for d in ids if d not in added),
+            skipped=tuple(d for d in ids if d not in added and d not in repaired),
             num_chunks=total,
-            num_tokens=sum(len(c.token_ids) for i in pending for c in pieces[i]),
+            num_tokens=sum(len(c.token_ids) for i in written for c in pieces[i]),
             seconds=time.perf_counter() - t0,
+            repaired=repaired,
         )
 
     def _chunk(self, doc: SourceDocument, index: int):
@@ -228,6 +249,14 @@ class RAGPipeline:
     def has_document(self, doc_id: str) -> bool:
         self._check_open()
         return doc_id in self.catalog or bool(self.store.kv.document_chunks(doc_id))
+
+    def verify(self):
+        """The store's :meth:`~blendkv.store.ChunkStore.verify` (values, index) plus the
+        catalog's agreement with the store (:func:`~blendkv.rag.consistency.check_documents`)."""
+        self._check_open()
+        report = self.store.verify()
+        check_documents(self.catalog, self.store.kv, report)
+        return report
 
     def documents(self) -> dict[str, dict[str, Any]]:
         """doc id -> {"source", "metadata", "num_chunks", "added"} of the ingested documents."""

@@ -70,7 +70,8 @@ class RAGAnswer:
 class IngestReport:
     """Outcome of :meth:`RAGPipeline.ingest`, one entry per input document, in input order.
 
-    ``added`` and ``skipped`` are doc ids (skipped = already in the store, nothing written);
+    ``added``, ``skipped`` and ``repaired`` are doc ids (skipped = already in the store,
+    nothing written; repaired = left behind by an interrupted ingest, now made whole);
     ``num_chunks`` counts the chunks written by this call.
     """
 
@@ -80,10 +81,12 @@ class IngestReport:
     num_chunks: int
     num_tokens: int
     seconds: float
+    repaired: tuple[str, ...] = ()
 
     def summary(self) -> str:
+        repaired = f", {len(self.repaired)} repaired" if self.repaired else ""
         return (
             f"{len(self.added)} document(s) added ({self.num_chunks} chunks, "
-            f"{self.num_tokens} tokens), {len(self.skipped)} already stored, "
+            f"{self.num_tokens} tokens), {len(self.skipped)} already stored{repaired}, "
             f"in {self.seconds:.1f}s"
         )
