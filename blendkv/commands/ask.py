@@ -74,7 +74,7 @@ def print_sources(answer) -> None:
     ttft = f"{answer.ttft * 1000:.0f} ms" if answer.ttft is not None else "n/a"
     print(
         f"blend: {st.chunks_hit}/{st.num_chunks} chunks hit, {st.chunks_missed} missed, "
-        f"{st.tokens_reused} tokens reused, {st.tokens_recomputed} recomputed "
-        f"({st.recompute_fraction:.0%} of reused), {st.kv_bytes_loaded / 2**20:.1f} MiB loaded "
-        f"in {st.load_seconds * 1000:.0f} ms; TTFT {ttft}"
+        f"{st.kv_bytes_loaded / 2**20:.1f} MiB loaded in {st.load_seconds * 1000:.0f} ms; "
+        f"TTFT {ttft}"
     )
+    print(f"       {st.describe()} ({st.recompute_fraction:.0%} of the reused repaired)")

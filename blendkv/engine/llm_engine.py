@@ -216,6 +216,7 @@ class LLMEngine:
         if isinstance(prompt, dict):
             plan = self.blend_manager().prepare(replace_in_blended_prompt(prompt), blend)
             token_ids = plan.prompt.token_ids
+            plan.stats.num_prompt_tokens = len(token_ids)
         elif blend is not None:
             raise InvalidRequestError("a blend config needs a blended prompt (a dict)")
         else:
