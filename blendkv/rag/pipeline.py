@@ -316,7 +316,7 @@ class RAGPipeline:
         """Retrieve ``k`` chunks and answer from their stored K/V (blended prefill)."""
         sources, prompt, params, blend = self._prepare(question, k, sampling_params, blend, system)
         [out] = self.llm.generate([prompt], params, blend=blend)
-        return self._answer(out, sources)
+        return self._answer(out, sources, prompt)
 
     def stream_query(
         self, question: str, k: int = 6, sampling_params=None, blend=None, system=None
@@ -328,7 +328,7 @@ class RAGPipeline:
             last = out
             if out.delta_text:
                 yield out.delta_text
-        yield self._answer(last, sources)
+        yield self._answer(last, sources, prompt)
 
     def _prepare(self, question, k, sampling_params, blend, system):
         from blendkv import SamplingParams
@@ -346,13 +346,14 @@ class RAGPipeline:
         )
 
     @staticmethod
-    def _answer(out, sources: list[RetrievedChunk]) -> RAGAnswer:
+    def _answer(out, sources: list[RetrievedChunk], prompt: dict) -> RAGAnswer:
         return RAGAnswer(
             answer=out.text.strip(),
             sources=sources,
             blend_stats=out.blend_stats,
             ttft=out.metrics.ttft,
             finish_reason=out.outputs[0].finish_reason,
+            prompt=prompt,
         )
 
     def _check_open(self) -> None:

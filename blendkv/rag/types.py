@@ -47,13 +47,16 @@ class RetrievedChunk:
 @dataclass
 class RAGAnswer:
     """A generated answer, the chunks it was generated from (in prompt order), the blend stats
-    (:class:`blendkv.blend.plan.BlendStats`) and the time to first token in seconds."""
+    (:class:`blendkv.blend.plan.BlendStats`) and the time to first token in seconds.
+    ``prompt`` is the blended prompt dict it was generated from (:mod:`blendkv.rag.explain`
+    shows and replays it)."""
 
     answer: str
     sources: list[RetrievedChunk]
     blend_stats: Any
     ttft: float | None
     finish_reason: str | None = None
+    prompt: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         stats = self.blend_stats.to_dict() if self.blend_stats is not None else None
