@@ -131,12 +131,16 @@ class ChunkStore:
     def verify(self) -> VerifyReport:
         """Store verify plus index <-> store id agreement."""
         report = self.kv.verify()
-        store_ids = self.indexable_ids()
+        doc_of = {m.chunk_id: m.doc_id for m in self.kv.iter_meta() if m.doc_id is not None}
         index_ids = self.index.ids().tolist()
         if len(index_ids) != len(set(index_ids)):
             report.add("index_duplicate", "index", "an id appears more than once")
-        for cid in sorted(set(index_ids) - store_ids):
+        for cid in sorted(set(index_ids) - doc_of.keys()):
             report.add("index_orphan", cid, "indexed but not in the store")
-        for cid in sorted(store_ids - set(index_ids)):
-            report.add("index_missing", cid, "stored but not indexed")
+        for cid in sorted(doc_of.keys() - set(index_ids)):
+            report.add(
+                "index_missing",
+                cid,
+                f"stored (document {doc_of[cid]!r}) but not indexed; a writable open re-indexes it",
+            )
         return report

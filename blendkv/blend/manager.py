@@ -19,6 +19,7 @@ from blendkv.blend.plan import BlendPlan
 from blendkv.blend.precompute import compute_chunks_kv
 from blendkv.blend.prompt import BlendedPrompt, PromptBuilder
 from blendkv.errors import InvalidRequestError
+from blendkv.text import replace_in_blended_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class BlendManager:
         """Parse a blended prompt dict (see ``blendkv.blend``) into a plan; raises on bad input."""
         config = config or BlendConfig()
         config.validate_for(self.num_layers)
+        prompt = replace_in_blended_prompt(prompt)  # lone surrogates -> U+FFFD, with a warning
         allowed = {"documents", "chunks", "chunk_ids", "query", "system", "instruction"}
         unknown = set(prompt) - allowed - {"continuation"}
         if unknown:
@@ -142,6 +144,7 @@ class BlendManager:
         salt = self._salt(built, keys, config)
         plan = BlendPlan(prompt=built, config=config, chunk_keys=keys, salt=salt)
         plan.stats.num_chunks = len(chunks)
+        plan.stats.num_prompt_tokens = len(built.token_ids)
         return plan
 
     def _chunks(self, prompt: dict) -> list[list[int]]:

@@ -10,7 +10,27 @@ from blendkv.blend.prompt import BlendedPrompt
 
 @dataclass
 class BlendStats:
-    """What happened in one blended prefill. Bytes in bytes, times in seconds."""
+    """What happened in one blended prefill. Bytes in bytes, times in seconds.
+
+    Where each prompt token's K/V came from (the four parts sum to ``num_prompt_tokens``)::
+
+        | prefix cache | reused, kept as stored | reused, repaired | other tokens computed |
+          prefix_cached  reused_tokens_kept       reused_tokens_     other_tokens_computed
+          _tokens                                 recomputed         (template, query, ...)
+                         |<------------ tokens_reused ------------>|
+                                                  |<------- tokens_recomputed ------->|
+
+    ``tokens_recomputed`` counts the rows of the fused prefill: the repaired reused tokens
+    *and* every other token it computed, so ``tokens_reused + tokens_recomputed`` exceeds the
+    prompt by the repaired ones. When a fused prefill ran::
+
+        tokens_reused - reused_tokens_recomputed + tokens_recomputed + prefix_cached_tokens
+            == num_prompt_tokens
+
+    When the prefix cache served every chunk token no fused prefill runs: ``tokens_reused`` and
+    ``tokens_recomputed`` stay 0 and the other ``num_prompt_tokens - prefix_cached_tokens``
+    tokens are an ordinary prefill (``other_tokens_computed`` counts them in both cases).
+    """
 
     num_chunks: int = 0
     chunks_hit: int = 0  # K/V found in the store (memory tier or LMDB)
@@ -23,15 +43,39 @@ class BlendStats:
     load_seconds: float = 0.0  # store reads + RoPE + writes into KV blocks
     precompute_seconds: float = 0.0  # computing missed chunks
     ttft: float | None = None
+    num_prompt_tokens: int = 0  # the whole prompt: template, chunks, query (set by the engine)
 
     @property
     def recompute_fraction(self) -> float:
         """Share of the reused tokens that were recomputed (the realised recompute ratio)."""
         return self.reused_tokens_recomputed / self.tokens_reused if self.tokens_reused else 0.0
 
+    @property
+    def reused_tokens_kept(self) -> int:
+        """Reused tokens whose stored K/V was used as is (not repaired)."""
+        return self.tokens_reused - self.reused_tokens_recomputed
+
+    @property
+    def other_tokens_computed(self) -> int:
+        """Prompt tokens neither reused nor from the prefix cache (template, query, suffix):
+        always computed."""
+        return self.num_prompt_tokens - self.prefix_cached_tokens - self.tokens_reused
+
+    def describe(self) -> str:
+        """One line for people: where the prompt's K/V came from, parts that add up."""
+        cached = self.prefix_cached_tokens
+        return (
+            f"{self.num_prompt_tokens} prompt tokens = "
+            + (f"{cached} from the prefix cache + " if cached else "")
+            + f"{self.reused_tokens_kept} reused as stored + {self.reused_tokens_recomputed} "
+            f"reused and repaired + {self.other_tokens_computed} others computed"
+        )
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["recompute_fraction"] = self.recompute_fraction
+        d["reused_tokens_kept"] = self.reused_tokens_kept
+        d["other_tokens_computed"] = self.other_tokens_computed
         return d
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blendkv.errors import InvalidRequestError
+from blendkv.text import replace_lone_surrogates
 
 _SENTINEL = "\u2063BLENDKV_CONTENT\u2063"
 
@@ -47,6 +48,8 @@ class PromptBuilder:
         )
 
     def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` alone; lone surrogates become U+FFFD (see :mod:`blendkv.text`)."""
+        text = replace_lone_surrogates(text, "blended prompt text")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def template_pieces(self, system: str | None) -> tuple[list[int], list[int]]:

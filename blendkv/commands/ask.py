@@ -1,4 +1,11 @@
-"""``blendkv ask "question" --store DIR``: answer from stored chunks with blended K/V."""
+"""``blendkv ask "question" --store DIR``: answer from stored chunks with blended K/V.
+
+``--show-prompt`` prints the assembled prompt with its pieces marked (template, instruction,
+each chunk, query); ``--compare-full`` runs full prefill beside the blend on the same tokens and
+prints both answers, both TTFTs and the teacher-forced answer KL between them (see
+:mod:`blendkv.rag.explain`). With ``--json`` both go into the JSON object (``prompt``,
+``compare_full``).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,17 @@ def register(sub) -> None:
     p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio (default 0.15)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--show-prompt",
+        action="store_true",
+        help="print the assembled prompt: template, chunk boundaries and query marked",
+    )
+    p.add_argument(
+        "--compare-full",
+        action="store_true",
+        help="also run full prefill on the same prompt: both greedy answers, both TTFTs and "
+        "the teacher-forced answer KL (blend vs full)",
+    )
     # Sampling (not generate's options: there --top-k is the sampler's, here retrieval's).
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -41,11 +59,15 @@ def run(args: argparse.Namespace) -> int:
 
         raise InvalidRequestError(f"--top-k must be >= 1, got {args.top_k}")
     blend = BlendConfig(recompute_ratio=args.ratio)
-    pipeline = open_pipeline(args, create=False)
+    # The comparison's teacher-forced requests reuse each run's own prompt K/V through the
+    # prefix cache (as `blendkv eval` does); every timed run starts from an empty cache.
+    pipeline = open_pipeline(args, create=False, enable_prefix_caching=args.compare_full)
     try:
         if args.json:
             answer = pipeline.query(args.question, args.top_k, params, blend, args.system)
-            print(json.dumps(answer.to_dict()))
+            record = answer.to_dict()
+            record.update(_explain(args, pipeline, answer, blend, as_json=True))
+            print(json.dumps(record))
             return 0
         answer = None
         for piece in pipeline.stream_query(args.question, args.top_k, params, blend, args.system):
@@ -56,10 +78,31 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         print("\n")
         print_sources(answer)
+        for text in _explain(args, pipeline, answer, blend, as_json=False).values():
+            print()
+            print(text)
     finally:
         pipeline.close()
         pipeline.llm.close()
     return 0
+
+
+def _explain(args, pipeline, answer, blend, *, as_json: bool) -> dict:
+    """``{"prompt": ..., "compare_full": ...}`` as asked for: JSON values or printable text."""
+    from blendkv.rag.explain import compare_full, format_prompt, prompt_segments
+
+    out = {}
+    if args.show_prompt:
+        segments = prompt_segments(pipeline, answer.prompt, answer.sources)
+        out["prompt"] = (
+            {"num_tokens": segments[-1].end, "segments": [s.to_dict() for s in segments]}
+            if as_json
+            else format_prompt(segments)
+        )
+    if args.compare_full:
+        comparison = compare_full(pipeline, answer.prompt, blend, args.max_tokens)
+        out["compare_full"] = comparison.to_dict() if as_json else comparison.format()
+    return out
 
 
 def print_sources(answer) -> None:
@@ -74,7 +117,7 @@ def print_sources(answer) -> None:
     ttft = f"{answer.ttft * 1000:.0f} ms" if answer.ttft is not None else "n/a"
     print(
         f"blend: {st.chunks_hit}/{st.num_chunks} chunks hit, {st.chunks_missed} missed, "
-        f"{st.tokens_reused} tokens reused, {st.tokens_recomputed} recomputed "
-        f"({st.recompute_fraction:.0%} of reused), {st.kv_bytes_loaded / 2**20:.1f} MiB loaded "
-        f"in {st.load_seconds * 1000:.0f} ms; TTFT {ttft}"
+        f"{st.kv_bytes_loaded / 2**20:.1f} MiB loaded in {st.load_seconds * 1000:.0f} ms; "
+        f"TTFT {ttft}"
     )
+    print(f"       {st.describe()} ({st.recompute_fraction:.0%} of the reused repaired)")

@@ -69,10 +69,8 @@ def _print(rows) -> None:
                 f"   source chunk {s.chunk_id} (score {s.score:.2f}): "
                 f"{' '.join(s.text.split())[:60]}..."
             )
-        print(
-            f"   {n} prompt tokens; {st.chunks_hit}/{st.num_chunks} chunks hit, "
-            f"{st.tokens_reused} tokens reused, {st.tokens_recomputed} recomputed"
-        )
+        assert st.num_prompt_tokens == n, (st.num_prompt_tokens, n)  # the prompt full prefill ran
+        print(f"   {st.chunks_hit}/{st.num_chunks} chunks hit; {st.describe()}")
     print("\nTTFT (ms)                 full prefill   blend (LMDB)   blend (warm)   speed-up")
     for q, _, full, cold, warm in rows:
         print(

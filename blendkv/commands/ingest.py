@@ -10,10 +10,17 @@ def add_store_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, metavar="DIR", help="chunk-KV store directory")
 
 
-def open_pipeline(args: argparse.Namespace, *, create: bool, chunk_tokens: int = 256):
+def open_pipeline(
+    args: argparse.Namespace,
+    *,
+    create: bool,
+    chunk_tokens: int = 256,
+    enable_prefix_caching: bool = False,
+):
     """A RAGPipeline over ``args.store`` with the model options of ``args``.
 
-    A missing store (``create=False``) fails before the model is loaded.
+    A missing store (``create=False``) fails before the model is loaded. The engine's prefix
+    cache is off unless asked for, so that every query goes through the chunk store.
     """
     from blendkv import LLM
     from blendkv.cli import engine_kwargs
@@ -24,8 +31,7 @@ def open_pipeline(args: argparse.Namespace, *, create: bool, chunk_tokens: int =
         raise StoreNotFoundError(
             f"no blendkv store at {args.store}; create one with `blendkv ingest PATH --store DIR`"
         )
-    # Prefix caching off: every query goes through the chunk store (honest blend stats).
-    llm = LLM(args.model, enable_prefix_caching=False, **engine_kwargs(args))
+    llm = LLM(args.model, enable_prefix_caching=enable_prefix_caching, **engine_kwargs(args))
     try:
         return RAGPipeline(args.store, llm=llm, chunk_tokens=chunk_tokens, create=create)
     except BaseException:
@@ -54,7 +60,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = pipeline.ingest(paths, progress=not args.no_progress)
         for doc, doc_id in zip(docs, report.doc_ids, strict=True):
-            state = "added" if doc_id in report.added else "already stored"
+            state = (
+                "added"
+                if doc_id in report.added
+                else "repaired"
+                if doc_id in report.repaired
+                else "already stored"
+            )
             print(f"{doc_id}  {state:14s}  {doc.source}")
         print(report.summary())
         print(

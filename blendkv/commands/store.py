@@ -1,4 +1,8 @@
-"""``blendkv store stats|verify --store DIR``: inspect a store without loading a model."""
+"""``blendkv store stats|verify --store DIR``: inspect a store without loading a model.
+
+``verify`` checks every value, the index against the store, and the document catalog against
+the store (:mod:`blendkv.rag.consistency`); it exits 1 on any problem.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,10 @@ def register(sub) -> None:
 
     p = sub.add_parser("store", help="inspect a chunk-KV store (no model is loaded)")
     action = p.add_subparsers(dest="action", required=True)
-    for name, help_ in (("stats", "entries, bytes, documents"), ("verify", "check every value")):
+    for name, help_ in (
+        ("stats", "entries, bytes, documents"),
+        ("verify", "check every value, the index and the document catalog"),
+    ):
         a = action.add_parser(name, help=help_)
         add_store_arg(a)
         a.add_argument("--json", action="store_true", help="print one JSON object")
@@ -20,14 +27,17 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.rag.catalog import DocumentCatalog
+    from blendkv.rag.consistency import check_documents
     from blendkv.store import ChunkStore, MiniLMEmbedder
 
     # fingerprint=None: inspect mode (metadata and checks, no K/V served); the embedder is
     # only named (its weights load on first embed, which inspection never does).
     with ChunkStore(args.store, None, MiniLMEmbedder(), readonly=True) as store:
+        catalog = DocumentCatalog(args.store)
         if args.action == "stats":
-            return _stats(args, store, DocumentCatalog(args.store))
+            return _stats(args, store, catalog)
         report = store.verify()
+        check_documents(catalog, store.kv, report)
         if args.json:
             problems = [p._asdict() for p in report.problems]
             print(json.dumps({"ok": report.ok, "entries": report.entries, "problems": problems}))
@@ -44,6 +54,7 @@ def _stats(args, store, catalog) -> int:
         "chunks": s.entries,
         "indexed_chunks": len(store.index),
         "documents": len(catalog.documents()),
+        "stored_documents": len({m.doc_id for m in store.kv.iter_meta() if m.doc_id is not None}),
         "kv_bytes": s.bytes,
         "max_bytes": s.max_bytes,
         "evictions": s.evictions,
@@ -56,7 +67,9 @@ def _stats(args, store, catalog) -> int:
         return 0
     print(f"store      {record['store']}")
     print(f"model      {fp.architecture} ({fp.dtype}, {fp.num_layers} layers)")
-    print(f"documents  {record['documents']}")
+    stored = record["stored_documents"]
+    note = f" ({stored} own stored chunks; see `blendkv store verify`)"
+    print(f"documents  {record['documents']}{note if stored != record['documents'] else ''}")
     print(f"chunks     {s.entries} stored, {record['indexed_chunks']} indexed")
     print(
         f"kv bytes   {s.bytes / 2**20:.1f} MiB (limit: {s.max_bytes or 'none'}), "

@@ -30,6 +30,7 @@ from blendkv.errors import (
 )
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
+from blendkv.text import replace_lone_surrogates
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,11 @@ class LLMEngine:
             dtype=config.torch_dtype,
         )
         self.runner = ModelRunner(
-            self.model, self.attn_backend, spec, Sampler(), connector=self.kv_connector
+            self.model,
+            self.attn_backend,
+            spec,
+            Sampler(self.info.eos_token_ids),
+            connector=self.kv_connector,
         )
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -151,6 +156,7 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            prompt = replace_lone_surrogates(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt

@@ -139,7 +139,8 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         params = [seq.sampling_params for seq in seqs]
         generators = [self._generator(seq) for seq in seqs]
-        return self.sampler.sample(logits, params, generators)
+        num_output_tokens = [seq.num_output_tokens for seq in seqs]
+        return self.sampler.sample(logits, params, generators, num_output_tokens)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.sampling_params.seed

@@ -2,6 +2,7 @@
 
 Per row, in this order::
 
+    min_tokens not reached yet:     EOS and stop_token_ids logits -> -inf   (greedy rows too)
     greedy rows (temperature ~ 0):  token = logits.argmax(-1)          (ties -> lowest id)
     random rows:                    logits / temperature
                                     -> top-k   (keep the k largest)
@@ -11,12 +12,21 @@ Per row, in this order::
 
 Filtering is vectorised over the random rows in one sorted ``[num_random, vocab]`` tensor; only
 the draw loops over rows, so a seeded request draws from its own generator and gets the same
-token whatever else is in the batch. Logprobs are ``log_softmax`` of the *raw* logits (the
-unmodified model distribution, vLLM's default), never of the filtered one.
+token whatever else is in the batch.
+
+``min_tokens`` follows vLLM (and transformers' ``min_new_tokens``): while a row has fewer than
+``min_tokens`` output tokens, the engine's EOS ids and the request's ``stop_token_ids`` cannot
+be *sampled* at all, whatever ``ignore_eos`` says; the stop checker alone would let them be
+generated and only refuse to stop on them.
+
+Logprobs are ``log_softmax`` of the *raw* logits (the unmodified model distribution, vLLM's
+default ``raw_logprobs``): neither the min-tokens mask nor temperature or the top-k/top-p/min-p
+filters change them, so a masked EOS still reports its true (finite) logprob in the top list.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -39,23 +49,39 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    """Stateless; the per-request state (generators) is passed in by the caller."""
+    """Holds only run-time facts (the EOS ids); per-request state (generators, output counts)
+    is passed in by the caller.
+
+    ``eos_token_ids``: the model's EOS ids (``RuntimeInfo.eos_token_ids``), masked together
+    with each request's ``stop_token_ids`` until it has ``min_tokens`` output tokens.
+    """
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        num_output_tokens: list[int],
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[num_seqs, vocab]`` (any float dtype).
 
         ``generators[i]`` draws row i (it must live on ``logits.device``); None uses the global
-        RNG of that device. Greedy rows never touch their generator.
+        RNG of that device. Greedy rows never touch their generator. ``num_output_tokens[i]``
+        is how many tokens row i's request has generated before this one (for ``min_tokens``).
         """
         assert logits.dim() == 2, f"logits must be [num_seqs, vocab], got {tuple(logits.shape)}"
         num_seqs = logits.shape[0]
-        assert len(params) == num_seqs == len(generators), (num_seqs, len(params), len(generators))
-        logits = logits.float()
+        assert len(params) == num_seqs == len(generators) == len(num_output_tokens), (
+            num_seqs,
+            len(params),
+            len(generators),
+            len(num_output_tokens),
+        )
+        raw = logits.float()
+        logits = self._mask_stop_tokens(raw, params, num_output_tokens)
         token_ids = logits.argmax(dim=-1)
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -67,8 +93,31 @@ class Sampler:
             )
             token_ids[random_rows] = sampled
 
-        logprobs, top_logprobs = self._gather_logprobs(logits, token_ids, params)
+        logprobs, top_logprobs = self._gather_logprobs(raw, token_ids, params)
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+
+    def _mask_stop_tokens(
+        self, logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
+    ) -> torch.Tensor:
+        """``logits`` with EOS and stop-token ids at -inf in rows still short of ``min_tokens``.
+
+        Returns ``logits`` itself when no row is masked, else a copy (the raw logits stay
+        untouched for the logprobs).
+        """
+        vocab_size = logits.shape[-1]
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (p, n) in enumerate(zip(params, num_output_tokens, strict=True)):
+            if n < p.min_tokens:
+                ids = {*self.eos_token_ids, *p.stop_token_ids}
+                ids = [t for t in ids if 0 <= t < vocab_size]
+                rows.extend([i] * len(ids))
+                cols.extend(ids)
+        if not rows:
+            return logits
+        masked = logits.clone()
+        masked[rows, cols] = float("-inf")
+        return masked
 
     @staticmethod
     def _sample_random(

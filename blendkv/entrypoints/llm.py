@@ -10,6 +10,7 @@ from blendkv.engine.llm_engine import LLMEngine
 from blendkv.errors import InvalidRequestError
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
+from blendkv.text import replace_lone_surrogates
 
 Prompt = Any  # str | list[int] | dict (blended prompt, see blendkv.blend)
 Message = dict[str, str]
@@ -114,6 +115,12 @@ class LLM:
         """Token ids of a conversation rendered with the tokenizer's chat template."""
         if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'}")
+        messages = [
+            {**m, "content": replace_lone_surrogates(m["content"], f"message {i} content")}
+            if isinstance(m.get("content"), str)
+            else m
+            for i, m in enumerate(messages)
+        ]
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )

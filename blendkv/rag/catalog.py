@@ -1,9 +1,15 @@
 """The document catalog: per-document facts the chunk store does not keep (source file, user
-metadata, chunk count), as one JSON file beside the LMDB files.
+metadata, the keys of its chunks), as one JSON file beside the LMDB files.
 
 The chunk store stays the source of truth for *which* chunks exist; the catalog is written
 after the store (and rewritten atomically, via a temporary file and ``os.replace``), so a crash
-in between leaves at worst a document without its metadata, never a half-written catalog.
+in between leaves at worst a document whose chunks are stored but which the catalog lacks,
+never a half-written catalog. :mod:`blendkv.rag.consistency` finds such documents (``store
+verify``) and a re-run of ingest repairs them.
+
+A document's entry lists its chunk keys (hex) because the store cannot say which chunks a
+document *uses*: chunks are content-addressed, so a chunk equal to one of another document is
+stored once, under the document that wrote it first.
 """
 
 from __future__ import annotations
@@ -29,17 +35,29 @@ class DocumentCatalog:
         return doc_id in self._docs
 
     def get(self, doc_id: str | None) -> dict[str, Any]:
-        return self._docs.get(doc_id, {}) if doc_id is not None else {}
+        """``{"source", "metadata", "num_chunks", "added"}`` of a document ({} if absent)."""
+        entry = self._docs.get(doc_id) if doc_id is not None else None
+        return _public(entry) if entry is not None else {}
 
     def documents(self) -> dict[str, dict[str, Any]]:
-        return {k: dict(v) for k, v in self._docs.items()}
+        """doc id -> :meth:`get` of every document."""
+        return {k: _public(v) for k, v in self._docs.items()}
 
-    def put(self, doc_id: str, *, source: str | None, metadata: dict, num_chunks: int) -> None:
+    def chunk_keys(self, doc_id: str) -> list[bytes] | None:
+        """The keys of the document's chunks in order, None if absent or recorded by a version
+        that did not keep them."""
+        keys = self._docs.get(doc_id, {}).get("chunk_keys")
+        return [bytes.fromhex(k) for k in keys] if keys is not None else None
+
+    def put(
+        self, doc_id: str, *, source: str | None, metadata: dict, chunk_keys: list[bytes]
+    ) -> None:
         self._docs[doc_id] = {
             "source": source,
             "metadata": metadata,
-            "num_chunks": num_chunks,
+            "num_chunks": len(chunk_keys),
             "added": time.time(),
+            "chunk_keys": [k.hex() for k in chunk_keys],
         }
         self._save()
 
@@ -58,3 +76,7 @@ class DocumentCatalog:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _public(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k != "chunk_keys"}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blendkv.rag.errors import EmptyDocumentError, UnreadableDocumentError
+from blendkv.text import replace_lone_surrogates
 
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -65,7 +66,7 @@ def load_documents(items) -> list[SourceDocument]:
         if isinstance(item, os.PathLike):
             docs.extend(SourceDocument(read_text_file(p), str(p)) for p in expand_paths([item]))
         elif isinstance(item, str):
-            docs.append(SourceDocument(item, None))
+            docs.append(SourceDocument(replace_lone_surrogates(item, f"document {i}"), None))
         else:
             raise UnreadableDocumentError(
                 f"document {i} is a {type(item).__name__}; give a str (text) or a Path"

@@ -20,9 +20,11 @@ from typing import Any
 
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.rag.catalog import DocumentCatalog
+from blendkv.rag.consistency import DocumentAction, check_documents, document_action
 from blendkv.rag.documents import SourceDocument, content_doc_id, load_documents
 from blendkv.rag.errors import DocumentError, EmptyDocumentError, NoChunksError
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
+from blendkv.text import replace_lone_surrogates
 
 DEFAULT_INSTRUCTION = "Answer the question using the passages below.\n\n"
 # Chunks per store transaction: bounds the K/V held in memory while a document is ingested
@@ -132,6 +134,11 @@ class RAGPipeline:
         a hash of the text, so re-adding a document is a no-op (reported in ``skipped``).
         Every input is read and validated before anything is written; a document's chunks are
         written all or none (a failure rolls the document back).
+
+        A document an interrupted ingest left behind (chunks stored, catalog entry missing, or
+        only part of its chunks stored; see :mod:`blendkv.rag.consistency`) is repaired when it
+        is given again: its catalog entry is written, or its chunks are written anew
+        (reported in ``repaired``).
         """
         t0 = time.perf_counter()
         self._check_open()
@@ -139,32 +146,47 @@ class RAGPipeline:
         ids = self._doc_ids(docs, doc_ids)
         metas = self._metadata(metadata, len(docs))
         pieces = [self._chunk(doc, i) for i, doc in enumerate(docs)]
-        pending, seen = [], set()
+        actions: dict[int, tuple[DocumentAction, list[bytes]]] = {}
+        seen: set[str] = set()
         for i, doc_id in enumerate(ids):
-            if doc_id in seen or self.has_document(doc_id):
+            if doc_id in seen:
                 continue
             seen.add(doc_id)
-            pending.append(i)
-        total = sum(len(pieces[i]) for i in pending)
+            keys = [self.manager.chunk_key(list(c.token_ids)) for c in pieces[i]]
+            action = document_action(self.catalog, self.store.kv, doc_id, keys)
+            if action is not DocumentAction.SKIP:
+                actions[i] = (action, keys)
+        written = [i for i, (a, _) in actions.items() if a is not DocumentAction.CATALOG]
+        total = sum(len(pieces[i]) for i in written)
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc="ingest", unit="chunk", disable=not progress or total == 0)
         try:
-            for i in pending:
-                self._write_document(ids[i], pieces[i], bar)
-                self.catalog.put(
-                    ids[i], source=docs[i].source, metadata=metas[i], num_chunks=len(pieces[i])
-                )
+            for i, (action, keys) in actions.items():
+                if action is DocumentAction.REWRITE:
+                    self.store.remove_document(ids[i])
+                if action is not DocumentAction.CATALOG:
+                    self._write_document(ids[i], pieces[i], bar)
+                try:
+                    self.catalog.put(
+                        ids[i], source=docs[i].source, metadata=metas[i], chunk_keys=keys
+                    )
+                except BaseException:
+                    if action is not DocumentAction.CATALOG:
+                        self.store.remove_document(ids[i])
+                    raise
         finally:
             bar.close()
-        added = tuple(ids[i] for i in pending)
+        added = tuple(ids[i] for i, (a, _) in actions.items() if a is DocumentAction.ADD)
+        repaired = tuple(ids[i] for i, (a, _) in actions.items() if a is not DocumentAction.ADD)
         return IngestReport(
             doc_ids=tuple(ids),
             added=added,
-            skipped=tuple(d for d in ids if d not in added),
+            skipped=tuple(d for d in ids if d not in added and d not in repaired),
             num_chunks=total,
-            num_tokens=sum(len(c.token_ids) for i in pending for c in pieces[i]),
+            num_tokens=sum(len(c.token_ids) for i in written for c in pieces[i]),
             seconds=time.perf_counter() - t0,
+            repaired=repaired,
         )
 
     def _chunk(self, doc: SourceDocument, index: int):
@@ -203,8 +225,10 @@ class RAGPipeline:
         if len(doc_ids) != len(docs):
             raise DocumentError(f"{len(doc_ids)} doc ids for {len(docs)} documents")
         for d in doc_ids:
-            if not isinstance(d, str) or not d or "\x00" in d:
-                raise DocumentError(f"doc id {d!r} must be a non-empty string without NUL")
+            if not isinstance(d, str) or not d or "\x00" in d or not _is_unicode(d):
+                raise DocumentError(
+                    f"doc id {d!r} must be a non-empty string without NUL or lone surrogates"
+                )
         return doc_ids
 
     @staticmethod
@@ -215,15 +239,24 @@ class RAGPipeline:
         if len(metas) != n or not all(isinstance(m, dict) for m in metas):
             raise DocumentError(f"metadata must be one dict or {n} dicts")
         try:
-            json.dumps(metas)
+            # As the catalog writes it (UTF-8): lone surrogates fail here, not after the chunks.
+            json.dumps(metas, ensure_ascii=False).encode("utf-8")
         except (TypeError, ValueError) as e:
-            raise DocumentError(f"metadata must be JSON-serialisable: {e}") from e
+            raise DocumentError(f"metadata must be JSON-serialisable UTF-8 text: {e}") from e
         return [dict(m) for m in metas]
 
     # -------------------------------------------------------------------- documents
     def has_document(self, doc_id: str) -> bool:
         self._check_open()
         return doc_id in self.catalog or bool(self.store.kv.document_chunks(doc_id))
+
+    def verify(self):
+        """The store's :meth:`~blendkv.store.ChunkStore.verify` (values, index) plus the
+        catalog's agreement with the store (:func:`~blendkv.rag.consistency.check_documents`)."""
+        self._check_open()
+        report = self.store.verify()
+        check_documents(self.catalog, self.store.kv, report)
+        return report
 
     def documents(self) -> dict[str, dict[str, Any]]:
         """doc id -> {"source", "metadata", "num_chunks", "added"} of the ingested documents."""
@@ -242,6 +275,7 @@ class RAGPipeline:
         self._check_open()
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequestError("the question is empty")
+        question = replace_lone_surrogates(question, "question")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise InvalidRequestError(f"k must be a positive integer, got {k!r}")
         if len(self.store.index) == 0:
@@ -282,7 +316,7 @@ class RAGPipeline:
         """Retrieve ``k`` chunks and answer from their stored K/V (blended prefill)."""
         sources, prompt, params, blend = self._prepare(question, k, sampling_params, blend, system)
         [out] = self.llm.generate([prompt], params, blend=blend)
-        return self._answer(out, sources)
+        return self._answer(out, sources, prompt)
 
     def stream_query(
         self, question: str, k: int = 6, sampling_params=None, blend=None, system=None
@@ -294,12 +328,14 @@ class RAGPipeline:
             last = out
             if out.delta_text:
                 yield out.delta_text
-        yield self._answer(last, sources)
+        yield self._answer(last, sources, prompt)
 
     def _prepare(self, question, k, sampling_params, blend, system):
         from blendkv import SamplingParams
         from blendkv.blend.config import BlendConfig
 
+        if isinstance(question, str):  # once here, not again in retrieve and the prompt
+            question = replace_lone_surrogates(question, "question")
         sources = self.retrieve(question, k)
         params = sampling_params or SamplingParams(max_tokens=128, temperature=0.0)
         return (
@@ -310,13 +346,14 @@ class RAGPipeline:
         )
 
     @staticmethod
-    def _answer(out, sources: list[RetrievedChunk]) -> RAGAnswer:
+    def _answer(out, sources: list[RetrievedChunk], prompt: dict) -> RAGAnswer:
         return RAGAnswer(
             answer=out.text.strip(),
             sources=sources,
             blend_stats=out.blend_stats,
             ttft=out.metrics.ttft,
             finish_reason=out.outputs[0].finish_reason,
+            prompt=prompt,
         )
 
     def _check_open(self) -> None:
@@ -324,3 +361,12 @@ class RAGPipeline:
             from blendkv.rag.errors import RAGError
 
             raise RAGError("the pipeline is closed")
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding lone surrogates (it has no UTF-8 encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

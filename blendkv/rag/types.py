@@ -47,13 +47,16 @@ class RetrievedChunk:
 @dataclass
 class RAGAnswer:
     """A generated answer, the chunks it was generated from (in prompt order), the blend stats
-    (:class:`blendkv.blend.plan.BlendStats`) and the time to first token in seconds."""
+    (:class:`blendkv.blend.plan.BlendStats`) and the time to first token in seconds.
+    ``prompt`` is the blended prompt dict it was generated from (:mod:`blendkv.rag.explain`
+    shows and replays it)."""
 
     answer: str
     sources: list[RetrievedChunk]
     blend_stats: Any
     ttft: float | None
     finish_reason: str | None = None
+    prompt: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         stats = self.blend_stats.to_dict() if self.blend_stats is not None else None
@@ -70,7 +73,8 @@ class RAGAnswer:
 class IngestReport:
     """Outcome of :meth:`RAGPipeline.ingest`, one entry per input document, in input order.
 
-    ``added`` and ``skipped`` are doc ids (skipped = already in the store, nothing written);
+    ``added``, ``skipped`` and ``repaired`` are doc ids (skipped = already in the store,
+    nothing written; repaired = left behind by an interrupted ingest, now made whole);
     ``num_chunks`` counts the chunks written by this call.
     """
 
@@ -80,10 +84,12 @@ class IngestReport:
     num_chunks: int
     num_tokens: int
     seconds: float
+    repaired: tuple[str, ...] = ()
 
     def summary(self) -> str:
+        repaired = f", {len(self.repaired)} repaired" if self.repaired else ""
         return (
             f"{len(self.added)} document(s) added ({self.num_chunks} chunks, "
-            f"{self.num_tokens} tokens), {len(self.skipped)} already stored, "
+            f"{self.num_tokens} tokens), {len(self.skipped)} already stored{repaired}, "
             f"in {self.seconds:.1f}s"
         )

@@ -46,3 +46,47 @@ def test_chat_stops_at_im_end(llm):
     )[0]
     assert out.outputs[0].finish_reason == "stop"
     assert "<|im_end|>" not in out.text and out.text.strip()
+
+
+# Chat questions SmolLM2 answers in fewer than 24 tokens (greedy EOS at 2, 7 and 11 tokens),
+# mixed with ones it does not.
+SHORT_ANSWERS = [
+    "Say hello.",
+    "Reply with one word: yes or no. Is water wet?",
+    "What is 2+2?",
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "Translate 'chat' to English.",
+]
+
+
+def test_min_tokens_matches_transformers_min_new_tokens(llm):
+    """EOS cannot be *generated* before min_tokens (vLLM, transformers' min_new_tokens)."""
+    eos = list(llm.engine.info.eos_token_ids)
+    prompts = [llm.render_chat([{"role": "user", "content": q}]) for q in SHORT_ANSWERS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        llm.engine.resolved.model_dir, dtype=torch.float32
+    )
+    # The test can fail: without the mask, greedy picks EOS early in some of these answers.
+    early = [any(t in eos for t in hf_greedy(hf, p, 24)) for p in prompts]
+    assert sum(early) >= 3
+    # min_tokens == max_tokens (EOS never stops), then EOS may stop after min_tokens.
+    for max_tokens, ignore_eos in ((24, True), (40, False)):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, min_tokens=24, ignore_eos=ignore_eos
+        )
+        outs = llm.generate(prompts, params)
+        for prompt, out in zip(prompts, outs, strict=True):
+            ids = torch.tensor([prompt])
+            ref = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                min_new_tokens=24,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            got = out.outputs[0].token_ids
+            assert got == ref, (prompt, max_tokens)
+            assert not any(t in eos for t in got[:24])

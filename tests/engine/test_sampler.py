@@ -13,10 +13,12 @@ def gen(seed: int, device: str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def sample(logits, params, generators=None):
+def sample(logits, params, generators=None, num_output_tokens=None, eos_token_ids=()):
     if generators is None:
         generators = [None] * len(params)
-    return Sampler().sample(logits, params, generators)
+    if num_output_tokens is None:
+        num_output_tokens = [0] * len(params)
+    return Sampler(eos_token_ids).sample(logits, params, generators, num_output_tokens)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -170,3 +172,55 @@ def test_random_rows_never_pick_filtered_or_masked_tokens():
     top10 = logits.topk(10, -1).indices
     for i, t in enumerate(out.token_ids):
         assert t in top10[i].tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_tokens_keeps_eos_and_stop_ids_from_being_sampled(device):
+    """vLLM's contract: under min_tokens, EOS and stop_token_ids are masked before sampling
+    (greedy too, and whatever ignore_eos says); from min_tokens on they are sampled again."""
+    eos, stop = 7, 11
+    logits = torch.randn(4, 50, generator=gen(8))
+    logits[:, eos] = 100.0  # every row wants EOS most, then the stop id
+    logits[:, stop] = 90.0
+    logits = logits.to(device)
+    params = [
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[stop]),
+        SamplingParams(temperature=0, min_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, min_tokens=3, stop_token_ids=[stop], seed=1),
+        SamplingParams(temperature=0),  # no min_tokens: untouched
+    ]
+    without = logits.clone()
+    without[:, [eos, stop]] = float("-inf")
+    for done in (0, 2):
+        gens = [None, None, gen(1, device), None]
+        out = sample(logits, params, gens, [done] * 4, eos_token_ids=(eos,))
+        assert out.token_ids[0] == int(without[0].argmax())
+        assert out.token_ids[1] == stop  # the request's own stop id is not masked here
+        assert out.token_ids[2] not in (eos, stop)
+        assert out.token_ids[3] == eos
+    out = sample(logits, params, [None, None, gen(1, device), None], [3] * 4, (eos,))
+    assert out.token_ids == [eos, eos, eos, eos]
+    # The caller's logits are not modified by the mask.
+    assert float(logits[0, eos]) == 100.0
+
+
+def test_min_tokens_mask_never_draws_masked_ids_when_sampling():
+    eos = 3
+    logits = torch.zeros(2000, 8)
+    logits[:, eos] = 5.0  # 95% of the mass on EOS
+    params = [SamplingParams(temperature=1.0, top_p=0.99, min_tokens=1)] * 2000
+    out = sample(logits, params, [gen(9)] * 2000, [0] * 2000, eos_token_ids=(eos, 99))
+    assert eos not in out.token_ids and len(set(out.token_ids)) == 7
+
+
+def test_logprobs_are_raw_under_the_min_tokens_mask():
+    eos = 2
+    logits = torch.randn(1, 40, generator=gen(10))
+    logits[0, eos] = logits.max() + 3.0
+    params = [SamplingParams(temperature=0, min_tokens=5, logprobs=3)]
+    out = sample(logits, params, None, [0], eos_token_ids=(eos,))
+    raw = torch.log_softmax(logits, -1)[0]
+    assert out.token_ids[0] != eos
+    assert out.logprobs[0] == pytest.approx(float(raw[out.token_ids[0]]), abs=1e-6)
+    # EOS stays the most likely token of the reported (raw) distribution.
+    assert out.top_logprobs[0][0] == (eos, pytest.approx(float(raw[eos]), abs=1e-6))

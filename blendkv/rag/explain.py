@@ -1,0 +1,165 @@
+"""Why did ``ask`` answer that? The assembled prompt with its pieces marked, and full prefill
+run beside the blend on exactly the same prompt tokens.
+
+The prompt is shown piece by piece, as :class:`~blendkv.blend.prompt.PromptBuilder` assembled
+it (each piece is tokenised on its own, so decoding a piece gives exactly its text)::
+
+    | template | instruction | chunk 1 | ... | chunk k | query | template suffix |
+     [0, a)      [a, b)       [b, ...)         [query_start, s)   [s, num_tokens)
+
+The comparison reuses the evaluation harness (:mod:`blendkv.eval.methods`,
+:func:`blendkv.eval.metrics.teacher_forced_fidelity`): full prefill and the blend each run from
+an empty prefix cache (timed), each followed by a teacher-forced request along full prefill's
+greedy answer; the answer KL is the mean KL(full || blend) of the next-token distributions
+along its first ``answer_tokens`` tokens, in nats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_ANSWER_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PromptSegment:
+    """One piece of an assembled prompt: token positions ``[start, end)`` and their text."""
+
+    kind: str  # "template", "instruction", "chunk", "query", "template_suffix"
+    start: int
+    end: int
+    text: str
+    chunk_id: int | None = None  # chunk segments: the stored chunk and its document
+    doc_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def prompt_segments(rag, prompt: dict, sources) -> list[PromptSegment]:
+    """The pieces of ``prompt`` (a :meth:`RAGPipeline.blended_prompt`) built from ``sources``
+    (its retrieved chunks, in prompt order), covering every token once, in order."""
+    manager = rag.manager
+    built = manager.prepare(prompt, None).prompt
+    template, suffix = manager.builder.template_pieces(prompt.get("system"))
+    ids = built.token_ids
+    suffix_start = len(ids) - len(suffix)
+    assert ids[: len(template)] == template and ids[suffix_start:] == suffix
+    assert len(built.chunks) == len(sources) and built.query_start <= suffix_start
+
+    def segment(kind, start, end, **chunk) -> PromptSegment:
+        text = rag.llm.tokenizer.decode(ids[start:end], skip_special_tokens=False)
+        return PromptSegment(kind, start, end, text, **chunk)
+
+    out = [segment("template", 0, len(template))]
+    if built.prefix_len > len(template):
+        out.append(segment("instruction", len(template), built.prefix_len))
+    for (start, end), src in zip(built.chunk_spans, sources, strict=True):
+        out.append(segment("chunk", start, end, chunk_id=src.chunk_id, doc_id=src.doc_id))
+    out.append(segment("query", built.query_start, suffix_start))
+    if suffix:
+        out.append(segment("template_suffix", suffix_start, len(ids)))
+    return [s for s in out if s.end > s.start]
+
+
+def format_prompt(segments: list[PromptSegment]) -> str:
+    """The prompt as the model saw it, each piece under a marker line naming its positions."""
+    num_chunks = sum(s.kind == "chunk" for s in segments)
+    lines = [f"prompt ({segments[-1].end} tokens), as the model saw it:"]
+    chunk = 0
+    for s in segments:
+        label = s.kind.replace("_", " ")
+        if s.kind == "chunk":
+            chunk += 1
+            label = f"chunk {chunk}/{num_chunks}: stored chunk {s.chunk_id} of {s.doc_id}"
+        lines.append(f"=== {label}  [tokens {s.start}-{s.end}) ===")
+        lines.append(s.text)
+    lines.append("=== end of prompt ===")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class FullComparison:
+    """Full prefill and the blend on the same prompt tokens, both greedy."""
+
+    num_prompt_tokens: int
+    full_answer: str
+    full_ttft: float  # seconds, from an empty prefix cache
+    blend_answer: str
+    blend_ttft: float  # seconds, from an empty prefix cache (chunks in the memory tier)
+    recompute_ratio: float
+    answer_kl: float  # mean KL(full || blend) along full's answer, nats
+    answer_agreement: float  # share of those positions where both argmaxes agree
+    scored_tokens: int  # positions scored: min(len(full's answer), answer_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "full": {"answer": self.full_answer, "ttft_s": self.full_ttft},
+            "blend": {
+                "answer": self.blend_answer,
+                "ttft_s": self.blend_ttft,
+                "recompute_ratio": self.recompute_ratio,
+            },
+            "answer_kl": self.answer_kl,
+            "answer_agreement": self.answer_agreement,
+            "scored_tokens": self.scored_tokens,
+        }
+
+    def format(self) -> str:
+        agree = round(self.answer_agreement * self.scored_tokens)
+        blend = f"blend@{self.recompute_ratio:g}"
+        return "\n".join(
+            [
+                f"full prefill beside the blend (same {self.num_prompt_tokens} prompt tokens, "
+                "both greedy):",
+                f"  {'full prefill':14s} TTFT {self.full_ttft * 1e3:7.0f} ms  "
+                f"{' '.join(self.full_answer.split())}",
+                f"  {blend:14s} TTFT {self.blend_ttft * 1e3:7.0f} ms  "
+                f"{' '.join(self.blend_answer.split())}",
+                f"  answer KL {self.answer_kl:.4f} nats (teacher-forced along full prefill's "
+                f"first {self.scored_tokens} answer tokens); top-1 agreement "
+                f"{agree}/{self.scored_tokens}",
+            ]
+        )
+
+
+def compare_full(
+    rag, prompt: dict, blend, max_tokens: int, answer_tokens: int = DEFAULT_ANSWER_TOKENS
+) -> FullComparison:
+    """Run full prefill and the blend (``blend``: a BlendConfig) on ``prompt`` and compare.
+
+    Both runs are greedy with ``max_tokens``. With the engine's prefix cache on, each
+    teacher-forced request reuses its run's own prompt K/V; without it, it recomputes them
+    (slower, same numbers).
+    """
+    from blendkv import SamplingParams
+    from blendkv.eval import metrics
+    from blendkv.eval.methods import ExamplePrompt, Method, run_method, teacher_forced_rows
+
+    llm = rag.llm
+    ids = list(rag.manager.prepare(prompt, blend).prompt.token_ids)
+    example = ExamplePrompt(blended=prompt, token_ids=ids, reversed_token_ids=ids)
+    full = Method("full", "full")
+    blended = Method(f"blend@{blend.recompute_ratio:g}", "blend", blend)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    # Full first: the blend is scored along full prefill's answer (as in blendkv eval).
+    full_run = run_method(llm, None, full, example, params)
+    answer = full_run.token_ids[:answer_tokens]
+    ref = teacher_forced_rows(llm, None, full, example, answer).rows
+    blend_run = run_method(llm, None, blended, example, params)
+    test = teacher_forced_rows(llm, None, blended, example, answer).rows
+    k = len(answer)
+    fidelity = metrics.teacher_forced_fidelity(ref[:k], test[:k], answer_tokens)
+    return FullComparison(
+        num_prompt_tokens=len(ids),
+        full_answer=full_run.text.strip(),
+        full_ttft=full_run.ttft,
+        blend_answer=blend_run.text.strip(),
+        blend_ttft=blend_run.ttft,
+        recompute_ratio=blend.recompute_ratio,
+        answer_kl=fidelity.mean_kl,
+        answer_agreement=fidelity.top1_agreement,
+        scored_tokens=min(k, answer_tokens),
+    )

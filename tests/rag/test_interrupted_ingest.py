@@ -1,0 +1,154 @@
+"""An ingest killed (SIGKILL, for real, in a child process) between a document's chunk writes
+and its catalog entry: ``store verify`` reports the disagreement and a re-run of ``ingest``
+repairs it. Before, verify said OK and the re-run skipped the document for good."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from blendkv.cli import main
+from blendkv.rag.catalog import DocumentCatalog
+from blendkv.rag.documents import content_doc_id
+from blendkv.store import KVStore
+
+pytestmark = pytest.mark.slow
+
+# The child ingests a folder with a test-only subclass placed at the crash window; the store,
+# the index and the catalog are the real ones, written to disk.
+CHILD = r"""
+import os, signal, sys
+from pathlib import Path
+from blendkv import LLM
+from blendkv.rag import RAGPipeline
+from blendkv.rag.catalog import DocumentCatalog
+from blendkv.store import ChunkStore
+
+model, store, docs, where = sys.argv[1:5]
+
+
+class KilledBeforeTheThirdCatalogEntry(DocumentCatalog):
+    def put(self, doc_id, **entry):
+        if len(self.documents()) == 2:  # the third document's chunks are stored and indexed
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().put(doc_id, **entry)
+
+
+class KilledAfterTheFirstWriteBatch(ChunkStore):
+    def add_chunks(self, chunks):
+        results = super().add_chunks(chunks)  # one LMDB transaction, then the index
+        os.kill(os.getpid(), signal.SIGKILL)
+        return results
+
+
+llm = LLM(model, dtype="float32", enable_prefix_caching=False)
+rag = RAGPipeline(store, llm=llm, chunk_tokens=16)
+if where == "catalog":
+    rag.catalog = KilledBeforeTheThirdCatalogEntry(store)
+else:
+    embedder = rag.store.embedder
+    rag.store.close()
+    rag.store = KilledAfterTheFirstWriteBatch(store, rag.manager.fingerprint, embedder)
+    rag.manager.use_store(rag.store.kv)
+rag.ingest([Path(docs)], progress=False)
+sys.exit(3)
+"""
+
+WORDS = (
+    "okapi glacier lighthouse volcano beetle river hill forest harbour meadow lantern copper "
+    "violin saffron tundra compass orchard falcon marble quartz walrus cedar ember prairie"
+).split()
+
+
+def prose(seed: int, num_words: int) -> str:
+    """Distinct random sentences: no two chunks are equal (equal chunks are stored once)."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(num_words)]
+    return " ".join(w + ("." if i % 9 == 8 else "") for i, w in enumerate(words))
+
+
+def write_docs(folder, texts):
+    folder.mkdir()
+    for i, text in enumerate(texts):
+        (folder / f"{i:02d}.txt").write_text(text)
+    return [content_doc_id(t) for t in texts]
+
+
+def run_child(model_dir, store, docs, where):
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model_dir), str(store), str(docs), where],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+
+
+def cli(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def owned_chunks(store) -> dict[str, list[int]]:
+    """doc id -> its stored chunk ids, read straight from LMDB."""
+    with KVStore(store, readonly=True) as kv:
+        out: dict[str, list[int]] = {}
+        for m in kv.iter_meta():
+            out.setdefault(m.doc_id, []).append(m.chunk_id)
+        return {d: sorted(ids) for d, ids in out.items()}
+
+
+@pytest.mark.parametrize("where", ["catalog", "batch"])
+def test_killed_ingest_is_reported_then_repaired(tiny_llama_dir, tmp_path, capsys, where):
+    if where == "catalog":  # five short documents, killed before the third catalog entry
+        texts = [prose(seed, 30) for seed in range(5)]
+    else:  # one long document (three write batches of 16 chunks), killed after the first
+        texts = [prose(99, 200)]
+    store, docs = tmp_path / "store", tmp_path / "docs"
+    doc_ids = write_docs(docs, texts)
+    model = ["--model", str(tiny_llama_dir), "--dtype", "float32"]
+    ingest = ["ingest", str(docs), "--store", str(store), "--chunk-tokens", "16", "--no-progress"]
+
+    run_child(tiny_llama_dir, store, docs, where)
+    interrupted = doc_ids[2] if where == "catalog" else doc_ids[0]
+    cataloged = set(DocumentCatalog(store).documents())
+    before = owned_chunks(store)
+    assert interrupted in before and interrupted not in cataloged
+    assert cataloged == (set(doc_ids[:2]) if where == "catalog" else set())
+
+    code, out = cli(capsys, "store", "verify", "--store", str(store), "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"]
+    assert [(p["kind"], p["subject"]) for p in report["problems"]] == [
+        ("doc_not_in_catalog", interrupted)
+    ]
+    code, out = cli(capsys, "store", "stats", "--store", str(store), "--json")
+    stats = json.loads(out)
+    assert (stats["documents"], stats["stored_documents"]) == (len(cataloged), len(before))
+    assert stats["chunks"] == stats["indexed_chunks"]  # the index was saved with the chunks
+
+    code, out = cli(capsys, *ingest, *model)
+    assert code == 0
+    assert f"{interrupted}  repaired" in out
+    code, out = cli(capsys, "store", "verify", "--store", str(store))
+    assert code == 0 and "OK" in out
+    code, out = cli(capsys, "store", "stats", "--store", str(store), "--json")
+    stats = json.loads(out)
+    assert stats["documents"] == stats["stored_documents"] == len(doc_ids)
+    assert stats["chunks"] == stats["indexed_chunks"]
+    after = owned_chunks(store)
+    entries = DocumentCatalog(store).documents()
+    assert all(entries[d]["num_chunks"] == len(after[d]) for d in doc_ids)
+    if where == "catalog":  # complete chunks: only the catalog entry was written
+        assert after[interrupted] == before[interrupted]
+    else:  # the first batch alone: the document was written anew, whole
+        assert len(after[interrupted]) > len(before[interrupted]) == 16
+
+    code, out = cli(capsys, *ingest, *model)
+    assert code == 0 and "0 document(s) added" in out and "repaired" not in out
