@@ -109,6 +109,7 @@ class KVStore(StoreQueries):
         self.touch_flush_every = touch_flush_every
         self.memory_tier = MemoryTier(memory_tier_bytes)
         self.hits = self.misses = self.corrupt = 0
+        self.connection_errors = 0  # always 0 here; a Redis store counts lost connections
         self.lmdb_hits = self.lmdb_misses = 0
         self._pending_touches: OrderedDict[bytes, float] = OrderedDict()
         self._env: lmdb.Environment | None = None
@@ -130,6 +131,20 @@ class KVStore(StoreQueries):
             self.close()
             raise
         self.inspect_only = fingerprint is None
+
+    @staticmethod
+    def open(location, fingerprint: ModelFingerprint | None = None, **kwargs):
+        """A chunk-K/V store at ``location``: a ``redis://host:port/db`` URL opens a
+        :class:`~blendkv.store.redis_store.RedisKVStore`, anything else an LMDB directory.
+        Both serve the same interface (:class:`~blendkv.store.base.ChunkKVStore`)."""
+        from .redis_store import RedisKVStore, is_redis_url
+
+        if is_redis_url(location):
+            kwargs.pop("map_size", None)
+            kwargs.pop("verify_reads", None)
+            kwargs.pop("sync", None)
+            return RedisKVStore(location, fingerprint, **kwargs)
+        return KVStore(location, fingerprint, **kwargs)
 
     @_locked
     def close(self) -> None:

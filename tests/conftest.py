@@ -36,3 +36,13 @@ def demo_report():
     from rag_helpers import shared_pipeline
 
     return shared_pipeline()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server for the session (flush it between tests that need it empty)."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()

@@ -1,0 +1,416 @@
+"""Chunk K/V in Redis: one set of document K/V shared by many engine processes.
+
+The same interface as the LMDB :class:`~blendkv.store.KVStore` (``get``, ``read_into``,
+``put_many``, ``in``, ``delete``, ``meta_for_id``, ``stats``, ``verify``, ``fingerprint``) and
+the same value bytes: a 64-byte header, the raw tensor bytes, an xxh3 checksum (never pickle).
+Keys live under one namespace (``blendkv`` by default)::
+
+    {ns}:format, {ns}:fp           store kind/version, the model fingerprint (JSON)
+    {ns}:c:{<key hex>}:m           chunk metadata (JSON, with "parts"): written LAST
+    {ns}:c:{<key hex>}:p:<i>       the value, split into parts of at most ``part_bytes``
+    {ns}:c:{<key hex>}:e           the chunk's text embedding (float32), for FAISS rebuilds
+    {ns}:next_id, {ns}:id:<id>     chunk id counter, chunk id -> key hex
+    {ns}:chunks, {ns}:doc:<doc>    sets of key hex: every chunk, a document's chunks
+    {ns}:gen                       bumped on every add/delete (other processes re-sync FAISS)
+
+A chunk's parts and metadata share one hash tag (``{<key hex>}``), so Redis Cluster keeps them
+on one node, and are written in ONE ``MULTI``: a reader sees a whole chunk or none. The
+id/document sets are updated right after (a crash between the two leaves a chunk that
+``verify`` reports as unindexed). Eviction is Redis' own ``maxmemory`` policy: a chunk whose
+parts were evicted is a miss (its remains are deleted), never an error. A lost connection makes
+reads misses and writes fail (the engine recomputes and says so in ``connection_errors``);
+redis-py reconnects on the next call, and the fingerprint is re-checked (re-created on a
+server that lost everything).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from . import format as fmt
+from . import layout
+from .errors import CorruptValueError, FingerprintMismatchError, StoreError, StoreFormatError
+from .fingerprint import ModelFingerprint
+from .memory_tier import MemoryTier
+from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
+
+logger = logging.getLogger(__name__)
+
+
+def is_redis_url(location: object) -> bool:
+    return isinstance(location, str) and location.startswith(("redis://", "rediss://", "unix://"))
+
+
+class RedisKVStore:
+    """See the module docstring. ``fingerprint=None`` opens in inspect mode (stats, verify)."""
+
+    def __init__(
+        self,
+        url: str,
+        fingerprint: ModelFingerprint | None = None,
+        *,
+        create: bool = True,
+        readonly: bool = False,
+        namespace: str = "blendkv",
+        memory_tier_bytes: int = 256 << 20,
+        part_bytes: int = 8 << 20,
+        socket_timeout: float = 5.0,
+        max_bytes: int | None = None,
+    ) -> None:
+        import redis
+
+        if max_bytes is not None:
+            raise ValueError(
+                "a Redis store's size is bounded by the server's maxmemory (and its eviction "
+                "policy, e.g. allkeys-lru), not max_bytes"
+            )
+        self._redis_errors = (redis.ConnectionError, redis.TimeoutError)
+        self.url = url
+        self.path = url  # what messages and the CLI print
+        self.namespace = namespace
+        self.readonly = readonly
+        self.part_bytes = part_bytes
+        self.memory_tier = MemoryTier(memory_tier_bytes)
+        self.hits = self.misses = self.corrupt = self.connection_errors = 0
+        self._lock = threading.RLock()
+        self._recheck = False
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
+        )
+        try:
+            self.fingerprint = self._open(fingerprint, create)
+        except self._redis_errors as e:
+            raise StoreError(f"cannot reach the Redis store at {url}: {e}") from e
+        self.inspect_only = fingerprint is None
+        self._given = fingerprint
+
+    # ---- keys ---------------------------------------------------------------------------
+    def _k(self, *parts: object) -> str:
+        return ":".join((self.namespace, *map(str, parts)))
+
+    def _chunk(self, key: bytes, suffix: str) -> str:
+        return f"{self.namespace}:c:{{{key.hex()}}}:{suffix}"
+
+    # ---- opening ------------------------------------------------------------------------
+    def _open(self, given: ModelFingerprint | None, create: bool) -> ModelFingerprint:
+        record = {"kind": layout.STORE_KIND, "version": layout.STORE_FORMAT_VERSION}
+        raw_fp = self.client.get(self._k("fp"))
+        if raw_fp is None:
+            if given is None or not create or self.readonly:
+                raise StoreFormatError(
+                    f"no blendkv store at {self.url} (namespace {self.namespace})"
+                )
+            pipe = self.client.pipeline(transaction=True)
+            pipe.set(self._k("format"), json.dumps(record), nx=True)
+            pipe.set(self._k("fp"), given.to_json(), nx=True)
+            pipe.execute()
+            raw_fp = self.client.get(self._k("fp"))  # another process may have won the race
+        raw_format = self.client.get(self._k("format"))
+        try:
+            stored = ModelFingerprint.from_json(raw_fp)
+            found = json.loads(raw_format) if raw_format is not None else None
+        except (ValueError, TypeError) as e:
+            raise StoreFormatError(f"{self.url}: unreadable fingerprint record: {e}") from e
+        if found != record:
+            raise StoreFormatError(f"{self.url} holds store format {found}, expected {record}")
+        if given is not None and given != stored:
+            fields = given.diff(stored)
+            detail = "; ".join(
+                f"{f}: store={getattr(stored, f)!r} given={getattr(given, f)!r}" for f in fields
+            )
+            raise FingerprintMismatchError(
+                f"store {self.url} was built for another model; differing fields: {detail}",
+                fields,
+            )
+        return stored
+
+    def _call(self, fn, on_error):
+        """Run ``fn()`` under the lock; a lost connection counts, logs and returns ``on_error``
+        (or raises StoreError when ``on_error`` is an exception class)."""
+        with self._lock:
+            try:
+                if self._recheck:
+                    self._open(self._given, create=not self.readonly)
+                    self._recheck = False
+                return fn()
+            except self._redis_errors as e:
+                self.connection_errors += 1
+                self._recheck = True
+                logger.warning("Redis store %s unreachable: %s", self.url, e)
+                if isinstance(on_error, type) and issubclass(on_error, Exception):
+                    raise on_error(f"Redis store {self.url} unreachable: {e}") from e
+                return on_error
+
+    def close(self) -> None:
+        self.client.close()
+
+    def flush(self) -> None:
+        """Nothing is batched on this side (LRU bookkeeping is Redis' own)."""
+
+    def __enter__(self) -> RedisKVStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_servable(self) -> None:
+        if self.inspect_only:
+            raise StoreError(f"store {self.url} was opened without a fingerprint (inspect mode)")
+
+    # ---- writing ------------------------------------------------------------------------
+    def put(self, key: bytes, kv: torch.Tensor, **meta) -> PutResult:
+        return self.put_many([NewChunk(key, kv, **meta)])[0]
+
+    def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
+        """Store chunks; each chunk is one MULTI (parts, then its metadata marker)."""
+        self._check_servable()
+        if self.readonly:
+            raise StoreError(f"store {self.url} is open read-only")
+        return self._call(lambda: [self._put_one(c) for c in chunks], StoreError)
+
+    def _put_one(self, chunk: NewChunk) -> PutResult:
+        fp = self.fingerprint
+        kv = chunk.kv
+        if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != (
+            fp.num_layers, 2, fp.num_kv_heads, fp.head_dim,
+        ):  # fmt: skip
+            raise ValueError(f"chunk K/V shape {tuple(kv.shape)} does not match the store")
+        raw = self.client.get(self._chunk(chunk.key, "m"))
+        if raw is not None:
+            return PutResult(json.loads(raw)["chunk_id"], False, ())
+        value = fmt.encode_value(kv)
+        cid = int(self.client.incr(self._k("next_id")))
+        meta = ChunkMeta(
+            chunk_id=cid,
+            key=chunk.key,
+            text=chunk.text,
+            token_ids=tuple(chunk.token_ids),
+            doc_id=chunk.doc_id,
+            position=chunk.position,
+            num_tokens=kv.shape[2],
+            nbytes=len(value),
+            dtype=str(kv.dtype).removeprefix("torch."),
+            shape=tuple(kv.shape),
+            created=time.time(),
+        )
+        record = json.loads(meta.to_json())
+        parts = [value[i : i + self.part_bytes] for i in range(0, len(value), self.part_bytes)]
+        record["parts"] = len(parts)
+        pipe = self.client.pipeline(transaction=True)  # MULTI ... EXEC
+        for i, part in enumerate(parts):
+            pipe.set(self._chunk(chunk.key, f"p:{i}"), bytes(part))
+        pipe.set(self._chunk(chunk.key, "m"), json.dumps(record))  # the marker, last
+        pipe.execute()
+        index = self.client.pipeline(transaction=False)
+        index.set(self._k("id", cid), chunk.key.hex())
+        index.sadd(self._k("chunks"), chunk.key.hex())
+        if chunk.doc_id is not None:
+            index.sadd(self._k("doc", chunk.doc_id), chunk.key.hex())
+        index.incr(self._k("gen"))
+        index.execute()
+        return PutResult(cid, True, ())
+
+    def put_embeddings(self, keys: Sequence[bytes], vectors) -> None:
+        """Keep chunks' text embeddings (float32 rows) for FAISS rebuilds in other processes."""
+
+        def write():
+            pipe = self.client.pipeline(transaction=False)
+            for key, vec in zip(keys, vectors, strict=True):
+                pipe.set(self._chunk(key, "e"), vec.astype("float32").tobytes())
+            pipe.execute()
+
+        self._call(write, StoreError)
+
+    def embeddings(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._call(
+            lambda: self.client.mget([self._chunk(k, "e") for k in keys]) if keys else [],
+            StoreError,
+        )
+
+    def delete(self, keys: Sequence[bytes]) -> list[int]:
+        for key in keys:
+            self.memory_tier.discard(key)
+        found = self._call(lambda: [self._delete_one(k) for k in keys], StoreError)
+        return [cid for cid in found if cid is not None]
+
+    def _delete_one(self, key: bytes) -> int | None:
+        raw = self.client.get(self._chunk(key, "m"))
+        record = json.loads(raw) if raw is not None else None
+        parts = record["parts"] if record else 0
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._chunk(key, "m"), self._chunk(key, "e"))
+        for i in range(parts):
+            pipe.delete(self._chunk(key, f"p:{i}"))
+        pipe.execute()
+        index = self.client.pipeline(transaction=False)
+        index.srem(self._k("chunks"), key.hex())
+        if record is not None:
+            index.delete(self._k("id", record["chunk_id"]))
+            if record["doc_id"] is not None:
+                index.srem(self._k("doc", record["doc_id"]), key.hex())
+        index.incr(self._k("gen"))
+        index.execute()
+        return record["chunk_id"] if record else None
+
+    def delete_document(self, doc_id: str) -> list[int]:
+        return self.delete([m.key for m in self.document_chunks(doc_id)])
+
+    # ---- reading ------------------------------------------------------------------------
+    def _fetch(self, key: bytes) -> bytearray | None:
+        """The whole stored value, checked; None on a miss (also: parts evicted, corrupt)."""
+        raw = self.client.get(self._chunk(key, "m"))
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        parts = self.client.mget([self._chunk(key, f"p:{i}") for i in range(record["parts"])])
+        if any(p is None for p in parts):  # evicted under maxmemory: a miss
+            self._delete_one(key)
+            return None
+        value = bytearray(b"".join(parts))
+        try:
+            fmt.check_value(value, verify_checksum=True)
+        except CorruptValueError as e:
+            self.corrupt += 1
+            logger.warning("corrupt value for chunk %s in %s: %s", key.hex(), self.url, e)
+            if not self.readonly:
+                self._delete_one(key)
+            return None
+        return value
+
+    def _load(self, key: bytes) -> torch.Tensor | None:
+        tensor = self.memory_tier.get(key) if self.memory_tier.max_bytes else None
+        if tensor is None:
+            value = self._call(lambda: self._fetch(key), None)
+            if value is None:
+                self.misses += 1
+                return None
+            header = fmt.decode_header(value)
+            payload = torch.frombuffer(value, dtype=torch.uint8, offset=fmt.HEADER_SIZE)
+            tensor = payload.view(header.dtype).view(header.shape)
+            self.memory_tier.put(key, tensor)
+        self.hits += 1
+        return tensor
+
+    def get(self, key: bytes) -> ChunkKV | None:
+        self._check_servable()
+        tensor = self._load(key)
+        return None if tensor is None else ChunkKV(key, tensor)
+
+    def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = True) -> bool:
+        self._check_servable()
+        tensor = self._load(key)
+        if tensor is None:
+            return False
+        if tensor.shape != out.shape or tensor.dtype != out.dtype:
+            raise ValueError(
+                f"out is {out.dtype}{tuple(out.shape)}, stored {tensor.dtype}{tuple(tensor.shape)}"
+            )
+        out.copy_(tensor)
+        return True
+
+    def __contains__(self, key: bytes) -> bool:
+        if key in self.memory_tier:  # served locally even while Redis is unreachable
+            return True
+        return bool(self._call(lambda: self.client.exists(self._chunk(key, "m")), False))
+
+    def __len__(self) -> int:
+        return int(self._call(lambda: self.client.scard(self._k("chunks")), 0))
+
+    def generation(self) -> int:
+        """Bumped by every add and delete from any process."""
+        return int(self._call(lambda: self.client.get(self._k("gen")) or 0, 0))
+
+    # ---- metadata -----------------------------------------------------------------------
+    def get_meta(self, key: bytes) -> ChunkMeta | None:
+        raw = self._call(lambda: self.client.get(self._chunk(key, "m")), None)
+        return ChunkMeta.from_json(raw) if raw is not None else None
+
+    def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
+        hexkey = self._call(lambda: self.client.get(self._k("id", chunk_id)), None)
+        return self.get_meta(bytes.fromhex(hexkey.decode())) if hexkey else None
+
+    def _metas(self, hexkeys) -> list[ChunkMeta]:
+        keys = [bytes.fromhex(h.decode()) for h in hexkeys]
+        raws = self._call(
+            lambda: self.client.mget([self._chunk(k, "m") for k in keys]) if keys else [], None
+        )
+        return [ChunkMeta.from_json(r) for r in raws or [] if r is not None]
+
+    def iter_meta(self) -> Iterator[ChunkMeta]:
+        yield from self._metas(self._call(lambda: self.client.smembers(self._k("chunks")), set()))
+
+    def chunk_ids(self) -> list[int]:
+        return sorted(m.chunk_id for m in self.iter_meta())
+
+    def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
+        members = self._call(lambda: self.client.smembers(self._k("doc", doc_id)), set())
+        return sorted(self._metas(members), key=lambda m: m.position)
+
+    # ---- health -------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        metas = list(self.iter_meta())
+        tier = self.memory_tier
+        return StoreStats(
+            entries=len(metas),
+            bytes=sum(m.nbytes for m in metas),
+            max_bytes=None,
+            map_size=0,
+            map_used=int(self._call(lambda: self.client.info("memory")["used_memory"], 0)),
+            evictions=int(self._call(lambda: self.client.info("stats")["evicted_keys"], 0)),
+            hits=self.hits,
+            misses=self.misses,
+            corrupt=self.corrupt,
+            memory_hits=tier.hits,
+            memory_misses=tier.misses,
+            memory_evictions=tier.evictions,
+            memory_entries=len(tier),
+            memory_bytes=tier.nbytes,
+            lmdb_hits=0,
+            lmdb_misses=0,
+        )
+
+    def verify(self) -> VerifyReport:
+        """Every chunk's value checked; sets, ids and markers agreeing; the server reachable."""
+        report = VerifyReport()
+        with self._lock:
+            try:
+                self._verify(report)
+            except self._redis_errors as e:
+                report.add("unreachable", self.url, str(e))
+        return report
+
+    def _verify(self, report: VerifyReport) -> None:
+        c = self.client
+        members = {bytes.fromhex(h.decode()) for h in c.smembers(self._k("chunks"))}
+        markers = {
+            bytes.fromhex(k.decode().rsplit("{", 1)[1].split("}")[0])
+            for k in c.scan_iter(match=f"{self.namespace}:c:*:m", count=1000)
+        }
+        for key in sorted(markers - members):
+            report.add("unindexed", key.hex(), "chunk stored but not in the chunk set")
+        for key in sorted(members - markers):
+            report.add("missing_value", key.hex(), "in the chunk set but not stored (evicted?)")
+        for key in sorted(markers & members):
+            raw = c.get(self._chunk(key, "m"))
+            if raw is None:
+                continue  # evicted meanwhile
+            record = json.loads(raw)
+            parts = c.mget([self._chunk(key, f"p:{i}") for i in range(record["parts"])])
+            if any(p is None for p in parts):
+                report.add("missing_value", key.hex(), "a part was evicted")
+                continue
+            try:
+                fmt.check_value(b"".join(parts), verify_checksum=True)
+            except CorruptValueError as e:
+                report.add("corrupt_value", key.hex(), str(e))
+                continue
+            if c.get(self._k("id", record["chunk_id"])) != key.hex().encode():
+                report.add("id_mismatch", record["chunk_id"], "id map disagrees")
+            report.entries += 1
+            report.bytes += record["nbytes"]

@@ -1,0 +1,102 @@
+"""The chunk-K/V store on a real redis-server: the same interface and bytes as LMDB."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from redis_server import RedisServer
+from store_helpers import key_of, make_fingerprint, make_kv, same_bits
+
+from blendkv.store import FingerprintMismatchError, KVStore, NewChunk, StoreError
+from blendkv.store import format as fmt
+from blendkv.store.redis_store import RedisKVStore
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    redis_server.flush()
+    return redis_server.url
+
+
+def test_round_trip_equals_lmdb_bit_for_bit(redis_url, tmp_path, fp):
+    chunks = [
+        NewChunk(
+            key_of(i), make_kv(i, num_tokens=3 + i), text=f"t{i}", token_ids=tuple(range(3 + i))
+        )
+        for i in range(5)
+    ]
+    with KVStore(tmp_path / "lmdb", fp) as lmdb, KVStore.open(redis_url, fp, part_bytes=100) as red:
+        assert isinstance(red, RedisKVStore)
+        assert [r.inserted for r in red.put_many(chunks)] == [True] * 5
+        lmdb.put_many(chunks)
+        assert [r.inserted for r in red.put_many(chunks[:1])] == [False]  # content-addressed
+        for c in chunks:
+            a, b = lmdb.get(c.key).kv, red.get(c.key).kv
+            assert same_bits(a, b) and same_bits(b, c.kv)
+            out = torch.empty_like(c.kv)
+            assert red.read_into(c.key, out) and same_bits(out, c.kv)
+            # The stored bytes are the LMDB format, split into parts of <= 100 bytes.
+            raw = red.client.get(red._chunk(c.key, "m"))
+            assert b'"parts":' in raw
+        meta = red.meta_for_id(red.get_meta(chunks[2].key).chunk_id)
+        assert meta.text == "t2" and meta.token_ids == (0, 1, 2, 3, 4)
+        assert len(red) == 5 and red.verify().ok, red.verify()
+        assert red.delete([chunks[0].key]) == [1] and chunks[0].key not in red
+
+
+def test_a_second_process_store_sees_the_same_chunks_and_refuses_other_models(redis_url, fp):
+    with KVStore.open(redis_url, fp, memory_tier_bytes=0) as a:
+        a.put_many([NewChunk(key_of(1), make_kv(1), doc_id="d", position=0)])
+    with KVStore.open(redis_url, fp, memory_tier_bytes=0) as b:
+        assert same_bits(b.get(key_of(1)).kv, make_kv(1))
+        assert [m.key for m in b.document_chunks("d")] == [key_of(1)]
+    other = make_fingerprint(weights_hash="x" * 8, head_dim=8)
+    with pytest.raises(FingerprintMismatchError) as err:
+        KVStore.open(redis_url, other)
+    assert "weights_hash" in str(err.value) and "head_dim" in str(err.value)
+
+
+def test_corrupted_value_is_a_checksum_miss(redis_url, fp):
+    with KVStore.open(redis_url, fp, memory_tier_bytes=0) as s:
+        s.put_many([NewChunk(key_of(2), make_kv(2))])
+        part = s._chunk(key_of(2), "p:0")
+        s.client.setrange(part, fmt.HEADER_SIZE + 5, b"\xff\xfe")
+        report = s.verify()
+        assert [p.kind for p in report.problems] == ["corrupt_value"]
+        assert s.get(key_of(2)) is None and s.corrupt == 1
+        assert key_of(2) not in s  # dropped, so a write-back can store a good copy
+
+
+def test_eviction_under_maxmemory_is_misses_not_errors(tmp_path, fp):
+    server = RedisServer(tmp_path, maxmemory="3mb").start()
+    try:
+        with KVStore.open(server.url, fp, memory_tier_bytes=0, part_bytes=4096) as s:
+            n = 200  # 200 x 16 KiB = 3.2 MiB of values into 3 MiB: Redis must evict
+            for i in range(n):
+                s.put_many([NewChunk(key_of(i), make_kv(i, num_tokens=512))])
+            found = [s.get(key_of(i)) for i in range(n)]
+            hits = [i for i, f in enumerate(found) if f is not None]
+            assert 0 < len(hits) < n
+            assert all(same_bits(found[i].kv, make_kv(i, num_tokens=512)) for i in hits)
+            assert s.stats().evictions > 0
+    finally:
+        server.kill()
+
+
+def test_lost_connection_reads_miss_writes_fail_then_reconnects(tmp_path, fp):
+    server = RedisServer(tmp_path).start()
+    s = KVStore.open(server.url, fp, memory_tier_bytes=0, socket_timeout=1.0)
+    s.put_many([NewChunk(key_of(1), make_kv(1))])
+    server.kill()
+    assert s.get(key_of(1)) is None and key_of(1) not in s
+    with pytest.raises(StoreError, match="unreachable"):
+        s.put_many([NewChunk(key_of(2), make_kv(2))])
+    assert s.connection_errors >= 3
+    assert [p.kind for p in s.verify().problems] == ["unreachable"]
+    server.start()  # restarted empty: the fingerprint record is written again
+    s.put_many([NewChunk(key_of(2), make_kv(2))])
+    assert same_bits(s.get(key_of(2)).kv, make_kv(2))
+    with pytest.raises(FingerprintMismatchError):
+        KVStore.open(server.url, make_fingerprint(dtype="float32"))
+    s.close()
+    server.kill()
