@@ -1,4 +1,5 @@
-"""Store benchmark: ``python -m blendkv.store.bench [--quick]``.
+"""Store benchmark: ``python -m blendkv.store.bench [--quick]``; with ``--backend lmdb,redis``
+the scaling benchmark of :mod:`blendkv.store.bench_scaling` (costs against store size) instead.
 
 Side by side in one run (ratios matter; absolute times drift on shared machines):
 
@@ -168,7 +169,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small sizes (~1 minute)")
     parser.add_argument("--chunks", type=int, default=None, help="chunks for the read bench")
     parser.add_argument("--dir", default=None, help="parent of the temp data dir")
+    parser.add_argument(
+        "--backend", default=None, help="lmdb, redis or lmdb,redis: run the scaling benchmark"
+    )
+    parser.add_argument("--sizes", default="1000,10000,100000", help="store sizes (entries)")
+    parser.add_argument("--out", default="eval_results/store", help="scaling results folder")
+    parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
     args = parser.parse_args(argv)
+    if args.backend is not None:
+        from .bench_scaling import run
+
+        backends = args.backend.split(",")
+        if not set(backends) <= {"lmdb", "redis"}:
+            parser.error(f"--backend takes lmdb, redis or both, got {args.backend!r}")
+        sizes = [int(x) for x in args.sizes.split(",")]
+        return run(backends, sizes, Path(args.out), args.redis_url)
     num_chunks = args.chunks or (16 if args.quick else 128)
     root = Path(tempfile.mkdtemp(prefix="blendkv-bench-", dir=args.dir))
     free = shutil.disk_usage(root).free

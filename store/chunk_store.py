@@ -5,6 +5,11 @@ removals delete from both. The index file lives beside the LMDB files
 (``<store>/chunks.faiss``). If a process dies between the two steps, the next writable open
 re-syncs the index from the store (:meth:`ChunkStore.sync_index`): ids the store lacks are
 dropped, chunks the index lacks are re-embedded from their stored text.
+
+Over Redis (``redis://`` location) FAISS stays per process: there is no index file; the
+chunks' embeddings are kept in Redis beside them, so a process opening the store rebuilds its
+index from them (no re-embedding), and a search first re-syncs when another process added or
+deleted chunks since (Redis' generation counter).
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .embedding import Embedder, MiniLMEmbedder
 from .fingerprint import ModelFingerprint
 from .index import ChunkIndex
 from .kv_store import KVStore
 from .records import ChunkMeta, NewChunk, PutResult, VerifyReport
+from .redis_store import is_redis_url
 
 INDEX_FILE = "chunks.faiss"
 
@@ -46,14 +54,16 @@ class ChunkStore:
         **store_kwargs,
     ) -> None:
         self.embedder = embedder if embedder is not None else MiniLMEmbedder()
-        self.kv = KVStore(path, fingerprint, readonly=readonly, **store_kwargs)
-        self.index_path = self.kv.path / INDEX_FILE
+        self.kv = KVStore.open(path, fingerprint, readonly=readonly, **store_kwargs)
+        self.shared = is_redis_url(path)  # embeddings in the store, no index file
+        self.index_path = None if self.shared else self.kv.path / INDEX_FILE
+        self._generation = None
         try:
-            if self.index_path.exists():
+            if self.index_path is not None and self.index_path.exists():
                 self.index = ChunkIndex.load(self.index_path, self.embedder.name, self.embedder.dim)
             else:
                 self.index = ChunkIndex(self.embedder.dim, self.embedder.name, index_kind)
-            if not readonly and not self.kv.inspect_only:
+            if self.shared or (not readonly and not self.kv.inspect_only):
                 self.sync_index()
         except BaseException:
             self.kv.close()
@@ -69,7 +79,8 @@ class ChunkStore:
         self.close()
 
     def save_index(self) -> None:
-        self.index.save(self.index_path)
+        if self.index_path is not None:
+            self.index.save(self.index_path)
 
     def add_chunks(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
         """Store chunks (one transaction) and index the new ones; returns per-chunk results."""
@@ -87,6 +98,8 @@ class ChunkStore:
         if new:
             vectors = self.embedder.embed([c.text for c, _ in new])
             self.index.add([cid for _, cid in new], vectors)
+            if self.shared:
+                self.kv.put_embeddings([c.key for c, _ in new], vectors)
         if new or evicted:
             self.save_index()
         return results
@@ -101,6 +114,8 @@ class ChunkStore:
 
     def search(self, text: str, k: int = 5) -> list[SearchHit]:
         """The ``k`` stored chunks most similar to ``text``, best first."""
+        if self.shared and self.kv.generation() != self._generation:
+            self.sync_index()  # another process added or deleted chunks
         query = self.embedder.embed([text])[0]
         hits = []
         for cid, score in self.index.search(query, k):
@@ -115,18 +130,35 @@ class ChunkStore:
 
     def sync_index(self) -> tuple[int, int]:
         """Make the index hold exactly the stored document chunks; returns (removed, added)."""
-        store_ids = self.indexable_ids()
+        if self.shared:
+            self._generation = self.kv.generation()
+        metas = {m.chunk_id: m for m in self.kv.iter_meta() if m.doc_id is not None}
+        store_ids = set(metas)
         index_ids = set(self.index.ids().tolist())
         stale = sorted(index_ids - store_ids)
         missing = sorted(store_ids - index_ids)
         if stale:
             self.index.remove(stale)
         if missing:
-            texts = [self.kv.meta_for_id(cid).text for cid in missing]
-            self.index.add(missing, self.embedder.embed(texts))
+            self.index.add(missing, self._vectors([metas[cid] for cid in missing]))
         if stale or missing:
             self.save_index()
         return len(stale), len(missing)
+
+    def _vectors(self, metas: list[ChunkMeta]) -> np.ndarray:
+        """Embeddings of stored chunks: from a shared store where kept, else embedded now."""
+        stored = self.kv.embeddings([m.key for m in metas]) if self.shared else [None] * len(metas)
+        todo = [i for i, raw in enumerate(stored) if raw is None]
+        out = np.empty((len(metas), self.embedder.dim), dtype=np.float32)
+        for i, raw in enumerate(stored):
+            if raw is not None:
+                out[i] = np.frombuffer(raw, dtype=np.float32)
+        if todo:
+            fresh = self.embedder.embed([metas[i].text for i in todo])
+            out[todo] = fresh
+            if self.shared and not self.kv.readonly:
+                self.kv.put_embeddings([metas[i].key for i in todo], fresh)
+        return out
 
     def verify(self) -> VerifyReport:
         """Store verify plus index <-> store id agreement."""

@@ -35,6 +35,7 @@ class ChunkLoader:
         t0 = time.perf_counter()
         stats = plan.stats
         precompute_before = stats.precompute_seconds
+        errors_before = self.manager.store.connection_errors
         stats.prefix_cached_tokens = start
         first = plan.config.first_partial_layer
         spans = plan.prompt.chunk_spans
@@ -64,6 +65,7 @@ class ChunkLoader:
             reused[lo - start : e - start] = True
             stats.kv_bytes_loaded += kv.numel() * kv.element_size()
         stats.tokens_reused = int(reused.sum())
+        stats.store_errors += self.manager.store.connection_errors - errors_before
         precomputed = stats.precompute_seconds - precompute_before
         stats.load_seconds += time.perf_counter() - t0 - precomputed
         gen = torch.Generator().manual_seed(plan.config.seed)

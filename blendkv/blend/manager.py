@@ -74,7 +74,7 @@ class BlendManager:
         if store_dir is None:  # no persistent store asked for: a private one for this process
             self._tmpdir = tempfile.TemporaryDirectory(prefix="blendkv-store-")
             store_dir = self._tmpdir.name
-        self.store = KVStore(
+        self.store = KVStore.open(
             store_dir,
             self.fingerprint,
             max_bytes=store_max_bytes,

@@ -42,6 +42,7 @@ class BlendStats:
     kv_bytes_loaded: int = 0
     load_seconds: float = 0.0  # store reads + RoPE + writes into KV blocks
     precompute_seconds: float = 0.0  # computing missed chunks
+    store_errors: int = 0  # store calls that failed (e.g. Redis unreachable): chunks recomputed
     ttft: float | None = None
     num_prompt_tokens: int = 0  # the whole prompt: template, chunks, query (set by the engine)
 

@@ -7,7 +7,12 @@ from pathlib import Path
 
 
 def add_store_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True, metavar="DIR", help="chunk-KV store directory")
+    p.add_argument(
+        "--store",
+        required=True,
+        metavar="DIR|URL",
+        help="chunk-KV store: an LMDB directory, or redis://host:port/db (shared by processes)",
+    )
 
 
 def open_pipeline(
@@ -26,8 +31,10 @@ def open_pipeline(
     from blendkv.cli import engine_kwargs
     from blendkv.rag import RAGPipeline
     from blendkv.store import StoreNotFoundError
+    from blendkv.store.redis_store import is_redis_url
 
-    if not create and not (Path(args.store) / "data.mdb").exists():
+    shared = is_redis_url(args.store)
+    if not shared and not create and not (Path(args.store) / "data.mdb").exists():
         raise StoreNotFoundError(
             f"no blendkv store at {args.store}; create one with `blendkv ingest PATH --store DIR`"
         )

@@ -26,14 +26,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blendkv.rag.catalog import DocumentCatalog
+    from blendkv.rag.catalog import open_catalog
     from blendkv.rag.consistency import check_documents
     from blendkv.store import ChunkStore, MiniLMEmbedder
 
     # fingerprint=None: inspect mode (metadata and checks, no K/V served); the embedder is
     # only named (its weights load on first embed, which inspection never does).
     with ChunkStore(args.store, None, MiniLMEmbedder(), readonly=True) as store:
-        catalog = DocumentCatalog(args.store)
+        catalog = open_catalog(args.store, store.kv)
         if args.action == "stats":
             return _stats(args, store, catalog)
         report = store.verify()

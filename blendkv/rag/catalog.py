@@ -78,5 +78,44 @@ class DocumentCatalog:
             raise
 
 
+class RedisDocumentCatalog(DocumentCatalog):
+    """The same catalog in a Redis hash (``{namespace}:catalog``, doc id -> JSON entry) of a
+    shared store, so every engine process sees the same document set. Reads go to Redis."""
+
+    def __init__(self, kv) -> None:
+        self._client = kv.client
+        self._hash = f"{kv.namespace}:catalog"
+
+    @property
+    def _docs(self) -> dict[str, dict[str, Any]]:
+        raw = self._client.hgetall(self._hash)
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def __contains__(self, doc_id: str) -> bool:
+        return bool(self._client.hexists(self._hash, doc_id))
+
+    def put(self, doc_id, *, source, metadata, chunk_keys) -> None:
+        entry = {
+            "source": source,
+            "metadata": metadata,
+            "num_chunks": len(chunk_keys),
+            "added": time.time(),
+            "chunk_keys": [k.hex() for k in chunk_keys],
+        }
+        self._client.hset(self._hash, doc_id, json.dumps(entry, ensure_ascii=False))
+
+    def remove(self, doc_id: str) -> bool:
+        return bool(self._client.hdel(self._hash, doc_id))
+
+
+def open_catalog(location: str | os.PathLike, kv) -> DocumentCatalog:
+    """The catalog of the store at ``location``: a file beside LMDB, or a hash in Redis."""
+    from blendkv.store.redis_store import is_redis_url
+
+    if is_redis_url(location):
+        return RedisDocumentCatalog(kv)
+    return DocumentCatalog(location)
+
+
 def _public(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k != "chunk_keys"}

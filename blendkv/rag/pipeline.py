@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from blendkv.errors import ConfigError, InvalidRequestError
-from blendkv.rag.catalog import DocumentCatalog
+from blendkv.rag.catalog import open_catalog
 from blendkv.rag.consistency import DocumentAction, check_documents, document_action
 from blendkv.rag.documents import SourceDocument, content_doc_id, load_documents
 from blendkv.rag.errors import DocumentError, EmptyDocumentError, NoChunksError
@@ -63,8 +63,11 @@ class RAGPipeline:
 
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
-        self.store_dir = Path(store_dir)
-        if not create and not (self.store_dir / "data.mdb").exists():
+        from blendkv.store.redis_store import is_redis_url
+
+        shared = is_redis_url(store_dir)
+        self.store_dir = store_dir if shared else Path(store_dir)
+        if not shared and not create and not (self.store_dir / "data.mdb").exists():
             # Fail before loading a model.
             raise StoreNotFoundError(
                 f"no blendkv store at {self.store_dir}; ingest documents first"
@@ -85,7 +88,7 @@ class RAGPipeline:
                 self.store_dir, self.manager.fingerprint, embedder, create=create
             )
             self.manager.use_store(self.store.kv)
-            self.catalog = DocumentCatalog(self.store_dir)
+            self.catalog = open_catalog(self.store_dir, self.store.kv)
         except BaseException:
             self.close()
             raise
