@@ -41,7 +41,8 @@ class EngineConfig:
     cache_dir: str | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # Blending: where chunk K/V lives (None = a private temporary store for this process),
+    # Blending: where chunk K/V lives (an LMDB directory, a redis://host:port/db URL shared by
+    # many processes, or None = a private temporary LMDB store for this process),
     # its byte limits, and the anchor every chunk is precomputed behind (the chat template's
     # prefix with this system prompt / instruction).
     kv_store_dir: str | None = None

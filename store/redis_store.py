@@ -272,7 +272,11 @@ class RedisKVStore:
         if any(p is None for p in parts):  # evicted under maxmemory: a miss
             self._delete_one(key)
             return None
-        value = bytearray(b"".join(parts))
+        value = bytearray(sum(len(p) for p in parts))  # one copy, writable for frombuffer
+        pos = 0
+        for part in parts:
+            value[pos : pos + len(part)] = part
+            pos += len(part)
         try:
             fmt.check_value(value, verify_checksum=True)
         except CorruptValueError as e:
