@@ -109,18 +109,23 @@ def _measure(store, fp, shape, real, backend, model, size, fill_s) -> dict:
     out = torch.empty_like(real[0])
     for key, kv in zip(keys, real, strict=True):  # correctness first
         assert store.read_into(key, out) and torch.equal(out, kv), key.hex()
-    get_s, read_s, copy_s = [], [], []
-    dst = torch.empty_like(out)
-    for key, kv in zip(keys, real, strict=True):
+    get_s = []
+    for key in keys:
         t0 = time.perf_counter()
         store.get(key)
         get_s.append(time.perf_counter() - t0)
+    # Read and memcpy interleaved, best of 3 passes each: load from others hits both alike.
+    dst = torch.empty_like(out)
+    read_best = copy_best = float("inf")
+    for _ in range(3):
         t0 = time.perf_counter()
-        store.read_into(key, out)
-        read_s.append(time.perf_counter() - t0)
+        for key in keys:
+            store.read_into(key, out)
+        read_best = min(read_best, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dst.copy_(kv)
-        copy_s.append(time.perf_counter() - t0)
+        for kv in real:
+            dst.copy_(kv)
+        copy_best = min(copy_best, time.perf_counter() - t0)
     rng = np.random.default_rng(size)
     probe_s = []
     for i in rng.integers(0, size, 500):
@@ -138,8 +143,8 @@ def _measure(store, fp, shape, real, backend, model, size, fill_s) -> dict:
         "backend": backend, "model": model, "entries": size, "fill_s": round(fill_s, 1),
         "chunk_MB": round(nbytes / 1e6, 1),
         "put_p50_ms": put[0], "put_p99_ms": put[1], "get_p50_ms": get[0], "get_p99_ms": get[1],
-        "read_MBps": nbytes * len(read_s) / sum(read_s) / 1e6,
-        "memcpy_MBps": nbytes * len(copy_s) / sum(copy_s) / 1e6,
+        "read_MBps": nbytes * NUM_REAL / read_best / 1e6,
+        "memcpy_MBps": nbytes * NUM_REAL / copy_best / 1e6,
         "lookup_p50_us": probe[0], "lookup_p99_us": probe[1],
     }  # fmt: skip
 
@@ -220,8 +225,11 @@ def plot(results: dict, path: Path) -> None:
     axes[0].set(title="get of a 256-token chunk, p50 (ms)", ylabel="ms")
     axes[1].set(title="get of a random entry, p50 (us)", ylabel="us")
     axes[2].set(title="read_into MB/s / memcpy MB/s", ylabel="ratio")
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
     for ax in axes:
-        ax.set(xscale="log", xlabel="entries in the store")
+        ax.set_xscale("log")
+        ax.set_xlabel("entries in the store")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
