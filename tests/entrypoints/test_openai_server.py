@@ -297,15 +297,19 @@ def test_metrics_parse_and_move(server, client):
 def test_langchain_chat_openai_talks_to_the_server(server, client):
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(
-        base_url=f"{server}/v1", api_key=API_KEY, model=MODEL, temperature=0, max_tokens=8,
-        max_retries=0, timeout=60,
-    )  # fmt: skip
-    msg = chat.invoke("Name a colour.")
-    ref = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Name a colour."}],
-        max_tokens=8,
-        temperature=0,
-    )
-    assert msg.content == ref.choices[0].message.content
+    docs = {"documents": [{"text": d} for d in DOCS]}
+    for extra_body in (None, docs):  # plain chat, then documents blended through extra_body
+        chat = ChatOpenAI(
+            base_url=f"{server}/v1", api_key=API_KEY, model=MODEL, temperature=0, max_tokens=8,
+            max_retries=0, timeout=60, extra_body=extra_body,
+        )  # fmt: skip
+        msg = chat.invoke("Which city is the capital of France?")
+        ref = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+            max_tokens=8,
+            temperature=0,
+            extra_body=extra_body,
+        )
+        assert msg.content == ref.choices[0].message.content
+        assert (getattr(ref, "blendkv", None) is not None) == (extra_body is not None)
