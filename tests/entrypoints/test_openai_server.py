@@ -94,6 +94,18 @@ def test_completion_matches_offline_greedy(client, offline):
     assert by_ids.choices[0].text == ref.text
 
 
+def test_stop_string_ends_the_completion(client, offline):
+    prompt = "The quick brown fox"
+    text = offline.generate(prompt, greedy(12, ignore_eos=True))[0].text
+    stop = text[4:6]  # a piece of the greedy answer
+    ref = offline.generate(prompt, greedy(12, ignore_eos=True, stop=[stop]))[0]
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop], extra_body=NO_EOS
+    )
+    assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason == "stop"
+    assert resp.choices[0].text == ref.text and stop not in ref.text
+
+
 def test_streamed_chat_equals_non_streamed(client, offline):
     messages = [
         {"role": "system", "content": "Answer briefly."},
@@ -241,6 +253,12 @@ BAD_REQUESTS = {
         "blend",
     ),  # fmt: skip
     "rag without a store": (CHAT, {"messages": HELLO, "rag": {"top_k": 2}}, 400, "rag"),
+    "documents to completions": (
+        "/v1/completions",
+        {"prompt": "x", "documents": [{"text": "y"}]},
+        400,
+        "documents",
+    ),  # fmt: skip
     "20 MB body": (
         CHAT,
         {"messages": [{"role": "user", "content": "a" * 20_000_000}]},

@@ -75,6 +75,10 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # Chat-only blendkv fields: refused here rather than silently ignored.
+    documents: Any = None
+    blend: Any = None
+    rag: Any = None
 
 
 class ContentPart(OpenAIModel):

@@ -114,6 +114,9 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, 1):
         raise APIError(400, "best_of must be 1", param="best_of")
+    for name in ("documents", "blend", "rag"):
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name} is a chat field: use /v1/chat/completions", param=name)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
