@@ -4,17 +4,18 @@
 
     asyncio callers (event loop)                    engine thread (owns LLMEngine + tokenizer)
     ───────────────────────────                     ─────────────────────────────────────────
-    add_request ── command: prepare + add ──▶ queue ──▶ run commands (add, abort, call)
+    add_request ── command: prepare + add ──▶ queue ──▶ run commands (add, abort)
         ▲                                                     │
         │ RequestStream (one asyncio.Queue per request)       ▼
         └──── loop.call_soon_threadsafe(put) ◀── OutputRouter ◀── LLMEngine.step()
 
 ``LLMEngine`` is not thread-safe, so exactly one thread touches it: a background thread that
-runs the commands callers queued (add a request, abort one, run a function) and, while any
+runs the commands callers queued (add a request, abort one) and, while any
 request is unfinished, steps the engine. Every step's outputs are routed to the asyncio queue
 of the request they belong to. A thread, not an asyncio task: the step is CPU-bound torch work
-that releases the GIL, and the event loop stays free to parse requests and send tokens while it
-runs. Requests added while a step runs join the next step's batch (continuous batching).
+(its kernels release the GIL), and run on the event loop it would stall every connection for the
+length of a step. Requests added while a step runs join the next step's batch (continuous
+batching).
 
 Closing a :class:`RequestStream` before its last output (a client that went away) aborts the
 request on the engine thread, which frees its KV blocks.
@@ -237,11 +238,6 @@ class AsyncLLM:
                 self._num_aborted += 1
 
         self._commands.put(_Command(abort))
-
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on the engine thread between two steps and return its result."""
-        self._check_alive()
-        return await self._submit(fn)
 
     def shutdown(self) -> None:
         """Stop the engine thread (unfinished requests are aborted); close an owned LLM."""
