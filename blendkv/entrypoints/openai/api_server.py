@@ -97,21 +97,22 @@ class ServerState:
         raise loading_error()
 
     def _load(self) -> None:
-        llm = rag = None
+        llm = rag = engine = None
         try:
             llm = self._llm = self.load()
             if self.config.store_dir is not None:
                 from blendkv.rag import RAGPipeline
 
                 rag = RAGPipeline(self.config.store_dir, llm=llm)
-            engine = AsyncLLM.from_llm(llm, max_waiting=self.config.max_waiting)
-            self.metrics.attach(engine)
-            # The HTTP side's own tokenizer (logprob token texts): the engine thread owns the
-            # engine's, and tokenizers are not safe to share between threads.
+            # The HTTP side's own tokenizer (logprob token texts): the engine thread uses the
+            # engine's, and a HF fast tokenizer used by two threads at once can fail
+            # ("Already borrowed").
             tokenizer = copy.deepcopy(llm.tokenizer)
             token_text = functools.lru_cache(maxsize=1 << 16)(
                 lambda t: tokenizer.decode([t], skip_special_tokens=False)
             )
+            engine = AsyncLLM.from_llm(llm, max_waiting=self.config.max_waiting)
+            self.metrics.attach(engine)
             self.served = serving.Served(
                 engine=engine,
                 model_name=self.config.served_model_name or llm.engine.info.model_name,
@@ -120,11 +121,13 @@ class ServerState:
                 token_text=token_text,
             )
             logger.info("model %s loaded; serving", self.served.model_name)
-            if self._closing.is_set():
+            if self._closing.is_set():  # the server stopped while the model loaded
                 self.close()
         except BaseException as exc:
             logger.exception("the model failed to load")
             self.load_error = exc
+            if engine is not None:
+                engine.shutdown()
             if rag is not None:
                 rag.close()
             if llm is not None:
