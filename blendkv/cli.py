@@ -8,7 +8,7 @@ import sys
 
 from blendkv.errors import BlendKVError
 
-_COMMANDS = ("generate", "chat", "bench", "eval", "ingest", "ask", "store", "demo")
+_COMMANDS = ("generate", "chat", "bench", "eval", "ingest", "ask", "store", "demo", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from blendkv.config import EngineConfig
 from blendkv.engine.llm_engine import LLMEngine
+from blendkv.entrypoints.router import OutputRouter
 from blendkv.errors import InvalidRequestError
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
@@ -29,6 +31,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
+        # Every step's outputs go to their own request's consumer: interleaved streams (and a
+        # generate call between two stream items) never lose each other's tokens.
+        self._router = OutputRouter()
 
     @property
     def tokenizer(self):
@@ -65,15 +70,22 @@ class LLM:
         request_ids = self._add_all(prompts, params, **request_kwargs)
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(prompts), use_tqdm)
+
+        def keep_final(out: RequestOutput) -> None:
+            if out.finished:
+                finished[out.request_id] = out
+                bar.update(1)
+
+        for rid in request_ids:
+            self._router.register(rid, keep_final)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
+            while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
+                self._router.route(self.engine.step())
         except BaseException:
             for rid in request_ids:
-                self.engine.abort_request(rid)
+                if rid not in finished:
+                    self._router.unregister(rid)
+                    self.engine.abort_request(rid)
             raise
         finally:
             bar.close()
@@ -84,19 +96,26 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Yield a ``RequestOutput`` per new token; ``out.delta_text`` is the new text.
 
-        Other queued requests keep running in the same batches. Closing the iterator early
-        aborts the request.
+        Other queued requests keep running in the same batches, and their outputs are kept for
+        their own consumers: several ``stream`` iterators (and ``generate`` calls) may be
+        interleaved on one thread. Closing the iterator early aborts the request.
         """
         [request_id] = self._add_all([prompt], [sampling_params], **request_kwargs)
+        pending: deque[RequestOutput] = deque()
+        self._router.register(request_id, pending.append)
         done = False
         try:
-            while not done and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        done = out.finished
-                        yield out
+            while not done:
+                while not pending:
+                    if not self.engine.has_unfinished_requests():
+                        return  # aborted from outside
+                    self._router.route(self.engine.step())
+                out = pending.popleft()
+                done = out.finished
+                yield out
         finally:
             if not done:
+                self._router.unregister(request_id)
                 self.engine.abort_request(request_id)
 
     def chat(

@@ -1,0 +1,123 @@
+"""``blendkv serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    from blendkv.cli import add_model_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with document blending")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--store", default=None, metavar="DIR", help="chunk store for `rag` requests")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $BLENDKV_API_KEY)",
+    )
+    p.add_argument("--served-model-name", default=None, help="model id clients send")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: CUDA when present and the engine runs on it, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    from blendkv.config import EngineConfig
+    from blendkv.errors import ConfigError
+
+    if torch.cuda.is_available():
+        try:
+            EngineConfig(device="cuda")
+            return "cuda"
+        except ConfigError:
+            logger.warning("a GPU is present but the engine runs on the CPU only; using the CPU")
+    return "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    from blendkv.cli import engine_kwargs
+    from blendkv.config import EngineConfig
+    from blendkv.errors import ConfigError
+
+    try:
+        import uvicorn
+
+        from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
+    except ImportError as exc:
+        raise ConfigError(
+            f"blendkv serve needs the serve extra ({exc}); pip install 'blendkv[serve]'"
+        ) from exc
+    kwargs = {
+        **engine_kwargs(args),
+        "device": resolve_device(args.device),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+    EngineConfig(model=args.model, **kwargs)  # bad options fail here, before the server starts
+    try:
+        config = ServeConfig(
+            api_key=args.api_key or os.environ.get("BLENDKV_API_KEY") or None,
+            served_model_name=args.served_model_name,
+            store_dir=args.store,
+            max_waiting=args.max_waiting,
+            max_body_bytes=args.max_body_bytes,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if config.api_key is None and not _is_loopback(args.host):
+        logger.warning("serving on %s without --api-key: anyone reaching it can use it", args.host)
+
+    def load():
+        from blendkv import LLM
+
+        return LLM(args.model, **kwargs)
+
+    app = create_app(load, config)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    )
+    state = app.state.blendkv
+
+    def stop(exc: BaseException) -> None:
+        server.should_exit = True
+
+    state.on_load_error = stop
+    server.run()
+    if state.load_error is not None:
+        from blendkv.errors import BlendKVError
+
+        if isinstance(state.load_error, BlendKVError):
+            raise state.load_error
+        return 1
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (``blendkv serve``); needs ``pip install 'blendkv[serve]'``."""

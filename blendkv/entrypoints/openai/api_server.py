@@ -1,0 +1,312 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn), ``blendkv serve``.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /metrics``. Every HTTP request is a request in the engine's
+continuous batch (:class:`~blendkv.entrypoints.async_llm.AsyncLLM`). The server answers at once;
+the model loads in a background thread and routes answer 503 until it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blendkv.entrypoints.async_llm import AsyncLLM
+from blendkv.entrypoints.llm import LLM
+from blendkv.entrypoints.openai import serving
+from blendkv.entrypoints.openai.errors import APIError, api_error, loading_error
+from blendkv.entrypoints.openai.metrics import ServerMetrics
+from blendkv.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    MetricsMiddleware,
+)
+from blendkv.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+logger = logging.getLogger(__name__)
+
+ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics"}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Server options (the engine's are the ``LLM``'s).
+
+    store_dir: a chunk store (``blendkv ingest``) for ``rag`` requests; documents sent in
+        requests are stored there too. Created when missing.
+    max_waiting: requests waiting for a place in the batch before new ones get 429.
+    max_body_bytes: larger request bodies get 413.
+    """
+
+    api_key: str | None = None
+    served_model_name: str | None = None
+    store_dir: str | None = None
+    max_waiting: int | None = 256
+    max_body_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+
+
+class ServerState:
+    """The loaded model (``served``), or why there is none yet."""
+
+    def __init__(self, load: Callable[[], LLM], config: ServeConfig, metrics: ServerMetrics):
+        self.load, self.config, self.metrics = load, config, metrics
+        self.served: serving.Served | None = None
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None
+        self._llm: LLM | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def start_loading(self) -> None:
+        self._thread = threading.Thread(target=self._load, name="blendkv-load", daemon=True)
+        self._thread.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return self.served is not None
+
+    def require(self) -> serving.Served:
+        if self.served is not None:
+            return self.served
+        if self.load_error is not None:
+            raise APIError(503, f"the model failed to load: {self.load_error}", "server_error")
+        raise loading_error()
+
+    def _load(self) -> None:
+        llm = rag = engine = None
+        try:
+            llm = self._llm = self.load()
+            if self.config.store_dir is not None:
+                from blendkv.rag import RAGPipeline
+
+                rag = RAGPipeline(self.config.store_dir, llm=llm)
+            # The HTTP side's own tokenizer (logprob token texts): the engine thread uses the
+            # engine's, and a HF fast tokenizer used by two threads at once can fail
+            # ("Already borrowed").
+            tokenizer = copy.deepcopy(llm.tokenizer)
+            token_text = functools.lru_cache(maxsize=1 << 16)(
+                lambda t: tokenizer.decode([t], skip_special_tokens=False)
+            )
+            engine = AsyncLLM.from_llm(llm, max_waiting=self.config.max_waiting)
+            self.metrics.attach(engine)
+            self.served = serving.Served(
+                engine=engine,
+                model_name=self.config.served_model_name or llm.engine.info.model_name,
+                max_model_len=llm.engine.info.max_model_len,
+                rag=rag,
+                token_text=token_text,
+            )
+            logger.info("model %s loaded; serving", self.served.model_name)
+            if self._closing.is_set():  # the server stopped while the model loaded
+                self.close()
+        except BaseException as exc:
+            logger.exception("the model failed to load")
+            self.load_error = exc
+            if engine is not None:
+                engine.shutdown()
+            if rag is not None:
+                rag.close()
+            if llm is not None:
+                llm.close()
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+
+    def close(self) -> None:
+        """Stop the engine (open requests are aborted), close the store and the model."""
+        self._closing.set()
+        served, self.served = self.served, None
+        if served is None:
+            return
+        served.engine.shutdown()
+        if served.rag is not None:
+            served.rag.close()
+        self._llm.close()
+
+
+def create_app(load: Callable[[], LLM] | LLM, config: ServeConfig | None = None) -> FastAPI:
+    """The ASGI app. ``load`` builds the LLM (called in a background thread at startup, routes
+    answer 503 meanwhile) or is a loaded one; the server closes it at shutdown."""
+    config = config or ServeConfig()
+    metrics = ServerMetrics()
+    state = ServerState(load if callable(load) else (lambda: load), config, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="blendkv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.blendkv = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    # add_middleware wraps: the last added is the outermost.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=ROUTES)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+            loc = []  # a position in the body, not a parameter
+        else:
+            where = ".".join(loc) or "body"
+            message = f"{where}: {first.get('msg', 'invalid')}"
+            if len(errors) > 1:
+                message += f" (and {len(errors) - 1} more problems)"
+        return APIError(400, message, param=loc[0] if loc else None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return api_error(exc).response()
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        state.require()
+        if not state.served.engine.is_running:
+            raise APIError(503, "the engine loop has stopped", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        served = state.require()
+        return ModelList(data=[ModelCard(id=served.model_name, max_model_len=served.max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        served = state.require()
+        served.check_model(req.model)
+        prompt = serving.completion_prompt(req)
+        top_n = req.logprobs or 0
+        params = serving.sampling_params(req, req.max_tokens, req.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = await _add(served, prompt, params, rid)
+        headers = {"x-request-id": rid}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = serving.completion_stream(
+                rid, int(time.time()), served, stream, top_n, include_usage
+            )
+            return _sse(events, headers)
+        out = await _until_disconnected(request, _last_output(stream))
+        if out is None:
+            return Response(status_code=499)
+        body = serving.completion_response(rid, served, out, top_n)
+        return JSONResponse(body.model_dump(), headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        served = state.require()
+        served.check_model(req.model)
+        params = serving.chat_params(req)
+        prompt, kwargs = serving.chat_prompt(req, served)
+        top_n = req.top_logprobs or 0
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await _add(served, prompt, params, rid, **kwargs)
+        headers = {"x-request-id": rid}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = serving.chat_stream(
+                rid, int(time.time()), served, stream, top_n, include_usage
+            )
+            return _sse(events, headers)
+        out = await _until_disconnected(request, _last_output(stream))
+        if out is None:
+            return Response(status_code=499)
+        body = serving.chat_response(rid, served, out, stream, top_n)
+        headers.update(serving.blend_headers(out))
+        return JSONResponse(body.model_dump(), headers=headers)
+
+
+async def _add(served, prompt, params, rid, **kwargs):
+    try:
+        return await served.engine.add_request(prompt, params, rid, **kwargs)
+    except Exception as exc:
+        raise api_error(exc) from exc
+
+
+def _sse(events, headers: dict[str, str]) -> StreamingResponse:
+    headers = {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _last_output(stream):
+    out = None
+    try:
+        async for out in stream:  # noqa: B007  (the last one is the answer)
+            pass
+    finally:
+        stream.close()
+    return out
+
+
+async def _until_disconnected(request: Request, coro):
+    """Await ``coro``; if the client disconnects first, cancel it (its ``finally`` aborts the
+    request) and return None."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    with suppress(asyncio.CancelledError):
+        return await task
+    return None  # cancelled: the client is gone

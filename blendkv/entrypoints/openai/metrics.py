@@ -1,0 +1,123 @@
+"""Prometheus metrics of one server (``GET /metrics``), in a registry of its own (no globals).
+
+Three sources:
+
+* the HTTP layer: requests by route and status (:meth:`ServerMetrics.observe_http`);
+* the engine thread, after every step (:meth:`ServerMetrics.on_step`, an ``AsyncLLM`` step
+  listener): tokens in/out, TTFT and end-to-end latency, blend counters, and how many requests
+  received a token in the step (the continuous batch at work);
+* the engine's published :class:`~blendkv.entrypoints.async_llm.EngineStats`, read at scrape
+  time: running/waiting requests, KV blocks used, steps, aborts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from blendkv.entrypoints.async_llm import AsyncLLM
+from blendkv.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Blend stats fields -> counter name suffix and help.
+_BLEND = {
+    "chunks_hit": "chunks whose K/V was found in the store",
+    "chunks_missed": "chunks computed at query time (then written to the store)",
+    "tokens_reused": "chunk tokens whose stored K/V was loaded",
+    "tokens_recomputed": "prompt tokens recomputed through the last layer",
+    "load_seconds": "seconds spent loading stored K/V into KV blocks",
+}
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "blendkv_http_requests", "HTTP requests by route and status", ["route", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "blendkv_time_to_first_token_seconds", "Arrival to first token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "blendkv_e2e_request_latency_seconds", "Arrival to last token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "blendkv_prompt_tokens", "Prompt tokens of requests that got a first token", registry=r
+        )
+        self.generation_tokens = Counter(
+            "blendkv_generation_tokens", "Generated tokens", registry=r
+        )
+        self.finished = Counter(
+            "blendkv_requests_finished", "Finished requests by finish reason", ["finish_reason"],
+            registry=r,
+        )  # fmt: skip
+        self.step_requests = Histogram(
+            "blendkv_step_requests", "Requests that received a token in one engine step",
+            buckets=_BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.blend_requests = Counter(
+            "blendkv_blend_requests", "Blended requests that got a first token", registry=r
+        )
+        self.blend = {n: Counter(f"blendkv_blend_{n}", h, registry=r) for n, h in _BLEND.items()}
+
+    def attach(self, engine: AsyncLLM) -> None:
+        """Observe ``engine``'s steps and export its stats (once, when the model is loaded)."""
+        engine.add_step_listener(self.on_step)
+        self.registry.register(_EngineCollector(engine))
+
+    def observe_http(self, route: str, status: int) -> None:
+        self.http_requests.labels(route, str(status)).inc()
+
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread, after each step: every output is one new token of its request."""
+        if outputs:
+            self.step_requests.observe(len(outputs))
+            self.generation_tokens.inc(len(outputs))
+        for out in outputs:
+            m = out.metrics
+            if len(out.outputs[0].token_ids) == 1:  # the request's first token
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if m.ttft is not None:
+                    self.ttft.observe(m.ttft)
+                if out.blend_stats is not None:
+                    self.blend_requests.inc()
+                    stats = out.blend_stats
+                    for name, counter in self.blend.items():
+                        counter.inc(getattr(stats, name))
+            if out.finished:
+                self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
+                if m.e2e_latency is not None:
+                    self.e2e.observe(m.e2e_latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's last published stats at scrape time."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats
+        for name, help, value in (
+            ("blendkv_num_requests_running", "Requests in the running batch", s.num_running),
+            ("blendkv_num_requests_waiting", "Requests waiting for admission", s.num_waiting),
+            ("blendkv_kv_blocks_used", "KV blocks held by requests", s.num_kv_blocks_used),
+            ("blendkv_kv_blocks_total", "KV blocks in the pool", s.num_kv_blocks),
+            (
+                "blendkv_max_step_requests",
+                "Most requests that received a token in one step",
+                s.max_step_requests,
+            ),
+        ):
+            yield GaugeMetricFamily(name, help, value=value)
+        yield CounterMetricFamily("blendkv_engine_steps", "Engine steps", value=s.num_steps)
+        yield CounterMetricFamily(
+            "blendkv_requests_aborted", "Requests aborted (client gone)", value=s.num_aborted
+        )

@@ -1,0 +1,110 @@
+"""Pure ASGI middleware of the server, outermost first: metrics, API key, body size limit.
+
+Written against ASGI directly (not Starlette's ``BaseHTTPMiddleware``) so a streamed response
+passes through untouched and a client's disconnect still reaches the route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from blendkv.entrypoints.openai.errors import APIError
+
+UNAUTHENTICATED_PATHS = ("/health",)
+
+
+async def _send_error(send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class MetricsMiddleware:
+    """Counts every HTTP response by route (known paths, else "other") and status."""
+
+    def __init__(self, app, metrics, routes: set[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.routes else "other"
+        status = 500
+
+        async def send_and_count(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_count)
+        finally:
+            self.metrics.observe_http(route, status)
+
+
+class APIKeyMiddleware:
+    """Every path but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(
+                    401,
+                    "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+                return await _send_error(send, error)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``max_bytes`` with 413, holding at most that much in memory.
+
+    The body is read here (and replayed to the app); an oversized one is read to its end and
+    dropped, so the client gets the 413 instead of a reset connection.
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            size += len(message.get("body", b""))
+            too_big = too_big or size > self.max_bytes
+            if not too_big:
+                chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        if too_big:
+            error = APIError(
+                413,
+                f"the request body is over the limit of {self.max_bytes} bytes",
+                code="request_too_large",
+            )
+            return await _send_error(send, error)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: waits for http.disconnect
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,256 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+The OpenAI fields blendkv serves, vLLM's sampling extensions (``top_k``, ``min_p``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) and blendkv's own: ``documents``
+(vLLM's chat field), ``blend`` (a :class:`~blendkv.blend.config.BlendConfig`), ``rag`` (retrieve
+from the server's store), and ``blendkv`` in responses (the blend stats). Ranges are checked by
+the engine's own validation (``SamplingParams``, ``BlendConfig``), not repeated here; pydantic
+checks types. Unknown request fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class OpenAIModel(BaseModel):
+    """Ignores unknown request fields; drops the fields in ``_omit_if_none`` when None."""
+
+    model_config = ConfigDict(extra="ignore")
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):
+        data = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+class StrictModel(OpenAIModel):
+    """blendkv's extension objects: a misspelt field is an error, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- requests
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-style extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    # Chat-only blendkv fields: refused here rather than silently ignored.
+    documents: Any = None
+    blend: Any = None
+    rag: Any = None
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+class Document(OpenAIModel):
+    """One document of a chat request (vLLM's ``documents`` field)."""
+
+    text: str
+    title: str | None = None
+
+
+class BlendOptions(StrictModel):
+    """Fields of :class:`~blendkv.blend.config.BlendConfig`; unset fields keep its defaults."""
+
+    recompute_ratio: float | None = None
+    check_layer: int | None = None
+    selection: str | None = None
+    schedule: list[tuple[int, float]] | None = None
+    seed: int | None = None
+
+
+class RAGOptions(StrictModel):
+    """Retrieve ``top_k`` chunks for the last user message from the server's ``--store``."""
+
+    top_k: int = 4
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    documents: list[Document] | None = None
+    blend: BlendOptions | None = None
+    rag: RAGOptions | None = None
+
+
+# -------------------------------------------------------------------------- responses
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "blendkv"
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
+class Usage(OpenAIModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(OpenAIModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    _omit_if_none = ("usage", "blendkv")
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    blendkv: dict[str, Any] | None = None
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ResponseMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(OpenAIModel):
+    index: int = 0
+    message: ResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    _omit_if_none = ("blendkv",)
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    blendkv: dict[str, Any] | None = None
+
+
+class DeltaMessage(OpenAIModel):
+    _omit_if_none = ("role", "content")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(OpenAIModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    _omit_if_none = ("usage", "blendkv")
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    blendkv: dict[str, Any] | None = None

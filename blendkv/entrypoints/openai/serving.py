@@ -1,0 +1,393 @@
+"""OpenAI requests -> engine requests, and ``RequestOutput``s -> OpenAI responses.
+
+Validation lives where it already is: ``SamplingParams`` and ``BlendConfig`` check ranges,
+``LLMEngine.prepare_request`` checks prompts (on the engine thread). Here only what the OpenAI
+API adds is checked: unsupported features (``n > 1``, penalties, tools, ...), the model name and
+the shape of a blended chat.
+
+A chat request with ``documents`` (or ``rag``) becomes the engine's blended prompt::
+
+    system messages  ─▶ "system"      (joined; None when there is none)
+    documents[i]     ─▶ "documents"   ("title\\ntext" when a title is given)
+    last user turn   ─▶ "query"
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from blendkv.entrypoints.async_llm import AsyncLLM, RequestStream
+from blendkv.entrypoints.openai.errors import APIError, api_error
+from blendkv.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    ResponseMessage,
+    SamplingRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from blendkv.errors import InvalidRequestError
+from blendkv.outputs import RequestOutput
+from blendkv.sampling_params import SamplingParams
+
+_SYSTEM_ROLES = ("system", "developer")
+
+
+@dataclass
+class Served:
+    """What the routes need once the model is loaded."""
+
+    engine: AsyncLLM
+    model_name: str
+    max_model_len: int
+    rag: Any = None  # a RAGPipeline over the engine's LLM (``--store``), or None
+    token_text: Callable[[int], str] = str  # token id -> its text (logprobs)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+# ------------------------------------------------------------------------- requests
+def sampling_params(
+    req: SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    param_names: dict[str, str] | None = None,
+) -> SamplingParams:
+    if req.n not in (None, 1):
+        raise APIError(
+            400,
+            f"n={req.n} is not supported: blendkv returns one choice per request; send n "
+            "requests (with different seeds) instead",
+            param="n",
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise APIError(400, f"{name} is not supported (must be 0)", param=name)
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except InvalidRequestError as exc:
+        raise api_error(exc, param_names) from exc
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of not in (None, 1):
+        raise APIError(400, "best_of must be 1", param="best_of")
+    for name in ("documents", "blend", "rag"):
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name} is a chat field: use /v1/chat/completions", param=name)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(
+                400, f"one prompt per request, got {len(prompt)}; send them separately", "prompt"
+            )
+        prompt = prompt[0]
+    return prompt
+
+
+def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise APIError(400, f"response_format {fmt!r} is not supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    names = {"logprobs": "top_logprobs"}  # engine parameter -> API field, for errors' param
+    max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    else:
+        names["max_tokens"] = "max_completion_tokens"
+    return sampling_params(req, max_tokens, logprobs, names)
+
+
+def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, dict]:
+    """``(prompt factory for the engine thread, add_request keyword arguments)``."""
+    for m in req.messages:
+        if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+            raise APIError(400, "only text content parts are supported", param="messages")
+    blended = req.documents is not None or req.rag is not None
+    if not blended:
+        if req.blend is not None:
+            raise APIError(400, "blend options need documents (or rag)", param="blend")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        return lambda stream: render_chat(served, messages), {}
+    if req.documents is not None and req.rag is not None:
+        raise APIError(400, "give documents or rag, not both", param="rag")
+    system, query = blended_turns(req.messages)
+    blend = blend_config(req)
+    if req.documents is not None:
+        docs = [f"{d.title}\n{d.text}" if d.title else d.text for d in req.documents]
+        prompt = {"documents": docs, "query": query, "system": system}
+        return lambda stream: prompt, {"blend": blend}
+    if served.rag is None:
+        raise APIError(400, "rag needs a server started with --store DIR", param="rag")
+    top_k, rag = req.rag.top_k, served.rag
+
+    def retrieve(stream: RequestStream) -> dict:  # runs on the engine thread
+        sources = rag.retrieve(query, top_k)
+        stream.extra["sources"] = [s.to_dict() for s in sources]
+        return rag.blended_prompt(query, sources, system)
+
+    return retrieve, {"blend": blend}
+
+
+def render_chat(served: Served, messages: list[dict]) -> list[int]:
+    import jinja2
+
+    try:
+        return served.engine.llm.render_chat(messages)
+    except jinja2.TemplateError as exc:  # e.g. roles that do not alternate
+        raise InvalidRequestError(f"the chat template refused the messages: {exc}") from exc
+    except ValueError as exc:  # transformers: the tokenizer has no chat template
+        if isinstance(exc, InvalidRequestError):
+            raise
+        raise InvalidRequestError(f"this model cannot chat: {exc}; use /v1/completions") from exc
+
+
+def blended_turns(messages: list[ChatMessage]) -> tuple[str | None, str]:
+    """(system, query) of a blended chat: system messages, then one user message."""
+    systems = [m for m in messages[:-1] if m.role in _SYSTEM_ROLES]
+    if len(systems) != len(messages) - 1 or messages[-1].role != "user":
+        raise APIError(
+            400,
+            "a chat request with documents (or rag) takes system messages and then one user "
+            "message, the query; earlier turns cannot be blended",
+            param="messages",
+        )
+    system = "\n\n".join(m.text() for m in systems) if systems else None
+    return system, messages[-1].text()
+
+
+def blend_config(req: ChatCompletionRequest):
+    from blendkv.blend.config import BlendConfig
+
+    fields = req.blend.model_dump(exclude_none=True) if req.blend is not None else {}
+    try:
+        return BlendConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise APIError(400, str(exc), param="blend") from exc
+
+
+# ------------------------------------------------------------------------ responses
+def usage(out: RequestOutput) -> Usage:
+    n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return Usage(
+        prompt_tokens=n_in,
+        completion_tokens=n_out,
+        total_tokens=n_in + n_out,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.num_cached_tokens),
+    )
+
+
+def blend_info(out: RequestOutput | None, stream: RequestStream) -> dict | None:
+    """The ``blendkv`` extension field: blend stats (and retrieved sources), or None."""
+    if out is None or out.blend_stats is None:
+        return None
+    info = out.blend_stats.to_dict()
+    if "sources" in stream.extra:
+        info["sources"] = stream.extra["sources"]
+    return info
+
+
+def blend_headers(out: RequestOutput) -> dict[str, str]:
+    """``x-blendkv-*`` headers: the blend stats' numbers, for clients that drop unknown fields."""
+    if out.blend_stats is None:
+        return {}
+    return {
+        "x-blendkv-" + k.replace("_", "-"): str(v)
+        for k, v in out.blend_stats.to_dict().items()
+        if isinstance(v, (int, float))
+    }
+
+
+def _ranked(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:
+    # The engine gives the sampled token first, then the top-n it did not cover.
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+
+
+def chat_logprobs(entries: list[dict[int, float]], top_n: int, text: Callable) -> ChatLogprobs:
+    content = []
+    for entry in entries:
+        tid, lp = next(iter(entry.items()))
+        top = [
+            TopLogprob(token=text(t), logprob=v, bytes=list(text(t).encode()))
+            for t, v in _ranked(entry, top_n)
+        ]
+        s = text(tid)
+        content.append(TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    entries: list[dict[int, float]], top_n: int, text: Callable, offset: int = 0
+) -> CompletionLogprobs:
+    lp = CompletionLogprobs()
+    for entry in entries:
+        tid, value = next(iter(entry.items()))
+        s = text(tid)
+        lp.tokens.append(s)
+        lp.token_logprobs.append(value)
+        lp.top_logprobs.append({text(t): v for t, v in _ranked(entry, top_n)})
+        lp.text_offset.append(offset)
+        offset += len(s)
+    return lp
+
+
+def chat_response(
+    rid: str, served: Served, out: RequestOutput, stream: RequestStream, top_n: int
+) -> ChatCompletionResponse:
+    comp = out.outputs[0]
+    logprobs = None
+    if comp.logprobs is not None:
+        logprobs = chat_logprobs(comp.logprobs, top_n, served.token_text)
+    choice = ChatChoice(
+        message=ResponseMessage(content=comp.text),
+        logprobs=logprobs,
+        finish_reason=comp.finish_reason,
+    )
+    return ChatCompletionResponse(
+        id=rid,
+        model=served.model_name,
+        choices=[choice],
+        usage=usage(out),
+        blendkv=blend_info(out, stream),
+    )
+
+
+def completion_response(
+    rid: str, served: Served, out: RequestOutput, top_n: int
+) -> CompletionResponse:
+    comp = out.outputs[0]
+    logprobs = None
+    if comp.logprobs is not None:
+        logprobs = completion_logprobs(comp.logprobs, top_n, served.token_text)
+    choice = CompletionChoice(text=comp.text, logprobs=logprobs, finish_reason=comp.finish_reason)
+    return CompletionResponse(
+        id=rid, model=served.model_name, choices=[choice], usage=usage(out), blendkv=None
+    )
+
+
+def sse(payload: Any) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def chat_stream(
+    rid: str,
+    created: int,
+    served: Served,
+    stream: RequestStream,
+    top_n: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events of a chat completion; closing it early aborts the request."""
+
+    def chunk(choices, **kw) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=rid, created=created, model=served.model_name, choices=choices, **kw
+        )
+
+    try:
+        yield sse(chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]))
+        last, sent = None, 0
+        async for out in stream:
+            last, comp = out, out.outputs[0]
+            logprobs = None
+            if comp.logprobs is not None and len(comp.logprobs) > sent:
+                logprobs = chat_logprobs(comp.logprobs[sent:], top_n, served.token_text)
+                sent = len(comp.logprobs)
+            if out.delta_text or logprobs is not None:
+                delta = DeltaMessage(content=out.delta_text)
+                yield sse(chunk([ChatChunkChoice(delta=delta, logprobs=logprobs)]))
+        end = ChatChunkChoice(delta=DeltaMessage(), finish_reason=last.outputs[0].finish_reason)
+        yield sse(chunk([end], blendkv=blend_info(last, stream)))
+        if include_usage:
+            yield sse(chunk([], usage=usage(last)))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # after the 200 header: the error goes into the stream
+        yield sse(api_error(exc).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.close()
+
+
+async def completion_stream(
+    rid: str,
+    created: int,
+    served: Served,
+    stream: RequestStream,
+    top_n: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    def chunk(choices, **kw) -> CompletionResponse:
+        return CompletionResponse(
+            id=rid, created=created, model=served.model_name, choices=choices, **kw
+        )
+
+    try:
+        last, sent, offset = None, 0, 0
+        async for out in stream:
+            last, comp = out, out.outputs[0]
+            logprobs = None
+            if comp.logprobs is not None and len(comp.logprobs) > sent:
+                new = comp.logprobs[sent:]
+                logprobs = completion_logprobs(new, top_n, served.token_text, offset)
+                sent, offset = len(comp.logprobs), offset + sum(map(len, logprobs.tokens))
+            if out.delta_text or logprobs is not None or out.finished:
+                choice = CompletionChoice(
+                    text=out.delta_text, logprobs=logprobs, finish_reason=comp.finish_reason
+                )
+                yield sse(chunk([choice]))
+        if include_usage:
+            yield sse(chunk([], usage=usage(last)))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:
+        yield sse(api_error(exc).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.close()
