@@ -38,7 +38,8 @@ from . import layout
 from .errors import CorruptValueError, FingerprintMismatchError, StoreError, StoreFormatError
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
-from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
+from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
+from .redis_queries import RedisQueries
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def is_redis_url(location: object) -> bool:
     return isinstance(location, str) and location.startswith(("redis://", "rediss://", "unix://"))
 
 
-class RedisKVStore:
+class RedisKVStore(RedisQueries):
     """See the module docstring. ``fingerprint=None`` opens in inspect mode (stats, verify)."""
 
     def __init__(
@@ -355,66 +356,3 @@ class RedisKVStore:
     def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
         members = self._call(lambda: self.client.smembers(self._k("doc", doc_id)), set())
         return sorted(self._metas(members), key=lambda m: m.position)
-
-    # ---- health -------------------------------------------------------------------------
-    def stats(self) -> StoreStats:
-        metas = list(self.iter_meta())
-        tier = self.memory_tier
-        return StoreStats(
-            entries=len(metas),
-            bytes=sum(m.nbytes for m in metas),
-            max_bytes=None,
-            map_size=0,
-            map_used=int(self._call(lambda: self.client.info("memory")["used_memory"], 0)),
-            evictions=int(self._call(lambda: self.client.info("stats")["evicted_keys"], 0)),
-            hits=self.hits,
-            misses=self.misses,
-            corrupt=self.corrupt,
-            memory_hits=tier.hits,
-            memory_misses=tier.misses,
-            memory_evictions=tier.evictions,
-            memory_entries=len(tier),
-            memory_bytes=tier.nbytes,
-            lmdb_hits=0,
-            lmdb_misses=0,
-        )
-
-    def verify(self) -> VerifyReport:
-        """Every chunk's value checked; sets, ids and markers agreeing; the server reachable."""
-        report = VerifyReport()
-        with self._lock:
-            try:
-                self._verify(report)
-            except self._redis_errors as e:
-                report.add("unreachable", self.url, str(e))
-        return report
-
-    def _verify(self, report: VerifyReport) -> None:
-        c = self.client
-        members = {bytes.fromhex(h.decode()) for h in c.smembers(self._k("chunks"))}
-        markers = {
-            bytes.fromhex(k.decode().rsplit("{", 1)[1].split("}")[0])
-            for k in c.scan_iter(match=f"{self.namespace}:c:*:m", count=1000)
-        }
-        for key in sorted(markers - members):
-            report.add("unindexed", key.hex(), "chunk stored but not in the chunk set")
-        for key in sorted(members - markers):
-            report.add("missing_value", key.hex(), "in the chunk set but not stored (evicted?)")
-        for key in sorted(markers & members):
-            raw = c.get(self._chunk(key, "m"))
-            if raw is None:
-                continue  # evicted meanwhile
-            record = json.loads(raw)
-            parts = c.mget([self._chunk(key, f"p:{i}") for i in range(record["parts"])])
-            if any(p is None for p in parts):
-                report.add("missing_value", key.hex(), "a part was evicted")
-                continue
-            try:
-                fmt.check_value(b"".join(parts), verify_checksum=True)
-            except CorruptValueError as e:
-                report.add("corrupt_value", key.hex(), str(e))
-                continue
-            if c.get(self._k("id", record["chunk_id"])) != key.hex().encode():
-                report.add("id_mismatch", record["chunk_id"], "id map disagrees")
-            report.entries += 1
-            report.bytes += record["nbytes"]
