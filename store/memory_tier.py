@@ -40,6 +40,16 @@ class MemoryTier:
     def nbytes(self) -> int:
         return self._bytes
 
+    def stats_fields(self) -> dict[str, int]:
+        """The ``memory_*`` fields of :class:`~blendkv.store.records.StoreStats`."""
+        return {
+            "memory_hits": self.hits,
+            "memory_misses": self.misses,
+            "memory_evictions": self.evictions,
+            "memory_entries": len(self),
+            "memory_bytes": self.nbytes,
+        }
+
     def keys(self) -> list[bytes]:
         """Keys from least to most recently used."""
         with self._lock:

@@ -80,7 +80,6 @@ class StoreQueries:
             counters = layout.Counters.read(txn, self._dbs["store"])
             entries = txn.stat(self._dbs["chunks"])["entries"]
         info, stat = self._env.info(), self._env.stat()
-        tier = self.memory_tier
         return StoreStats(
             entries=entries,
             bytes=counters.total_bytes,
@@ -91,11 +90,7 @@ class StoreQueries:
             hits=self.hits,
             misses=self.misses,
             corrupt=self.corrupt,
-            memory_hits=tier.hits,
-            memory_misses=tier.misses,
-            memory_evictions=tier.evictions,
-            memory_entries=len(tier),
-            memory_bytes=tier.nbytes,
+            **self.memory_tier.stats_fields(),
             lmdb_hits=self.lmdb_hits,
             lmdb_misses=self.lmdb_misses,
         )

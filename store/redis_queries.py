@@ -16,7 +16,6 @@ class RedisQueries:
     # ---- health -------------------------------------------------------------------------
     def stats(self) -> StoreStats:
         metas = list(self.iter_meta())
-        tier = self.memory_tier
         return StoreStats(
             entries=len(metas),
             bytes=sum(m.nbytes for m in metas),
@@ -27,11 +26,7 @@ class RedisQueries:
             hits=self.hits,
             misses=self.misses,
             corrupt=self.corrupt,
-            memory_hits=tier.hits,
-            memory_misses=tier.misses,
-            memory_evictions=tier.evictions,
-            memory_entries=len(tier),
-            memory_bytes=tier.nbytes,
+            **self.memory_tier.stats_fields(),
             lmdb_hits=0,
             lmdb_misses=0,
         )
