@@ -8,6 +8,7 @@ header + raw tensor + xxh3 checksum); keys are content-addressed (``chunk_key``)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -50,3 +51,28 @@ class ChunkKVStore(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def open_kv_store(location, fingerprint: ModelFingerprint | None = None, **kwargs) -> ChunkKVStore:
+    """A chunk-K/V store at ``location``: a ``redis://host:port/db`` URL opens a
+    :class:`~blendkv.store.redis_store.RedisKVStore`, anything else an LMDB directory
+    (:class:`~blendkv.store.KVStore`). LMDB-only options are dropped for Redis."""
+    from .kv_store import KVStore
+    from .redis_store import RedisKVStore, is_redis_url
+
+    if is_redis_url(location):
+        for name in ("map_size", "verify_reads", "sync"):
+            kwargs.pop(name, None)
+        return RedisKVStore(location, fingerprint, **kwargs)
+    return KVStore(location, fingerprint, **kwargs)
+
+
+def locked(method):
+    """Run ``method`` holding ``self._lock`` (re-entrant: locked methods call each other)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper

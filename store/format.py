@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -112,3 +113,11 @@ def check_value(value, *, verify_checksum: bool = True) -> ValueHeader:
         if got != header.checksum:
             raise CorruptValueError(f"checksum mismatch: stored {header.checksum:#x}, got {got:#x}")
     return header
+
+
+def payload_view(buf) -> torch.Tensor:
+    """Zero-copy uint8 tensor over a (read-only) buffer's payload."""
+    with warnings.catch_warnings():
+        # LMDB's map is read-only; torch warns that it cannot make the tensor read-only too.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8, offset=HEADER_SIZE)

@@ -19,12 +19,10 @@ resizing and the store's own bookkeeping (memory tier, LRU touches) are not thre
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +33,7 @@ import torch
 
 from . import format as fmt
 from . import layout, opening, txn_ops
+from .base import locked
 from .errors import CorruptValueError, StoreError, StoreReadOnlyError
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
@@ -42,25 +41,6 @@ from .queries import StoreQueries
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
 
 logger = logging.getLogger(__name__)
-
-
-def _locked(method):
-    """Run ``method`` holding the store's lock (re-entrant: locked methods call each other)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-def _payload_tensor(buf) -> torch.Tensor:
-    """Zero-copy uint8 tensor over a (read-only) buffer's payload."""
-    with warnings.catch_warnings():
-        # LMDB's map is read-only; torch warns that it cannot make the tensor read-only too.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=torch.uint8, offset=fmt.HEADER_SIZE)
 
 
 class KVStore(StoreQueries):
@@ -134,19 +114,12 @@ class KVStore(StoreQueries):
 
     @staticmethod
     def open(location, fingerprint: ModelFingerprint | None = None, **kwargs):
-        """A chunk-K/V store at ``location``: a ``redis://host:port/db`` URL opens a
-        :class:`~blendkv.store.redis_store.RedisKVStore`, anything else an LMDB directory.
-        Both serve the same interface (:class:`~blendkv.store.base.ChunkKVStore`)."""
-        from .redis_store import RedisKVStore, is_redis_url
+        """LMDB directory or ``redis://`` URL: see :func:`blendkv.store.base.open_kv_store`."""
+        from .base import open_kv_store
 
-        if is_redis_url(location):
-            kwargs.pop("map_size", None)
-            kwargs.pop("verify_reads", None)
-            kwargs.pop("sync", None)
-            return RedisKVStore(location, fingerprint, **kwargs)
-        return KVStore(location, fingerprint, **kwargs)
+        return open_kv_store(location, fingerprint, **kwargs)
 
-    @_locked
+    @locked
     def close(self) -> None:
         if self._env is not None:
             if not self.readonly and self._pending_touches:
@@ -183,7 +156,7 @@ class KVStore(StoreQueries):
             finally:
                 txn.abort()
 
-    @_locked
+    @locked
     def _write(self, fn):
         """Run ``fn(txn, counters)`` in one write transaction; grow the map and retry when full.
 
@@ -214,7 +187,7 @@ class KVStore(StoreQueries):
         for key, when in self._pending_touches.items():
             txn_ops.touch(txn, self._dbs, counters, key, when)
 
-    @_locked
+    @locked
     def _record_use(self, key: bytes) -> None:
         if self.readonly:
             return
@@ -223,7 +196,7 @@ class KVStore(StoreQueries):
         if len(self._pending_touches) >= self.touch_flush_every:
             self.flush()
 
-    @_locked
+    @locked
     def flush(self) -> None:
         """Write the batched LRU touches now."""
         if not self.readonly and self._pending_touches:
@@ -251,7 +224,7 @@ class KVStore(StoreQueries):
         """Store one chunk (see :class:`NewChunk` for the metadata keywords)."""
         return self.put_many([NewChunk(key, kv, **meta)])[0]
 
-    @_locked
+    @locked
     def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
         """Store chunks in ONE transaction (all or none). Already-stored keys are only touched.
 
@@ -290,7 +263,7 @@ class KVStore(StoreQueries):
             results = [r._replace(evicted=ids) if i == 0 else r for i, r in enumerate(results)]
         return results
 
-    @_locked
+    @locked
     def delete(self, keys: Sequence[bytes]) -> list[int]:
         """Delete chunks by key in one transaction; returns the chunk ids that existed."""
         for key in keys:
@@ -330,7 +303,7 @@ class KVStore(StoreQueries):
         if not self.readonly:
             self.delete([key])
 
-    @_locked
+    @locked
     def get(self, key: bytes) -> ChunkKV | None:
         """The chunk's K/V, or None on a miss or a corrupt value.
 
@@ -348,7 +321,7 @@ class KVStore(StoreQueries):
         self._record_use(key)
         return ChunkKV(key, tensor)
 
-    @_locked
+    @locked
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = False) -> bool:
         """Copy the chunk's K/V straight from the memory map into ``out`` (any device).
 
@@ -392,7 +365,7 @@ class KVStore(StoreQueries):
                     raise ValueError(
                         f"out is {out.dtype}{tuple(out.shape)}, stored {header.dtype}{header.shape}"
                     )
-                src = _payload_tensor(buf)
+                src = fmt.payload_view(buf)
                 if out.is_contiguous():
                     out.view(-1).view(torch.uint8).copy_(src)
                 else:
@@ -433,5 +406,5 @@ class _Reader:
             return None
         store.hits += 1
         store.lmdb_hits += 1
-        tensor = _payload_tensor(buf).view(header.dtype).view(header.shape)
+        tensor = fmt.payload_view(buf).view(header.dtype).view(header.shape)
         return ChunkKV(key, tensor)
