@@ -49,6 +49,17 @@ class PreparedRequest:
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """Counts of the engine's state now (pure ints; read them from the engine's thread)."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks: int
+    last_step_num_scheduled: int  # requests (decodes and prefill pieces) in the last step
+
+
+@dataclass(frozen=True)
 class RuntimeInfo:
     """Facts found while starting the engine (never written back into the config)."""
 
@@ -113,6 +124,7 @@ class LLMEngine:
         )
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
+        self._last_step_num_scheduled = 0
 
     def close(self) -> None:
         """Flush and release the KV connector (a blend store's pending writes land first)."""
@@ -282,6 +294,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; return outputs of requests that produced a token."""
         out = self.scheduler.schedule()
+        self._last_step_num_scheduled = len(out.scheduled)
         if out.is_empty:
             return []
         result = self.runner.execute(out)
@@ -310,6 +323,16 @@ class LLMEngine:
                 del self.requests[seq.request_id]
                 self.kv_connector.request_finished(seq.request_id)
         return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
+            num_kv_blocks=bm.num_blocks,
+            last_step_num_scheduled=self._last_step_num_scheduled,
+        )
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

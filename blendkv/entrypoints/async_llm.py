@@ -301,13 +301,12 @@ class AsyncLLM:
                 logger.exception("step listener %r failed", listener)
 
     def _publish_stats(self) -> None:
-        engine = self.llm.engine
-        bm = engine.block_manager
+        now = self.llm.engine.stats()
         self.stats = EngineStats(
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
-            num_kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
-            num_kv_blocks=bm.num_blocks,
+            num_running=now.num_running,
+            num_waiting=now.num_waiting,
+            num_kv_blocks_used=now.num_kv_blocks_used,
+            num_kv_blocks=now.num_kv_blocks,
             num_steps=self._num_steps,
             num_aborted=self._num_aborted,
             max_step_requests=self._max_step_requests,

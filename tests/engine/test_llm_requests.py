@@ -141,3 +141,19 @@ def test_random_engine_workload_integrity(tiny_llama_dir):
         engine.check_integrity()
     assert finished > 10 and preemptions > 0
     assert engine.block_manager.num_free_blocks == engine.info.num_kv_blocks
+
+
+def test_engine_stats_count_requests_and_blocks(llm):
+    engine = llm.engine
+    assert engine.stats().num_running == engine.stats().num_kv_blocks_used == 0
+    ids = [engine.add_request([5, 6, 7, 8, 9] * 3, SamplingParams(max_tokens=3)) for _ in range(2)]
+    engine.step()
+    stats = engine.stats()
+    assert stats.num_running == 2 and stats.num_waiting == 0
+    assert stats.last_step_num_scheduled == 2 and stats.num_kv_blocks_used > 0
+    assert stats.num_kv_blocks == engine.info.num_kv_blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = engine.stats()
+    assert after.num_running == 0 and after.num_kv_blocks_used == 0
+    assert all(i not in engine.requests for i in ids)
