@@ -31,6 +31,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    add_device_args(p)
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="auto: triton on CUDA, torch on the CPU",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,6 +54,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "num_kv_blocks": args.num_kv_blocks,
         "block_size": args.block_size,
+        "device": args.device,
+        "attention_backend": args.attention_backend,
     }
 
 

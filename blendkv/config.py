@@ -12,7 +12,7 @@ from typing import Any
 from blendkv.errors import ConfigError
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_DEVICES = ("cpu",)
+_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,14 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # "auto": triton on CUDA, torch on the CPU. "triton" on the CPU runs the kernels under
+    # TRITON_INTERPRET=1 (slow; for tests).
     attention_backend: str = "auto"
-    device: str = "cpu"  # where the model, the KV pool and the step tensors live
+    # Where the model, the KV pool and the step tensors live: "auto" (CUDA when available),
+    # "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
     # Engine extension that brings K/V from outside (blendkv.engine.kv_connector): a registered
     # name ("blend": document K/V reuse, the default), a factory ``context -> connector``, or
     # None (dict prompts are then refused).
@@ -54,10 +60,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.device not in _DEVICES:
+        if not _valid_device(self.device):
             raise ConfigError(
-                f"device must be one of {_DEVICES}, got {self.device!r} "
-                "(CUDA execution is not implemented yet)"
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        if self.attention_backend not in _BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
             )
         if not (self.kv_connector is None or isinstance(self.kv_connector, str)):
             if not callable(self.kv_connector):
@@ -91,6 +100,45 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+
+def _valid_device(device: object) -> bool:
+    if not isinstance(device, str):
+        return False
+    if device in ("auto", "cpu", "cuda"):
+        return True
+    kind, _, index = device.partition(":")
+    return kind == "cuda" and index.isdigit()
+
+
+def resolve_device(device: str) -> str:
+    """The device an engine runs on: ``auto`` is CUDA when torch sees a GPU, else the CPU.
+
+    Raises ConfigError when CUDA is asked for and this torch build or machine has none.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={device!r} but torch sees no CUDA GPU (torch {torch.__version__}, "
+                f"built with CUDA {torch.version.cuda}); use device='cpu' or 'auto'"
+            )
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
+    return device
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """``auto``: the Triton kernels on CUDA, the torch reference on the CPU."""
+    if name == "auto":
+        return "triton" if device.startswith("cuda") else "torch"
+    return name
 
 
 def _positive(name: str, value: object) -> None:

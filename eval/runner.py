@@ -48,6 +48,8 @@ class EvalConfig:
     answer_tokens: int = 16
     max_model_len: int | None = None
     kv_store_dir: str | None = None
+    device: str = "auto"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "answer_tokens"):
@@ -111,6 +113,8 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         dtype=config.dtype,
         max_model_len=config.max_model_len,
         kv_store_dir=config.kv_store_dir,
+        device=config.device,
+        attention_backend=config.attention_backend,
         anchor_instruction=spec.system,  # chunks are precomputed behind the real prompt prefix
     )
     try:

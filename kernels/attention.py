@@ -72,13 +72,16 @@ class AttentionMetadata:
         counts = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)])
         return torch.repeat_interleave(torch.arange(self.num_seqs), counts)
 
-    def subset(self, keep: torch.Tensor, seq_ids: torch.Tensor) -> AttentionMetadata:
+    def subset(self, keep: torch.Tensor, seq_ids: torch.Tensor | None = None) -> AttentionMetadata:
         """Metadata for the rows in ``keep`` (bool over the current rows; order preserved).
 
-        ``seq_ids`` is :meth:`row_seq_ids` of the current rows. A sequence keeps its keys
+        ``keep`` is a CPU tensor (the row plan's bookkeeping); ``seq_ids`` is
+        :meth:`row_seq_ids` of the current rows (computed when None). A sequence keeps its keys
         (``seq_lens``, ``block_table``): rows that leave stop being computed, not being seen.
         """
-        counts = torch.bincount(seq_ids[keep], minlength=self.num_seqs).tolist()
+        if seq_ids is None:
+            seq_ids = self.row_seq_ids()
+        counts = torch.bincount(seq_ids[keep.cpu()], minlength=self.num_seqs).tolist()
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
@@ -87,6 +90,7 @@ class AttentionMetadata:
             bool(c) and self.is_contiguous_prefill[i] and c == old[i + 1] - old[i]
             for i, c in enumerate(counts)
         ]
+        keep = keep.to(self.positions.device)
         return AttentionMetadata(
             positions=self.positions[keep],
             slot_mapping=self.slot_mapping[keep],
@@ -129,11 +133,49 @@ class AttentionBackend(ABC):
 
     # ---- the pool -----------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[torch.Tensor]:
-        """One zeroed KV tensor per layer, ``spec.layer_shape``, on this backend's device."""
-        return [
-            torch.zeros(spec.layer_shape, dtype=spec.dtype, device=self.device)
-            for _ in range(spec.num_layers)
-        ]
+        """One zeroed KV tensor per layer, ``spec.layer_shape``, on this backend's device.
+
+        The layers are views of one ``[num_layers, *layer_shape]`` allocation, so a kernel can
+        reach every layer from the first with one stride (RoPE at load writes all layers of a
+        chunk in one launch).
+        """
+        pool = torch.zeros(
+            (spec.num_layers, *spec.layer_shape), dtype=spec.dtype, device=self.device
+        )
+        # Single-view indexing, not unbind(): in-place writes into unbind's outputs are refused
+        # outside inference mode.
+        return [pool[i] for i in range(spec.num_layers)]
+
+    def load_rotated_kv(
+        self,
+        kv_caches: list[torch.Tensor],
+        first_layer: int,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Write a stored chunk's K/V into the pool for layers ``first_layer..``.
+
+        Args:
+            kv: [L', 2, T, kv_heads, head_dim]; index 0 is K *before* RoPE (rotated here to
+                ``positions``), index 1 is V. ``L' = len(kv_caches) - first_layer``.
+            positions: [T] int64 absolute positions of the chunk's tokens in this prompt.
+            slots: [T] int64 KV slots they are written to.
+            cos, sin: [max_position, head_dim] float32 rotary tables (both halves stored,
+                HF ``rotate_half`` convention), from ``RotaryEmbedding.tables``.
+
+        This is the reference (RoPE in the K/V dtype, like ``RotaryEmbedding.rotate_k``, then
+        one ``write_kv`` per layer); backends may fuse it into one launch.
+        """
+        k = kv[:, 0]  # [L', T, H, D]
+        c = cos[positions][:, None, :].to(k.dtype)  # [T, 1, D]
+        s = sin[positions][:, None, :].to(k.dtype)
+        half = k.shape[-1] // 2
+        rotated = k * c + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * s
+        for i in range(kv.shape[0]):
+            self.write_kv(kv_caches[first_layer + i], rotated[i], kv[i, 1], slots)
 
     @abstractmethod
     def write_kv(

@@ -73,6 +73,7 @@ class BlendConnector(KVConnectorBase):
                 self._manager,
                 ctx.model.model.rotary_emb,
                 (info.num_layers, info.num_kv_heads, info.head_dim),
+                info.device,
             )
         return self._manager
 

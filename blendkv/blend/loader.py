@@ -3,9 +3,11 @@
 Per chunk: read the stored K/V into a reusable buffer (writer's pending set, memory tier, then
 LMDB), rotate K to the chunk's fused positions (RoPE of every layer at once) and write K/V of
 the layers that read reused K/V into the request's blocks through the attention backend.
-Chunks missing from the store are computed first, all of a step's misses in one forward behind
-the anchor, used at once and handed to the background writer: the step never waits on a disk
-write. The request's TTFT includes all of it.
+Chunks missing from the store are computed first (one forward each behind the anchor), used at
+once and handed to the background writer: the step never waits on a disk write. The request's
+TTFT includes all of it. On CUDA a stored chunk goes store -> pinned staging buffer -> device
+(``non_blocking``), and RoPE plus the block writes are one backend call per chunk
+(:meth:`AttentionBackend.load_rotated_kv`).
 """
 
 from __future__ import annotations
@@ -17,15 +19,24 @@ import torch
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.plan import BlendPlan
 from blendkv.blend.row_plan import SeqBlend
+from blendkv.blend.staging import StagingBuffers
 
 
 class ChunkLoader:
-    def __init__(self, manager: BlendManager, rotary, kv_shape: tuple[int, int, int]) -> None:
+    def __init__(
+        self,
+        manager: BlendManager,
+        rotary,
+        kv_shape: tuple[int, int, int],
+        device: torch.device | str = "cpu",
+    ) -> None:
         """``kv_shape``: (num_layers, num_kv_heads, head_dim) of a stored chunk."""
         self.manager = manager
         self.rotary = rotary
         self.kv_shape = kv_shape
-        self._buffer = torch.empty(0, dtype=manager.model.model.embed_tokens.weight.dtype)
+        self.device = torch.device(device)
+        dtype = manager.model.model.embed_tokens.weight.dtype
+        self._staging = StagingBuffers(dtype, pinned=self.device.type == "cuda")
 
     def load(
         self, index: int, plan: BlendPlan, start: int, num_new: int, block_table, kv_caches
@@ -43,6 +54,7 @@ class ChunkLoader:
         missing = [i for i in todo if not self.manager.has(plan.chunk_keys[i])]
         computed = self._compute(plan, missing)
         backend = self.manager.attn_backend
+        cos, sin = self.rotary.tables(self.device)
         table = torch.tensor(block_table, dtype=torch.long)
         block_size = kv_caches[0].shape[2]
         reused = torch.zeros(num_new, dtype=torch.bool)
@@ -50,18 +62,24 @@ class ChunkLoader:
             s, e = spans[i]
             kv = computed.get(i)
             if kv is None:
-                kv = self._buffer_for(len(plan.prompt.chunks[i]))
-                if self.manager.read_into(plan.chunk_keys[i], kv):
+                kv = self._read(plan.chunk_keys[i], len(plan.prompt.chunks[i]))
+                if kv is not None:
                     stats.chunks_hit += 1
                 else:  # evicted or corrupt since the lookup: compute it after all
                     kv = self._compute(plan, [i])[i]
             lo = max(s, start)
             positions = torch.arange(lo, e)
             kv = kv[first:, :, lo - s :]  # layers that read reused K/V; positions not cached
-            k = _rotate_all_layers(self.rotary, positions, kv[:, 0])
             slots = table[positions // block_size] * block_size + positions % block_size
-            for layer in range(first, len(kv_caches)):
-                backend.write_kv(kv_caches[layer], k[layer - first], kv[layer - first, 1], slots)
+            backend.load_rotated_kv(
+                kv_caches,
+                first,
+                kv,
+                positions.to(self.device, non_blocking=True),
+                slots.to(self.device, non_blocking=True),
+                cos,
+                sin,
+            )
             reused[lo - start : e - start] = True
             stats.kv_bytes_loaded += kv.numel() * kv.element_size()
         stats.tokens_reused = int(reused.sum())
@@ -72,6 +90,25 @@ class ChunkLoader:
         return SeqBlend(
             index, reused, plan.config, plan.prompt.query_start, stats.tokens_reused, gen, stats
         )
+
+    def _read(self, key: bytes, num_tokens: int) -> torch.Tensor | None:
+        """A stored chunk's K/V on the device, or None on a miss.
+
+        On the CPU the value is read straight into a reusable buffer. On CUDA it is read into
+        a pinned staging buffer and copied to the device without blocking, so reading the next
+        chunk overlaps this chunk's copy.
+        """
+        num_layers, heads, dim = self.kv_shape
+        shape = (num_layers, 2, num_tokens, heads, dim)
+        host = self._staging.next(shape)
+        if not self.manager.read_into(key, host):
+            return None
+        if self.device.type == "cpu":
+            return host
+        out = torch.empty(shape, dtype=host.dtype, device=self.device)
+        out.copy_(host, non_blocking=True)
+        self._staging.record_use(host)
+        return out
 
     def _compute(self, plan: BlendPlan, misses: list[int]) -> dict[int, torch.Tensor]:
         """Compute the missed chunks in one forward and hand them to the background writer."""
@@ -84,19 +121,3 @@ class ChunkLoader:
         plan.stats.precompute_seconds += time.perf_counter() - t0
         plan.stats.chunks_missed += len(misses)
         return dict(zip(misses, kvs, strict=True))
-
-    def _buffer_for(self, num_tokens: int) -> torch.Tensor:
-        """A [L, 2, num_tokens, Hkv, D] view of the reusable read buffer."""
-        num_layers, heads, dim = self.kv_shape
-        shape = (num_layers, 2, num_tokens, heads, dim)
-        numel = num_layers * 2 * num_tokens * heads * dim
-        if self._buffer.numel() < numel:
-            self._buffer = torch.empty(numel, dtype=self._buffer.dtype)
-        return self._buffer[:numel].view(shape)
-
-
-def _rotate_all_layers(rotary, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """RoPE at ``positions`` for K of every layer at once: [L, T, H, D] -> [L, T, H, D]."""
-    num_layers, t, h, d = k.shape
-    flat = k.permute(1, 0, 2, 3).reshape(t, num_layers * h, d)
-    return rotary.rotate_k(positions, flat).reshape(t, num_layers, h, d).permute(1, 0, 2, 3)

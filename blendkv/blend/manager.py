@@ -192,7 +192,8 @@ class BlendManager:
 
     # ---------------------------------------------------------------- chunk K/V
     def compute_kv(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """Each chunk's K (pre-RoPE) and V, prefilled alone behind the anchor (one forward)."""
+        """Each chunk's K (pre-RoPE) and V, prefilled alone behind the anchor (one forward
+        each), on the model's device."""
         return compute_chunks_kv(self.model, self.attn_backend, self.anchor_ids, chunks)
 
     def has(self, key: bytes) -> bool:
@@ -214,7 +215,7 @@ class BlendManager:
 
         self.writer.submit(
             [
-                NewChunk(key, kv, text=self.tokenizer.decode(ids), token_ids=tuple(ids))
+                NewChunk(key, kv.cpu(), text=self.tokenizer.decode(ids), token_ids=tuple(ids))
                 for key, ids, kv in zip(keys, chunks, kvs, strict=True)
             ]
         )
@@ -235,7 +236,7 @@ class BlendManager:
             new = [
                 NewChunk(
                     self.chunk_key(chunks[i]),
-                    kv,
+                    kv.cpu(),
                     text=texts[i] if texts is not None else self.tokenizer.decode(chunks[i]),
                     token_ids=tuple(chunks[i]),
                     doc_id=doc_id,

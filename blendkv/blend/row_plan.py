@@ -8,6 +8,10 @@ remain write fresh K/V and attend over the whole fused K/V with the exact per-ro
 the attention backend (a row at position p sees keys at positions <= p, whatever rows are
 around it). The layer loop itself is the model's (:mod:`blendkv.models.hooks`).
 
+Bookkeeping (which rows are left, whose they are, whether they are reused) lives in CPU tensors;
+the scores are computed on the model's device and the chosen indices come back to the host once
+per selection layer, the only device sync a blended forward makes inside its layer loop.
+
     layer:        0 .. check-1      check            check+1 .. last
     blended seq:  every row         fresh QKV, pick  picked reused + non-reused rows only
     plain seq:    every row         every row        every row
@@ -47,6 +51,7 @@ class BlendRowPlan(RowPlan):
         self.backend = attn_backend
         self.rows = torch.arange(n)
         self.seq_ids = md.row_seq_ids()
+        self.positions = md.positions.cpu()  # before the layer loop: one copy per step
         self.reused = torch.zeros(n, dtype=torch.bool)
         for sb in blends:
             self.reused[starts[sb.index] : starts[sb.index + 1]] = sb.reused
@@ -63,8 +68,8 @@ class BlendRowPlan(RowPlan):
             if layer_idx in schedule:
                 self._select(attn, sb, schedule[layer_idx], attn_metadata, q, k, v, kv_cache, keep)
         if not keep.all():
-            self.rows, self.seq_ids, self.reused = (
-                t[keep] for t in (self.rows, self.seq_ids, self.reused)
+            self.rows, self.seq_ids, self.reused, self.positions = (
+                t[keep] for t in (self.rows, self.seq_ids, self.reused, self.positions)
             )
         self._record()
         return None if keep.all() else keep
@@ -76,27 +81,30 @@ class BlendRowPlan(RowPlan):
         count = int(round(ratio * sb.total_reused))
         if len(cand) == 0 or count >= len(cand):
             return
+        device = q.device
+        cand_d = cand.to(device)
         positions = md.positions
-        cached_k, cached_v = self.backend.read_kv(kv_cache, md.slot_mapping[cand])
+        cached_k, cached_v = self.backend.read_kv(kv_cache, md.slot_mapping[cand_d])
         strategy = sb.config.selection
         inputs = SelectionInputs(
             cand=cand,
-            fresh_k=attn.rotary_emb.rotate_k(positions[cand], k[cand])
+            fresh_k=attn.rotary_emb.rotate_k(positions[cand_d], k[cand_d])
             if strategy != "v_deviation"
-            else k[cand],
-            fresh_v=v[cand],
+            else k[cand_d],
+            fresh_v=v[cand_d],
             cached_k=cached_k,
             cached_v=cached_v,
         )
         if strategy == "attention":
-            query_rows = seq_rows[positions[seq_rows] >= sb.query_start]
-            qr, kr = attn.rotary_emb.apply_rotary(positions[seq_rows], q[seq_rows], k[seq_rows])
-            inputs.query_q = qr[torch.searchsorted(seq_rows, query_rows)]
+            query_rows = seq_rows[self.positions[seq_rows] >= sb.query_start]
+            seq_d = seq_rows.to(device)
+            qr, kr = attn.rotary_emb.apply_rotary(positions[seq_d], q[seq_d], k[seq_d])
+            inputs.query_q = qr[torch.searchsorted(seq_rows, query_rows).to(device)]
             inputs.seq_k = kr
-            inputs.seq_k_positions = positions[seq_rows]
-            inputs.query_positions = positions[query_rows]
-            inputs.cand_in_seq = torch.searchsorted(seq_rows, cand)
-        chosen = top_rows(score_rows(strategy, inputs, sb.generator), count)
+            inputs.seq_k_positions = positions[seq_d]
+            inputs.query_positions = positions[query_rows.to(device)]
+            inputs.cand_in_seq = torch.searchsorted(seq_rows, cand).to(device)
+        chosen = top_rows(score_rows(strategy, inputs, sb.generator), count).cpu()
         keep[cand] = False
         keep[cand[chosen]] = True
 

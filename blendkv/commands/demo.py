@@ -23,11 +23,14 @@ def demo_docs_dir() -> Path:
 
 
 def register(sub) -> None:
+    from blendkv.cli import add_device_args
+
     p = sub.add_parser("demo", help="ingest bundled docs, ask 3 questions, compare TTFT")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ratio", type=float, default=0.15)
+    add_device_args(p)
     p.set_defaults(func=run)
 
 
@@ -40,7 +43,12 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     first_token = SamplingParams(max_tokens=1, temperature=0.0)
     print(f"loading the embedded model ({args.dtype}) ...")
-    llm = LLM(dtype=args.dtype, enable_prefix_caching=False)
+    llm = LLM(
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=False,
+    )
     with tempfile.TemporaryDirectory(prefix="blendkv-demo-") as tmp:
         with RAGPipeline(Path(tmp) / "store", llm=llm, chunk_tokens=128) as rag:
             report = rag.ingest([demo_docs_dir()])

@@ -13,6 +13,8 @@ from dataclasses import asdict
 
 
 def register(sub) -> None:
+    from blendkv.cli import add_device_args
+
     p = sub.add_parser(
         "eval", help="quality and TTFT of full prefill, prefix caching, reuse and blending"
     )
@@ -26,6 +28,7 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    add_device_args(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data set")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer")
@@ -59,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         answer_tokens=args.answer_tokens,
         max_model_len=args.max_model_len,
         kv_store_dir=args.kv_store_dir,
+        device=args.device,
+        attention_backend=args.attention_backend,
     )  # validates the method names before the model loads
     journal = Journal(args.out, asdict(config), [m.name for m in config.method_list], args.resume)
     if journal.records:

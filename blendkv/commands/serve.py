@@ -24,7 +24,6 @@ def register(sub) -> None:
         "(default: $BLENDKV_API_KEY)",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -37,27 +36,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def resolve_device(device: str) -> str:
-    """``auto``: CUDA when present and the engine runs on it, else the CPU."""
-    if device != "auto":
-        return device
-    import torch
-
-    from blendkv.config import EngineConfig
-    from blendkv.errors import ConfigError
-
-    if torch.cuda.is_available():
-        try:
-            EngineConfig(device="cuda")
-            return "cuda"
-        except ConfigError:
-            logger.warning("a GPU is present but the engine runs on the CPU only; using the CPU")
-    return "cpu"
-
-
 def run(args: argparse.Namespace) -> int:
     from blendkv.cli import engine_kwargs
-    from blendkv.config import EngineConfig
+    from blendkv.config import EngineConfig, resolve_device
     from blendkv.errors import ConfigError
 
     try:
@@ -70,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     kwargs = {
         **engine_kwargs(args),
-        "device": resolve_device(args.device),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
     }
-    EngineConfig(model=args.model, **kwargs)  # bad options fail here, before the server starts
+    # Bad options (and a GPU that is not there) fail here, before the server starts.
+    EngineConfig(model=args.model, **kwargs)
+    resolve_device(args.device)
     try:
         config = ServeConfig(
             api_key=args.api_key or os.environ.get("BLENDKV_API_KEY") or None,

@@ -23,6 +23,7 @@ from blendkv.engine.request_state import RequestState
 from blendkv.engine.scheduler import Scheduler
 from blendkv.engine.sequence import Sequence, SequenceStatus
 from blendkv.errors import (
+    ConfigError,
     EmptyPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
@@ -73,10 +74,12 @@ class RuntimeInfo:
     block_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    device: str = "cpu"  # resolved from EngineConfig.device ("auto" -> cuda or cpu)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        from blendkv.config import resolve_attention_backend, resolve_device
         from blendkv.engine.sampler import Sampler
         from blendkv.kernels import KVCacheSpec, get_attention_backend
         from blendkv.models.loader import load_model, load_tokenizer, resolve_model
@@ -86,8 +89,14 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.tokenizer = load_tokenizer(self.resolved)
-        self.attn_backend = get_attention_backend(config.attention_backend, config.device)
+        self.device = resolve_device(config.device)
+        backend = resolve_attention_backend(config.attention_backend, self.device)
+        try:
+            self.attn_backend = get_attention_backend(backend, self.device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         self.model = load_model(self.resolved, config.torch_dtype, self.attn_backend)
+        self.model.to(self.device)
         self.hf_config = self.model.config
         self.info = self._runtime_info()
         self.kv_connector = create_kv_connector(
@@ -154,6 +163,7 @@ class LLMEngine:
             block_size=conf.block_size,
             max_model_len=max_model_len,
             eos_token_ids=self._eos_token_ids(),
+            device=self.device,
         )
 
     def _eos_token_ids(self) -> tuple[int, ...]:

@@ -108,6 +108,13 @@ class RotaryEmbedding(nn.Module):
         self._memo = (positions, dtype, cos, sin)
         return cos, sin
 
+    def tables(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole float32 cos/sin tables, [max_position, head_dim] each, on ``device``."""
+        if self._cos.device != torch.device(device):
+            self._cos = self._cos.to(device)
+            self._sin = self._sin.to(device)
+        return self._cos, self._sin
+
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [T, heads, head_dim] whose row ``i`` sits at absolute ``positions[i]``."""
         cos, sin = self.cos_sin(positions, x.dtype)

@@ -49,7 +49,7 @@ class RowPlan(ABC):
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor | None:
-        """Given the layer's fresh pre-RoPE q/k/v of the current rows, return a bool keep-mask
+        """Given the layer's fresh pre-RoPE q/k/v of the current rows, return a CPU bool keep-mask
         over them (None = keep all). Rows dropped keep the K/V already in the pool from here
         on. The plan updates :attr:`rows` itself."""
 

@@ -123,9 +123,10 @@ class LlamaModel(nn.Module):
             q, k, v = attn.project(normed)
             if row_plan is not None and row_plan.selects_at(i):
                 keep = row_plan.select(i, attn, q, k, v, kv_cache, md)
-                if keep is not None:
-                    md = md.subset(keep, md.row_seq_ids())
+                if keep is not None:  # a CPU bool mask over the current rows
+                    md = md.subset(keep)
                     positions = md.positions
+                    keep = keep.to(q.device)
                     normed, residual, q, k, v = (t[keep] for t in (normed, residual, q, k, v))
             if kv_only and i == last:
                 if hooks is not None:

@@ -57,6 +57,7 @@ class RAGPipeline:
         create: bool = True,
         *,
         dtype: str = "bfloat16",
+        device: str = "auto",
         instruction: str | None = DEFAULT_INSTRUCTION,
     ) -> None:
         from blendkv.store import ChunkStore, MiniLMEmbedder, StoreNotFoundError
@@ -78,7 +79,7 @@ class RAGPipeline:
         if llm is None:
             from blendkv import LLM
 
-            llm = LLM(dtype=dtype, enable_prefix_caching=False)
+            llm = LLM(dtype=dtype, device=device, enable_prefix_caching=False)
         self.llm = llm
         self.store = None
         try:

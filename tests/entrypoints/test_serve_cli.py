@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from server_helpers import raw_request, wait_for
 
 from blendkv.cli import main
@@ -66,6 +67,7 @@ def test_a_model_that_fails_to_load_exits_2(tmp_path):
     assert "blendkv: error:" in err.decode() and "no-such-model" in err.decode()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_device_is_refused_before_serving(capsys):
     assert main(["serve", "--device", "cuda", "--port", "1"]) == 2
     assert "device" in capsys.readouterr().err

@@ -1,0 +1,46 @@
+"""Choosing the device and the attention backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blendkv.config import EngineConfig, resolve_attention_backend, resolve_device
+from blendkv.errors import ConfigError
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "tpu", 0, None])
+def test_bad_device_names_are_refused(device):
+    with pytest.raises(ConfigError, match="device must be"):
+        EngineConfig(device=device)
+
+
+def test_bad_backend_name_is_refused():
+    with pytest.raises(ConfigError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_auto_picks_what_torch_sees():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto") == expected
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("auto", "cuda:1") == "triton"
+    assert resolve_attention_backend("torch", "cuda") == "torch"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_llama_dir):
+    from blendkv import LLM
+
+    with pytest.raises(ConfigError, match="sees no CUDA GPU"):
+        LLM(str(tiny_llama_dir), device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_triton_on_the_cpu_needs_the_interpreter(tiny_llama_dir, monkeypatch):
+    from blendkv import LLM
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        LLM(str(tiny_llama_dir), device="cpu", attention_backend="triton")
