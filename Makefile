@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test lint bench bench-store clean-venv
+.PHONY: demo test test-gpu lint bench bench-gpu bench-store clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +22,19 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# On a CUDA machine: the GPU tests, then the kernels compiled (not interpreted) at small shapes.
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -rs -m gpu tests/gpu
+	TRITON_INTERPRET=0 $(PY) -m pytest -q tests/kernels
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/blendkv bench engine
+
+bench-gpu: $(VENV)/.installed
+	$(VENV)/bin/blendkv bench gpu --json eval_results/bench/gpu.json
 
 bench-store: $(VENV)/.installed
 	$(PY) -m blendkv.store.bench

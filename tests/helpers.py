@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from blendkv.eval import random_model
 from blendkv.eval.bench_engine import hf_greedy  # noqa: F401  (re-exported for tests)
 
 TINY = dict(
@@ -34,20 +35,7 @@ _CORPUS = [
 
 
 def make_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_CORPUS * 20, trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
-    )
+    return random_model.make_tokenizer(vocab_size, _CORPUS * 20)
 
 
 def make_tiny_model_dir(path: Path, arch: str = "llama", **overrides) -> Path:

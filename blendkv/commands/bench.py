@@ -25,10 +25,33 @@ def register(sub) -> None:
     b.add_argument("--ratio", type=float, default=0.15)
     b.add_argument("--json", default=None)
     b.set_defaults(func=_blend)
+    g = bench.add_parser(
+        "gpu", help="random-weight real shapes: prefill, blend and decode vs transformers"
+    )
+    g.add_argument("--shapes", default="llama8b,qwen05", help="llama8b, qwen05, tiny")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--prefill-tokens", type=int, default=6144)
+    g.add_argument("--docs", type=int, default=10, help="documents in the blended prompt")
+    g.add_argument("--doc-tokens", type=int, default=600, help="about this many tokens each")
+    g.add_argument("--ratio", type=float, default=0.15)
+    g.add_argument("--decode-tokens", type=int, default=64)
+    g.add_argument("--concurrency", type=int, default=32)
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--kv-cache-gb", type=int, default=8)
+    g.add_argument("--json", default=None)
+    g.set_defaults(func=_gpu)
 
 
 def _engine(args: argparse.Namespace) -> int:
     from blendkv.eval.bench_engine import main
+
+    return main(args)
+
+
+def _gpu(args: argparse.Namespace) -> int:
+    from blendkv.eval.bench_gpu import main
 
     return main(args)
 

@@ -1,0 +1,203 @@
+"""GPU benchmark: blendkv vs transformers on random-weight models of real shapes, one run.
+
+For each shape (``--shapes llama8b,qwen05``; ``tiny`` for a CPU smoke run):
+
+1. check: blendkv's greedy tokens against transformers' on the same weights (fp32 must match;
+   bf16 may drift on near-ties and the match rate is reported);
+2. prefill: time to first token of one ``--prefill-tokens`` prompt, blendkv vs transformers
+   (SDPA), best of ``--repeats``, interleaved;
+3. blend: a prompt of ``--docs`` documents with a warm chunk store, blend@``--ratio`` and full
+   reuse vs full prefill of the same tokens (TTFT, median of ``--repeats``);
+4. decode: tokens/s of 1 and ``--concurrency`` requests (128-token prompts,
+   ``--decode-tokens`` new tokens each, EOS ignored), blendkv vs transformers ``generate`` with
+   the same batch.
+
+    blendkv bench gpu [--shapes llama8b,qwen05] [--dtype bfloat16] [--device auto] [--json F]
+
+Weights are random (no download): quality numbers mean nothing here, only time and agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def _hf_ttft(model, ids: list[int], device: str) -> float:
+    x = torch.tensor([ids], device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    model(x, use_cache=True, logits_to_keep=1).logits.argmax(-1).item()
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def _hf_generate(model, prompts: list[list[int]], new_tokens: int, device: str):
+    """(tokens/s of one batched generate over equal-length prompts, its greedy tokens)."""
+    x = torch.tensor(prompts, device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    return len(prompts) * new_tokens / seconds, out[:, x.shape[1] :].tolist()
+
+
+def _random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, length), generator=g).tolist()
+
+
+def bench_shape(shape: str, args, device: str) -> dict:
+    from blendkv import LLM, SamplingParams
+    from blendkv.blend.config import BlendConfig
+    from blendkv.eval.random_model import random_text, save_random_model
+
+    dtype = getattr(torch, args.dtype)
+    row: dict = {"shape": shape, "dtype": args.dtype, "device": device}
+    with tempfile.TemporaryDirectory(prefix=f"blendkv-{shape}-") as tmp:
+        t0 = time.perf_counter()
+        hf = save_random_model(Path(tmp), shape, dtype, device)
+        vocab = hf.config.vocab_size
+        max_len = args.prefill_tokens + 2 * args.decode_tokens + 128
+        llm = LLM(
+            tmp,
+            dtype=args.dtype,
+            device=device,
+            attention_backend=args.attention_backend,
+            enable_prefix_caching=False,
+            max_model_len=max_len,
+            max_num_batched_tokens=max(args.prefill_tokens + 256, 2048),
+            max_num_seqs=max(args.concurrency, 1),
+            kv_cache_memory_bytes=args.kv_cache_gb << 30,
+            kv_store_memory_bytes=4 << 30,
+        )
+        row["setup_s"] = round(time.perf_counter() - t0, 1)
+        row["attention_backend"] = llm.engine.attn_backend.name
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+
+        # 1. agreement
+        check = _random_ids(4, 64, vocab, seed=1)
+        ours = [o.outputs[0].token_ids for o in llm.generate(check, greedy)]
+        _, theirs = _hf_generate(hf, check, 8, device)
+        row["greedy_match"] = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+
+        # 2. prefill
+        ids = _random_ids(1, args.prefill_tokens, vocab, seed=2)[0]
+        llm.generate([ids], one)  # warm-up (allocator, kernels)
+        _hf_ttft(hf, ids, device)
+        ttft_ours, ttft_hf = [], []
+        for _ in range(args.repeats):
+            ttft_ours.append(llm.generate([ids], one)[0].metrics.ttft)
+            ttft_hf.append(_hf_ttft(hf, ids, device))
+        row["prefill_tokens"] = args.prefill_tokens
+        row["prefill_s"] = min(ttft_ours)
+        row["prefill_hf_s"] = min(ttft_hf)
+        row["prefill_vs_hf"] = row["prefill_s"] / row["prefill_hf_s"]
+
+        # 3. blend with a warm store
+        words = max(8, args.doc_tokens // 2)
+        prompt = {
+            "documents": [random_text(words, seed=100 + d) for d in range(args.docs)],
+            "query": "Which city is the capital of France?",
+        }
+        manager = llm.blend_manager()
+        blend = BlendConfig(recompute_ratio=args.ratio)
+        plan = manager.prepare(prompt, blend)
+        manager.precompute(plan.prompt.chunks)
+        full_ids = plan.prompt.token_ids
+        for cfg in (blend, BlendConfig(recompute_ratio=0.0)):
+            llm.generate([prompt], one, blend=cfg)  # warm: checksums, memory tier
+        t_full, t_blend, t_reuse = [], [], []
+        for _ in range(args.repeats):
+            t_full.append(llm.generate([full_ids], one)[0].metrics.ttft)
+            out = llm.generate([prompt], one, blend=blend)[0]
+            t_blend.append(out.metrics.ttft)
+            t_reuse.append(
+                llm.generate([prompt], one, blend=BlendConfig(recompute_ratio=0.0))[0].metrics.ttft
+            )
+        row["blend_prompt_tokens"] = len(full_ids)
+        row["blend_full_s"] = statistics.median(t_full)
+        row["blend_s"] = statistics.median(t_blend)
+        row["reuse_s"] = statistics.median(t_reuse)
+        row["blend_speedup"] = row["blend_full_s"] / row["blend_s"]
+        row["blend_load_s"] = out.blend_stats.load_seconds
+        row["blend_chunks_hit"] = out.blend_stats.chunks_hit
+
+        # 4. decode
+        decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+        for n in sorted({1, args.concurrency}):
+            prompts = _random_ids(n, 128, vocab, seed=3 + n)
+            llm.generate(prompts[:1], one)
+            t0 = time.perf_counter()
+            llm.generate(prompts, decode)
+            row[f"decode_tok_s_{n}"] = n * args.decode_tokens / (time.perf_counter() - t0)
+            row[f"decode_hf_tok_s_{n}"], _ = _hf_generate(hf, prompts, args.decode_tokens, device)
+            row[f"decode_vs_hf_{n}"] = row[f"decode_tok_s_{n}"] / row[f"decode_hf_tok_s_{n}"]
+        llm.close()
+        del hf, llm
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return row
+
+
+def _print(row: dict) -> None:
+    n = max(int(k.rsplit("_", 1)[1]) for k in row if k.startswith("decode_tok_s_"))
+    print(
+        f"\n{row['shape']} ({row['dtype']}, {row['device']}, {row['attention_backend']}): "
+        f"greedy match {row['greedy_match']:.2f}\n"
+        f"  prefill {row['prefill_tokens']} tok: blendkv {row['prefill_s'] * 1e3:.1f} ms, "
+        f"transformers {row['prefill_hf_s'] * 1e3:.1f} ms ({row['prefill_vs_hf']:.2f}x its time)\n"
+        f"  blend@{row.get('ratio', '')} {row['blend_prompt_tokens']} tok: full "
+        f"{row['blend_full_s'] * 1e3:.1f} ms, blend {row['blend_s'] * 1e3:.1f} ms "
+        f"({row['blend_speedup']:.2f}x), reuse {row['reuse_s'] * 1e3:.1f} ms\n"
+        f"  decode tok/s: batch 1 {row['decode_tok_s_1']:.1f} vs {row['decode_hf_tok_s_1']:.1f} "
+        f"({row['decode_vs_hf_1']:.2f}x); {n} concurrent {row[f'decode_tok_s_{n}']:.1f} vs "
+        f"{row[f'decode_hf_tok_s_{n}']:.1f} ({row[f'decode_vs_hf_{n}']:.2f}x)"
+    )
+
+
+def main(args) -> int:
+    from blendkv.config import resolve_device
+    from blendkv.errors import ConfigError
+    from blendkv.eval.random_model import SHAPES
+
+    device = resolve_device(args.device)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise ConfigError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    if device == "cpu" and any(s != "tiny" for s in shapes):
+        print("note: no GPU; real shapes on the CPU take very long (use --shapes tiny)")
+    rows = []
+    for shape in shapes:
+        row = bench_shape(shape, args, device)
+        row["ratio"] = args.ratio
+        if device.startswith("cuda"):
+            row["gpu"] = torch.cuda.get_device_name()
+        rows.append(row)
+        _print(row)
+        print(json.dumps({"gpu_bench": row}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
