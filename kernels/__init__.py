@@ -34,11 +34,12 @@ def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionB
             )
         try:
             from blendkv.kernels.triton_attention import TritonAttentionBackend
+
+            return TritonAttentionBackend(device)
         except ImportError as exc:
             raise ValueError(
                 f"the triton attention backend needs triton ({exc}); pip install 'blendkv[gpu]'"
             ) from exc
-        return TritonAttentionBackend(device)
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
 
 

@@ -127,6 +127,9 @@ class AttentionBackend(ABC):
     """Owns the paged KV pool's layout: metadata, K/V writes and reads, attention."""
 
     name: str = "abstract"
+    # Decode attention reads sequence lengths from the device tensors and sizes its launches
+    # from the metadata's Python mirrors only, so a padded decode step can be graph-captured.
+    supports_cuda_graphs: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -131,6 +131,21 @@ class LLMEngine:
             Sampler(self.info.eos_token_ids),
             connector=self.kv_connector,
         )
+        if (
+            self.device.startswith("cuda")
+            and self.attn_backend.supports_cuda_graphs
+            and not config.enforce_eager
+        ):
+            from blendkv.engine.cuda_graphs import DecodeGraphs
+
+            self.runner.decode_graphs = DecodeGraphs(
+                self.model,
+                self.attn_backend,
+                self.runner.kv_caches,
+                config.block_size,
+                config.max_num_seqs,
+                self.info.max_model_len,
+            )  # captured on the first decode step
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._last_step_num_scheduled = 0

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blendkv.engine.kv_connector import ForwardInputs
+from blendkv.engine.kv_connector import ForwardInputs, KVConnectorBase
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
-    from blendkv.engine.kv_connector import KVConnectorBase
     from blendkv.engine.sampler import Sampler
     from blendkv.engine.scheduler import SchedulerOutput
     from blendkv.engine.sequence import Sequence
@@ -67,6 +66,13 @@ class ModelRunner:
         self.connector = connector
         self.kv_caches = attn_backend.allocate_kv_cache(kv_cache_spec)
         self.generators: dict[str, torch.Generator] = {}
+        # Captured decode steps (blendkv.engine.cuda_graphs), set up by the engine on CUDA.
+        self.decode_graphs = None
+        # Graph replay runs no Python, so no per-layer connector hooks either.
+        self._hooks_free = all(
+            getattr(type(connector), name) is getattr(KVConnectorBase, name)
+            for name in ("wait_for_layer_load", "save_kv_layer")
+        )
 
     # --------------------------------------------------------------- inputs
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
@@ -116,9 +122,12 @@ class ModelRunner:
             fwd = ForwardInputs(inputs.input_ids, md, self.kv_caches)
             conn.start_load_kv(fwd)
             plan = conn.row_plan(fwd)
-            hidden = self.model(
-                inputs.input_ids, md.positions, self.kv_caches, md, row_plan=plan, hooks=conn
-            )
+            if plan is None and self._use_graphs(md):
+                hidden = self.decode_graphs.run(inputs.input_ids, md)
+            else:
+                hidden = self.model(
+                    inputs.input_ids, md.positions, self.kv_caches, md, row_plan=plan, hooks=conn
+                )
             conn.wait_for_save()
         finally:
             conn.clear_connector_metadata()
@@ -135,6 +144,10 @@ class ModelRunner:
         sample_logits = self.model.compute_logits(hidden[remap(inputs.sample_indices)])
         sampled = self.sample(sample_logits, inputs.sample_seqs)
         return StepResult(inputs.sample_seqs, sampled, logits)
+
+    def _use_graphs(self, md: AttentionMetadata) -> bool:
+        graphs = self.decode_graphs
+        return graphs is not None and self._hooks_free and graphs.can_run(md)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         params = [seq.sampling_params for seq in seqs]

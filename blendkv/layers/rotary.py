@@ -108,6 +108,10 @@ class RotaryEmbedding(nn.Module):
         self._memo = (positions, dtype, cos, sin)
         return cos, sin
 
+    def clear_memo(self) -> None:
+        """Forget the last gathered cos/sin (a CUDA-graph capture must record the gather)."""
+        self._memo = None
+
     def tables(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole float32 cos/sin tables, [max_position, head_dim] each, on ``device``."""
         if self._cos.device != torch.device(device):

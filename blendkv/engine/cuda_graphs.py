@@ -1,0 +1,165 @@
+"""Decode steps replayed from captured CUDA graphs (vLLM's approach to launch overhead).
+
+A decode step of a small model is hundreds of tiny kernel launches; on a GPU the CPU cannot
+issue them as fast as the GPU runs them. The forward of a pure-decode batch is captured once
+per padded batch size (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``) over static input
+buffers; a step copies its inputs into the buffers of the smallest size that fits and replays.
+
+What makes a forward capturable, and how it is kept so:
+
+- static shapes: the batch is padded to a captured size; the block table has the width of
+  ``max_model_len``; the metadata's Python mirrors are those of the padded batch with every
+  sequence at ``max_model_len`` (the backend sizes its launch grid from them, and reads the real
+  lengths from ``seq_lens`` on the device);
+- padded rows are inert: slot -1 (the KV write skips it), one key, position 0;
+- no tensors made during capture: the backend's per-metadata plan is built by the warm-up run
+  on the same metadata object, and the rotary table's memo is cleared before capture;
+- only backends that read sequence lengths on the device (``supports_cuda_graphs``) and KV
+  connectors without per-layer hooks (checked by the runner).
+
+``capture`` is injectable: the default uses ``torch.cuda.graph``; the tests pass an eager stand-in
+on the CPU, which runs the same padded static-buffer path (everything but the capture itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from blendkv.kernels.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_SIZES = (1, 2, 4, 8) + tuple(range(16, 513, 8))
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in _SIZES if s < max_num_seqs]
+    return [*sizes, max_num_seqs]
+
+
+class CudaGraphCapture:
+    """Captures ``fn()`` into a CUDA graph; ``replay`` re-runs it. All graphs share one pool."""
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        fn()  # warm-up on a side stream is what torch.cuda.graph expects; twice like vLLM
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        self.pool = graph.pool()
+        return graph.replay, out
+
+
+class EagerCapture:
+    """Stand-in without a GPU: "replay" runs the forward again on the same static buffers."""
+
+    def __call__(self, fn):
+        holder = {"out": fn()}
+
+        def replay() -> None:
+            holder["out"].copy_(fn())
+
+        return replay, holder["out"]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: Callable | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_num_seqs)
+        self.capture = capture or CudaGraphCapture()
+        device = attn_backend.device
+        n = self.sizes[-1]
+        max_blocks = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.failed: str | None = None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[self.max_model_len] * size,
+            is_contiguous_prefill=[True] * size,
+        )
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every size, largest first (the others reuse its memory pool)."""
+        for size in reversed(self.sizes):
+            md = self._metadata(size)
+            ids = self.input_ids[:size]
+
+            def forward(ids=ids, md=md):
+                self.model.model.rotary_emb.clear_memo()  # no stale cos/sin baked in
+                return self.model(ids, md.positions, self.kv_caches, md)
+
+            forward()  # warm-up: the backend builds its plan for this metadata object
+            self._graphs[size] = self.capture(forward)
+
+    def can_run(self, md: AttentionMetadata) -> bool:
+        """A pure decode batch that fits a captured size (captures on first use; if capturing
+        fails the engine logs why once and decodes eagerly from then on)."""
+        fits = (
+            md.max_query_len == 1
+            and md.num_seqs <= self.sizes[-1]
+            and md.max_seq_len <= self.max_model_len
+            and all(md.is_contiguous_prefill)
+        )
+        if not fits or self.failed is not None:
+            return False
+        if not self._graphs:
+            try:
+                self.capture_all()
+            except Exception as exc:  # noqa: BLE001  (any capture failure: fall back to eager)
+                self.failed = f"{type(exc).__name__}: {exc}"
+                self._graphs.clear()
+                logger.warning("CUDA graph capture failed, decoding eagerly: %s", self.failed)
+                return False
+        return True
+
+    def run(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_seqs, hidden] of the decode step described by ``md``."""
+        n = md.num_seqs
+        size = next(s for s in self.sizes if s >= n)
+        width = md.block_table.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(md.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
+        self.seq_lens[n:size].fill_(1)
+        self.positions[n:size].fill_(0)
+        self.block_table[:n, :width].copy_(md.block_table, non_blocking=True)
+        replay, out = self._graphs[size]
+        replay()
+        return out[:n]

@@ -1,0 +1,220 @@
+"""Paged attention for query rows at arbitrary absolute positions (torch reference:
+:func:`prefill_attention_reference`, which gathers the blocks and runs
+``torch_attention.masked_attention``).
+
+A row at position ``p`` of sequence ``s`` sees the keys of ``s`` at positions ``<= p``, read from
+the blocks through ``block_table``: chunked prefill, prefix-cache hits, CacheBlend's scattered
+recomputed rows and decode rows are all the same case. Grid and tiles::
+
+    grid (num_tiles, num_kv_heads)
+    tile = up to BLOCK_Q consecutive rows of one sequence (rows of a sequence ascend in position)
+    a program holds BLOCK_M = BLOCK_Q * G (row, q-head) pairs of one kv head (GQA), and loops
+    over key tiles of BLOCK_N up to the tile's last row position (keys past it are skipped),
+    online softmax in float32.
+
+``tile_seq_ids`` / ``tile_starts`` (which sequence, first row) are built on the host from the
+metadata's Python mirrors (:func:`build_tiles`), so a launch needs no device-to-host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blendkv.kernels.torch_attention import gather_kv, masked_attention
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr,
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    positions_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    qk_scale,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_c2,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    block_size,
+    group,
+    head_dim,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_start_ptr + tile)
+    seq_end = tl.load(query_start_loc_ptr + seq + 1)
+    last = tl.minimum(first + BLOCK_Q, seq_end) - 1
+    # Rows ascend in position, so the last row bounds every key the tile can see.
+    key_end = tl.minimum(tl.load(positions_ptr + last) + 1, tl.load(seq_lens_ptr + seq))
+
+    r = tl.arange(0, BLOCK_M)
+    token = first + r // group
+    head = kv_head * group + r % group
+    r_mask = (r // group < BLOCK_Q) & (token < seq_end)
+    token = token.to(tl.int64)
+    # Padding rows see key 0 only: finite softmax, never stored.
+    pos = tl.load(positions_ptr + token, mask=r_mask, other=0)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=r_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(0, key_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < key_end
+        block = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (n % block_size) * stride_co + kv_head * stride_ch
+        k_t = tl.load(
+            cache_ptr + kv_off[None, :] + d[:, None] * stride_cd,
+            mask=d_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # base-2 logits
+        visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # Key 0 is in the first tile and visible to every row, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(
+            cache_ptr + stride_c2 + kv_off[:, None] + d[None, :] * stride_cd,
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=r_mask[:, None] & d_mask[None, :],
+    )
+
+
+def block_q_for(group: int, block_m: int = 64) -> int:
+    """Query rows per tile: ``block_m`` (row, head) pairs shared by ``group`` heads."""
+    return max(1, block_m // group)
+
+
+def build_tiles(
+    query_start_loc_cpu: list[int], seq_ids: list[int], block_q: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile_seq_ids, tile_starts) [num_tiles] int32 covering the rows of ``seq_ids``."""
+    tile_seqs, tile_starts = [], []
+    for seq in seq_ids:
+        lo, hi = query_start_loc_cpu[seq], query_start_loc_cpu[seq + 1]
+        for start in range(lo, hi, block_q):
+            tile_seqs.append(seq)
+            tile_starts.append(start)
+    if not tile_seqs:  # (no host-to-device copy for an empty table)
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        return empty, empty
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return as_tensor(tile_seqs), as_tensor(tile_starts)
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    tile_seq_ids: torch.Tensor,
+    tile_starts: torch.Tensor,
+    block_q: int,
+    scale: float,
+) -> None:
+    """Attention of the rows covered by the tiles (:func:`build_tiles`) over the paged cache.
+
+    Args:
+        out: [num_tokens, num_heads, head_dim]; only rows covered by a tile are written.
+        q: [num_tokens, num_heads, head_dim].
+        kv_cache: [2, num_blocks, block_size, kv_heads, head_dim] (this step's K/V written).
+        block_table, seq_lens, query_start_loc, positions: the step's metadata tensors;
+            ``positions`` must ascend within each sequence.
+        block_q: rows per tile, as passed to :func:`build_tiles`.
+    """
+    num_tiles = tile_seq_ids.numel()
+    if num_tiles == 0:
+        return
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    group = num_heads // num_kv_heads
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        out,
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        positions,
+        tile_seq_ids,
+        tile_starts,
+        scale * LOG2E,
+        *out.stride(),
+        *q.stride(),
+        *kv_cache.stride(),
+        block_table.stride(0),
+        block_size,
+        group,
+        head_dim,
+        BLOCK_Q=block_q,
+        BLOCK_M=max(16, triton.next_power_of_2(block_q * group)),
+        BLOCK_N=32,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+    )
+
+
+def prefill_attention_reference(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens_cpu: list[int],
+    query_start_loc_cpu: list[int],
+    positions: torch.Tensor,
+    seq_ids: list[int],
+    scale: float,
+) -> None:
+    """Torch reference of :func:`prefill_attention` for the rows of ``seq_ids``."""
+    for seq in seq_ids:
+        lo, hi = query_start_loc_cpu[seq], query_start_loc_cpu[seq + 1]
+        if hi == lo:
+            continue
+        keys, values = gather_kv(kv_cache, block_table[seq], seq_lens_cpu[seq])
+        out[lo:hi] = masked_attention(q[lo:hi], keys, values, positions[lo:hi], scale)

@@ -1,0 +1,222 @@
+"""Triton attention backend: paged attention kernels for a GPU (and, slowly, the CPU under
+``TRITON_INTERPRET=1``, which is how the tests check it against the torch backend).
+
+Per layer, with a KV pool::
+
+    write_kv (kv_write kernel)  ->  rows of the step split by kind, each kind in one launch:
+        fresh prefill   (query = whole context, in order)   dense causal: xFormers or SDPA
+        decode          (one row, contiguous)                decode_attention (flash-decoding)
+        everything else (chunked prefill, prefix hit,        prefill_attention (rows at
+                         CacheBlend's scattered rows)         arbitrary positions)
+
+Which sequence goes where, and the tile tables of ``prefill_attention``, depend only on the
+metadata, so they are built once per metadata object from its Python mirrors (no device sync)
+and memoised for the other layers of the step (:class:`_StepPlan`). Triton and xFormers are
+imported when the backend is built, never at module import.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from blendkv.kernels.attention import AttentionMetadata
+from blendkv.kernels.torch_attention import TorchAttentionBackend, dense_causal_attention
+
+logger = logging.getLogger(__name__)
+
+# Rows x heads per prefill tile; metadata objects remembered (a step's layers share one, or a
+# few when CacheBlend narrows the rows layer by layer).
+_PREFILL_BLOCK_M = 64
+_PLAN_MEMO_SIZE = 8
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How one metadata object's rows are dispatched (host-built, device index tensors)."""
+
+    fresh_ranges: list[tuple[int, int]]  # [lo, hi) rows of fresh prefills
+    decode_seq_ids: torch.Tensor  # [num_decode] int32
+    tile_seq_ids: torch.Tensor  # [num_tiles] int32
+    tile_starts: torch.Tensor  # [num_tiles] int32
+    block_q: int
+    num_splits: int
+
+
+class TritonAttentionBackend(TorchAttentionBackend):
+    """Torch backend's pool handling and metadata, Triton kernels for writes and attention."""
+
+    name = "triton"
+    # Decode reads seq_lens on the device and sizes its grid from the Python mirrors; the plan
+    # of a metadata object is built by its first forward, which DecodeGraphs runs before capture.
+    supports_cuda_graphs = True
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        super().__init__(device)
+        try:
+            from blendkv.kernels import triton as ops
+        except ImportError as e:
+            raise ImportError(
+                f"the triton attention backend needs the `triton` package ({e}); install it "
+                "(pip install 'blendkv[gpu]') or use --attention-backend torch"
+            ) from e
+        self._ops = ops
+        # (metadata, num_heads / num_kv_heads) -> plan; identity-checked, newest last.
+        self._plans: list[tuple[AttentionMetadata, int, _StepPlan]] = []
+        self._xformers_checked = False
+        self._xformers_attention = None
+
+    # ---- the pool -----------------------------------------------------------------------
+    def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
+        self._ops.write_kv(kv_cache, k, v, slot_mapping)
+
+    def load_rotated_kv(
+        self,
+        kv_caches: list[torch.Tensor],
+        first_layer: int,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Write a stored chunk's K (RoPE'd to ``positions``) and V into layers ``first_layer..``
+        in one launch (see :func:`blendkv.kernels.triton.rope_load.rope_load`)."""
+        self._ops.rope_load(kv_caches, first_layer, kv, positions, slots, cos, sin)
+
+    # ---- attention ----------------------------------------------------------------------
+    def forward(self, q, k, v, kv_cache, attn_metadata, scale):
+        md: AttentionMetadata | None = attn_metadata
+        if kv_cache is None:
+            if md is None or md.num_seqs == 1:
+                return dense_causal_attention(q, k, v, scale)
+            out = torch.empty_like(q)
+            starts = md.query_start_loc_cpu
+            self._dense_prefill(q, k, v, list(zip(starts, starts[1:], strict=False)), out, scale)
+            return out
+        self.write_kv(kv_cache, k, v, md.slot_mapping)
+        plan = self._plan(md, q.shape[1] // kv_cache.shape[3])
+        out = torch.empty_like(q)
+        if plan.fresh_ranges:
+            self._dense_prefill(q, k, v, plan.fresh_ranges, out, scale)
+        self._ops.decode_attention(
+            out,
+            q,
+            kv_cache,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
+            plan.decode_seq_ids,
+            scale,
+            plan.num_splits,
+        )
+        self._ops.prefill_attention(
+            out,
+            q,
+            kv_cache,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
+            md.positions,
+            plan.tile_seq_ids,
+            plan.tile_starts,
+            plan.block_q,
+            scale,
+        )
+        return out
+
+    # ---- per-step plan ------------------------------------------------------------------
+    def _plan(self, md: AttentionMetadata, group: int) -> _StepPlan:
+        for seen, seen_group, plan in self._plans:
+            if seen is md and seen_group == group:
+                return plan
+        plan = self._build_plan(md, group)
+        # Holding md keeps its id from being reused by a later object while memoised.
+        self._plans = [*self._plans[-(_PLAN_MEMO_SIZE - 1) :], (md, group, plan)]
+        return plan
+
+    def _build_plan(self, md: AttentionMetadata, group: int) -> _StepPlan:
+        from blendkv.kernels.triton.decode_attention import default_num_splits
+        from blendkv.kernels.triton.prefill_attention import block_q_for, build_tiles
+
+        starts = md.query_start_loc_cpu
+        fresh, decode, other = [], [], []
+        for i in range(md.num_seqs):
+            lo, hi = starts[i], starts[i + 1]
+            if hi == lo:
+                continue
+            if md.is_contiguous_prefill[i] and hi - lo == 1:
+                decode.append(i)
+            elif md.is_contiguous_prefill[i] and hi - lo == md.seq_lens_cpu[i]:
+                fresh.append((lo, hi))
+            else:
+                other.append(i)
+        block_q = block_q_for(group, _PREFILL_BLOCK_M)
+        tile_seq_ids, tile_starts = build_tiles(starts, other, block_q, md.positions.device)
+        max_decode_len = max((md.seq_lens_cpu[i] for i in decode), default=1)
+        return _StepPlan(
+            fresh_ranges=fresh,
+            decode_seq_ids=_index_tensor(decode, md.positions.device),
+            tile_seq_ids=tile_seq_ids,
+            tile_starts=tile_starts,
+            block_q=block_q,
+            num_splits=default_num_splits(max_decode_len),
+        )
+
+    # ---- dense causal prefill -----------------------------------------------------------
+    def _dense_prefill(self, q, k, v, ranges, out, scale) -> None:
+        """Causal attention of each ``[lo, hi)`` row range over its own rows (positions 0..n-1):
+        one xFormers block-diagonal call when its CUDA kernels work, else SDPA per range."""
+        xformers_attention = self._xformers()
+        if xformers_attention is not None:
+            xformers_attention(q, k, v, ranges, out, scale)
+            return
+        for lo, hi in ranges:
+            out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
+
+    def _xformers(self):
+        if not self._xformers_checked:
+            self._xformers_checked = True
+            self._xformers_attention, reason = _load_xformers(self.device)
+            if self._xformers_attention is None:
+                logger.info("triton backend: dense prefill uses torch SDPA (%s)", reason)
+        return self._xformers_attention
+
+
+def _index_tensor(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an int32 device tensor. A run of consecutive ids (every sequence of a
+    decode-only step) is made by ``arange`` on the device: no host-to-device copy, which a CUDA
+    graph capture would refuse."""
+    if not ids:
+        return torch.empty(0, dtype=torch.int32, device=device)
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return torch.arange(ids[0], ids[0] + len(ids), dtype=torch.int32, device=device)
+    return torch.tensor(ids, dtype=torch.int32, device=device)
+
+
+def _load_xformers(device: torch.device):
+    """(attention function, None) when xFormers' CUDA attention runs here, else (None, reason)."""
+    if device.type != "cuda":
+        return None, f"xFormers needs CUDA, device is {device.type}"
+    try:
+        import xformers.ops as xops
+        from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
+
+        probe = torch.zeros(1, 2, 1, 64, dtype=torch.float16, device=device)
+        xops.memory_efficient_attention(probe, probe, probe, attn_bias=None)
+    except Exception as e:  # noqa: BLE001 - any failure means "use SDPA", with the reason logged
+        return None, f"xFormers unavailable: {type(e).__name__}: {e}"
+
+    def attention(q, k, v, ranges, out, scale) -> None:
+        index = torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in ranges])
+        bias = BlockDiagonalCausalMask.from_seqlens([hi - lo for lo, hi in ranges])
+        qs, ks, vs = q[index][None], k[index][None], v[index][None]
+        if qs.shape[2] != ks.shape[2]:  # GQA: xFormers wants [B, M, G, H, K] or expanded heads
+            group = qs.shape[2] // ks.shape[2]
+            ks = ks.repeat_interleave(group, dim=2)
+            vs = vs.repeat_interleave(group, dim=2)
+        out[index] = xops.memory_efficient_attention(qs, ks, vs, attn_bias=bias, scale=scale)[0]
+
+    return attention, None
