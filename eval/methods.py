@@ -192,12 +192,22 @@ def teacher_forced_rows(
 class HFRunner:
     """transformers on the engine's own checkpoint, for the ``hf`` method."""
 
-    def __init__(self, model_dir, dtype: str, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        model_dir,
+        dtype: str,
+        tokenizer,
+        eos_token_ids: tuple[int, ...],
+        device: str = "cpu",
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, dtype)
-        ).eval()
+        self.device = device
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+            .to(device)
+            .eval()
+        )
         self.tokenizer = tokenizer
         self.eos = list(eos_token_ids)  # the engine's stop ids, so both stop alike
 
@@ -215,7 +225,7 @@ class HFRunner:
             def end(self):
                 pass
 
-        ids = torch.tensor([token_ids])
+        ids = torch.tensor([token_ids], device=self.device)
         t0 = time.perf_counter()
         out = self.model.generate(
             ids,
@@ -236,5 +246,5 @@ class HFRunner:
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], start: int) -> torch.Tensor:
-        ids = torch.tensor([token_ids])
-        return self.model(ids).logits[0, start:].float()
+        ids = torch.tensor([token_ids], device=self.device)
+        return self.model(ids).logits[0, start:].float().cpu()

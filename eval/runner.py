@@ -124,7 +124,11 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         if any(m.kind == "hf" for m in methods):
             engine = llm.engine
             hf = HFRunner(
-                engine.resolved.model_dir, config.dtype, engine.tokenizer, engine.info.eos_token_ids
+                engine.resolved.model_dir,
+                config.dtype,
+                engine.tokenizer,
+                engine.info.eos_token_ids,
+                engine.info.device,
             )
         result = EvalResult(config=_config_dict(config, llm, methods, num_examples))
         if journal is not None:

@@ -135,8 +135,9 @@ class ModelRunner:
         if plan is not None:
             where = {r: i for i, r in enumerate(plan.rows.tolist())}
             remap = lambda idx: [where[i] for i in idx]  # noqa: E731
+        # Prompt logits are user-facing output: handed back on the CPU.
         logits = {
-            rid: self.model.compute_logits(hidden[remap(idx)])
+            rid: self.model.compute_logits(hidden[remap(idx)]).cpu()
             for rid, idx in inputs.logits_rows.items()
         }
         if not inputs.sample_seqs:
