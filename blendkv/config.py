@@ -56,6 +56,9 @@ class EngineConfig:
     kv_store_memory_bytes: int = 256 << 20
     anchor_system: str | None = None
     anchor_instruction: str | None = None
+    # Write loaded chunk K/V into the blocks layer by layer behind the forward (a background
+    # thread on the CPU, a side stream on CUDA); False writes everything before the forward.
+    pipeline_kv_load: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -130,6 +130,8 @@ class AttentionBackend(ABC):
     # Decode attention reads sequence lengths from the device tensors and sizes its launches
     # from the metadata's Python mirrors only, so a padded decode step can be graph-captured.
     supports_cuda_graphs: bool = False
+    # Its writes may run in a second host thread while the forward runs (pipelined loading).
+    thread_safe: bool = True
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

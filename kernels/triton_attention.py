@@ -52,6 +52,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
     # Decode reads seq_lens on the device and sizes its grid from the Python mirrors; the plan
     # of a metadata object is built by its first forward, which DecodeGraphs runs before capture.
     supports_cuda_graphs = True
+    # Triton's CPU interpreter keeps launch state in globals: one launching thread at a time.
+    thread_safe = False
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         super().__init__(device)

@@ -22,9 +22,12 @@ from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, Verify
 class ChunkKVStore(Protocol):
     fingerprint: ModelFingerprint
     connection_errors: int  # lost connections so far (LMDB: always 0)
+    tier: str  # "lmdb" or "redis": where a read that misses the memory tier goes
+    pin_memory: bool  # allocate values read from storage in pinned host memory (CUDA)
 
-    def get(self, key: bytes) -> ChunkKV | None:
-        """A chunk's K/V (read-only tensor), or None on a miss or a corrupt value."""
+    def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
+        """A chunk's K/V (read-only tensor), or None on a miss or a corrupt value.
+        ``skip_memory_tier``: read from storage even if the memory tier holds it."""
 
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = False) -> bool:
         """Copy a chunk's K/V into ``out``; False on a miss or a corrupt value."""

@@ -303,15 +303,19 @@ class KVStore(StoreQueries):
         if not self.readonly:
             self.delete([key])
 
+    tier = "lmdb"
+    pin_memory = False
+
     @locked
-    def get(self, key: bytes) -> ChunkKV | None:
+    def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         """The chunk's K/V, or None on a miss or a corrupt value.
 
         The tensor owns its memory (it is not tied to any LMDB transaction) but may be shared
         with the memory tier: treat it as read-only.
         """
         self._check_servable()
-        tensor = self.memory_tier.get(key) if self.memory_tier.max_bytes else None
+        use_tier = self.memory_tier.max_bytes and not skip_memory_tier
+        tensor = self.memory_tier.get(key) if use_tier else None
         if tensor is None:
             tensor = self._load(key, None)
             if tensor is None:
@@ -360,7 +364,7 @@ class KVStore(StoreQueries):
                 corrupt = True
             else:
                 if out is None:
-                    out = torch.empty(header.shape, dtype=header.dtype)
+                    out = torch.empty(header.shape, dtype=header.dtype, pin_memory=self.pin_memory)
                 elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
                     raise ValueError(
                         f"out is {out.dtype}{tuple(out.shape)}, stored {header.dtype}{header.shape}"

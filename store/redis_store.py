@@ -288,8 +288,9 @@ class RedisKVStore(RedisQueries):
             return None
         return value
 
-    def _load(self, key: bytes) -> torch.Tensor | None:
-        tensor = self.memory_tier.get(key) if self.memory_tier.max_bytes else None
+    def _load(self, key: bytes, skip_memory_tier: bool = False) -> torch.Tensor | None:
+        use_tier = self.memory_tier.max_bytes and not skip_memory_tier
+        tensor = self.memory_tier.get(key) if use_tier else None
         if tensor is None:
             value = self._call(lambda: self._fetch(key), None)
             if value is None:
@@ -298,13 +299,18 @@ class RedisKVStore(RedisQueries):
             header = fmt.decode_header(value)
             payload = torch.frombuffer(value, dtype=torch.uint8, offset=fmt.HEADER_SIZE)
             tensor = payload.view(header.dtype).view(header.shape)
+            if self.pin_memory:
+                tensor = tensor.pin_memory()
             self.memory_tier.put(key, tensor)
         self.hits += 1
         return tensor
 
-    def get(self, key: bytes) -> ChunkKV | None:
+    tier = "redis"
+    pin_memory = False
+
+    def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         self._check_servable()
-        tensor = self._load(key)
+        tensor = self._load(key, skip_memory_tier)
         return None if tensor is None else ChunkKV(key, tensor)
 
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = True) -> bool:

@@ -9,8 +9,10 @@ Worker side: before the forward, the chunks are loaded into the request's blocks
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from blendkv.blend.controller import LoadingController
 from blendkv.blend.plan import BlendPlan, BlendStats
 from blendkv.engine.kv_connector import (
     ConnectorPrompt,
@@ -45,6 +47,10 @@ class BlendConnector(KVConnectorBase):
         self._plans: dict[str, BlendPlan] = {}
         self._metadata: BlendConnectorMetadata | None = None
         self._step = []  # this step's SeqBlends
+        self._layer_load = None  # this step's LayerwiseLoad
+        self._row_plan = None
+        self._forward_start = 0.0
+        self.controller = LoadingController()
 
     @property
     def manager(self):
@@ -69,11 +75,13 @@ class BlendConnector(KVConnectorBase):
                 anchor_instruction=conf.anchor_instruction,
             )
             info = ctx.info
+            # On CUDA, values read from storage land in pinned memory (async copies).
+            self._manager.store.pin_memory = info.device.startswith("cuda")
             self._loader = ChunkLoader(
                 self._manager,
-                ctx.model.model.rotary_emb,
                 (info.num_layers, info.num_kv_heads, info.head_dim),
                 info.device,
+                self.controller,
             )
         return self._manager
 
@@ -133,31 +141,82 @@ class BlendConnector(KVConnectorBase):
 
     # ---- worker side --------------------------------------------------------------------
     def start_load_kv(self, inputs: ForwardInputs) -> None:
+        from blendkv.blend.layer_load import LayerwiseLoad
+
         meta = self._metadata
         self._step = []
         if meta is None or not meta.fused:
             return
         self.manager  # noqa: B018  (the store and loader exist from here on)
+        writes = []
+        block_size = inputs.kv_caches[0].shape[2]
         for f in meta.fused:
             plan = self._plans[f.request_id]
-            self._step.append(
-                self._loader.load(
-                    f.index,
-                    plan,
-                    f.num_computed_tokens,
-                    f.num_new_tokens,
-                    f.block_table,
-                    inputs.kv_caches,
-                )
+            blend, chunk_writes = self._loader.load(
+                f.index,
+                plan,
+                f.num_computed_tokens,
+                f.num_new_tokens,
+                f.block_table,
+                block_size,
             )
+            self._step.append(blend)
+            writes.extend(chunk_writes)
+        ctx = self.context
+        self._layer_load = LayerwiseLoad(
+            ctx.attn_backend,
+            inputs.kv_caches,
+            ctx.model.model.rotary_emb.tables(ctx.info.device),
+            writes,
+            pipelined=ctx.config.pipeline_kv_load,
+        )
+        self._layer_load.start()
 
     def row_plan(self, inputs: ForwardInputs):
         if not self._step:
             return None
         from blendkv.blend.row_plan import BlendRowPlan
 
-        return BlendRowPlan(inputs.attn_metadata, self._step, self.context.attn_backend)
+        self._row_plan = BlendRowPlan(inputs.attn_metadata, self._step, self.context.attn_backend)
+        self._forward_start = time.perf_counter()
+        return self._row_plan
+
+    def needs_layer_hooks(self) -> bool:
+        return self._layer_load is not None
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        if self._layer_load is not None:
+            self._layer_load.wait(layer_idx)
+
+    def wait_for_save(self) -> None:
+        """The forward is done: finish the layer writes, account their time, and feed the
+        loading controller what this step measured."""
+        load = self._layer_load
+        if load is None:
+            return
+        forward_seconds = time.perf_counter() - self._forward_start
+        load.finish()
+        hidden_share = load.hidden / load.busy if load.busy > 0 else 0.0
+        for w in load.writes:
+            stats, tier = w.owner
+            stats.load_seconds += w.seconds
+            stats.read_seconds += w.fetch_seconds
+            stats.write_seconds += w.seconds
+            stats.load_hidden_seconds += w.seconds * hidden_share
+            if tier != "computed":
+                self.controller.record_load(tier, w.nbytes, w.seconds + w.fetch_seconds)
+        if self._row_plan is not None and load.device.type == "cpu":
+            # CUDA runs asynchronously: host time says nothing about the compute there.
+            row_layers = self._row_plan.row_layers(self.context.info.num_layers)
+            self.controller.record_compute(row_layers, forward_seconds - load.waited)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
+        if self._layer_load is not None:  # the forward failed: let the writer thread end
+            try:
+                self._layer_load.finish()
+            except Exception:  # noqa: BLE001  (the forward's own error is the one reported)
+                pass
         self._step = []
+        self._layer_load = None
+        self._row_plan = None

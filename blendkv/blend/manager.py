@@ -200,14 +200,9 @@ class BlendManager:
         """The chunk is stored or waiting in the writer (its value may still turn out corrupt)."""
         return self.writer.pending(key) is not None or key in self.store
 
-    def read_into(self, key: bytes, out: torch.Tensor) -> bool:
-        """Copy a chunk's K/V into ``out``: from the writer's pending set, else the store
-        (memory tier, then LMDB). False on a miss."""
-        pending = self.writer.pending(key)
-        if pending is not None:
-            out.copy_(pending)
-            return True
-        return self.store.read_into(key, out, admit=True)
+    def pending(self, key: bytes) -> torch.Tensor | None:
+        """A chunk computed at query time and still waiting in the background writer."""
+        return self.writer.pending(key)
 
     def write_back(self, keys: list[bytes], chunks: list[list[int]], kvs) -> None:
         """Hand chunks computed at query time to the background writer (returns at once)."""

@@ -41,6 +41,10 @@ class BlendStats:
     prefix_cached_tokens: int = 0  # tokens served by the engine's prefix cache instead
     kv_bytes_loaded: int = 0
     load_seconds: float = 0.0  # store reads + RoPE + writes into KV blocks
+    read_seconds: float = 0.0  # of which finding chunks (store reads, memory tier)
+    write_seconds: float = 0.0  # of which RoPE + writes into the blocks
+    load_hidden_seconds: float = 0.0  # of which ran behind the forward (pipelined loading)
+    chosen_recompute_ratio: float | None = None  # picked by the loading controller ("auto")
     precompute_seconds: float = 0.0  # computing missed chunks
     store_errors: int = 0  # store calls that failed (e.g. Redis unreachable): chunks recomputed
     ttft: float | None = None
@@ -97,5 +101,5 @@ class BlendPlan:
         reused = min(self.prompt.num_chunk_tokens, num_new_tokens)
         fixed = num_new_tokens - reused
         cfg = self.config
-        partial = reused * (cfg.first_partial_layer / max(num_layers, 1) + cfg.recompute_ratio)
+        partial = reused * (cfg.first_partial_layer / max(num_layers, 1) + cfg.planned_ratio)
         return max(1, fixed + int(round(partial)))

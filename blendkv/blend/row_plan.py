@@ -47,6 +47,7 @@ class BlendRowPlan(RowPlan):
         md = attn_metadata
         n = md.num_tokens
         starts = md.query_start_loc_cpu
+        assert not any(sb.config.auto_ratio for sb in blends), "the loader resolves 'auto'"
         self.blends = blends
         self.backend = attn_backend
         self.rows = torch.arange(n)
@@ -57,6 +58,7 @@ class BlendRowPlan(RowPlan):
             self.reused[starts[sb.index] : starts[sb.index + 1]] = sb.reused
         self.starts = starts
         self.schedules = [sb.config.selection_layers() for sb in blends]
+        self._row_counts = [(0, n)]  # (from layer, rows computed) as the set shrinks
         self.layers = set().union(*self.schedules)
 
     def selects_at(self, layer_idx: int) -> bool:
@@ -71,6 +73,7 @@ class BlendRowPlan(RowPlan):
             self.rows, self.seq_ids, self.reused, self.positions = (
                 t[keep] for t in (self.rows, self.seq_ids, self.reused, self.positions)
             )
+            self._row_counts.append((layer_idx, len(self.rows)))
         self._record()
         return None if keep.all() else keep
 
@@ -107,6 +110,12 @@ class BlendRowPlan(RowPlan):
         chosen = top_rows(score_rows(strategy, inputs, sb.generator), count).cpu()
         keep[cand] = False
         keep[cand[chosen]] = True
+
+    def row_layers(self, num_layers: int) -> int:
+        """Rows x layers this forward computed (so far): the work the controller times."""
+        bounds = [layer for layer, _ in self._row_counts[1:]] + [num_layers]
+        segments = zip(self._row_counts, bounds, strict=True)
+        return sum(rows * (end - start) for (start, rows), end in segments)
 
     def _record(self) -> None:
         """Rows computed through the last layer so far, per blended sequence (final after the

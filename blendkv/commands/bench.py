@@ -23,6 +23,10 @@ def register(sub) -> None:
     b.add_argument("--limit", type=int, default=5)
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     b.add_argument("--ratio", type=float, default=0.15)
+    b.add_argument(
+        "--profile", action="store_true", help="per request: where the time goes, the floor"
+    )
+    b.add_argument("--no-pipeline", action="store_true", help="write loaded K/V before the forward")
     b.add_argument("--json", default=None)
     b.set_defaults(func=_blend)
     g = bench.add_parser(

@@ -138,6 +138,16 @@ class KVConnectorBase(LayerHooks, ABC):
         """Rows each layer computes this step; None = every row at every layer."""
         return None
 
+    def needs_layer_hooks(self) -> bool:
+        """Whether this step's forward must call the per-layer hooks. A step that needs none
+        may run from a captured CUDA graph (no Python per layer). The default: connectors that
+        override a hook always need them."""
+        cls = type(self)
+        return any(
+            getattr(cls, name) is not getattr(KVConnectorBase, name)
+            for name in ("wait_for_layer_load", "save_kv_layer")
+        )
+
     def wait_for_save(self) -> None:
         """Block until this step's saves are handed off (the forward is done)."""
 

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blendkv.engine.kv_connector import ForwardInputs, KVConnectorBase
+from blendkv.engine.kv_connector import ForwardInputs
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
+    from blendkv.engine.kv_connector import KVConnectorBase
     from blendkv.engine.sampler import Sampler
     from blendkv.engine.scheduler import SchedulerOutput
     from blendkv.engine.sequence import Sequence
@@ -68,11 +69,6 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Captured decode steps (blendkv.engine.cuda_graphs), set up by the engine on CUDA.
         self.decode_graphs = None
-        # Graph replay runs no Python, so no per-layer connector hooks either.
-        self._hooks_free = all(
-            getattr(type(connector), name) is getattr(KVConnectorBase, name)
-            for name in ("wait_for_layer_load", "save_kv_layer")
-        )
 
     # --------------------------------------------------------------- inputs
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
@@ -147,8 +143,9 @@ class ModelRunner:
         return StepResult(inputs.sample_seqs, sampled, logits)
 
     def _use_graphs(self, md: AttentionMetadata) -> bool:
+        # Graph replay runs no Python, so no per-layer connector hooks either.
         graphs = self.decode_graphs
-        return graphs is not None and self._hooks_free and graphs.can_run(md)
+        return graphs is not None and not self.connector.needs_layer_hooks() and graphs.can_run(md)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         params = [seq.sampling_params for seq in seqs]

@@ -88,7 +88,7 @@ class FullComparison:
     full_ttft: float  # seconds, from an empty prefix cache
     blend_answer: str
     blend_ttft: float  # seconds, from an empty prefix cache (chunks in the memory tier)
-    recompute_ratio: float
+    recompute_ratio: float | str
     answer_kl: float  # mean KL(full || blend) along full's answer, nats
     answer_agreement: float  # share of those positions where both argmaxes agree
     scored_tokens: int  # positions scored: min(len(full's answer), answer_tokens)
@@ -109,7 +109,7 @@ class FullComparison:
 
     def format(self) -> str:
         agree = round(self.answer_agreement * self.scored_tokens)
-        blend = f"blend@{self.recompute_ratio:g}"
+        blend = f"blend@{_ratio(self.recompute_ratio)}"
         return "\n".join(
             [
                 f"full prefill beside the blend (same {self.num_prompt_tokens} prompt tokens, "
@@ -142,7 +142,7 @@ def compare_full(
     ids = list(rag.manager.prepare(prompt, blend).prompt.token_ids)
     example = ExamplePrompt(blended=prompt, token_ids=ids, reversed_token_ids=ids)
     full = Method("full", "full")
-    blended = Method(f"blend@{blend.recompute_ratio:g}", "blend", blend)
+    blended = Method(f"blend@{_ratio(blend.recompute_ratio)}", "blend", blend)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     # Full first: the blend is scored along full prefill's answer (as in blendkv eval).
     full_run = run_method(llm, None, full, example, params)
@@ -163,3 +163,7 @@ def compare_full(
         answer_agreement=fidelity.top1_agreement,
         scored_tokens=min(k, answer_tokens),
     )
+
+
+def _ratio(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:g}"

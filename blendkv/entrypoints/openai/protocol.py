@@ -109,7 +109,9 @@ class Document(OpenAIModel):
 class BlendOptions(StrictModel):
     """Fields of :class:`~blendkv.blend.config.BlendConfig`; unset fields keep its defaults."""
 
-    recompute_ratio: float | None = None
+    recompute_ratio: float | Literal["auto"] | None = None
+    min_recompute_ratio: float | None = None
+    max_recompute_ratio: float | None = None
     check_layer: int | None = None
     selection: str | None = None
     schedule: list[tuple[int, float]] | None = None

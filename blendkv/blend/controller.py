@@ -1,0 +1,101 @@
+"""Loading controller (CacheBlend §5): how much to recompute, and where to read chunks from.
+
+With layer-wise pipelined loading, layer ``l``'s recompute runs while layer ``l + 1``'s K/V is
+loaded. Recomputing more tokens is then free until a layer's compute outlasts a layer's load;
+the controller picks, per request, the largest recompute ratio whose per-layer compute still
+hides behind the per-layer load, but never less than the quality floor the user asked for
+(``BlendConfig.min_recompute_ratio``) nor more than ``max_recompute_ratio``::
+
+    per-layer load    = bytes of one layer of the request's chunks / bandwidth of its tier
+    per-layer compute = (ratio * reused tokens + other tokens) * seconds per row-layer
+    ratio             = clamp((load / seconds per row-layer - other) / reused, floor, max)
+
+Both rates are running estimates (exponential moving averages) of what the loader and the
+fused prefills actually measured on this machine, one bandwidth per storage tier; before the
+first measurement the controller answers with the floor. A chunk stored in several tiers (the
+memory tier and LMDB, say) is read from the tier with the best measured bandwidth (the memory
+tier until the others are measured faster).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The order tiers are tried in when nothing has been measured yet: fastest first.
+TIER_ORDER = ("memory", "lmdb", "redis")
+
+
+@dataclass
+class RateEstimate:
+    """Exponential moving average of a rate (units per second)."""
+
+    alpha: float = 0.3
+    value: float | None = None
+
+    def update(self, amount: float, seconds: float) -> None:
+        if seconds <= 0 or amount <= 0:
+            return
+        rate = amount / seconds
+        self.value = rate if self.value is None else self.value + self.alpha * (rate - self.value)
+
+
+@dataclass
+class LoadingController:
+    alpha: float = 0.3
+    bandwidth: dict[str, RateEstimate] = field(default_factory=dict)  # tier -> bytes/s
+    compute: RateEstimate | None = None  # row-layers per second of fused prefills
+
+    def __post_init__(self) -> None:
+        if self.compute is None:
+            self.compute = RateEstimate(self.alpha)
+
+    # ---- measurements -------------------------------------------------------------------
+    def record_load(self, tier: str, num_bytes: int, seconds: float) -> None:
+        self.bandwidth.setdefault(tier, RateEstimate(self.alpha)).update(num_bytes, seconds)
+
+    def record_compute(self, row_layers: int, seconds: float) -> None:
+        self.compute.update(row_layers, seconds)
+
+    # ---- decisions ----------------------------------------------------------------------
+    def choose_tier(self, tiers: list[str]) -> str:
+        """The tier to read a chunk from, among those holding it."""
+        assert tiers, "a chunk lives in at least one tier"
+        measured = [(self.bandwidth[t].value, t) for t in tiers if self._measured(t)]
+        if len(measured) == len(tiers):
+            return max(measured)[1]
+        return min(tiers, key=lambda t: TIER_ORDER.index(t) if t in TIER_ORDER else 99)
+
+    def choose_ratio(
+        self,
+        floor: float,
+        ceiling: float,
+        reused_tokens: int,
+        other_tokens: int,
+        layer_bytes_by_tier: dict[str, int],
+    ) -> float:
+        """The recompute ratio for one request.
+
+        Args:
+            floor / ceiling: the user's bounds (quality floor, cost cap).
+            reused_tokens: chunk tokens whose K/V is loaded; other_tokens: tokens always
+                computed (template, query).
+            layer_bytes_by_tier: bytes of ONE layer of K/V this request loads from each tier.
+        """
+        if reused_tokens == 0:
+            return floor
+        rows_per_second = self.compute.value
+        if rows_per_second is None:
+            return floor
+        load_seconds = 0.0
+        for tier, num_bytes in layer_bytes_by_tier.items():
+            if num_bytes == 0:
+                continue
+            if not self._measured(tier):
+                return floor
+            load_seconds += num_bytes / self.bandwidth[tier].value
+        hidden_rows = load_seconds * rows_per_second - other_tokens
+        return min(ceiling, max(floor, hidden_rows / reused_tokens))
+
+    def _measured(self, tier: str) -> bool:
+        est = self.bandwidth.get(tier)
+        return est is not None and est.value is not None

@@ -1,0 +1,164 @@
+"""Writing a step's loaded chunk K/V into the KV pool, layer by layer, behind the forward.
+
+The loader (:mod:`blendkv.blend.loader`) finds every chunk's K/V (store, memory tier, writer,
+or computed now) before the forward; what remains, rotating K to the fused positions and
+writing K/V into the request's blocks, is done here, one layer at a time:
+
+- **pipelined** on the CPU: a background thread writes layer ``l`` of every chunk and then
+  marks layer ``l`` ready; the forward waits for a layer (``wait(l)``) only when it gets there,
+  so the writes of later layers run while earlier layers compute;
+- **pipelined** on CUDA: the same writes (and host-to-device copies of pinned sources) are
+  queued on a side stream with one event per layer; ``wait(l)`` makes the compute stream wait
+  for that event (no host block);
+- **serial** (``pipelined=False``): everything is written before the forward, one backend call
+  per chunk covering all its layers.
+
+The written bits are the same in every mode (RoPE is elementwise; a test checks the blocks and
+the logits). Timing: ``busy`` is the seconds the writes took, ``waited`` the seconds the forward
+blocked in :meth:`wait`; the difference was hidden behind compute.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ChunkWrite:
+    """One chunk's K/V to write: ``kv`` [L', 2, T, kv_heads, head_dim] holds layers
+    ``first_layer ..`` (K before RoPE), on the device or (CUDA) in host memory."""
+
+    kv: torch.Tensor
+    first_layer: int
+    positions: torch.Tensor  # [T] int64 on the device
+    slots: torch.Tensor  # [T] int64 on the device
+    owner: object = None  # (the request's stats, the tier it came from), for accounting
+    fetch_seconds: float = 0.0  # time spent finding it (store read) before the forward
+    seconds: float = 0.0  # time spent writing it (CPU modes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+class LayerwiseLoad:
+    def __init__(
+        self,
+        backend,
+        kv_caches: list[torch.Tensor],
+        rotary_tables: tuple[torch.Tensor, torch.Tensor],
+        writes: list[ChunkWrite],
+        pipelined: bool,
+    ) -> None:
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.cos, self.sin = rotary_tables
+        self.writes = writes
+        self.device = kv_caches[0].device
+        # On the CPU the writes run in a second thread: only with a backend that allows it.
+        concurrent = self.device.type == "cuda" or backend.thread_safe
+        self.pipelined = pipelined and concurrent and bool(writes)
+        self.num_layers = len(kv_caches)
+        self.busy = 0.0
+        self.waited = 0.0
+        self._ready = [threading.Event() for _ in range(self.num_layers)]
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stream = None
+        self._events: list = []
+
+    # ---- the three modes ----------------------------------------------------------------
+    def start(self) -> None:
+        if not self.pipelined:
+            t0 = time.perf_counter()
+            for w in self.writes:
+                t = time.perf_counter()
+                self._write(w, w.first_layer, len(w.kv))
+                w.seconds += time.perf_counter() - t
+            self.busy = time.perf_counter() - t0
+            return
+        if self.device.type == "cuda":
+            self._start_cuda()
+            return
+        self._thread = threading.Thread(target=self._run_thread, name="blendkv-kv-load")
+        self._thread.start()
+
+    def _run_thread(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for layer in range(self.num_layers):
+                    for w in self.writes:
+                        if layer >= w.first_layer:
+                            t = time.perf_counter()
+                            self._write(w, layer, 1)
+                            w.seconds += time.perf_counter() - t
+                    self._ready[layer].set()
+        except BaseException as exc:  # re-raised in the forward's thread by wait()
+            self._error = exc
+            for event in self._ready:
+                event.set()
+        finally:
+            self.busy = time.perf_counter() - t0
+
+    def _start_cuda(self) -> None:
+        self._stream = torch.cuda.Stream(device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for layer in range(self.num_layers):
+                for w in self.writes:
+                    if layer >= w.first_layer:
+                        self._write(w, layer, 1)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._events.append(event)
+
+    def _write(self, w: ChunkWrite, layer: int, count: int) -> None:
+        """Layers ``layer .. layer + count`` of ``w`` into the pool."""
+        i = layer - w.first_layer
+        kv = w.kv[i : i + count]
+        if kv.device != self.device:  # pinned host source (CUDA): copy on this stream
+            kv = kv.to(self.device, non_blocking=True)
+        self.backend.load_rotated_kv(
+            self.kv_caches, layer, kv, w.positions, w.slots, self.cos, self.sin
+        )
+
+    # ---- the forward's side -------------------------------------------------------------
+    def wait(self, layer: int) -> None:
+        """Block until ``layer``'s K/V is in the pool (CUDA: order the compute stream)."""
+        if not self.pipelined:
+            return
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._events[layer])
+            return
+        event = self._ready[layer]
+        if not event.is_set():
+            t0 = time.perf_counter()
+            event.wait()
+            self.waited += time.perf_counter() - t0
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        """After the forward: every write is done (and its sources may be freed)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                raise self._error
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            for w in self.writes:  # used on the side stream: not to be reused before it ran
+                for t in (w.kv, w.positions, w.slots):
+                    if t.device == self.device:
+                        t.record_stream(self._stream)
+            self._stream = None
+
+    @property
+    def hidden(self) -> float:
+        """Seconds of writing that overlapped compute (CPU modes)."""
+        return max(0.0, self.busy - self.waited) if self.pipelined else 0.0

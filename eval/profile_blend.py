@@ -1,0 +1,126 @@
+"""Where a blended prefill's time goes (``blendkv bench blend --profile``).
+
+Wraps, for the duration of one request, the pieces of the engine's step with wall-clock timers:
+each layer's start (its input norm), its attention and its MLP block (``finish``), the row
+plan's selection, the final norm, logits and sampling. The step runs synchronously on the CPU,
+so the pieces add up; what no timer covers is Python and scheduling overhead. Loading comes
+from the request's :class:`~blendkv.blend.plan.BlendStats` (reads before the forward, layer
+writes behind it).
+
+The **compute floor** of a request is what its recompute would cost at full prefill's speed:
+``full TTFT x computed row-layers / all row-layers`` (the row plan counts the row-layers it
+computed); ``floor fraction = floor / blend TTFT`` says how close blending gets to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj, name: str, key, restore: list) -> None:
+        """Time ``obj.name`` into ``key(args)`` (instance attribute; restored afterwards)."""
+        original = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[key(args)] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+        restore.append((obj, name))
+
+
+@contextmanager
+def profiled(llm, check_layer: int):
+    """Yields a dict filled, after the block, with seconds per part of the step."""
+    from blendkv.blend.row_plan import BlendRowPlan
+
+    engine = llm.engine
+    model = engine.model
+    timer = _Timer()
+    restore: list = []
+    rows_plan: list = []
+    layers = model.model.layers
+
+    def phase(i: int) -> str:
+        if i < check_layer:
+            return "full layers"
+        return "check layer" if i == check_layer else "recomputed layers"
+
+    for i, layer in enumerate(layers):
+        timer.wrap(layer.self_attn, "attend", lambda a, i=i: f"{phase(i)}: attention", restore)
+        timer.wrap(layer, "finish", lambda a, i=i: f"{phase(i)}: MLP", restore)
+        timer.wrap(layer, "input_norm", lambda a, i=i: f"{phase(i)}: norms+QKV", restore)
+        timer.wrap(layer.self_attn, "project", lambda a, i=i: f"{phase(i)}: norms+QKV", restore)
+    timer.wrap(model.model.norm, "forward", lambda a: "final norm + logits", restore)
+    timer.wrap(model, "compute_logits", lambda a: "final norm + logits", restore)
+    timer.wrap(engine.runner, "sample", lambda a: "sampling", restore)
+    original_select = BlendRowPlan.select
+
+    def select(self, *args, **kwargs):
+        rows_plan.append(self)
+        t0 = time.perf_counter()
+        try:
+            return original_select(self, *args, **kwargs)
+        finally:
+            timer.seconds["selection"] += time.perf_counter() - t0
+
+    BlendRowPlan.select = select
+    out: dict = {}
+    try:
+        yield out
+    finally:
+        BlendRowPlan.select = original_select
+        for obj, name in restore:
+            delattr(obj, name)
+        out.update(timer.seconds)
+        if rows_plan:
+            out["_row_layers"] = rows_plan[-1].row_layers(len(layers))
+
+
+def profile_request(llm, prompt, blend, params, full_ttft: float) -> dict:
+    """Run one blended request under the timers; returns seconds per part, the floor and
+    the fraction of it reached."""
+    with profiled(llm, blend.check_layer) as parts:
+        out = llm.generate([prompt], params, blend=blend)[0]
+    stats = out.blend_stats
+    num_tokens = stats.num_prompt_tokens - stats.prefix_cached_tokens
+    num_layers = len(llm.engine.model.model.layers)
+    row_layers = parts.pop("_row_layers", num_tokens * num_layers)
+    exposed_writes = stats.write_seconds - stats.load_hidden_seconds
+    parts["store reads"] = stats.read_seconds
+    parts["RoPE + block writes (not hidden)"] = exposed_writes
+    parts["selection"] = parts.get("selection", 0.0)  # between projection and attention
+    covered = sum(v for k, v in parts.items())
+    ttft = out.metrics.ttft
+    parts["python + scheduling"] = max(0.0, ttft - covered)
+    floor = full_ttft * row_layers / (num_tokens * num_layers)
+    return {
+        "ttft": ttft,
+        "full_ttft": full_ttft,
+        "floor": floor,
+        "floor_fraction": floor / ttft,
+        "row_layers": row_layers,
+        "all_row_layers": num_tokens * num_layers,
+        "writes_hidden_s": stats.load_hidden_seconds,
+        "parts": dict(sorted(parts.items())),
+    }
+
+
+def print_profile(p: dict) -> None:
+    print(
+        f"  TTFT {p['ttft']:.3f} s; full prefill {p['full_ttft']:.3f} s; compute floor "
+        f"{p['floor']:.3f} s ({p['row_layers']:,} of {p['all_row_layers']:,} row-layers) -> "
+        f"blend reaches {100 * p['floor_fraction']:.0f}% of its floor"
+    )
+    for name, seconds in p["parts"].items():
+        print(f"    {name:40} {seconds:8.3f} s  {100 * seconds / p['ttft']:5.1f}%")
+    print(f"    {'(writes hidden behind compute)':40} {p['writes_hidden_s']:8.3f} s")

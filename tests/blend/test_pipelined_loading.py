@@ -1,0 +1,100 @@
+"""Layer-wise pipelined loading and the loading controller inside the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import BLEND_DOCS as DOCS
+from helpers import BLEND_QUERY as QUERY
+
+from blendkv import LLM, SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.blend.controller import LoadingController
+from blendkv.errors import ConfigError
+
+PROMPT = {"documents": DOCS, "query": QUERY}
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def make_llm(path, store, pipelined: bool):
+    return LLM(
+        str(path),
+        dtype="float32",
+        block_size=4,
+        enable_prefix_caching=False,
+        kv_store_dir=str(store),
+        pipeline_kv_load=pipelined,
+    )
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.3])
+def test_pipelined_equals_serial_bit_for_bit(tiny_llama_dir, tmp_path, ratio):
+    """The same blocks and the same logits whether layers are written behind the forward or
+    before it (the store is warmed first, so both read every chunk from it)."""
+    blend = BlendConfig(recompute_ratio=ratio)
+    runs = {}
+    for pipelined in (False, True):
+        llm = make_llm(tiny_llama_dir, tmp_path / str(pipelined), pipelined)
+        llm.generate([PROMPT], ONE, blend=blend)  # warm the store
+        n = len(llm.blend_manager().prepare(PROMPT, blend).prompt.token_ids)
+        out = llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
+        assert out.blend_stats.chunks_hit == len(DOCS)
+        pool = torch.stack(llm.engine.runner.kv_caches).clone()
+        runs[pipelined] = (out.extra["prompt_logits"], pool, out.blend_stats)
+        llm.close()
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])
+    stats = runs[True][2]
+    assert 0.0 <= stats.load_hidden_seconds <= stats.load_seconds
+    assert runs[False][2].load_hidden_seconds == 0.0
+
+
+def test_a_failing_layer_write_fails_the_step_and_the_engine_recovers(tiny_llama_dir, tmp_path):
+    llm = make_llm(tiny_llama_dir, tmp_path, pipelined=True)
+    blend = BlendConfig(recompute_ratio=0.3)
+    expected = llm.generate([PROMPT], ONE, blend=blend)[0].outputs[0].token_ids
+    backend = llm.engine.attn_backend
+    original = backend.load_rotated_kv
+
+    def broken(kv_caches, first_layer, *args):
+        if first_layer == 2:
+            raise RuntimeError("disk on fire")
+        return original(kv_caches, first_layer, *args)
+
+    backend.load_rotated_kv = broken
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        llm.generate([PROMPT], ONE, blend=blend)
+    backend.load_rotated_kv = original
+    again = llm.generate([PROMPT], ONE, blend=blend)[0].outputs[0].token_ids
+    assert again == expected
+    llm.close()
+
+
+def test_auto_ratio_follows_the_controller(tiny_llama_dir, tmp_path):
+    llm = make_llm(tiny_llama_dir, tmp_path, pipelined=True)
+    auto = BlendConfig(recompute_ratio="auto", min_recompute_ratio=0.1, max_recompute_ratio=0.8)
+    llm.generate([PROMPT], ONE, blend=auto)  # warm the store
+    conn = llm.engine.kv_connector
+
+    conn.controller = conn._loader.controller = LoadingController()  # nothing measured
+    first = llm.generate([PROMPT], ONE, blend=auto)[0].blend_stats
+    assert first.chosen_recompute_ratio == 0.1  # the floor
+    assert conn.controller.compute.value is not None  # the step was measured
+
+    slow = LoadingController()  # fake measurements: storage far slower than compute
+    slow.record_load("memory", 1000, 1.0)
+    slow.record_load("lmdb", 1000, 1.0)
+    slow.record_compute(10**6, 1.0)
+    conn.controller = conn._loader.controller = slow
+    second = llm.generate([PROMPT], ONE, blend=auto)[0].blend_stats
+    assert second.chosen_recompute_ratio == 0.8  # the cap: recompute hides behind loading
+    assert second.recompute_fraction == pytest.approx(0.8, abs=0.02)
+    llm.close()
+
+
+def test_auto_ratio_bounds_are_checked():
+    with pytest.raises(ConfigError, match="must not exceed"):
+        BlendConfig(recompute_ratio="auto", min_recompute_ratio=0.5, max_recompute_ratio=0.2)
+    with pytest.raises(ConfigError, match="or 'auto'"):
+        BlendConfig(recompute_ratio="most")
+    assert BlendConfig(recompute_ratio="auto").planned_ratio == 0.5
