@@ -194,6 +194,15 @@ class BlendManager:
     def compute_kv(self, chunks: list[list[int]]) -> list[torch.Tensor]:
         """Each chunk's K (pre-RoPE) and V, prefilled alone behind the anchor (one forward
         each), on the model's device."""
+        from blendkv.errors import PromptTooLongError
+
+        limit = self.model.model.rotary_emb.max_position
+        for chunk in chunks:
+            if len(self.anchor_ids) + len(chunk) > limit:
+                raise PromptTooLongError(
+                    f"a chunk of {len(chunk)} tokens behind the {len(self.anchor_ids)}-token "
+                    f"anchor exceeds the model's {limit} positions; split it into smaller chunks"
+                )
         return compute_chunks_kv(self.model, self.attn_backend, self.anchor_ids, chunks)
 
     def has(self, key: bytes) -> bool:

@@ -134,3 +134,12 @@ def test_prompt_logits_of_reused_rows_are_refused(blend_llm):
         blend_llm.generate([PROMPT], GREEDY, blend=BlendConfig(), logits_from=start - 1)
     out = blend_llm.generate([PROMPT], GREEDY, blend=BlendConfig(), logits_from=start)[0]
     assert out.extra["prompt_logits"].shape[0] == len(plan.prompt.token_ids) - start
+
+
+def test_precomputing_a_chunk_longer_than_the_model_is_a_clear_error(tiny_llama_dir):
+    from blendkv.errors import PromptTooLongError
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    with pytest.raises(PromptTooLongError, match="split it into smaller chunks"):
+        llm.blend_manager().precompute([[5] * 1100])
+    llm.close()

@@ -1,0 +1,30 @@
+"""``blendkv bench blend --profile`` on a tiny model: every part is reported and they add up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import make_tiny_model_dir
+
+from blendkv.cli import main
+
+DATA = Path(__file__).parents[1] / "data" / "musique_dev_first2.json"
+
+
+def test_profile_parts_add_up_to_the_ttft(tmp_path, capsys):
+    # The tiny byte-level tokenizer turns a MuSiQue prompt into ~10K tokens.
+    model = make_tiny_model_dir(tmp_path / "model", "llama", max_position_embeddings=16384)
+    out = tmp_path / "blend.json"
+    args = ["bench", "blend", "--model", str(model), "--data", str(DATA)]
+    assert main([*args, "--limit", "1", "--dtype", "float32", "--profile", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    prof = row["profile"]
+    parts = prof["parts"]
+    for name in ("store reads", "selection", "sampling", "python + scheduling"):
+        assert name in parts
+    assert any(k.startswith("recomputed layers: attention") for k in parts)
+    assert sum(parts.values()) == pytest.approx(prof["ttft"], rel=1e-6)
+    assert 0 < prof["row_layers"] < prof["all_row_layers"]
+    assert "of its floor" in capsys.readouterr().out
