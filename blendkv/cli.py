@@ -27,7 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that loads a model."""
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: the faster on the device (float32 on CPUs without native bf16)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)

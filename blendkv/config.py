@@ -11,7 +11,7 @@ from typing import Any
 
 from blendkv.errors import ConfigError
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton")
 
 
@@ -23,7 +23,9 @@ class EngineConfig:
     """
 
     model: str | None = None  # None = embedded SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"
+    # "auto": the faster on the device (resolve_dtype): bfloat16 on CUDA; on the CPU bfloat16
+    # only with native bf16 dot products (AMX / AVX512-BF16), else float32.
+    dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30
@@ -98,12 +100,6 @@ class EngineConfig:
             _positive("kv_store_max_bytes", self.kv_store_max_bytes)
         _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
 
-    @property
-    def torch_dtype(self):
-        import torch
-
-        return getattr(torch, self.dtype)
-
 
 def _valid_device(device: object) -> bool:
     if not isinstance(device, str):
@@ -135,6 +131,24 @@ def resolve_device(device: str) -> str:
                 f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) exist"
             )
     return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto``: the dtype that runs fastest on ``device``.
+
+    Measured on this project's CPUs (AVX-512 without BF16 instructions): a bf16 GEMM took 4.5x
+    as long as fp32 (oneDNN converts), and a 1024-token prefill 2.9x; on CPUs with AMX or
+    AVX512-BF16 the bf16 kernels are native. GPUs: bf16 where supported, else fp16.
+    """
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    native_bf16 = caps.get("amx_bf16") or caps.get("avx512_bf16")
+    return "bfloat16" if native_bf16 else "float32"
 
 
 def resolve_attention_backend(name: str, device: str) -> str:

@@ -73,7 +73,7 @@ def run_one(
     llm = LLM(model, dtype=dtype, max_num_seqs=max(64, num_requests), enable_prefix_caching=False)
     tok = llm.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(
-        llm.engine.resolved.model_dir, dtype=llm.config.torch_dtype
+        llm.engine.resolved.model_dir, dtype=llm.engine.torch_dtype
     )
     hf.generation_config.eos_token_id = None
     hf.eval()

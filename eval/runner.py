@@ -42,7 +42,7 @@ class EvalConfig:
     methods: str = "full,reuse,blend@0.15"
     limit: int | None = None
     model: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_tokens: int = 32
     seed: int = 0
     answer_tokens: int = 16
@@ -125,7 +125,7 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
             engine = llm.engine
             hf = HFRunner(
                 engine.resolved.model_dir,
-                config.dtype,
+                engine.dtype,
                 engine.tokenizer,
                 engine.info.eos_token_ids,
                 engine.info.device,
@@ -294,6 +294,7 @@ def _config_dict(config: EvalConfig, llm, methods: list[Method], n: int) -> dict
         num_examples=n,
         model_name=info.model_name,
         architecture=info.architecture,
+        dtype=info.dtype,  # resolved ("auto" -> what ran)
         reference="full",
         decoding="greedy",
         selection=blend.selection,

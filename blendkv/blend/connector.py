@@ -67,7 +67,7 @@ class BlendConnector(KVConnectorBase):
                 ctx.attn_backend,
                 architecture=ctx.info.architecture,
                 weights_hash=weights_hash(ctx.resolved),
-                dtype=conf.dtype,
+                dtype=ctx.info.dtype,
                 store_dir=conf.kv_store_dir,
                 store_max_bytes=conf.kv_store_max_bytes,
                 memory_tier_bytes=conf.kv_store_memory_bytes,

@@ -27,7 +27,7 @@ def register(sub) -> None:
     )
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_device_args(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data set")

@@ -75,11 +75,12 @@ class RuntimeInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     device: str = "cpu"  # resolved from EngineConfig.device ("auto" -> cuda or cpu)
+    dtype: str = "float32"  # resolved from EngineConfig.dtype
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from blendkv.config import resolve_attention_backend, resolve_device
+        from blendkv.config import resolve_attention_backend, resolve_device, resolve_dtype
         from blendkv.engine.sampler import Sampler
         from blendkv.kernels import KVCacheSpec, get_attention_backend
         from blendkv.models.loader import load_model, load_tokenizer, resolve_model
@@ -90,12 +91,14 @@ class LLMEngine:
         self.resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.tokenizer = load_tokenizer(self.resolved)
         self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.torch_dtype = getattr(torch, self.dtype)
         backend = resolve_attention_backend(config.attention_backend, self.device)
         try:
             self.attn_backend = get_attention_backend(backend, self.device)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        self.model = load_model(self.resolved, config.torch_dtype, self.attn_backend)
+        self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend)
         self.model.to(self.device)
         self.hf_config = self.model.config
         self.info = self._runtime_info()
@@ -122,7 +125,7 @@ class LLMEngine:
             block_size=info.block_size,
             num_kv_heads=info.num_kv_heads,
             head_dim=info.head_dim,
-            dtype=config.torch_dtype,
+            dtype=self.torch_dtype,
         )
         self.runner = ModelRunner(
             self.model,
@@ -158,7 +161,7 @@ class LLMEngine:
     def _runtime_info(self) -> RuntimeInfo:
         cfg, conf = self.hf_config, self.config
         num_blocks = conf.num_kv_blocks or max(
-            1, conf.kv_cache_memory_bytes // kv_block_bytes(cfg, conf.block_size, conf.torch_dtype)
+            1, conf.kv_cache_memory_bytes // kv_block_bytes(cfg, conf.block_size, self.torch_dtype)
         )
         model_max = getattr(cfg, "max_position_embeddings", None) or 1 << 30
         max_model_len = min(conf.max_model_len or model_max, model_max)
@@ -179,6 +182,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             eos_token_ids=self._eos_token_ids(),
             device=self.device,
+            dtype=self.dtype,
         )
 
     def _eos_token_ids(self) -> tuple[int, ...]:

@@ -56,7 +56,7 @@ class RAGPipeline:
         chunk_tokens: int = 256,
         create: bool = True,
         *,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         device: str = "auto",
         instruction: str | None = DEFAULT_INSTRUCTION,
     ) -> None:

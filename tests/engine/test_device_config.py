@@ -44,3 +44,23 @@ def test_triton_on_the_cpu_needs_the_interpreter(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
         LLM(str(tiny_llama_dir), device="cpu", attention_backend="triton")
+
+
+def test_auto_dtype_is_the_faster_one_on_the_device():
+    from blendkv.config import resolve_dtype
+
+    caps = torch.cpu.get_capabilities()
+    native = caps.get("amx_bf16") or caps.get("avx512_bf16")
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+    assert resolve_dtype("float16", "cpu") == "float16"
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        EngineConfig(dtype="fp8")
+
+
+def test_the_store_fingerprint_records_the_resolved_dtype(tiny_llama_dir):
+    from blendkv import LLM
+
+    llm = LLM(str(tiny_llama_dir))  # dtype="auto"
+    assert llm.engine.info.dtype in ("float32", "bfloat16")
+    assert llm.blend_manager().fingerprint.dtype == llm.engine.info.dtype
+    llm.close()

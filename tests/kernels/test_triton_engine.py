@@ -34,6 +34,22 @@ def make_llm(path, backend, store):
     )
 
 
+def with_decode_graphs(llm, max_num_seqs: int, capture) -> DecodeGraphs:
+    """Give the engine decode graphs on the CPU (the engine makes them only on CUDA)."""
+    engine = llm.engine
+    graphs = DecodeGraphs(
+        engine.model,
+        engine.attn_backend,
+        engine.runner.kv_caches,
+        engine.config.block_size,
+        max_num_seqs=max_num_seqs,
+        max_model_len=64,
+        capture=capture,
+    )
+    engine.runner.decode_graphs = graphs
+    return graphs
+
+
 def run_mixed(llm) -> tuple[dict, list]:
     """Returns each request's greedy tokens and the step layouts."""
     engine = llm.engine
@@ -99,17 +115,7 @@ def test_padded_graph_decode_equals_eager(tiny_llama_dir, tmp_path):
     eager = make_llm(tiny_llama_dir, "triton", tmp_path / "a")
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     llm = make_llm(tiny_llama_dir, "triton", tmp_path / "b")
-    engine = llm.engine
-    graphs = DecodeGraphs(
-        engine.model,
-        engine.attn_backend,
-        engine.runner.kv_caches,
-        engine.config.block_size,
-        max_num_seqs=4,
-        max_model_len=64,
-        capture=EagerCapture(),
-    )
-    engine.runner.decode_graphs = graphs
+    graphs = with_decode_graphs(llm, 4, EagerCapture())
     runs = []
     run = graphs.run
     graphs.run = lambda ids, md: runs.append(md.num_seqs) or run(ids, md)
@@ -125,17 +131,7 @@ def test_a_failed_capture_falls_back_to_eager(tiny_llama_dir, tmp_path):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     llm = make_llm(tiny_llama_dir, "triton", tmp_path)
-    engine = llm.engine
-    graphs = DecodeGraphs(
-        engine.model,
-        engine.attn_backend,
-        engine.runner.kv_caches,
-        engine.config.block_size,
-        max_num_seqs=2,
-        max_model_len=64,
-        capture=broken_capture,
-    )
-    engine.runner.decode_graphs = graphs
+    graphs = with_decode_graphs(llm, 2, broken_capture)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     out = llm.generate([[5, 6, 7, 8]], params)[0]
     assert len(out.outputs[0].token_ids) == 3
