@@ -153,10 +153,24 @@ class BlendConnector(KVConnectorBase):
     def row_plan(self, inputs: ForwardInputs):
         if not self._step:
             return None
+        from blendkv.blend.prophet import run_query_pass
         from blendkv.blend.row_plan import BlendRowPlan
 
-        return BlendRowPlan(inputs.attn_metadata, self._step, self.context.attn_backend)
+        ctx = self.context
+        md, caches = inputs.attn_metadata, inputs.kv_caches
+        run_query_pass(ctx.model, inputs.input_ids, md, caches, self._step, ctx.attn_backend)
+        return BlendRowPlan(md, self._step, ctx.attn_backend, len(caches), _qkv_share(ctx.model))
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._step = []
+
+
+def _qkv_share(model) -> float:
+    """Share of a decoder layer's matmul FLOPs per row spent on the Q/K/V projections."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+    o = c.num_attention_heads * head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return qkv / (qkv + o + mlp)

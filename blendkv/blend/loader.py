@@ -46,6 +46,8 @@ class ChunkLoader:
         table = torch.tensor(block_table, dtype=torch.long)
         block_size = kv_caches[0].shape[2]
         reused = torch.zeros(num_new, dtype=torch.bool)
+        chunk_ids = torch.full((num_new,), -1, dtype=torch.long)
+        chunk_offsets = torch.full((num_new,), -1, dtype=torch.long)
         for i in todo:
             s, e = spans[i]
             kv = computed.get(i)
@@ -63,6 +65,8 @@ class ChunkLoader:
             for layer in range(first, len(kv_caches)):
                 backend.write_kv(kv_caches[layer], k[layer - first], kv[layer - first, 1], slots)
             reused[lo - start : e - start] = True
+            chunk_ids[lo - start : e - start] = i
+            chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
             stats.kv_bytes_loaded += kv.numel() * kv.element_size()
         stats.tokens_reused = int(reused.sum())
         stats.store_errors += self.manager.store.connection_errors - errors_before
@@ -70,7 +74,16 @@ class ChunkLoader:
         stats.load_seconds += time.perf_counter() - t0 - precomputed
         gen = torch.Generator().manual_seed(plan.config.seed)
         return SeqBlend(
-            index, reused, plan.config, plan.prompt.query_start, stats.tokens_reused, gen, stats
+            index,
+            reused,
+            plan.config,
+            plan.prompt.query_start,
+            stats.tokens_reused,
+            gen,
+            stats,
+            chunk_ids=chunk_ids,
+            chunk_offsets=chunk_offsets,
+            num_chunks=len(spans),
         )
 
     def _compute(self, plan: BlendPlan, misses: list[int]) -> dict[int, torch.Tensor]:
