@@ -70,14 +70,14 @@ def query_attention_mass(
 ) -> torch.Tensor:
     """q [Q, H, D] and k [S, Hkv, D] (RoPE applied) -> [S]: the softmax attention each key
     gets, summed over the query rows and heads (a row sees keys at positions <= its own)."""
-    q = q.float()
-    k = k.float()
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,shd->hqs", q, k) * q.shape[-1] ** -0.5
+    num_q, num_heads, dim = q.shape
+    num_kv = k.shape[1]
+    # Query heads grouped by the KV head they share (GQA): no copy of K per query head.
+    q = q.float().reshape(num_q, num_kv, num_heads // num_kv, dim)
+    logits = torch.einsum("qhgd,shd->hgqs", q, k.float()) * dim**-0.5
     visible = k_positions[None, :] <= q_positions[:, None]
-    logits = logits.masked_fill(~visible[None], float("-inf"))
-    return logits.softmax(dim=-1).sum(dim=(0, 1))  # [S]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=(0, 1, 2))  # [S]
 
 
 def top_rows(scores: torch.Tensor, count: int, forced: torch.Tensor | None = None) -> torch.Tensor:
