@@ -167,11 +167,13 @@ def _plot_pareto(methods, sweeps: dict[str, list[tuple[float, str]]], path: Path
     reuse and full prefill as single points. Lower-left is better."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for strategy, points in sweeps.items():
+    colors = plt.cm.tab20.colors
+    for i, (strategy, points) in enumerate(sweeps.items()):
         points = [(r, n) for r, n in points if n != "reuse"]
         xs = [methods[n]["ttft_median_s"] for _, n in points]
         ys = [methods[n]["answer_kl"] for _, n in points]
-        ax.plot(xs, ys, "o-", label=strategy, markersize=4)
+        style = "os^Dv"[i // len(colors) + i % 5] + "-"
+        ax.plot(xs, ys, style, label=strategy, markersize=4, color=colors[i % len(colors)])
         for (r, _), x, y in zip(points, xs, ys, strict=True):
             ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
     for name, marker in (("reuse", "s"), ("full", "*")):
@@ -179,7 +181,8 @@ def _plot_pareto(methods, sweeps: dict[str, list[tuple[float, str]]], path: Path
             s = methods[name]
             ax.scatter(s["ttft_median_s"], s["answer_kl"], marker=marker, s=80, color="k",
                        zorder=3, label=name)  # fmt: skip
-    ax.set_xlabel("median TTFT (s)")
+    ax.set_xscale("log")  # full prefill sits far to the right of every blend
+    ax.set_xlabel("median TTFT (s, log scale)")
     ax.set_ylabel("answer KL vs full prefill (nats, lower is better)")
     ax.grid(alpha=0.3)
     ax.legend(title="strategy (points: R)", fontsize=7)
