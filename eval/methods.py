@@ -46,14 +46,15 @@ class Method:
 
 
 _OPTIONS = (
-    "ck|cv|ckv (correction of K, V, both), sN (correction_shrink N), "
+    "ck|cv|ckv|c0 (correction of K, V, both, none), sN (correction_shrink N), "
     "hN (chunk_head_tokens N), rsN (reselect N)"
 )
 
 
 def parse_strategy(text: str) -> dict[str, Any]:
     """``SELECTION[+OPTION...]`` -> :class:`BlendConfig` keyword arguments. Options: ``ck``,
-    ``cv``, ``ckv`` (``correction`` of K, V or both), ``sN`` (``correction_shrink=N``), ``hN``
+    ``cv``, ``ckv``, ``c0`` (``correction`` of K, V, both or none: ``v_deviation+c0`` is
+    CacheBlend as published), ``sN`` (``correction_shrink=N``), ``hN``
     (``chunk_head_tokens=N``), ``rsN`` (``reselect=N``)."""
     selection, *options = text.split("+")
     if selection not in SELECTIONS:
@@ -63,6 +64,8 @@ def parse_strategy(text: str) -> dict[str, Any]:
         try:
             if opt in ("ck", "cv", "ckv"):
                 kwargs["correction"] = opt[1:]
+            elif opt == "c0":
+                kwargs["correction"] = "none"
             elif opt.startswith("rs"):
                 kwargs["reselect"] = int(opt[2:])
             elif opt.startswith("s"):

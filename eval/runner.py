@@ -294,5 +294,7 @@ def _config_dict(config: EvalConfig, llm, methods: list[Method], n: int) -> dict
         decoding="greedy",
         selection=blend.selection,
         check_layer=blend.check_layer,
+        correction=blend.correction,
+        correction_shrink=blend.correction_shrink,
     )
     return d

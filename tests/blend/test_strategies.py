@@ -27,7 +27,9 @@ PROMPT = {"documents": DOCS, "query": QUERY}
 NUM_LAYERS = 6
 
 STRATEGIES = {
-    "prophet": dict(selection="prophet"),
+    "default": dict(),  # V deviation with the K correction
+    "cacheblend": dict(correction="none"),
+    "prophet": dict(selection="prophet", correction="none"),
     "heads": dict(selection="heads"),
     "chunk_heads": dict(chunk_head_tokens=3),
     "correct_v": dict(correction="v"),
@@ -257,7 +259,7 @@ def test_correction_makes_the_check_layer_exact(llm):
     prompt = llm.blend_manager().prepare(PROMPT, BlendConfig()).prompt
     [ref] = fused_kv(llm, [(PROMPT, BlendConfig(recompute_ratio=1.0))])
     [corrected] = fused_kv(llm, [(PROMPT, BlendConfig(recompute_ratio=0.2, correction="v"))])
-    [plain] = fused_kv(llm, [(PROMPT, BlendConfig(recompute_ratio=0.2))])
+    [plain] = fused_kv(llm, [(PROMPT, BlendConfig(recompute_ratio=0.2, correction="none"))])
     end = prompt.query_start
     torch.testing.assert_close(corrected[1, :, :end], ref[1, :, :end], atol=1e-5, rtol=0)
     assert (plain[1, :, :end] - ref[1, :, :end]).abs().max() > 1e-3
@@ -293,11 +295,13 @@ def test_config_validation_and_cache_key():
     ):
         with pytest.raises(ConfigError):
             BlendConfig(**bad)
-    base = BlendConfig()
+    base = BlendConfig(correction="none")
     assert base.cache_key() == repr((0.15, 1, "v_deviation", (), 0)).encode()
+    assert BlendConfig(correction="none", correction_shrink=3.0).cache_key() == base.cache_key()
     keys = {base.cache_key()} | {
         BlendConfig(**kw).cache_key()
         for kw in (
+            dict(),  # the default: correction="k"
             dict(correction="v"),
             dict(correction="v", correction_shrink=2.0),
             dict(chunk_head_tokens=4),
@@ -305,7 +309,7 @@ def test_config_validation_and_cache_key():
             dict(selection="prophet"),
         )
     }
-    assert len(keys) == 6
+    assert len(keys) == 7
     with pytest.raises(ConfigError, match="out of range"):
         BlendConfig(reselect=2).validate_for(2)
     assert BlendConfig(recompute_ratio=0.1, reselect=2).selection_layers(30) == pytest.approx(
@@ -318,6 +322,8 @@ def test_method_names():
     cfg = parse_method("blend@0.1:prophet+ckv+h4+s2+rs1").blend
     assert (cfg.selection, cfg.correction, cfg.chunk_head_tokens) == ("prophet", "kv", 4)
     assert (cfg.correction_shrink, cfg.reselect, cfg.recompute_ratio) == (2.0, 1, 0.1)
+    assert parse_method("blend@0.1:v_deviation+c0").blend.correction == "none"
+    assert parse_method("blend@0.1").blend.correction == "k"  # the default
     for bad in ("blend@0.1:prophet+zz", "blend@0.1:+cv", "blend@0.1:heads+rs9"):
         with pytest.raises(MethodError):
             parse_method(bad)
