@@ -6,9 +6,10 @@ A method is how the prompt's K/V comes about:
 - ``prefix``: the engine's prefix cache, warmed by the same documents in reversed order just
   before (what a vLLM user gets when passages are retrieved in another order).
 - ``reuse``: every chunk's stored K/V as is (``BlendConfig(recompute_ratio=0.0)``).
-- ``blend@R``: CacheBlend with recompute ratio ``R`` in [0, 1]; ``blend@R:SELECTION`` picks the
-  recomputed tokens with another strategy of :class:`BlendConfig` (``attention``,
-  ``k_deviation``, ``random``; the default is ``v_deviation``).
+- ``blend@R``: CacheBlend with recompute ratio ``R`` in [0, 1]; ``blend@R:STRATEGY`` names
+  another fusion strategy of :class:`BlendConfig`: a selection (``attention``, ``k_deviation``,
+  ``random``, ``prophet``, ``heads``; the default is ``v_deviation``) followed by options
+  joined with ``+`` (:func:`parse_strategy`), e.g. ``blend@0.1:prophet+cv+h4``.
 - ``hf``: transformers ``generate`` on the same token ids (an engine-independent reference).
 
 Every timed request starts from an empty prefix cache (except the ``prefix`` warm-up), so TTFT
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from blendkv.blend.config import SELECTIONS, BlendConfig
-from blendkv.errors import BlendKVError
+from blendkv.errors import BlendKVError, ConfigError
 
 __all__ = ["Method", "MethodError", "MethodRun", "parse_method", "parse_methods", "run_method"]
 
@@ -44,9 +45,44 @@ class Method:
     blend: BlendConfig | None = None  # for kind == "blend" (``reuse`` is blend at 0.0)
 
 
+_OPTIONS = (
+    "ck|cv|ckv|c0 (correction of K, V, both, none), sN (correction_shrink N), "
+    "hN (chunk_head_tokens N), rsN (reselect N)"
+)
+
+
+def parse_strategy(text: str) -> dict[str, Any]:
+    """``SELECTION[+OPTION...]`` -> :class:`BlendConfig` keyword arguments. Options: ``ck``,
+    ``cv``, ``ckv``, ``c0`` (``correction`` of K, V, both or none: ``v_deviation+c0`` is
+    CacheBlend as published), ``sN`` (``correction_shrink=N``), ``hN``
+    (``chunk_head_tokens=N``), ``rsN`` (``reselect=N``)."""
+    selection, *options = text.split("+")
+    if selection not in SELECTIONS:
+        raise MethodError(f"unknown selection {selection!r}; use one of {', '.join(SELECTIONS)}")
+    kwargs: dict[str, Any] = {"selection": selection}
+    for opt in options:
+        try:
+            if opt in ("ck", "cv", "ckv"):
+                kwargs["correction"] = opt[1:]
+            elif opt == "c0":
+                kwargs["correction"] = "none"
+            elif opt.startswith("rs"):
+                kwargs["reselect"] = int(opt[2:])
+            elif opt.startswith("s"):
+                kwargs["correction_shrink"] = float(opt[1:])
+            elif opt.startswith("h"):
+                kwargs["chunk_head_tokens"] = int(opt[1:])
+            else:
+                raise ValueError
+        except ValueError:
+            raise MethodError(f"unknown strategy option {opt!r}; options: {_OPTIONS}") from None
+    return kwargs
+
+
 def parse_method(name: str) -> Method:
     """``"full"``, ``"prefix"``, ``"reuse"``, ``"hf"``, ``"blend@R"`` with R in [0, 1], or
-    ``"blend@R:SELECTION"`` with SELECTION one of :data:`~blendkv.blend.config.SELECTIONS`."""
+    ``"blend@R:STRATEGY"`` with STRATEGY a selection of
+    :data:`~blendkv.blend.config.SELECTIONS` and options (:func:`parse_strategy`)."""
     name = name.strip()
     if name in ("full", "prefix", "hf"):
         return Method(name, name)
@@ -63,12 +99,17 @@ def parse_method(name: str) -> Method:
             ) from None
         if not 0.0 <= ratio <= 1.0:
             raise MethodError(f"bad method {name!r}: recompute ratio {ratio} is not in [0, 1]")
-        if colon and selection not in SELECTIONS:
-            raise MethodError(
-                f"bad method {name!r}: unknown selection {selection!r} after ':'; use one of "
-                f"{', '.join(SELECTIONS)}, e.g. blend@0.15:attention"
-            )
-        config = BlendConfig(recompute_ratio=ratio, selection=selection or BlendConfig.selection)
+        kwargs = {}
+        if colon:
+            try:
+                kwargs = parse_strategy(selection)
+                config = BlendConfig(recompute_ratio=ratio, **kwargs)
+            except (MethodError, ConfigError) as e:
+                raise MethodError(
+                    f"bad method {name!r}: {e} (e.g. blend@0.15:attention, blend@0.1:prophet+cv)"
+                ) from None
+        else:
+            config = BlendConfig(recompute_ratio=ratio)
         return Method(name, "blend", config)
     raise MethodError(
         f"unknown method {name!r}; use one of {', '.join(PLAIN_METHODS)}, blend@R "
@@ -82,8 +123,8 @@ def _identity(method: Method) -> tuple:
     if method.blend is None:
         return (method.kind,)
     b = method.blend
-    selection = b.selection if 0.0 < b.recompute_ratio < 1.0 else None
-    return (method.kind, b.recompute_ratio, selection)
+    strategy = b.cache_key() if 0.0 < b.recompute_ratio < 1.0 else None
+    return (method.kind, b.recompute_ratio, strategy)
 
 
 def parse_methods(spec: str) -> list[Method]:

@@ -4,8 +4,10 @@
     DIR/per_example.jsonl   one record per (example, method)
     DIR/report.md           one table row per method, TTFT speedup vs full
     DIR/quality_vs_ttft.png F1 and answer KL against median TTFT, one point per method
-    DIR/recompute_sweep.png answer KL and F1 against R, one line per selection strategy (only
+    DIR/recompute_sweep.png answer KL and F1 against R, one line per fusion strategy (only
                             with two or more blend@R of one strategy; reuse is R = 0)
+    DIR/pareto.png          answer KL against median TTFT, one line per fusion strategy (its
+                            ratios), reuse and full as points (with any blend@R)
 
 Plots use matplotlib's Agg backend (no display needed).
 """
@@ -35,6 +37,7 @@ _COLUMNS = (
     ("ttft_p90_s", "TTFT p90 (s)", "{:.3f}"),
     ("ttft_speedup", "speedup vs full", "{:.2f}x"),
     ("recompute_fraction", "recompute", "{:.3f}"),
+    ("compute_fraction", "cost", "{:.3f}"),
     ("kv_bytes_loaded", "K/V loaded (MB)", "mb"),
     ("load_seconds", "load (s)", "{:.3f}"),
 )
@@ -71,9 +74,10 @@ def _report_md(config: dict[str, Any], methods: dict[str, dict[str, Any]]) -> st
         f"{config['check_layer']}\n"
         "- TTFT measured interleaved per example after warming the chunk store; speedup = "
         "full's median TTFT / the method's. `recompute` = share of reused chunk tokens "
-        "recomputed (blend) or of prompt tokens computed (full, prefix, hf). `prefix` reuses exact "
-        "K/V, so its logit fidelity is full's (not re-measured); its answers and TTFT are its "
-        "own.\n\n" + format_table(methods) + "\n"
+        "recomputed to the last layer (blend) or of prompt tokens computed (full, prefix, hf); "
+        "`cost` = row-layers run / full prefill's (selection passes included). `prefix` reuses "
+        "exact K/V, so its logit fidelity is full's (not re-measured); its answers and TTFT are "
+        "its own.\n\n" + format_table(methods) + "\n"
     )
 
 
@@ -95,6 +99,9 @@ def write_outputs(out_dir: str | Path, result) -> dict[str, Path]:
     paths["report"].write_text(_report_md(result.config, result.summary))
     _plot_quality_vs_ttft(result.summary, paths["quality_vs_ttft"])
     sweeps = _blend_sweeps(result.summary)
+    if sweeps:
+        paths["pareto"] = out / "pareto.png"
+        _plot_pareto(result.summary, sweeps, paths["pareto"])
     if any(sum(n.startswith("blend@") for _, n in points) >= 2 for points in sweeps.values()):
         paths["recompute_sweep"] = out / "recompute_sweep.png"
         _plot_sweep(result.summary, sweeps, paths["recompute_sweep"])
@@ -102,12 +109,14 @@ def write_outputs(out_dir: str | Path, result) -> dict[str, Path]:
 
 
 def _blend_sweeps(methods: dict[str, dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
-    """Selection strategy -> its ``blend@R[:SELECTION]`` methods as sorted ``(R, name)``."""
+    """Fusion strategy (``blend@R:STRATEGY``'s STRATEGY, ``v_deviation`` when none) -> its
+    methods as sorted ``(R, name)``."""
     sweeps: dict[str, list[tuple[float, str]]] = {}
     for name in methods:
         if name.startswith("blend@"):
             blend = parse_method(name).blend
-            sweeps.setdefault(blend.selection, []).append((blend.recompute_ratio, name))
+            strategy = name.partition(":")[2] or blend.selection
+            sweeps.setdefault(strategy, []).append((blend.recompute_ratio, name))
     if "reuse" in methods:  # R = 0 is the same K/V under every strategy
         for points in sweeps.values():
             if all(r > 0.0 for r, _ in points):
@@ -153,6 +162,36 @@ def _plot_quality_vs_ttft(methods: dict[str, dict[str, Any]], path: Path) -> Non
     plt.close(fig)
 
 
+def _plot_pareto(methods, sweeps: dict[str, list[tuple[float, str]]], path: Path) -> None:
+    """Answer KL against median TTFT: one line per strategy through its ratios (labelled R),
+    reuse and full prefill as single points. Lower-left is better."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colors = plt.cm.tab20.colors
+    for i, (strategy, points) in enumerate(sweeps.items()):
+        points = [(r, n) for r, n in points if n != "reuse"]
+        xs = [methods[n]["ttft_median_s"] for _, n in points]
+        ys = [methods[n]["answer_kl"] for _, n in points]
+        style = "os^Dv"[i // len(colors) + i % 5] + "-"
+        ax.plot(xs, ys, style, label=strategy, markersize=4, color=colors[i % len(colors)])
+        for (r, _), x, y in zip(points, xs, ys, strict=True):
+            ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    for name, marker in (("reuse", "s"), ("full", "*")):
+        if name in methods:
+            s = methods[name]
+            ax.scatter(s["ttft_median_s"], s["answer_kl"], marker=marker, s=80, color="k",
+                       zorder=3, label=name)  # fmt: skip
+    ax.set_xscale("log")  # full prefill sits far to the right of every blend
+    ax.set_xlabel("median TTFT (s, log scale)")
+    ax.set_ylabel("answer KL vs full prefill (nats, lower is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(title="strategy (points: R)", fontsize=7)
+    ax.set_title("fusion strategies: fidelity against time to first token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _plot_sweep(methods, sweeps: dict[str, list[tuple[float, str]]], path: Path) -> None:
     """Answer KL (left) and F1 (right) against R, one line per selection strategy."""
     plt = _pyplot()
@@ -167,7 +206,7 @@ def _plot_sweep(methods, sweeps: dict[str, list[tuple[float, str]]], path: Path)
         ax.set_xlabel("recompute ratio R")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(title="selection", fontsize=8)
+        ax.legend(title="strategy", fontsize=8)
     fig.suptitle("blend recompute sweep")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -212,8 +212,9 @@ def _score_example(methods, ex, prompt, runs: dict[str, MethodRun], rows_of, con
         if m.kind == "blend":
             recompute = stats["recompute_fraction"]
             computed = stats["tokens_recomputed"] / n_prompt
+            cost = stats["compute_fraction"]
         else:
-            recompute = computed = (n_prompt - run.num_cached_tokens) / n_prompt
+            recompute = computed = cost = (n_prompt - run.num_cached_tokens) / n_prompt
         records.append(
             {
                 "id": ex.id,
@@ -235,6 +236,7 @@ def _score_example(methods, ex, prompt, runs: dict[str, MethodRun], rows_of, con
                 "num_cached_tokens": run.num_cached_tokens,
                 "recompute_fraction": recompute,
                 "computed_fraction": computed,
+                "compute_fraction": cost,
                 "kv_bytes_loaded": stats.get("kv_bytes_loaded", 0),
                 "load_seconds": stats.get("load_seconds", 0.0),
                 "blend_stats": run.blend_stats,
@@ -255,6 +257,7 @@ _MEANS = (
     "continuation_match",
     "recompute_fraction",
     "computed_fraction",
+    "compute_fraction",
     "kv_bytes_loaded",
     "load_seconds",
 )
@@ -267,7 +270,8 @@ def summarize_method(records: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("no records to summarise")
     out: dict[str, Any] = {"n": len(records)}
     for key in _MEANS:
-        out[key] = statistics.fmean(float(r[key]) for r in records)
+        values = [float(r[key]) for r in records if key in r]  # journals of older runs lack some
+        out[key] = statistics.fmean(values) if values else None
     ttft = metrics.summarize(r["ttft_s"] for r in records)
     out["ttft_median_s"], out["ttft_p90_s"], out["ttft_mean_s"] = (
         ttft["median"],
@@ -299,5 +303,7 @@ def _config_dict(config: EvalConfig, llm, methods: list[Method], n: int) -> dict
         decoding="greedy",
         selection=blend.selection,
         check_layer=blend.check_layer,
+        correction=blend.correction,
+        correction_shrink=blend.correction_shrink,
     )
     return d

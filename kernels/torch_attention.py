@@ -197,6 +197,8 @@ class TorchAttentionBackend(AttentionBackend):
         decode_rows = []
         for i in range(md.num_seqs):
             lo, hi = starts[i], starts[i + 1]
+            if lo == hi:  # a sequence with no rows in this pass (a blend's query pass)
+                continue
             seq_len = md.seq_lens_cpu[i]
             if hi - lo == 1 and md.is_contiguous_prefill[i]:
                 decode_rows.append(i)

@@ -65,3 +65,33 @@ BLEND_DOCS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
 ]
 BLEND_QUERY = "Which city is the capital of France?"
+
+
+def standalone_chunk_kv(hf, anchor, chunk):
+    """Pre-RoPE K and V of ``chunk`` prefilled behind ``anchor``, captured from transformers."""
+    captured = {}
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        for name in ("k_proj", "v_proj"):
+            mod = getattr(layer.self_attn, name)
+            hooks.append(
+                mod.register_forward_hook(
+                    lambda m, inp, out, i=i, name=name: captured.__setitem__((i, name), out[0])
+                )
+            )
+    with torch.no_grad():
+        hf(torch.tensor([anchor + chunk]))
+    for h in hooks:
+        h.remove()
+    cfg = hf.config
+    hd = (
+        cfg.hidden_size // cfg.num_attention_heads
+        if not getattr(cfg, "head_dim", None)
+        else cfg.head_dim
+    )
+    shape = (-1, cfg.num_key_value_heads, hd)
+    n = len(anchor)
+    return [
+        (captured[(i, "k_proj")].view(shape)[n:], captured[(i, "v_proj")].view(shape)[n:])
+        for i in range(cfg.num_hidden_layers)
+    ]

@@ -1,4 +1,5 @@
-"""How a blended prefill repairs reused chunk K/V (CacheBlend, arXiv 2405.16444 §4)."""
+"""How a blended prefill repairs reused chunk K/V (CacheBlend, arXiv 2405.16444 §4, and the
+strategies beyond it in :mod:`blendkv.blend.selection` and :mod:`blendkv.blend.correction`)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ from dataclasses import dataclass
 
 from blendkv.errors import ConfigError
 
-SELECTIONS = ("v_deviation", "k_deviation", "attention", "random")
+SELECTIONS = ("v_deviation", "k_deviation", "attention", "random", "prophet", "heads")
+CORRECTIONS = ("none", "k", "v", "kv")
+# Selections whose score exists only at their one selection layer; re-checks deeper in the
+# model (``schedule``, ``reselect``) score these by V deviation.
+_ONE_SHOT = ("prophet", "heads", "attention", "random")
 
 
 @dataclass(frozen=True)
 class BlendConfig:
-    """Which tokens of the reused chunks are recomputed, and where.
+    """Which tokens of the reused chunks are recomputed, where, and how the rest is repaired.
 
     Attributes:
         recompute_ratio: fraction of *reused* tokens recomputed from ``check_layer`` on. Tokens
@@ -27,13 +32,30 @@ class BlendConfig:
             and the recompute set is chosen. Layers before it run in full.
         selection: ``v_deviation`` (CacheBlend: sum over heads x head_dim of (V_fresh -
             V_reused)^2), ``k_deviation`` (the same on K), ``attention`` (query-aware: the
-            attention the query tokens pay each chunk token at the check layer), or ``random``
-            (a baseline; seeded by ``seed``).
+            attention the query tokens pay each chunk token at the check layer), ``random``
+            (a baseline; seeded by ``seed``), ``prophet`` (ProphetKV, arXiv 2602.02579: a first
+            pass runs only the non-reused rows over the reused K/V through every layer; the
+            attention the query rows pay each chunk token, summed over layers and heads, picks
+            the rows, which are then recomputed from layer 0 -- ``check_layer`` is not used) or
+            ``heads`` (the first tokens of every chunk, the same number in each).
         schedule: gradual filtering (paper §4.3): ``((layer, ratio), ...)`` with increasing
             layers after ``check_layer`` and decreasing ratios; at each listed layer the recompute
             set shrinks to the ``ratio`` most deviating reused tokens among those still
             recomputed. Empty = one selection at ``check_layer``.
         seed: seed of the ``random`` selection.
+        correction: ``none``, ``k`` (default), ``v`` or ``kv``: repair the K and/or V of the
+            reused rows that are *not* recomputed (:mod:`blendkv.blend.correction`); ``none``
+            is CacheBlend as published. At a selection layer
+            the dropped rows keep the fresh K/V computed there (exact); at later layers each
+            chunk's kept rows get the mean (fresh - reused) shift of that chunk's recomputed
+            rows, per head, shrunk by ``n / (n + correction_shrink)`` for ``n`` such rows.
+        correction_shrink: the pseudo-count of that shrinkage (tokens, >= 0; default 32).
+        chunk_head_tokens: the first this-many tokens of every chunk are always recomputed
+            (EPIC/CacheClip "chunk heads"); they count against ``recompute_ratio``.
+        reselect: number of re-checks deeper in the model (0, 1 or 2): the set picked at the
+            check layer is 1.5 x ``recompute_ratio``, and at ``num_layers * j / (reselect + 1)``
+            it shrinks, by fresh V deviation of the rows still computed, to ratios ending at
+            0.5 x ``recompute_ratio`` (the mean over the layers stays about the ratio).
     """
 
     recompute_ratio: float | str = 0.15
@@ -41,6 +63,12 @@ class BlendConfig:
     selection: str = "v_deviation"
     schedule: tuple[tuple[int, float], ...] = ()
     seed: int = 0
+    # K correction on by default: it more than halves V deviation's answer KL at the same
+    # ratio and TTFT on SmolLM2-135M and Qwen2.5-0.5B (README, "Fusion strategies").
+    correction: str = "k"
+    correction_shrink: float = 32.0
+    chunk_head_tokens: int = 0
+    reselect: int = 0
     min_recompute_ratio: float = 0.15
     max_recompute_ratio: float = 0.5
 
@@ -62,8 +90,21 @@ class BlendConfig:
             raise ConfigError(f"check_layer must be >= 0, got {self.check_layer}")
         if self.selection not in SELECTIONS:
             raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if self.correction not in CORRECTIONS:
+            raise ConfigError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        s = self.correction_shrink
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0:
+            raise ConfigError(f"correction_shrink must be a number >= 0, got {s!r}")
+        for name, hi in (("chunk_head_tokens", None), ("reselect", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+            if hi is not None and value > hi:
+                raise ConfigError(f"{name} must be at most {hi}, got {value}")
+        if self.reselect and self.schedule:
+            raise ConfigError("give either reselect or an explicit schedule, not both")
         object.__setattr__(self, "schedule", tuple((int(l), float(x)) for l, x in self.schedule))
-        prev_layer, prev_ratio = self.check_layer, float(r)
+        prev_layer, prev_ratio = self.first_selection_layer, float(r)
         for layer, ratio in self.schedule:
             if layer <= prev_layer or not 0.0 <= ratio <= prev_ratio:
                 raise ConfigError(
@@ -86,18 +127,41 @@ class BlendConfig:
         return self.recompute_ratio == 0.0 and not self.schedule
 
     @property
+    def first_selection_layer(self) -> int:
+        """The layer where reused rows first leave the computed set."""
+        return 0 if self.selection == "prophet" else self.check_layer
+
+    @property
     def first_partial_layer(self) -> int:
         """First layer that does not recompute every token (reused K/V is loaded from here)."""
-        return 0 if self.full_reuse else self.check_layer
+        return 0 if self.full_reuse else self.first_selection_layer
 
-    def selection_layers(self) -> dict[int, float]:
-        """Layer -> ratio of reused tokens kept from that layer on."""
+    def selection_layers(self, num_layers: int | None = None) -> dict[int, float]:
+        """Layer -> ratio of reused tokens kept from that layer on (``reselect`` needs the
+        model's ``num_layers``)."""
         if self.full_reuse:
             return {0: 0.0}
-        return {self.check_layer: self.planned_ratio, **dict(self.schedule)}
+        first, r = self.first_selection_layer, self.planned_ratio
+        if not self.reselect or r >= 1.0:
+            return {first: r, **dict(self.schedule)}
+        if num_layers is None:
+            raise ValueError("reselect needs num_layers")
+        n = self.reselect
+        ratios = [min(1.0, 1.5 * r - j * r / n) for j in range(n + 1)]  # 1.5r .. 0.5r
+        layers = {first: ratios[0]}
+        for j in range(1, n + 1):
+            layer = max(first + j, num_layers * j // (n + 1))
+            layers[layer] = ratios[j]
+        return layers
+
+    def score_at(self, layer_idx: int) -> str:
+        """The scoring strategy at a selection layer (re-checks of one-shot scores use V)."""
+        if layer_idx != self.first_selection_layer and self.selection in _ONE_SHOT:
+            return "v_deviation"
+        return self.selection
 
     def validate_for(self, num_layers: int) -> None:
-        last = max(self.selection_layers())
+        last = max(self.selection_layers(num_layers))
         if last >= num_layers:
             raise ConfigError(
                 f"blend layer {last} is out of range for a model with {num_layers} layers"
@@ -105,10 +169,14 @@ class BlendConfig:
 
     def cache_key(self) -> bytes:
         """Identity of the K/V this config produces (salts the prefix-cache hashes)."""
-        fields = (self.recompute_ratio, self.check_layer, self.selection, self.schedule, self.seed)
+        base = (self.recompute_ratio, self.check_layer, self.selection, self.schedule, self.seed)
         if self.auto_ratio:
-            fields += (self.min_recompute_ratio, self.max_recompute_ratio)
-        return repr(fields).encode()
+            base += (self.min_recompute_ratio, self.max_recompute_ratio)
+        if self.correction == "none" and not self.chunk_head_tokens and not self.reselect:
+            return repr(base).encode()  # what CacheBlend's configs were keyed by before
+        shrink = self.correction_shrink if self.correction != "none" else None
+        extra = (self.correction, shrink, self.chunk_head_tokens, self.reselect)
+        return repr(base + extra).encode()
 
 
 def _check_ratio(name: str, value: object, alternative: str = "") -> None:

@@ -175,10 +175,18 @@ class BlendConnector(KVConnectorBase):
     def row_plan(self, inputs: ForwardInputs):
         if not self._step:
             return None
+        from blendkv.blend.prophet import run_query_pass
         from blendkv.blend.row_plan import BlendRowPlan
 
-        self._row_plan = BlendRowPlan(inputs.attn_metadata, self._step, self.context.attn_backend)
+        ctx = self.context
+        md, caches = inputs.attn_metadata, inputs.kv_caches
         self._forward_start = time.perf_counter()
+        # ProphetKV's query pass (a no-op without a prophet request) reads the loaded K/V of
+        # every layer: it waits for each layer's writes like the forward does.
+        run_query_pass(ctx.model, inputs.input_ids, md, caches, self._step, ctx.attn_backend, self)
+        self._row_plan = BlendRowPlan(
+            md, self._step, ctx.attn_backend, len(caches), _qkv_share(ctx.model)
+        )
         return self._row_plan
 
     def needs_layer_hooks(self) -> bool:
@@ -220,3 +228,13 @@ class BlendConnector(KVConnectorBase):
         self._step = []
         self._layer_load = None
         self._row_plan = None
+
+
+def _qkv_share(model) -> float:
+    """Share of a decoder layer's matmul FLOPs per row spent on the Q/K/V projections."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+    o = c.num_attention_heads * head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return qkv / (qkv + o + mlp)

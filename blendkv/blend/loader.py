@@ -59,6 +59,8 @@ class ChunkLoader:
         reused = torch.zeros(num_new, dtype=torch.bool)
         writes: list[ChunkWrite] = []
         layer_bytes: dict[str, int] = {}
+        chunk_ids = torch.full((num_new,), -1, dtype=torch.long)
+        chunk_offsets = torch.full((num_new,), -1, dtype=torch.long)
         for i in todo:
             s, e = spans[i]
             kv, tier = computed.get(i), "computed"
@@ -85,6 +87,8 @@ class ChunkLoader:
                 )
             )
             reused[lo - start : e - start] = True
+            chunk_ids[lo - start : e - start] = i
+            chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
             stats.kv_bytes_loaded += kv.numel() * kv.element_size()
             if tier != "computed" and len(kv):
                 layer_bytes[tier] = layer_bytes.get(tier, 0) + kv[0].numel() * kv.element_size()
@@ -104,7 +108,16 @@ class ChunkLoader:
         stats.load_seconds += time.perf_counter() - t0 - precomputed
         gen = torch.Generator().manual_seed(config.seed)
         blend = SeqBlend(
-            index, reused, config, plan.prompt.query_start, stats.tokens_reused, gen, stats
+            index,
+            reused,
+            config,
+            plan.prompt.query_start,
+            stats.tokens_reused,
+            gen,
+            stats,
+            chunk_ids=chunk_ids,
+            chunk_offsets=chunk_offsets,
+            num_chunks=len(spans),
         )
         return blend, writes
 

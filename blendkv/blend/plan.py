@@ -49,11 +49,21 @@ class BlendStats:
     store_errors: int = 0  # store calls that failed (e.g. Redis unreachable): chunks recomputed
     ttft: float | None = None
     num_prompt_tokens: int = 0  # the whole prompt: template, chunks, query (set by the engine)
+    # Cost of the fused prefill in row-layers (a row through one decoder layer = 1; a row whose
+    # Q/K/V only were computed at a selection layer = that share), selection passes included,
+    # and what full prefill of the same rows costs.
+    row_layers: float = 0.0
+    full_row_layers: int = 0
 
     @property
     def recompute_fraction(self) -> float:
         """Share of the reused tokens that were recomputed (the realised recompute ratio)."""
         return self.reused_tokens_recomputed / self.tokens_reused if self.tokens_reused else 0.0
+
+    @property
+    def compute_fraction(self) -> float:
+        """Row-layers run / full prefill's row-layers for the same rows (selection included)."""
+        return self.row_layers / self.full_row_layers if self.full_row_layers else 0.0
 
     @property
     def reused_tokens_kept(self) -> int:
@@ -79,6 +89,7 @@ class BlendStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["recompute_fraction"] = self.recompute_fraction
+        d["compute_fraction"] = self.compute_fraction
         d["reused_tokens_kept"] = self.reused_tokens_kept
         d["other_tokens_computed"] = self.other_tokens_computed
         return d

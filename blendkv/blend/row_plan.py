@@ -3,10 +3,11 @@
 A step's rows are the flattened tokens of all scheduled sequences (plain prefills, decodes and
 blended prefills). Plain rows run every layer. For a blended sequence, at each of its selection
 layers the fresh Q/K/V of its rows are scored against the reused K/V already in its blocks, and
-the reused rows not picked leave the set: from then on their K/V stays the reused one. Rows that
-remain write fresh K/V and attend over the whole fused K/V with the exact per-row causal mask of
-the attention backend (a row at position p sees keys at positions <= p, whatever rows are
-around it). The layer loop itself is the model's (:mod:`blendkv.models.hooks`).
+the reused rows not picked leave the set: from then on their K/V stays the reused one (or is
+shifted, with a ``correction``: :mod:`blendkv.blend.correction`). Rows that remain write fresh
+K/V and attend over the whole fused K/V with the exact per-row causal mask of the attention
+backend (a row at position p sees keys at positions <= p, whatever rows are around it). The
+layer loop itself is the model's (:mod:`blendkv.models.hooks`).
 
 Bookkeeping (which rows are left, whose they are, whether they are reused) lives in CPU tensors;
 the scores are computed on the model's device and the chosen indices come back to the host once
@@ -15,15 +16,19 @@ per selection layer, the only device sync a blended forward makes inside its lay
     layer:        0 .. check-1      check            check+1 .. last
     blended seq:  every row         fresh QKV, pick  picked reused + non-reused rows only
     plain seq:    every row         every row        every row
+
+``prophet`` picks at layer 0 from scores of an earlier pass (:mod:`blendkv.blend.prophet`);
+``reselect``/``schedule`` pick again deeper, among the rows still computed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from blendkv.blend.config import BlendConfig
+from blendkv.blend.correction import Rows, correct_kept_rows
 from blendkv.blend.plan import BlendStats
 from blendkv.blend.selection import SelectionInputs, score_rows, top_rows
 from blendkv.models.hooks import RowPlan
@@ -40,16 +45,36 @@ class SeqBlend:
     total_reused: int
     generator: torch.Generator
     stats: BlendStats
+    # Per row of this seq in the step: index of its chunk in the prompt and offset in it
+    # (-1 for rows without reused K/V).
+    chunk_ids: torch.Tensor | None = None
+    chunk_offsets: torch.Tensor | None = None
+    num_chunks: int = 0
+    # prophet: attention mass the query rows paid each position (indexed by absolute position)
+    query_scores: torch.Tensor | None = None
+    extra_row_layers: float = 0.0  # row-layers run for this seq before the fused forward
+    _events: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, in, kept)
 
 
 class BlendRowPlan(RowPlan):
-    def __init__(self, attn_metadata, blends: list[SeqBlend], attn_backend) -> None:
+    def __init__(
+        self,
+        attn_metadata,
+        blends: list[SeqBlend],
+        attn_backend,
+        num_layers: int,
+        qkv_share: float = 0.0,
+    ) -> None:
+        """``qkv_share``: the Q/K/V projections' share of a layer's cost; rows dropped at a
+        selection layer ran only those (for the stats' ``compute_fraction``)."""
         md = attn_metadata
         n = md.num_tokens
         starts = md.query_start_loc_cpu
         assert not any(sb.config.auto_ratio for sb in blends), "the loader resolves 'auto'"
         self.blends = blends
         self.backend = attn_backend
+        self.num_layers = num_layers
+        self.qkv_share = qkv_share
         self.rows = torch.arange(n)
         self.seq_ids = md.row_seq_ids()
         self.positions = md.positions.cpu()  # before the layer loop: one copy per step
@@ -57,18 +82,29 @@ class BlendRowPlan(RowPlan):
         for sb in blends:
             self.reused[starts[sb.index] : starts[sb.index + 1]] = sb.reused
         self.starts = starts
-        self.schedules = [sb.config.selection_layers() for sb in blends]
+        self.all_positions = md.positions
+        self.all_slots = md.slot_mapping
+        self.schedules = [sb.config.selection_layers(num_layers) for sb in blends]
         self._row_counts = [(0, n)]  # (from layer, rows computed) as the set shrinks
         self.layers = set().union(*self.schedules)
+        self._exact: dict[int, torch.Tensor] = {}  # seq index -> rows made exact this layer
+        for sb in blends:
+            sb._events = []
+        self._record()
 
     def selects_at(self, layer_idx: int) -> bool:
         return layer_idx in self.layers
 
     def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
         keep = torch.ones(len(self.rows), dtype=torch.bool)
+        self._exact = {}
         for sb, schedule in zip(self.blends, self.schedules, strict=True):
             if layer_idx in schedule:
-                self._select(attn, sb, schedule[layer_idx], attn_metadata, q, k, v, kv_cache, keep)
+                before = int(keep.sum())
+                self._select(attn, sb, layer_idx, schedule[layer_idx], attn_metadata, q, k, v,
+                             kv_cache, keep)  # fmt: skip
+                n_in = int((self.seq_ids == sb.index).sum())
+                sb._events.append((layer_idx, n_in, n_in - (before - int(keep.sum()))))
         if not keep.all():
             self.rows, self.seq_ids, self.reused, self.positions = (
                 t[keep] for t in (self.rows, self.seq_ids, self.reused, self.positions)
@@ -77,22 +113,28 @@ class BlendRowPlan(RowPlan):
         self._record()
         return None if keep.all() else keep
 
-    def _select(self, attn, sb: SeqBlend, ratio, md, q, k, v, kv_cache, keep) -> None:
+    def _select(self, attn, sb: SeqBlend, layer_idx, ratio, md, q, k, v, kv_cache, keep) -> None:
         """Drop from ``keep`` the reused rows of ``sb`` that are not among the top ``ratio``."""
         seq_rows = torch.nonzero(self.seq_ids == sb.index).flatten()
         cand = seq_rows[self.reused[seq_rows]]
         count = int(round(ratio * sb.total_reused))
         if len(cand) == 0 or count >= len(cand):
             return
+        if count == 0:  # full reuse: no scores needed
+            keep[cand] = False
+            return
         device = q.device
         cand_d = cand.to(device)
         positions = md.positions
-        cached_k, cached_v = self.backend.read_kv(kv_cache, md.slot_mapping[cand_d])
-        strategy = sb.config.selection
+        local = self.rows[cand] - self.starts[sb.index]  # candidates' rows within the seq
+        strategy = sb.config.score_at(layer_idx)
+        cached_k = cached_v = None
+        if strategy in ("v_deviation", "k_deviation", "attention"):
+            cached_k, cached_v = self.backend.read_kv(kv_cache, md.slot_mapping[cand_d])
         inputs = SelectionInputs(
             cand=cand,
             fresh_k=attn.rotary_emb.rotate_k(positions[cand_d], k[cand_d])
-            if strategy != "v_deviation"
+            if strategy == "k_deviation"
             else k[cand_d],
             fresh_v=v[cand_d],
             cached_k=cached_k,
@@ -107,9 +149,58 @@ class BlendRowPlan(RowPlan):
             inputs.seq_k_positions = positions[seq_d]
             inputs.query_positions = positions[query_rows.to(device)]
             inputs.cand_in_seq = torch.searchsorted(seq_rows, cand).to(device)
-        chosen = top_rows(score_rows(strategy, inputs, sb.generator), count).cpu()
+        elif strategy == "heads":
+            inputs.chunk_offsets = sb.chunk_offsets[local]
+        elif strategy == "prophet":
+            inputs.query_scores = sb.query_scores[self.positions[cand]]
+        forced = None
+        if sb.config.chunk_head_tokens:
+            forced = sb.chunk_offsets[local] < sb.config.chunk_head_tokens
+        chosen = top_rows(score_rows(strategy, inputs, sb.generator), count, forced).cpu()
         keep[cand] = False
         keep[cand[chosen]] = True
+        if sb.config.correction != "none" and layer_idx > 0:
+            # Dropped rows: their fresh K/V here is exact (at layer 0 the reused one already is).
+            dropped = cand[~keep[cand]]
+            dropped_d = dropped.to(device)
+            k_rot = attn.rotary_emb.rotate_k(positions[dropped_d], k[dropped_d])
+            self.backend.write_kv(kv_cache, k_rot, v[dropped_d], md.slot_mapping[dropped_d])
+            self._exact[sb.index] = self.rows[dropped]
+
+    def before_attention(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata) -> None:
+        for sb, schedule in zip(self.blends, self.schedules, strict=True):
+            if sb.config.correction != "none" and layer_idx > min(schedule):
+                self._correct(attn, sb, k, v, kv_cache, attn_metadata)
+        self._exact = {}
+
+    def _correct(self, attn, sb: SeqBlend, k, v, kv_cache, md) -> None:
+        """Shift the kept rows of ``sb`` by its recomputed rows' mean deviation per chunk."""
+        lo = self.starts[sb.index]
+        mine = self.seq_ids == sb.index
+        rec = torch.nonzero(mine & self.reused).flatten()  # current rows, reused
+        computed = torch.zeros(len(sb.reused), dtype=torch.bool)
+        computed[self.rows[mine] - lo] = True
+        exact = self._exact.get(sb.index)
+        if exact is not None:
+            computed[exact - lo] = True
+        kept = torch.nonzero(sb.reused & ~computed).flatten() + lo  # step rows
+        rec_local = self.rows[rec] - lo
+        dev = k.device
+        rec_d, kept_d = rec.to(dev), kept.to(dev)
+        correct_kept_rows(
+            self.backend,
+            attn.rotary_emb,
+            kv_cache,
+            sb.config.correction,
+            float(sb.config.correction_shrink),
+            Rows(md.positions[rec_d], md.slot_mapping[rec_d], sb.chunk_ids[rec_local].to(dev)),
+            k[rec_d],
+            v[rec_d],
+            Rows(
+                self.all_positions[kept_d], self.all_slots[kept_d], sb.chunk_ids[kept - lo].to(dev)
+            ),
+            sb.num_chunks,
+        )
 
     def row_layers(self, num_layers: int) -> int:
         """Rows x layers this forward computed (so far): the work the controller times."""
@@ -119,9 +210,16 @@ class BlendRowPlan(RowPlan):
 
     def _record(self) -> None:
         """Rows computed through the last layer so far, per blended sequence (final after the
-        last selection layer: rows only ever leave the set there)."""
+        last selection layer: rows only ever leave the set there), and the row-layers run."""
         for sb in self.blends:
             lo, hi = self.starts[sb.index], self.starts[sb.index + 1]
             mine = self.rows[(self.rows >= lo) & (self.rows < hi)] - lo
             sb.stats.tokens_recomputed = len(mine)
             sb.stats.reused_tokens_recomputed = int(sb.reused[mine].sum())
+            cost, prev, count = sb.extra_row_layers, 0, hi - lo
+            for layer, n_in, n_out in sb._events:
+                cost += count * (layer - prev) + n_out + (n_in - n_out) * self.qkv_share
+                prev, count = layer + 1, n_out
+            cost += count * (self.num_layers - prev)
+            sb.stats.row_layers = cost
+            sb.stats.full_row_layers = (hi - lo) * self.num_layers

@@ -36,6 +36,8 @@ class SelectionInputs:
     seq_k_positions: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
     cand_in_seq: torch.Tensor | None = None  # [C] index of each candidate within seq_k
+    chunk_offsets: torch.Tensor | None = None  # [C] offset of each candidate in its chunk
+    query_scores: torch.Tensor | None = None  # [C] prophet: attention mass over all layers
 
 
 def score_rows(strategy: str, x: SelectionInputs, generator: torch.Generator) -> torch.Tensor:
@@ -48,6 +50,10 @@ def score_rows(strategy: str, x: SelectionInputs, generator: torch.Generator) ->
         return torch.rand(len(x.cand), generator=generator)
     if strategy == "attention":
         return _attention_scores(x)
+    if strategy == "heads":  # the first tokens of every chunk, round-robin over the chunks
+        return -x.chunk_offsets.float()
+    if strategy == "prophet":
+        return x.query_scores.float()
     raise ValueError(f"unknown selection strategy {strategy!r}")
 
 
@@ -55,20 +61,34 @@ def _attention_scores(x: SelectionInputs) -> torch.Tensor:
     """Attention mass the query rows put on each candidate (summed over rows and heads)."""
     if x.query_q is None or len(x.query_q) == 0:
         return (x.fresh_v.float() - x.cached_v.float()).pow(2).sum(dim=(1, 2))
-    q = x.query_q.float()  # [Q, H, D]
-    k = x.seq_k.float()  # [S, Hkv, D]
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,shd->hqs", q, k) * q.shape[-1] ** -0.5
-    visible = x.seq_k_positions[None, :] <= x.query_positions[:, None]
-    logits = logits.masked_fill(~visible[None], float("-inf"))
-    weights = logits.softmax(dim=-1).sum(dim=(0, 1))  # [S]
+    weights = query_attention_mass(x.query_q, x.seq_k, x.query_positions, x.seq_k_positions)
     return weights[x.cand_in_seq]
 
 
-def top_rows(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices (into the candidates) of the ``count`` best scores, in ascending order."""
+def query_attention_mass(
+    q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
+) -> torch.Tensor:
+    """q [Q, H, D] and k [S, Hkv, D] (RoPE applied) -> [S]: the softmax attention each key
+    gets, summed over the query rows and heads (a row sees keys at positions <= its own)."""
+    num_q, num_heads, dim = q.shape
+    num_kv = k.shape[1]
+    # Query heads grouped by the KV head they share (GQA): no copy of K per query head.
+    q = q.float().reshape(num_q, num_kv, num_heads // num_kv, dim)
+    logits = torch.einsum("qhgd,shd->hgqs", q, k.float()) * dim**-0.5
+    visible = k_positions[None, :] <= q_positions[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=(0, 1, 2))  # [S]
+
+
+def top_rows(scores: torch.Tensor, count: int, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices (into the candidates) of the ``count`` best scores, in ascending order.
+
+    ``forced`` (bool [C]): candidates always picked; they count against ``count`` (when they
+    alone exceed it, all of them are picked and nothing else)."""
     count = max(0, min(count, len(scores)))
+    if forced is not None and forced.any():
+        scores = scores.float().masked_fill(forced, float("inf"))
+        count = max(count, int(forced.sum()))
     if count == len(scores):
         return torch.arange(len(scores))
     return torch.topk(scores, count, sorted=False).indices.sort().values

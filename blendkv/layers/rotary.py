@@ -137,6 +137,13 @@ class RotaryEmbedding(nn.Module):
         """RoPE on pre-RoPE keys alone (the chunk store re-rotates stored K to new positions)."""
         return self.rotate(positions, k)
 
+    def unrotate_k(self, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`rotate_k` (keys read back from the pool, pre-RoPE again).
+
+        cos/sin carry ``attention_scaling`` s, so rotating scales by s: undo it too."""
+        cos, sin = self.cos_sin(positions, k.dtype)
+        return (k * cos - rotate_half(k) * sin) / (self.attention_scaling**2)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ a blended prefill and a chunk precompute plugs in here, never by attributes set 
         hooks.wait_for_layer_load(l)          K/V of layer l brought from outside is in place
         norm, project -> q, k, v (pre-RoPE)
         row_plan.select(l, ...)               rows that stop being computed from layer l on
+        row_plan.before_attention(l, ...)     last look at the pool before attention writes
         attention (writes fresh K/V), MLP
         hooks.save_kv_layer(l, k, v, ...)     K/V of layer l computed this step, to save
 
@@ -52,6 +53,20 @@ class RowPlan(ABC):
         """Given the layer's fresh pre-RoPE q/k/v of the current rows, return a CPU bool keep-mask
         over them (None = keep all). Rows dropped keep the K/V already in the pool from here
         on. The plan updates :attr:`rows` itself."""
+
+    def before_attention(  # noqa: B027  (optional hook: most plans repair nothing)
+        self,
+        layer_idx: int,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> None:
+        """Called at every layer with the pre-RoPE q/k/v of the rows that compute it, before
+        attention writes their K/V: the pool still holds what was there (e.g. reused K/V),
+        which the plan may read or repair for rows it does not compute. Default: nothing."""
 
 
 class LayerHooks:

@@ -128,6 +128,8 @@ class LlamaModel(nn.Module):
                     positions = md.positions
                     keep = keep.to(q.device)
                     normed, residual, q, k, v = (t[keep] for t in (normed, residual, q, k, v))
+            if row_plan is not None:
+                row_plan.before_attention(i, attn, q, k, v, kv_cache, md)
             if kv_only and i == last:
                 if hooks is not None:
                     hooks.save_kv_layer(i, k, v, kv_cache, md)

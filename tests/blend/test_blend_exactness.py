@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
+from helpers import standalone_chunk_kv
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -30,36 +31,6 @@ def test_ratio_one_equals_full_prefill(blend_llm):
     stats = blended.blend_stats
     assert stats.tokens_reused == plan.prompt.num_chunk_tokens
     assert stats.recompute_fraction == 1.0
-
-
-def standalone_chunk_kv(hf, anchor, chunk):
-    """Pre-RoPE K and V of ``chunk`` prefilled behind ``anchor``, captured from transformers."""
-    captured = {}
-    hooks = []
-    for i, layer in enumerate(hf.model.layers):
-        for name in ("k_proj", "v_proj"):
-            mod = getattr(layer.self_attn, name)
-            hooks.append(
-                mod.register_forward_hook(
-                    lambda m, inp, out, i=i, name=name: captured.__setitem__((i, name), out[0])
-                )
-            )
-    with torch.no_grad():
-        hf(torch.tensor([anchor + chunk]))
-    for h in hooks:
-        h.remove()
-    cfg = hf.config
-    hd = (
-        cfg.hidden_size // cfg.num_attention_heads
-        if not getattr(cfg, "head_dim", None)
-        else cfg.head_dim
-    )
-    shape = (-1, cfg.num_key_value_heads, hd)
-    n = len(anchor)
-    return [
-        (captured[(i, "k_proj")].view(shape)[n:], captured[(i, "v_proj")].view(shape)[n:])
-        for i in range(cfg.num_hidden_layers)
-    ]
 
 
 def reference_full_reuse_logits(hf, manager, plan):

@@ -8,16 +8,16 @@ import pytest
 
 from blendkv.cli import main
 
-METHODS = ["full", "reuse", "blend@0.5", "blend@0.5:attention", "blend@1.0"]
+METHODS = ["full", "reuse", "blend@0.5", "blend@0.5:attention", "blend@0.5:prophet+ck", "blend@1.0"]
 SUMMARY_KEYS = {
     "n", "f1", "em", "rouge_l", "first_token_agreement", "first_token_kl", "answer_kl",
     "answer_agreement", "continuation_match", "ttft_median_s", "ttft_p90_s",
-    "recompute_fraction", "kv_bytes_loaded", "load_seconds", "ttft_speedup",
+    "recompute_fraction", "compute_fraction", "kv_bytes_loaded", "load_seconds", "ttft_speedup",
 }  # fmt: skip
 RECORD_KEYS = {
     "id", "method", "prediction", "answers", "f1", "em", "rouge_l", "first_token_agreement",
     "first_token_kl", "answer_kl", "answer_agreement", "continuation_match", "ttft_s",
-    "recompute_fraction", "kv_bytes_loaded", "load_seconds",
+    "recompute_fraction", "compute_fraction", "kv_bytes_loaded", "load_seconds",
 }  # fmt: skip
 
 
@@ -34,6 +34,7 @@ def test_writes_every_output_with_documented_keys(eval_dir):
     for name in ("results.json", "per_example.jsonl", "report.md", "quality_vs_ttft.png"):
         assert (eval_dir / name).stat().st_size > 0, name
     assert (eval_dir / "recompute_sweep.png").stat().st_size > 0  # two blend@R given
+    assert (eval_dir / "pareto.png").stat().st_size > 0
     results = json.loads((eval_dir / "results.json").read_text())
     assert results["config"]["methods"] == METHODS
     assert list(results["methods"]) == METHODS

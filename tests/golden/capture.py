@@ -58,7 +58,8 @@ def capture(
     got["plain.tokens"] = torch.tensor(out.outputs[0].token_ids)
     prompt = {"documents": DOCS, "query": QUERY}
     for r in RATIOS:
-        blend = BlendConfig(recompute_ratio=r)
+        # CacheBlend's V-deviation path as recorded (the default config has a K correction).
+        blend = BlendConfig(recompute_ratio=r, correction="none")
         out = llm.generate([prompt], DECODE, blend=blend)[0]
         # The query and template suffix are the rows every blended prefill computes.
         start = query_start(llm, prompt)

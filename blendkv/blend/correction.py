@@ -1,0 +1,71 @@
+"""Repairing the reused rows that are not recomputed: a per-chunk mean shift of K and/or V.
+
+At a layer past the selection, the recomputed reused rows show how far this request's context
+moves a chunk's K/V away from the stored one. The rows not recomputed get the same move on
+average: for each chunk and KV head, the mean of (fresh - reused) over the chunk's recomputed
+rows, shrunk towards zero by ``n / (n + shrink)`` when only ``n`` of its rows were recomputed.
+It costs one read and one write of the kept rows' K/V per layer, no attention.
+
+K is shifted before RoPE (a mean over rows at different positions means nothing after it):
+reused K is read back from the pool with the rotation undone, the shift is rotated to each
+kept row's own position and added (RoPE is linear).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+def chunk_mean_shift(
+    delta: torch.Tensor, chunk_ids: torch.Tensor, num_chunks: int, shrink: float
+) -> torch.Tensor:
+    """delta [N, H, D] (fresh - reused of recomputed rows), chunk_ids [N] ->
+    [num_chunks, H, D]: per-chunk mean, times ``n / (n + shrink)``; 0 for chunks without rows."""
+    sums = torch.zeros((num_chunks, *delta.shape[1:]), dtype=torch.float32)
+    sums.index_add_(0, chunk_ids, delta.float())
+    counts = torch.bincount(chunk_ids, minlength=num_chunks).float()
+    weight = 1.0 / (counts + shrink).clamp_min(1e-12)  # mean (sum / n) times n / (n + shrink)
+    return sums * weight[:, None, None]
+
+
+class Rows(NamedTuple):
+    """Some reused rows of one sequence: where they sit and which chunk they belong to."""
+
+    positions: torch.Tensor  # [N] absolute positions
+    slots: torch.Tensor  # [N] KV-pool slots
+    chunk_ids: torch.Tensor  # [N] index of the chunk in the prompt
+
+
+def correct_kept_rows(
+    backend,
+    rotary,
+    kv_cache: torch.Tensor,
+    which: str,
+    shrink: float,
+    recomputed: Rows,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    kept: Rows,
+    num_chunks: int,
+) -> None:
+    """Shift the ``kept`` rows' K and/or V (``which``: ``k``, ``v`` or ``kv``) in ``kv_cache``.
+
+    ``k_new`` (pre-RoPE) / ``v_new`` [N, Hkv, D]: fresh K/V of the ``recomputed`` rows, whose
+    slots still hold the reused K/V (call this before the layer's attention writes them).
+    """
+    if len(recomputed.slots) == 0 or len(kept.slots) == 0:
+        return
+    old_k, old_v = backend.read_kv(kv_cache, recomputed.slots)
+    cur_k, cur_v = backend.read_kv(kv_cache, kept.slots)
+    if "v" in which:
+        delta = v_new.float() - old_v.float()
+        shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink)
+        cur_v = (cur_v.float() + shift[kept.chunk_ids]).to(cur_v.dtype)
+    if "k" in which:
+        delta = k_new.float() - rotary.unrotate_k(recomputed.positions, old_k.float())
+        shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink)
+        moved = rotary.rotate_k(kept.positions, shift[kept.chunk_ids])
+        cur_k = (cur_k.float() + moved).to(cur_k.dtype)
+    backend.write_kv(kv_cache, cur_k, cur_v, kept.slots)
