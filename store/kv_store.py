@@ -38,6 +38,7 @@ from .errors import CorruptValueError, StoreError, StoreReadOnlyError
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
 from .queries import StoreQueries
+from .reader import ZeroCopyReader
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
 
 logger = logging.getLogger(__name__)
@@ -381,34 +382,12 @@ class KVStore(StoreQueries):
         return out
 
     @contextmanager
-    def reader(self) -> Iterator[_Reader]:
-        """A read transaction whose :meth:`_Reader.view` returns zero-copy tensors.
+    def reader(self) -> Iterator[ZeroCopyReader]:
+        """A read transaction whose :meth:`ZeroCopyReader.view` returns zero-copy tensors.
 
         The views point into LMDB's read-only memory map: they are valid only inside the
         ``with`` block and must never be written (writing faults the process).
         """
         self._check_servable()
         with self._read() as txn:
-            yield _Reader(self, txn)
-
-
-class _Reader:
-    """Zero-copy access inside one read transaction (see :meth:`KVStore.reader`)."""
-
-    def __init__(self, store: KVStore, txn) -> None:
-        self._store, self._txn = store, txn
-
-    def view(self, key: bytes) -> ChunkKV | None:
-        store = self._store
-        buf = self._txn.get(key, db=store._dbs["values"])
-        if buf is None:
-            store.misses += 1
-            store.lmdb_misses += 1
-            return None
-        header = store._checked_header(self._txn, key, buf)
-        if header is None:
-            return None
-        store.hits += 1
-        store.lmdb_hits += 1
-        tensor = fmt.payload_view(buf).view(header.dtype).view(header.shape)
-        return ChunkKV(key, tensor)
+            yield ZeroCopyReader(self, txn)
