@@ -20,7 +20,9 @@ the paged cache.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,6 +106,51 @@ class AttentionMetadata:
             seq_lens_cpu=self.seq_lens_cpu,
             is_contiguous_prefill=contiguous,
         )
+
+
+def split_by_kind(md: AttentionMetadata) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """The step's sequences by how they are attended: ``(fresh, decode, other)``.
+
+    ``fresh``: ``[lo, hi)`` row ranges whose rows are the whole context in order (plain causal
+    prefill); ``decode``: sequences with one row, the last position; ``other``: sequences whose
+    rows sit at arbitrary positions over cached keys (chunked prefill, prefix hits, CacheBlend's
+    scattered rows). Sequences without rows in this pass are in none.
+    """
+    starts = md.query_start_loc_cpu
+    fresh, decode, other = [], [], []
+    for i in range(md.num_seqs):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo:
+            continue
+        if md.is_contiguous_prefill[i] and hi - lo == 1:
+            decode.append(i)
+        elif md.is_contiguous_prefill[i] and hi - lo == md.seq_lens_cpu[i]:
+            fresh.append((lo, hi))
+        else:
+            other.append(i)
+    return fresh, decode, other
+
+
+class StepPlanMemo:
+    """What a backend derives from one metadata object, built by its first layer and reused by
+    the other layers of the step.
+
+    Entries are matched by identity (a step's layers share one metadata object, or a few when
+    CacheBlend narrows the rows layer by layer); holding the object keeps its ``id`` from being
+    reused while it is remembered.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._entries: list[tuple[AttentionMetadata, Any, Any]] = []
+
+    def get(self, md: AttentionMetadata, key: Any, build: Callable[[], Any]) -> Any:
+        for seen, seen_key, plan in self._entries:
+            if seen is md and seen_key == key:
+                return plan
+        plan = build()
+        self._entries = [*self._entries[-(self.size - 1) :], (md, key, plan)]
+        return plan
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,19 @@ exactly the upper-left causal case, so it skips the gather and lets SDPA build t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+from blendkv.kernels.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    StepPlanMemo,
+    split_by_kind,
+)
+from blendkv.kernels.split_attention import available as split_available
+from blendkv.kernels.split_attention import split_masked_attention
 
 
 def write_kv_cache(
@@ -114,6 +123,11 @@ _MIN_GROUP_ROWS = 64
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        self._step_plans = StepPlanMemo()  # (metadata, pool blocks) -> _StepPlan
+        self._rows_attention = split_masked_attention if split_available(self.device) else None
+
     # ---- the pool -----------------------------------------------------------------------
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
         write_kv_cache(kv_cache, k, v, slot_mapping)
@@ -192,44 +206,92 @@ class TorchAttentionBackend(AttentionBackend):
                 out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
+        plan = self._step_plans.get(md, kv_cache.shape[1], lambda: _build_plan(md, kv_cache.shape))
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
-        decode_rows = []
-        for i in range(md.num_seqs):
+        for lo, hi in plan.fresh_ranges:
+            # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
+            out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
+        for i in plan.other_seqs:
             lo, hi = starts[i], starts[i + 1]
-            if lo == hi:  # a sequence with no rows in this pass (a blend's query pass)
-                continue
-            seq_len = md.seq_lens_cpu[i]
-            if hi - lo == 1 and md.is_contiguous_prefill[i]:
-                decode_rows.append(i)
-                continue
-            if md.is_contiguous_prefill[i] and hi - lo == seq_len:
-                # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
-                out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
-                continue
-            keys, values = gather_kv(kv_cache, md.block_table[i], seq_len)
-            out[lo:hi] = masked_attention(q[lo:hi], keys, values, md.positions[lo:hi], scale)
-        # Decode rows in groups of similar context length: one padded SDPA call per group
-        # keeps the gathered K/V close to the real context sizes.
-        decode_rows.sort(key=lambda i: md.seq_lens_cpu[i])
-        for g in range(0, len(decode_rows), _DECODE_GROUP):
-            self._batched_decode(q, kv_cache, md, decode_rows[g : g + _DECODE_GROUP], out, scale)
+            keys, values = gather_kv(kv_cache, md.block_table[i], md.seq_lens_cpu[i])
+            attend = self._rows_attention or masked_attention
+            out[lo:hi] = attend(q[lo:hi], keys, values, md.positions[lo:hi], scale)
+        if plan.decode is not None:
+            _batched_decode(q, kv_cache, plan.decode, out, scale)
         return out
 
-    @staticmethod
-    def _batched_decode(q, kv_cache, md, rows, out, scale):
-        """All single-token rows at once: pad every context to the longest one and mask."""
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        seq_lens = [md.seq_lens_cpu[i] for i in rows]
-        max_len = max(seq_lens)
-        num_blocks = -(-max_len // block_size)
-        row_idx = torch.tensor(rows, dtype=torch.long, device=q.device)
-        tables = md.block_table[row_idx, :num_blocks]  # [B, nb]
-        kv = gather_blocks(kv_cache, tables)  # [2, B, nb, bs, H, D]
-        kv = kv.reshape(2, len(rows), num_blocks * block_size, num_kv_heads, head_dim)
-        lens = torch.tensor(seq_lens, device=q.device)
-        mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < lens[:, None]
-        token_idx = torch.tensor([md.query_start_loc_cpu[i] for i in rows], device=q.device)
-        qd = q[token_idx][:, None]  # [B, 1, Hq, D]
-        res = _sdpa(qd, kv[0], kv[1], mask[:, None, None, :], scale)
-        out[token_idx] = res[:, 0]
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Single-token rows of similar context length, attended in one padded SDPA call."""
+
+    lo: int  # rows [lo, hi) of the step's decode rows (in :attr:`_DecodePlan.rows` order)
+    hi: int
+    block_offset: int  # where this group's blocks start in the gathered blocks
+    num_blocks: int  # blocks per row (the group's longest context)
+    mask: torch.Tensor  # [rows, 1, 1, num_blocks * block_size] bool, True = a real key
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    rows: torch.Tensor  # [n] int64 token rows, sorted by context length
+    block_ids: torch.Tensor  # every group's padded block table, flattened, K then V rows
+    groups: list[_DecodeGroup]
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How one metadata object's sequences are attended (built once, used by every layer)."""
+
+    fresh_ranges: list[tuple[int, int]]
+    other_seqs: list[int]
+    decode: _DecodePlan | None
+
+
+def _build_plan(md: AttentionMetadata, cache_shape: torch.Size) -> _StepPlan:
+    fresh, decode, other = split_by_kind(md)
+    return _StepPlan(fresh, other, _decode_plan(md, decode, cache_shape) if decode else None)
+
+
+def _decode_plan(md: AttentionMetadata, seqs: list[int], cache_shape: torch.Size) -> _DecodePlan:
+    """Decode rows in groups of similar context length: one padded SDPA call per group keeps
+    the gathered K/V close to the real context sizes, and one ``index_select`` per layer
+    gathers every group's blocks."""
+    _, pool_blocks, block_size, _, _ = cache_shape
+    dev = md.positions.device
+    seqs = sorted(seqs, key=lambda i: md.seq_lens_cpu[i])
+    groups, tables, offset = [], [], 0
+    for g in range(0, len(seqs), _DECODE_GROUP):
+        members = seqs[g : g + _DECODE_GROUP]
+        lens = [md.seq_lens_cpu[i] for i in members]
+        num_blocks = -(-max(lens) // block_size)
+        idx = torch.tensor(members, dtype=torch.long, device=dev)
+        tables.append(md.block_table[idx, :num_blocks].reshape(-1).long())
+        keys = torch.arange(num_blocks * block_size, device=dev)
+        mask = keys[None, :] < torch.tensor(lens, device=dev)[:, None]
+        groups.append(_DecodeGroup(g, g + len(members), offset, num_blocks, mask[:, None, None]))
+        offset += len(members) * num_blocks
+    flat = torch.cat(tables)
+    rows = torch.tensor([md.query_start_loc_cpu[i] for i in seqs], dtype=torch.long, device=dev)
+    return _DecodePlan(rows, torch.cat((flat, flat + pool_blocks)), groups)
+
+
+def _batched_decode(q, kv_cache, plan: _DecodePlan, out, scale) -> None:
+    """Every single-token row: pad each group's contexts to its longest one and mask."""
+    _, pool_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    picked = kv_cache.view(2 * pool_blocks, -1).index_select(0, plan.block_ids)
+    picked = picked.view(2, -1, block_size, num_kv_heads, head_dim)
+    qd = q.index_select(0, plan.rows)  # [n, Hq, D]
+    # The query heads sharing a KV head go in as that head's "query rows" (all see the same
+    # keys): SDPA then reads each KV head once instead of once per query head.
+    qd = qd.view(qd.shape[0], num_kv_heads, -1, head_dim)  # [n, Hkv, Hq / Hkv, D]
+    res = torch.empty_like(qd)
+    for g in plan.groups:
+        n = g.hi - g.lo
+        kv = picked[:, g.block_offset : g.block_offset + n * g.num_blocks]
+        kv = kv.reshape(2, n, g.num_blocks * block_size, num_kv_heads, head_dim).transpose(2, 3)
+        res[g.lo : g.hi] = F.scaled_dot_product_attention(
+            qd[g.lo : g.hi], kv[0], kv[1], attn_mask=g.mask, scale=scale
+        )
+    out.view(out.shape[0], -1).index_copy_(0, plan.rows, res.view(res.shape[0], -1))

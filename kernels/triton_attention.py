@@ -22,15 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from blendkv.kernels.attention import AttentionMetadata
+from blendkv.kernels.attention import AttentionMetadata, StepPlanMemo, split_by_kind
 from blendkv.kernels.torch_attention import TorchAttentionBackend, dense_causal_attention
 
 logger = logging.getLogger(__name__)
 
-# Rows x heads per prefill tile; metadata objects remembered (a step's layers share one, or a
-# few when CacheBlend narrows the rows layer by layer).
+# Rows x heads per prefill tile.
 _PREFILL_BLOCK_M = 64
-_PLAN_MEMO_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -65,8 +63,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 "(pip install 'blendkv[gpu]') or use --attention-backend torch"
             ) from e
         self._ops = ops
-        # (metadata, num_heads / num_kv_heads) -> plan; identity-checked, newest last.
-        self._plans: list[tuple[AttentionMetadata, int, _StepPlan]] = []
+        self._plans = StepPlanMemo()  # (metadata, num_heads / num_kv_heads) -> _StepPlan
         self._xformers_checked = False
         self._xformers_attention = None
 
@@ -131,30 +128,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     # ---- per-step plan ------------------------------------------------------------------
     def _plan(self, md: AttentionMetadata, group: int) -> _StepPlan:
-        for seen, seen_group, plan in self._plans:
-            if seen is md and seen_group == group:
-                return plan
-        plan = self._build_plan(md, group)
-        # Holding md keeps its id from being reused by a later object while memoised.
-        self._plans = [*self._plans[-(_PLAN_MEMO_SIZE - 1) :], (md, group, plan)]
-        return plan
+        return self._plans.get(md, group, lambda: self._build_plan(md, group))
 
     def _build_plan(self, md: AttentionMetadata, group: int) -> _StepPlan:
         from blendkv.kernels.triton.decode_attention import default_num_splits
         from blendkv.kernels.triton.prefill_attention import block_q_for, build_tiles
 
         starts = md.query_start_loc_cpu
-        fresh, decode, other = [], [], []
-        for i in range(md.num_seqs):
-            lo, hi = starts[i], starts[i + 1]
-            if hi == lo:
-                continue
-            if md.is_contiguous_prefill[i] and hi - lo == 1:
-                decode.append(i)
-            elif md.is_contiguous_prefill[i] and hi - lo == md.seq_lens_cpu[i]:
-                fresh.append((lo, hi))
-            else:
-                other.append(i)
+        fresh, decode, other = split_by_kind(md)
         block_q = block_q_for(group, _PREFILL_BLOCK_M)
         tile_seq_ids, tile_starts = build_tiles(starts, other, block_q, md.positions.device)
         max_decode_len = max((md.seq_lens_cpu[i] for i in decode), default=1)

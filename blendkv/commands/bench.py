@@ -1,4 +1,4 @@
-"""``blendkv bench engine|store``: benchmarks (correctness checked first, ratios side by side)."""
+"""``blendkv bench engine|decode|blend|gpu``: benchmarks, correctness first, ratios side by side."""
 
 from __future__ import annotations
 
@@ -17,6 +17,19 @@ def register(sub) -> None:
     e.add_argument("--repeats", type=int, default=3, help="prefill timings (best of N)")
     e.add_argument("--json", default=None, help="also write the results to this file")
     e.set_defaults(func=_engine)
+    d = bench.add_parser("decode", help="batched decode vs transformers and llama.cpp (one stream)")
+    d.add_argument("--model", default=None)
+    d.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    d.add_argument("--num-requests", type=int, default=32)
+    d.add_argument("--output-tokens", type=int, default=64)
+    d.add_argument(
+        "--llama-requests",
+        type=int,
+        default=4,
+        help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
+    )
+    d.add_argument("--json", default=None)
+    d.set_defaults(func=_decode)
     b = bench.add_parser("blend", help="TTFT of full prefill vs blend vs reuse on MuSiQue")
     b.add_argument("--model", default=None)
     b.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
@@ -50,6 +63,12 @@ def register(sub) -> None:
 
 def _engine(args: argparse.Namespace) -> int:
     from blendkv.eval.bench_engine import main
+
+    return main(args)
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from blendkv.eval.bench_decode import main
 
     return main(args)
 

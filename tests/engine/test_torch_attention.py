@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from blendkv.kernels.attention import AttentionMetadata
+from blendkv.kernels.split_attention import split_masked_attention
 from blendkv.kernels.torch_attention import TorchAttentionBackend, masked_attention
 
 
@@ -32,6 +33,38 @@ def test_masked_attention_grouped_rows(num_rows):
     torch.testing.assert_close(
         out.double(), dense_reference(q, k, v, positions, 0.25), atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "n_keys", "heads"),
+    [(5, 900, (6, 2)), (200, 900, (6, 2)), (700, 900, (6, 2)), (90, 3000, (9, 3)),
+     (64, 64, (2, 2)), (1, 500, (14, 2)), (300, 2000, (4, 1))],
+)  # fmt: skip
+def test_split_masked_attention(num_rows, n_keys, heads):
+    """Prefix without a mask + masked band, merged by log-sum-exp, query heads folded per KV
+    head: the same as the dense oracle, for groups with short and long prefixes."""
+    gen = torch.Generator().manual_seed(num_rows + n_keys)
+    hq, hkv = heads
+    q = torch.randn(num_rows, hq, 16, generator=gen)
+    k = torch.randn(n_keys, hkv, 16, generator=gen)
+    v = torch.randn(n_keys, hkv, 16, generator=gen)
+    positions = torch.randperm(n_keys, generator=gen)[:num_rows].sort().values
+    out = split_masked_attention(q, k, v, positions, 0.25)
+    torch.testing.assert_close(
+        out.double(), dense_reference(q, k, v, positions, 0.25), atol=1e-5, rtol=0
+    )
+
+
+def test_split_masked_attention_bf16():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(300, 6, 32, generator=gen).bfloat16()
+    k = torch.randn(1200, 2, 32, generator=gen).bfloat16()
+    v = torch.randn(1200, 2, 32, generator=gen).bfloat16()
+    positions = torch.randperm(1200, generator=gen)[:300].sort().values
+    out = split_masked_attention(q, k, v, positions, 0.2)
+    assert out.dtype == torch.bfloat16
+    want = dense_reference(q.float(), k.float(), v.float(), positions, 0.2)
+    torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=0)
 
 
 def test_paged_backend_mixed_step():
@@ -87,3 +120,58 @@ def test_paged_backend_mixed_step():
     for i in range(4):
         ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), ref, atol=1e-5, rtol=0)
+
+
+def test_paged_backend_many_decodes_with_a_prefill():
+    """19 decode rows of mixed context lengths (three SDPA groups, rows out of length order)
+    around a fresh prefill; the step plan is built by the first layer and reused by the next."""
+    gen = torch.Generator().manual_seed(3)
+    bs, hq, hkv, d = 4, 6, 2, 16
+    lens = [int(x) for x in torch.randint(1, 80, (19,), generator=gen)]
+    lens.insert(7, 12)  # sequence 7: a fresh 12-token prefill
+    perm = torch.randperm(600, generator=gen).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(perm[used : used + -(-n // bs)])
+        used += len(tables[-1])
+    cache = torch.randn(2, 600, bs, hkv, d, generator=gen)
+    full = [
+        (torch.randn(n, hkv, d, generator=gen), torch.randn(n, hkv, d, generator=gen)) for n in lens
+    ]
+    for (kk, vv), table, n in zip(full, tables, lens, strict=True):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        cache[0].view(-1, hkv, d)[slots] = kk
+        cache[1].view(-1, hkv, d)[slots] = vv
+    queries = [torch.arange(n - 1, n) if i != 7 else torch.arange(n) for i, n in enumerate(lens)]
+    starts = [0]
+    for x in queries:
+        starts.append(starts[-1] + len(x))
+    q = torch.randn(starts[-1], hq, d, generator=gen)
+    width = max(len(t) for t in tables)
+    md = AttentionMetadata(
+        positions=torch.cat(queries),
+        slot_mapping=torch.cat(
+            [
+                torch.tensor([t[p // bs] * bs + p % bs for p in x.tolist()])
+                for t, x in zip(tables, queries, strict=True)
+            ]
+        ),
+        query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor(lens),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        block_size=bs,
+        max_query_len=12,
+        max_seq_len=max(lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=lens,
+        is_contiguous_prefill=[True] * len(lens),
+    )
+    k_new = torch.cat([full[i][0][queries[i]] for i in range(len(lens))])
+    v_new = torch.cat([full[i][1][queries[i]] for i in range(len(lens))])
+    backend = TorchAttentionBackend()
+    for _layer in range(2):
+        out = backend.forward(q, k_new, v_new, cache, md, 0.25)
+        for i in range(len(lens)):
+            ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
+            got = out[starts[i] : starts[i + 1]].double()
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -2,8 +2,11 @@
 
     python tests/golden/record.py [--embedded]
 
-The committed goldens were recorded on main at 28d1ba7, before the one-forward-path refactor
-(then through ``llm.engine.blend_manager()``). Re-record only for a change meant to alter the
+The goldens were first recorded on main at 28d1ba7, before the one-forward-path refactor (then
+through ``llm.engine.blend_manager()``), and re-recorded once since, for the CPU attention
+rewrite that moved fp32 rounding by ~1e-6 (split prefix/band attention for scattered rows,
+query heads folded per KV head in decode; both checked against a float64 oracle in
+``tests/engine/test_torch_attention.py``). Re-record only for a change meant to alter the
 numbers, and say so in its commit.
 """
 
