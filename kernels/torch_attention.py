@@ -134,8 +134,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def read_kv(self, kv_cache, slot_mapping):
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        return flat[0, slot_mapping], flat[1, slot_mapping]
+        # index_select over 2-D rows: the fast CPU path (advanced indexing is several x slower).
+        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads * head_dim)
+        k = flat[0].index_select(0, slot_mapping).view(-1, num_kv_heads, head_dim)
+        v = flat[1].index_select(0, slot_mapping).view(-1, num_kv_heads, head_dim)
+        return k, v
 
     def copy_blocks(self, kv_caches, copies) -> None:
         if not copies:
