@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-gpu lint bench bench-gpu bench-store clean-venv
+.PHONY: demo test test-gpu lint bench bench-decode bench-gpu bench-store clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/blendkv bench engine
+
+bench-decode: $(VENV)/.installed
+	$(VENV)/bin/blendkv bench decode --json eval_results/bench/decode.json
 
 bench-gpu: $(VENV)/.installed
 	$(VENV)/bin/blendkv bench gpu --json eval_results/bench/gpu.json
