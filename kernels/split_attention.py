@@ -12,6 +12,11 @@ causal prefill. This path cuts the masked work down:
   SDPA's CPU flash kernel returns.
 - The query heads that share a KV head are folded into that head's query rows, so each KV head
   is streamed once per group instead of once per query head.
+- A run of consecutive positions (a query tail, a chunked-prefill chunk, the rest of a prompt
+  after a prefix hit) is its own group, and its band needs no mask at all: the run's rows are
+  exactly the band's keys, the top-left causal case the flash kernel skips half of.
+- The groups and their masks depend on the positions only, so :func:`plan_row_groups` builds
+  them once and every layer of a step reuses them.
 
 Same result as :func:`blendkv.kernels.torch_attention.masked_attention` up to fp32 rounding
 (~1e-6). CPU only (the flash op it calls is the CPU one); other devices keep the masked path.
@@ -19,13 +24,17 @@ Same result as :func:`blendkv.kernels.torch_attention.masked_attention` up to fp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Row groups: more groups shrink the masked bands and add calls. A prefix shorter than
 # _MIN_PREFIX keys is not worth a second call: the group runs masked over all its keys.
+# _MIN_RUN consecutive positions make a causal group of their own.
 _MAX_GROUPS = 8
 _MIN_GROUP_ROWS = 64
 _MIN_PREFIX = 64
+_MIN_RUN = 32
 
 
 def available(device: torch.device) -> bool:
@@ -34,34 +43,93 @@ def available(device: torch.device) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows ``[lo, hi)``: keys ``[0, prefix)`` unmasked, then the band ``[prefix, end)``.
+
+    ``mask`` is the band's additive mask over the folded rows ([(hi - lo) * G, end - prefix]),
+    or None for a run: its rows sit at positions ``prefix .. end - 1``, a causal band."""
+
+    lo: int
+    hi: int
+    prefix: int
+    end: int
+    mask: torch.Tensor | None
+
+
+def plan_row_groups(positions: torch.Tensor, group: int, dtype: torch.dtype) -> list[RowGroup]:
+    """The groups for rows at ascending ``positions`` [n], ``group`` query heads per KV head."""
+    pos = positions.tolist()
+    n = len(pos)
+    # Segments in row order: runs of >= _MIN_RUN consecutive positions, and what lies between.
+    segments: list[tuple[int, int, bool]] = []
+    start = 0
+    for i in range(1, n + 1):
+        if i < n and pos[i] == pos[i - 1] + 1:
+            continue
+        if i - start >= _MIN_RUN:
+            segments.append((start, i, True))
+        elif segments and not segments[-1][2]:
+            segments[-1] = (segments[-1][0], i, False)
+        else:
+            segments.append((start, i, False))
+        start = i
+    scattered = sum(hi - lo for lo, hi, run in segments if not run)
+    budget = max(1, min(_MAX_GROUPS, scattered // _MIN_GROUP_ROWS))
+    groups = []
+    for lo, hi, run in segments:
+        if run:
+            groups.append(RowGroup(lo, hi, pos[lo], pos[hi - 1] + 1, None))
+            continue
+        parts = max(1, round(budget * (hi - lo) / scattered))
+        bounds = [lo + round(g * (hi - lo) / parts) for g in range(parts + 1)]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            first, end = pos[a], pos[b - 1] + 1
+            # Every row sees keys [0, first]: the band starts at `first`, so no row is all masked.
+            band_start = first if first >= _MIN_PREFIX else 0
+            mask = _band_mask(positions[a:b], band_start, end, group, dtype)
+            groups.append(RowGroup(a, b, band_start, end, mask))
+    return groups
+
+
 def split_masked_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    groups: list[RowGroup] | None = None,
 ) -> torch.Tensor:
-    """``q`` [n, Hq, D] at ascending ``positions`` [n] over ``keys``/``values`` [T, Hkv, D]."""
+    """``q`` [n, Hq, D] at ascending ``positions`` [n] over ``keys``/``values`` [T, Hkv, D].
+
+    ``groups``: :func:`plan_row_groups` of these positions (built here when None)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
+    if groups is None:
+        groups = plan_row_groups(positions, group, q.dtype)
     k = keys.transpose(0, 1)[None]  # [1, Hkv, T, D]
     v = values.transpose(0, 1)[None]
-    num_groups = max(1, min(_MAX_GROUPS, n // _MIN_GROUP_ROWS))
-    bounds = [round(g * n / num_groups) for g in range(num_groups + 1)]
-    pos = positions.tolist()
     out = torch.empty_like(q)
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        rows = hi - lo
+    for g in groups:
+        rows = g.hi - g.lo
         # [rows, Hq, D] -> [1, Hkv, rows * G, D]: row r's heads of KV head h at rows r*G..r*G+G-1
-        qg = q[lo:hi].view(rows, num_kv_heads, group, head_dim).transpose(0, 1)
+        qg = q[g.lo : g.hi].view(rows, num_kv_heads, group, head_dim).transpose(0, 1)
         qg = qg.reshape(1, num_kv_heads, rows * group, head_dim)
-        # Every row sees keys [0, first]; the band starts at `first` so no band row is all masked.
-        first, end = pos[lo], pos[hi - 1] + 1
-        band_start = first if first >= _MIN_PREFIX else 0
-        mask = _band_mask(positions[lo:hi], band_start, end, group, q.dtype)
-        o, lse = _flash(qg, k[:, :, band_start:end], v[:, :, band_start:end], scale, mask)
-        if band_start:
-            o1, lse1 = _flash(qg, k[:, :, :band_start], v[:, :, :band_start], scale, None)
+        band_k, band_v = k[:, :, g.prefix : g.end], v[:, :, g.prefix : g.end]
+        if g.mask is None:
+            # Causal band, heads unfolded (the flash kernel's GQA) then folded like the prefix.
+            o, lse = _flash(q[g.lo : g.hi].transpose(0, 1)[None], band_k, band_v, scale, None, True)
+            o = o.view(1, num_kv_heads, group, rows, head_dim).transpose(2, 3)
+            o = o.reshape(1, num_kv_heads, rows * group, head_dim)
+            lse = lse.view(1, num_kv_heads, group, rows).transpose(2, 3).reshape(o.shape[:3])
+        else:
+            o, lse = _flash(qg, band_k, band_v, scale, g.mask)
+        if g.prefix:
+            o1, lse1 = _flash(qg, k[:, :, : g.prefix], v[:, :, : g.prefix], scale, None)
             both = torch.logaddexp(lse, lse1)
             o = o * torch.exp(lse - both)[..., None] + o1 * torch.exp(lse1 - both)[..., None]
-        out[lo:hi] = (
+        out[g.lo : g.hi] = (
             o[0]
             .view(num_kv_heads, rows, group, head_dim)
             .transpose(0, 1)
@@ -77,9 +145,9 @@ def _band_mask(positions, start, end, group, dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
-def _flash(q, k, v, scale, mask):
+def _flash(q, k, v, scale, mask, causal=False):
     """SDPA's CPU flash kernel: output [1, H, L, D] and its log-sum-exp [1, H, L] (fp32)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
     )[:2]
     return out, lse

@@ -19,8 +19,8 @@ from blendkv.kernels.attention import (
     StepPlanMemo,
     split_by_kind,
 )
+from blendkv.kernels.split_attention import RowGroup, plan_row_groups, split_masked_attention
 from blendkv.kernels.split_attention import available as split_available
-from blendkv.kernels.split_attention import split_masked_attention
 
 
 def write_kv_cache(
@@ -126,7 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         self._step_plans = StepPlanMemo()  # (metadata, pool blocks) -> _StepPlan
-        self._rows_attention = split_masked_attention if split_available(self.device) else None
+        self._split_rows = split_available(self.device)  # scattered rows: split attention
 
     # ---- the pool -----------------------------------------------------------------------
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
@@ -209,20 +209,40 @@ class TorchAttentionBackend(AttentionBackend):
                 out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
-        plan = self._step_plans.get(md, kv_cache.shape[1], lambda: _build_plan(md, kv_cache.shape))
+        plan = self._step_plans.get(
+            md, kv_cache.shape[1], lambda: self._build_plan(md, kv_cache.shape, q)
+        )
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
         for lo, hi in plan.fresh_ranges:
             # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
             out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
-        for i in plan.other_seqs:
+        for i, groups in zip(plan.other_seqs, plan.row_groups, strict=True):
             lo, hi = starts[i], starts[i + 1]
             keys, values = gather_kv(kv_cache, md.block_table[i], md.seq_lens_cpu[i])
-            attend = self._rows_attention or masked_attention
-            out[lo:hi] = attend(q[lo:hi], keys, values, md.positions[lo:hi], scale)
+            positions = md.positions[lo:hi]
+            if groups is None:
+                out[lo:hi] = masked_attention(q[lo:hi], keys, values, positions, scale)
+            else:
+                out[lo:hi] = split_masked_attention(
+                    q[lo:hi], keys, values, positions, scale, groups
+                )
         if plan.decode is not None:
             _batched_decode(q, kv_cache, plan.decode, out, scale)
         return out
+
+    def _build_plan(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepPlan:
+        fresh, decode, other = split_by_kind(md)
+        group = q.shape[1] // cache_shape[3]
+        starts = md.query_start_loc_cpu
+        row_groups = [
+            plan_row_groups(md.positions[starts[i] : starts[i + 1]], group, q.dtype)
+            if self._split_rows
+            else None
+            for i in other
+        ]
+        decode_plan = _decode_plan(md, decode, cache_shape) if decode else None
+        return _StepPlan(fresh, other, row_groups, decode_plan)
 
 
 @dataclass(frozen=True)
@@ -249,12 +269,8 @@ class _StepPlan:
 
     fresh_ranges: list[tuple[int, int]]
     other_seqs: list[int]
+    row_groups: list[list[RowGroup] | None]  # per other seq (None: masked SDPA, not the CPU)
     decode: _DecodePlan | None
-
-
-def _build_plan(md: AttentionMetadata, cache_shape: torch.Size) -> _StepPlan:
-    fresh, decode, other = split_by_kind(md)
-    return _StepPlan(fresh, other, _decode_plan(md, decode, cache_shape) if decode else None)
 
 
 def _decode_plan(md: AttentionMetadata, seqs: list[int], cache_shape: torch.Size) -> _DecodePlan:

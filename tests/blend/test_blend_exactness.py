@@ -98,9 +98,13 @@ def test_recomputed_context_rows_never_see_later_tokens(blend_llm):
     )
     end = p.query_start
     assert p.query_start == q.query_start
-    torch.testing.assert_close(kv_a[..., :end, :, :], kv_b[..., :end, :, :], atol=0, rtol=0)
-    # Sanity: the queries' own rows differ, so the comparison above could fail.
-    assert not torch.equal(kv_a[..., end : end + 3, :, :], kv_b[..., end : end + 3, :, :])
+    # Equal up to fp32 rounding: the CPU attention splits a sequence's rows into groups by
+    # their positions (runs of consecutive ones apart), and the two queries' rows shift those
+    # groups, so the log-sum-exp merges round differently (~1e-6).
+    torch.testing.assert_close(kv_a[..., :end, :, :], kv_b[..., :end, :, :], atol=1e-5, rtol=0)
+    # Sanity: the queries' own rows differ by far more, so the comparison above could fail.
+    query_diff = (kv_a[..., end : end + 3, :, :] - kv_b[..., end : end + 3, :, :]).abs().max()
+    assert query_diff > 1e-2
 
 
 def test_gradual_filtering_schedule(blend_llm):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from blendkv.kernels.attention import AttentionMetadata
-from blendkv.kernels.split_attention import split_masked_attention
+from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
 from blendkv.kernels.torch_attention import TorchAttentionBackend, masked_attention
 
 
@@ -50,6 +50,52 @@ def test_split_masked_attention(num_rows, n_keys, heads):
     v = torch.randn(n_keys, hkv, 16, generator=gen)
     positions = torch.randperm(n_keys, generator=gen)[:num_rows].sort().values
     out = split_masked_attention(q, k, v, positions, 0.25)
+    torch.testing.assert_close(
+        out.double(), dense_reference(q, k, v, positions, 0.25), atol=1e-5, rtol=0
+    )
+
+
+def _run_layout(layout, gen):
+    """Ascending positions over 700 keys with runs of consecutive positions."""
+
+    def scattered(lo, hi, count):
+        return (torch.randperm(hi - lo, generator=gen)[:count] + lo).sort().values
+
+    parts = {
+        "query_tail": [scattered(0, 590, 150), torch.arange(600, 700)],
+        "prefix_hit": [torch.arange(37, 700)],
+        "from_zero": [torch.arange(0, 100), scattered(110, 700, 200)],
+        "runs_and_gaps": [
+            scattered(0, 190, 30), torch.arange(200, 300), scattered(310, 490, 20),
+            torch.arange(500, 570), torch.arange(600, 610), scattered(650, 700, 5),
+        ],
+    }[layout]  # fmt: skip
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("layout", ["query_tail", "prefix_hit", "from_zero", "runs_and_gaps"])
+def test_split_attention_causal_runs(layout):
+    """Runs of >= 64 consecutive positions become unmasked causal bands (after an unmasked
+    prefix); short runs and scattered rows stay in masked groups. Same as the dense oracle."""
+    gen = torch.Generator().manual_seed(len(layout))
+    positions = _run_layout(layout, gen)
+    q = torch.randn(len(positions), 6, 16, generator=gen)
+    k = torch.randn(700, 2, 16, generator=gen)
+    v = torch.randn(700, 2, 16, generator=gen)
+    groups = plan_row_groups(positions, 3, q.dtype)
+    runs = [(positions[g.lo].item(), g.end) for g in groups if g.mask is None]
+    want_runs = {
+        "query_tail": [(600, 700)],
+        "prefix_hit": [(37, 700)],
+        "from_zero": [(0, 100)],
+        "runs_and_gaps": [(200, 300), (500, 570)],
+    }[layout]
+    assert runs == want_runs
+    assert all(positions[g.lo].item() == g.prefix for g in groups if g.mask is None)
+    assert [(g.lo, g.hi) for g in groups] == sorted((g.lo, g.hi) for g in groups)
+    assert groups[0].lo == 0 and groups[-1].hi == len(positions)
+    assert all(a.hi == b.lo for a, b in zip(groups, groups[1:], strict=False))
+    out = split_masked_attention(q, k, v, positions, 0.25, groups)
     torch.testing.assert_close(
         out.double(), dense_reference(q, k, v, positions, 0.25), atol=1e-5, rtol=0
     )
