@@ -2,8 +2,9 @@
 
 Wraps, for the duration of one request, the pieces of the engine's step with wall-clock timers:
 each layer's start (its input norm), its attention and its MLP block (``finish``), the row
-plan's selection, the final norm, logits and sampling. The step runs synchronously on the CPU,
-so the pieces add up; what no timer covers is Python and scheduling overhead. Loading comes
+plan's selection and K/V correction, the final norm, logits and sampling. The step runs
+synchronously on the CPU, so the pieces add up; what no timer covers is Python and scheduling
+overhead. Loading comes
 from the request's :class:`~blendkv.blend.plan.BlendStats` (reads before the forward, layer
 writes behind it).
 
@@ -64,6 +65,7 @@ def profiled(llm, check_layer: int):
     timer.wrap(model, "compute_logits", lambda a: "final norm + logits", restore)
     timer.wrap(engine.runner, "sample", lambda a: "sampling", restore)
     original_select = BlendRowPlan.select
+    original_correct = BlendRowPlan.before_attention
 
     def select(self, *args, **kwargs):
         rows_plan.append(self)
@@ -73,12 +75,21 @@ def profiled(llm, check_layer: int):
         finally:
             timer.seconds["selection"] += time.perf_counter() - t0
 
+    def before_attention(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original_correct(self, *args, **kwargs)
+        finally:
+            timer.seconds["K/V correction"] += time.perf_counter() - t0
+
     BlendRowPlan.select = select
+    BlendRowPlan.before_attention = before_attention
     out: dict = {}
     try:
         yield out
     finally:
         BlendRowPlan.select = original_select
+        BlendRowPlan.before_attention = original_correct
         for obj, name in restore:
             delattr(obj, name)
         out.update(timer.seconds)
@@ -99,6 +110,7 @@ def profile_request(llm, prompt, blend, params, full_ttft: float) -> dict:
     parts["store reads"] = stats.read_seconds
     parts["RoPE + block writes (not hidden)"] = exposed_writes
     parts["selection"] = parts.get("selection", 0.0)  # between projection and attention
+    parts["K/V correction"] = parts.get("K/V correction", 0.0)  # before attention
     covered = sum(v for k, v in parts.items())
     ttft = out.metrics.ttft
     parts["python + scheduling"] = max(0.0, ttft - covered)

@@ -222,8 +222,9 @@ class AttentionBackend(ABC):
         one ``write_kv`` per layer); backends may fuse it into one launch.
         """
         k = kv[:, 0]  # [L', T, H, D]
-        c = cos[positions][:, None, :].to(k.dtype)  # [T, 1, D]
-        s = sin[positions][:, None, :].to(k.dtype)
+        # index_select, not advanced indexing: the fast CPU gather of table rows
+        c = cos.index_select(0, positions)[:, None, :].to(k.dtype)  # [T, 1, D]
+        s = sin.index_select(0, positions)[:, None, :].to(k.dtype)
         half = k.shape[-1] // 2
         rotated = k * c + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * s
         for i in range(kv.shape[0]):

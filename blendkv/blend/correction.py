@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from blendkv.layers.rotary import rotate_half
+
 
 def chunk_mean_shift(
     delta: torch.Tensor, chunk_ids: torch.Tensor, num_chunks: int, shrink: float
@@ -62,10 +64,21 @@ def correct_kept_rows(
     if "v" in which:
         delta = v_new.float() - old_v.float()
         shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink)
-        cur_v = (cur_v.float() + shift[kept.chunk_ids]).to(cur_v.dtype)
+        cur_v = _per_row(shift, kept.chunk_ids).add_(cur_v).to(cur_v.dtype)
     if "k" in which:
         delta = k_new.float() - rotary.unrotate_k(recomputed.positions, old_k.float())
         shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink)
-        moved = rotary.rotate_k(kept.positions, shift[kept.chunk_ids])
-        cur_k = (cur_k.float() + moved).to(cur_k.dtype)
+        # RoPE of the per-chunk shift at each kept row's position, rotate_half taken on the
+        # [chunks, H, D] shift (exact: it permutes and negates); cos/sin of the kept positions
+        # are gathered once per step (the rotary memo; ``kept`` is the same tensor every layer).
+        cos, sin = rotary.cos_sin(kept.positions, torch.float32)
+        moved = _per_row(shift, kept.chunk_ids).mul_(cos)
+        moved.addcmul_(_per_row(rotate_half(shift), kept.chunk_ids), sin)
+        cur_k = moved.add_(cur_k).to(cur_k.dtype)
     backend.write_kv(kv_cache, cur_k, cur_v, kept.slots)
+
+
+def _per_row(shift: torch.Tensor, chunk_ids: torch.Tensor) -> torch.Tensor:
+    """[chunks, H, D] -> [N, H, D], row i = ``shift[chunk_ids[i]]`` (a new tensor): index_select
+    over 2-D rows, the fast CPU path."""
+    return shift.reshape(shift.shape[0], -1).index_select(0, chunk_ids).view(-1, *shift.shape[1:])

@@ -88,6 +88,8 @@ class BlendRowPlan(RowPlan):
         self._row_counts = [(0, n)]  # (from layer, rows computed) as the set shrinks
         self.layers = set().union(*self.schedules)
         self._exact: dict[int, torch.Tensor] = {}  # seq index -> rows made exact this layer
+        # seq index -> its correction's rows, kept while the row set stays (until a selection)
+        self._correction_rows: dict[int, tuple] = {}
         for sb in blends:
             sb._events = []
         self._record()
@@ -98,6 +100,7 @@ class BlendRowPlan(RowPlan):
     def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
         keep = torch.ones(len(self.rows), dtype=torch.bool)
         self._exact = {}
+        self._correction_rows = {}
         for sb, schedule in zip(self.blends, self.schedules, strict=True):
             if layer_idx in schedule:
                 before = int(keep.sum())
@@ -175,32 +178,46 @@ class BlendRowPlan(RowPlan):
 
     def _correct(self, attn, sb: SeqBlend, k, v, kv_cache, md) -> None:
         """Shift the kept rows of ``sb`` by its recomputed rows' mean deviation per chunk."""
-        lo = self.starts[sb.index]
-        mine = self.seq_ids == sb.index
-        rec = torch.nonzero(mine & self.reused).flatten()  # current rows, reused
-        computed = torch.zeros(len(sb.reused), dtype=torch.bool)
-        computed[self.rows[mine] - lo] = True
         exact = self._exact.get(sb.index)
-        if exact is not None:
-            computed[exact - lo] = True
-        kept = torch.nonzero(sb.reused & ~computed).flatten() + lo  # step rows
-        rec_local = self.rows[rec] - lo
-        dev = k.device
-        rec_d, kept_d = rec.to(dev), kept.to(dev)
+        rows = self._correction_rows.get(sb.index) if exact is None else None
+        if rows is None:
+            rows = self._correction_split(sb, exact, md, k.device)
+            if exact is None:  # the same rows every layer until the next selection
+                self._correction_rows[sb.index] = rows
+        rec_d, recomputed, kept = rows
         correct_kept_rows(
             self.backend,
             attn.rotary_emb,
             kv_cache,
             sb.config.correction,
             float(sb.config.correction_shrink),
-            Rows(md.positions[rec_d], md.slot_mapping[rec_d], sb.chunk_ids[rec_local].to(dev)),
+            recomputed,
             k[rec_d],
             v[rec_d],
-            Rows(
-                self.all_positions[kept_d], self.all_slots[kept_d], sb.chunk_ids[kept - lo].to(dev)
-            ),
+            kept,
             sb.num_chunks,
         )
+
+    def _correction_split(self, sb: SeqBlend, exact, md, dev) -> tuple[torch.Tensor, Rows, Rows]:
+        """``sb``'s reused rows computed this layer (current-row indices and :class:`Rows`) and
+        its kept ones (those not computed, nor made exact at this layer)."""
+        lo = self.starts[sb.index]
+        mine = self.seq_ids == sb.index
+        rec = torch.nonzero(mine & self.reused).flatten()  # current rows, reused
+        computed = torch.zeros(len(sb.reused), dtype=torch.bool)
+        computed[self.rows[mine] - lo] = True
+        if exact is not None:
+            computed[exact - lo] = True
+        kept = torch.nonzero(sb.reused & ~computed).flatten() + lo  # step rows
+        rec_local = self.rows[rec] - lo
+        rec_d, kept_d = rec.to(dev), kept.to(dev)
+        recomputed = Rows(
+            md.positions[rec_d], md.slot_mapping[rec_d], sb.chunk_ids[rec_local].to(dev)
+        )
+        kept_rows = Rows(
+            self.all_positions[kept_d], self.all_slots[kept_d], sb.chunk_ids[kept - lo].to(dev)
+        )
+        return rec_d, recomputed, kept_rows
 
     def row_layers(self, num_layers: int) -> int:
         """Rows x layers this forward computed (so far): the work the controller times."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+_MEMO_SIZE = 4  # cos/sin gathers remembered (positions tensors, by identity)
+
 
 def rope_parameters(config) -> dict:
     """``config.rope_parameters`` (transformers 5), or the same dict built from the v4 fields."""
@@ -93,24 +95,26 @@ class RotaryEmbedding(nn.Module):
             self._cos = torch.cat((cos, cos), dim=-1)
             self._sin = torch.cat((sin, sin), dim=-1)
         # Every layer of one forward passes the same positions tensor: gather once per forward.
-        self._memo: tuple | None = None
+        # A few entries, matched by identity: a blended forward also rotates its kept rows'
+        # K corrections at their own (per-step fixed) positions every layer.
+        self._memo: list[tuple] = []
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin gathered at ``positions``: [T, 1, head_dim] each, cast to ``dtype``."""
-        memo = self._memo
-        if memo is not None and memo[0] is positions and memo[1] == dtype:
-            return memo[2], memo[3]
+        for seen, seen_dtype, cos, sin in self._memo:
+            if seen is positions and seen_dtype == dtype:
+                return cos, sin
         if self._cos.device != positions.device:
             self._cos = self._cos.to(positions.device)
             self._sin = self._sin.to(positions.device)
-        cos = self._cos[positions][:, None, :].to(dtype)
-        sin = self._sin[positions][:, None, :].to(dtype)
-        self._memo = (positions, dtype, cos, sin)
+        cos = self._cos.index_select(0, positions)[:, None, :].to(dtype)
+        sin = self._sin.index_select(0, positions)[:, None, :].to(dtype)
+        self._memo = [*self._memo[-(_MEMO_SIZE - 1) :], (positions, dtype, cos, sin)]
         return cos, sin
 
     def clear_memo(self) -> None:
-        """Forget the last gathered cos/sin (a CUDA-graph capture must record the gather)."""
-        self._memo = None
+        """Forget the gathered cos/sin (a CUDA-graph capture must record the gather)."""
+        self._memo = []
 
     def tables(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole float32 cos/sin tables, [max_position, head_dim] each, on ``device``."""

@@ -22,7 +22,7 @@ def test_profile_parts_add_up_to_the_ttft(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["rows"]
     prof = row["profile"]
     parts = prof["parts"]
-    for name in ("store reads", "selection", "sampling", "python + scheduling"):
+    for name in ("store reads", "selection", "K/V correction", "sampling", "python + scheduling"):
         assert name in parts
     assert any(k.startswith("recomputed layers: attention") for k in parts)
     assert sum(parts.values()) == pytest.approx(prof["ttft"], rel=1e-6)
