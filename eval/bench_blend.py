@@ -44,6 +44,18 @@ def _teacher_forced(llm, prompt, answer, blend, sp):
     return out.extra["prompt_logits"][: len(answer)]
 
 
+def _blend_config(args):
+    """The blended method: ``BlendConfig``'s defaults unless ``--ratio``/``--selection``."""
+    from blendkv.blend.config import BlendConfig
+
+    fields = {}
+    if getattr(args, "ratio", None) is not None:
+        fields["recompute_ratio"] = args.ratio
+    if getattr(args, "selection", None):
+        fields["selection"] = args.selection
+    return BlendConfig(**fields)
+
+
 def main(args) -> int:
     from blendkv import LLM, SamplingParams
     from blendkv.blend.config import BlendConfig
@@ -64,7 +76,7 @@ def main(args) -> int:
     one = SamplingParams(temperature=0.0, max_tokens=1)
     answer_params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
     methods = {
-        "blend": BlendConfig(recompute_ratio=args.ratio),
+        "blend": _blend_config(args),
         "reuse": BlendConfig(recompute_ratio=0.0),
     }
     prompts = [_blended(ex, spec) for ex in examples]
@@ -126,7 +138,8 @@ def main(args) -> int:
         "recompute_fraction_blend": mean("recompute_blend"),
         "answer_kl_blend": mean("kl_blend"),
         "answer_kl_reuse": mean("kl_reuse"),
-        "ratio": args.ratio,
+        "ratio": methods["blend"].recompute_ratio,
+        "selection": methods["blend"].selection,
         "blend1_matches_full": agree,
         "all_chunks_hit": all(r["hit_blend"] and r["hit_reuse"] for r in rows),
     }
@@ -135,7 +148,7 @@ def main(args) -> int:
     print(
         f"\n{'method':10} {'TTFT median s':>14} {'speedup':>8} {'answer KL':>10}\n"
         f"{'full':10} {summary['ttft_full_s']:>14.3f} {1.0:>7.2f}x {0.0:>10.4f}\n"
-        f"{'blend@' + str(args.ratio):10} {summary['ttft_blend_s']:>14.3f} "
+        f"{'blend@' + str(summary['ratio']):10} {summary['ttft_blend_s']:>14.3f} "
         f"{summary['speedup_blend']:>7.2f}x {summary['answer_kl_blend']:>10.4f}\n"
         f"{'reuse':10} {summary['ttft_reuse_s']:>14.3f} {summary['speedup_reuse']:>7.2f}x "
         f"{summary['answer_kl_reuse']:>10.4f}\n"

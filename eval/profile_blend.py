@@ -41,7 +41,9 @@ class _Timer:
 
 @contextmanager
 def profiled(llm, check_layer: int):
-    """Yields a dict filled, after the block, with seconds per part of the step."""
+    """Yields a dict filled, after the block, with seconds per part of the step (the layers of
+    ProphetKV's first pass apart)."""
+    from blendkv.blend import prophet
     from blendkv.blend.row_plan import BlendRowPlan
 
     engine = llm.engine
@@ -51,7 +53,11 @@ def profiled(llm, check_layer: int):
     rows_plan: list = []
     layers = model.model.layers
 
+    in_query_pass = [False]
+
     def phase(i: int) -> str:
+        if in_query_pass[0]:
+            return "ProphetKV pass 1"
         if i < check_layer:
             return "full layers"
         return "check layer" if i == check_layer else "recomputed layers"
@@ -65,6 +71,7 @@ def profiled(llm, check_layer: int):
     timer.wrap(model, "compute_logits", lambda a: "final norm + logits", restore)
     timer.wrap(engine.runner, "sample", lambda a: "sampling", restore)
     original_select = BlendRowPlan.select
+    original_query_pass = prophet.run_query_pass
     original_correct = BlendRowPlan.before_attention
 
     def select(self, *args, **kwargs):
@@ -82,14 +89,34 @@ def profiled(llm, check_layer: int):
         finally:
             timer.seconds["K/V correction"] += time.perf_counter() - t0
 
+    def run_query_pass(*args, **kwargs):
+        in_query_pass[0] = True
+        try:
+            return original_query_pass(*args, **kwargs)
+        finally:
+            in_query_pass[0] = False
+
+    original_score = prophet.QueryScorePlan.select
+
+    def score(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original_score(self, *args, **kwargs)
+        finally:
+            timer.seconds["ProphetKV pass 1: scoring"] += time.perf_counter() - t0
+
     BlendRowPlan.select = select
     BlendRowPlan.before_attention = before_attention
+    prophet.run_query_pass = run_query_pass
+    prophet.QueryScorePlan.select = score
     out: dict = {}
     try:
         yield out
     finally:
         BlendRowPlan.select = original_select
         BlendRowPlan.before_attention = original_correct
+        prophet.run_query_pass = original_query_pass
+        prophet.QueryScorePlan.select = original_score
         for obj, name in restore:
             delattr(obj, name)
         out.update(timer.seconds)
@@ -100,7 +127,8 @@ def profiled(llm, check_layer: int):
 def profile_request(llm, prompt, blend, params, full_ttft: float) -> dict:
     """Run one blended request under the timers; returns seconds per part, the floor and
     the fraction of it reached."""
-    with profiled(llm, blend.check_layer) as parts:
+    # The first layer that drops rows is "check layer" (layer 0 for ProphetKV).
+    with profiled(llm, blend.first_selection_layer) as parts:
         out = llm.generate([prompt], params, blend=blend)[0]
     stats = out.blend_stats
     num_tokens = stats.num_prompt_tokens - stats.prefix_cached_tokens

@@ -22,7 +22,9 @@ def register(sub) -> None:
     p.add_argument("question")
     add_store_arg(p)
     p.add_argument("--top-k", type=int, default=6, help="chunks retrieved (default 6)")
-    p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio (default 0.15)")
+    p.add_argument(
+        "--ratio", type=float, default=None, help="recompute ratio (default: BlendConfig's)"
+    )
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         from blendkv.errors import InvalidRequestError
 
         raise InvalidRequestError(f"--top-k must be >= 1, got {args.top_k}")
-    blend = BlendConfig(recompute_ratio=args.ratio)
+    blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)
     # The comparison's teacher-forced requests reuse each run's own prompt K/V through the
     # prefix cache (as `blendkv eval` does); every timed run starts from an empty cache.
     pipeline = open_pipeline(args, create=False, enable_prefix_caching=args.compare_full)

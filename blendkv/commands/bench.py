@@ -35,7 +35,8 @@ def register(sub) -> None:
     b.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
     b.add_argument("--limit", type=int, default=5)
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    b.add_argument("--ratio", type=float, default=0.15)
+    b.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
+    b.add_argument("--selection", default=None, help="default: BlendConfig's")
     b.add_argument(
         "--profile", action="store_true", help="per request: where the time goes, the floor"
     )

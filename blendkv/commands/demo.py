@@ -29,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
     add_device_args(p)
     p.set_defaults(func=run)
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from blendkv.blend.config import BlendConfig
     from blendkv.rag import RAGPipeline
 
-    blend = BlendConfig(recompute_ratio=args.ratio)
+    blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     first_token = SamplingParams(max_tokens=1, temperature=0.0)
     print(f"loading the embedded model ({args.dtype}) ...")
