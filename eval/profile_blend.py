@@ -38,6 +38,23 @@ class _Timer:
         setattr(obj, name, timed)
         restore.append((obj, name))
 
+    def wrap_class(self, cls, name: str, key: str, patched: list, on_call=None) -> None:
+        """Time the method ``cls.name`` (patched on the class) into ``key``; ``on_call(self)``
+        sees each instance it runs on. ``patched`` gets what restores it."""
+        original = getattr(cls, name)
+
+        def timed(obj, *args, **kwargs):
+            if on_call is not None:
+                on_call(obj)
+            t0 = time.perf_counter()
+            try:
+                return original(obj, *args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - t0
+
+        setattr(cls, name, timed)
+        patched.append((cls, name, original))
+
 
 @contextmanager
 def profiled(llm, check_layer: int):
@@ -70,24 +87,11 @@ def profiled(llm, check_layer: int):
     timer.wrap(model.model.norm, "forward", lambda a: "final norm + logits", restore)
     timer.wrap(model, "compute_logits", lambda a: "final norm + logits", restore)
     timer.wrap(engine.runner, "sample", lambda a: "sampling", restore)
-    original_select = BlendRowPlan.select
+    patched: list = []  # (class or module, name, original)
+    timer.wrap_class(BlendRowPlan, "select", "selection", patched, on_call=rows_plan.append)
+    timer.wrap_class(BlendRowPlan, "before_attention", "K/V correction", patched)
+    timer.wrap_class(prophet.QueryScorePlan, "select", "ProphetKV pass 1: scoring", patched)
     original_query_pass = prophet.run_query_pass
-    original_correct = BlendRowPlan.before_attention
-
-    def select(self, *args, **kwargs):
-        rows_plan.append(self)
-        t0 = time.perf_counter()
-        try:
-            return original_select(self, *args, **kwargs)
-        finally:
-            timer.seconds["selection"] += time.perf_counter() - t0
-
-    def before_attention(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original_correct(self, *args, **kwargs)
-        finally:
-            timer.seconds["K/V correction"] += time.perf_counter() - t0
 
     def run_query_pass(*args, **kwargs):
         in_query_pass[0] = True
@@ -96,27 +100,14 @@ def profiled(llm, check_layer: int):
         finally:
             in_query_pass[0] = False
 
-    original_score = prophet.QueryScorePlan.select
-
-    def score(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original_score(self, *args, **kwargs)
-        finally:
-            timer.seconds["ProphetKV pass 1: scoring"] += time.perf_counter() - t0
-
-    BlendRowPlan.select = select
-    BlendRowPlan.before_attention = before_attention
-    prophet.run_query_pass = run_query_pass
-    prophet.QueryScorePlan.select = score
+    prophet.run_query_pass = run_query_pass  # the connector imports it at each call
+    patched.append((prophet, "run_query_pass", original_query_pass))
     out: dict = {}
     try:
         yield out
     finally:
-        BlendRowPlan.select = original_select
-        BlendRowPlan.before_attention = original_correct
-        prophet.run_query_pass = original_query_pass
-        prophet.QueryScorePlan.select = original_score
+        for owner, name, original in patched:
+            setattr(owner, name, original)
         for obj, name in restore:
             delattr(obj, name)
         out.update(timer.seconds)
