@@ -23,7 +23,8 @@ def register(sub) -> None:
         "--methods",
         default="full,reuse,blend@0.15",
         help="comma-separated: full, prefix, reuse, hf, blend@R (R in [0, 1]), "
-        "blend@R:SELECTION (attention, k_deviation, random; default v_deviation)",
+        "blend@R:SELECTION[+OPTIONS] (v_deviation, k_deviation, attention, random, prophet, "
+        "heads; default prophet with the K correction)",
     )
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")

@@ -119,7 +119,9 @@ def test_bad_blended_prompts(tiny_llama_dir):
         with pytest.raises(ConfigError):
             BlendConfig(recompute_ratio=1.5)
         with pytest.raises(ConfigError):
-            llm.generate([PROMPT], GREEDY, blend=BlendConfig(check_layer=99))
+            llm.generate(
+                [PROMPT], GREEDY, blend=BlendConfig(check_layer=99, selection="v_deviation")
+            )
         with pytest.raises(InvalidRequestError, match="blended prompt"):
             llm.generate(["plain text"], GREEDY, blend=BlendConfig())
         assert not llm.engine.has_unfinished_requests()

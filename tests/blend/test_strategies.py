@@ -258,8 +258,9 @@ def test_correction_makes_the_check_layer_exact(llm):
     with a correction the rows not picked keep it there instead of the reused K/V."""
     prompt = llm.blend_manager().prepare(PROMPT, BlendConfig()).prompt
     [ref] = fused_kv(llm, [(PROMPT, BlendConfig(recompute_ratio=1.0))])
-    [corrected] = fused_kv(llm, [(PROMPT, BlendConfig(recompute_ratio=0.2, correction="v"))])
-    [plain] = fused_kv(llm, [(PROMPT, BlendConfig(recompute_ratio=0.2, correction="none"))])
+    vdev = dict(recompute_ratio=0.2, selection="v_deviation")  # a check layer after layer 0
+    [corrected] = fused_kv(llm, [(PROMPT, BlendConfig(**vdev, correction="v"))])
+    [plain] = fused_kv(llm, [(PROMPT, BlendConfig(**vdev, correction="none"))])
     end = prompt.query_start
     torch.testing.assert_close(corrected[1, :, :end], ref[1, :, :end], atol=1e-5, rtol=0)
     assert (plain[1, :, :end] - ref[1, :, :end]).abs().max() > 1e-3
@@ -295,9 +296,10 @@ def test_config_validation_and_cache_key():
     ):
         with pytest.raises(ConfigError):
             BlendConfig(**bad)
-    base = BlendConfig(correction="none")
+    cacheblend = dict(recompute_ratio=0.15, selection="v_deviation", correction="none")
+    base = BlendConfig(**cacheblend)
     assert base.cache_key() == repr((0.15, 1, "v_deviation", (), 0)).encode()
-    assert BlendConfig(correction="none", correction_shrink=3.0).cache_key() == base.cache_key()
+    assert BlendConfig(**cacheblend, correction_shrink=3.0).cache_key() == base.cache_key()
     keys = {base.cache_key()} | {
         BlendConfig(**kw).cache_key()
         for kw in (
@@ -306,15 +308,14 @@ def test_config_validation_and_cache_key():
             dict(correction="v", correction_shrink=2.0),
             dict(chunk_head_tokens=4),
             dict(reselect=1),
-            dict(selection="prophet"),
+            dict(selection="v_deviation"),
         )
     }
     assert len(keys) == 7
     with pytest.raises(ConfigError, match="out of range"):
         BlendConfig(reselect=2).validate_for(2)
-    assert BlendConfig(recompute_ratio=0.1, reselect=2).selection_layers(30) == pytest.approx(
-        {1: 0.15, 10: 0.1, 20: 0.05}
-    )
+    reselect = BlendConfig(recompute_ratio=0.1, reselect=2, selection="v_deviation")
+    assert reselect.selection_layers(30) == pytest.approx({1: 0.15, 10: 0.1, 20: 0.05})
     assert BlendConfig(selection="prophet").first_partial_layer == 0
 
 

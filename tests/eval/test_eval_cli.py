@@ -8,7 +8,14 @@ import pytest
 
 from blendkv.cli import main
 
-METHODS = ["full", "reuse", "blend@0.5", "blend@0.5:attention", "blend@0.5:prophet+ck", "blend@1.0"]
+METHODS = [
+    "full",
+    "reuse",
+    "blend@0.5",
+    "blend@0.5:attention",
+    "blend@0.5:v_deviation+c0",
+    "blend@1.0",
+]
 SUMMARY_KEYS = {
     "n", "f1", "em", "rouge_l", "first_token_agreement", "first_token_kl", "answer_kl",
     "answer_agreement", "continuation_match", "ttft_median_s", "ttft_p90_s",

@@ -59,7 +59,7 @@ def capture(
     prompt = {"documents": DOCS, "query": QUERY}
     for r in RATIOS:
         # CacheBlend's V-deviation path as recorded (the default config has a K correction).
-        blend = BlendConfig(recompute_ratio=r, correction="none")
+        blend = BlendConfig(recompute_ratio=r, selection="v_deviation", correction="none")
         out = llm.generate([prompt], DECODE, blend=blend)[0]
         # The query and template suffix are the rows every blended prefill computes.
         start = query_start(llm, prompt)

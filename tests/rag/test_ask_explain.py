@@ -89,7 +89,7 @@ def test_text_output(store_args, capsys):
         "=== query",
     ):
         assert marker in out
-    assert "answer KL" in out and "full prefill" in out and "blend@0.15" in out
+    assert "answer KL" in out and "full prefill" in out and "blend@0.1" in out
     # The stats line's parts add up to the prompt.
     [line] = [x for x in out.splitlines() if "prompt tokens =" in x]
     numbers = [int(v) for v in re.findall(r"(\d+) (?:prompt tokens|reused|others)", line)]
