@@ -58,6 +58,10 @@ class EngineConfig:
     kv_store_memory_bytes: int = 256 << 20
     anchor_system: str | None = None
     anchor_instruction: str | None = None
+    # Also precompute each chunk behind the last N tokens of the chunk before it in the prompt
+    # (0: behind the anchor alone). Its K/V is then reused only where the same chunk follows
+    # the same neighbour; measured in the README ("Anchors").
+    anchor_boundary_tokens: int = 0
     # Write loaded chunk K/V into the blocks layer by layer behind the forward (a background
     # thread on the CPU, a side stream on CUDA); False writes everything before the forward.
     pipeline_kv_load: bool = True
@@ -99,6 +103,9 @@ class EngineConfig:
         if self.kv_store_max_bytes is not None:
             _positive("kv_store_max_bytes", self.kv_store_max_bytes)
         _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
+        n = self.anchor_boundary_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"anchor_boundary_tokens must be an integer >= 0, got {n!r}")
 
 
 def _valid_device(device: object) -> bool:

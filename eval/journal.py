@@ -22,7 +22,10 @@ __all__ = ["RESUME_KEYS", "Journal", "JournalError"]
 # EvalConfig fields a resumed run must share with the journal's run.
 RESUME_KEYS = (
     "data", "methods", "model", "dtype", "max_tokens", "seed", "answer_tokens", "max_model_len",
+    "anchor", "anchor_boundary",
 )  # fmt: skip
+# What a journal written before a key existed ran with.
+_OLD_DEFAULTS = {"anchor": "prompt", "anchor_boundary": 0}
 
 
 class JournalError(ConfigError):
@@ -74,6 +77,7 @@ class Journal:
     def _load(self) -> None:
         doc = json.loads(self.config_path.read_text())
         theirs = doc.get("settings", {})
+        theirs = {**_OLD_DEFAULTS, **theirs}
         differ = [k for k in RESUME_KEYS if theirs.get(k) != self.settings[k]]
         if differ:
             detail = ", ".join(

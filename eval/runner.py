@@ -33,6 +33,18 @@ from blendkv.eval.methods import (
 __all__ = ["EvalConfig", "EvalResult", "run_eval", "summarize_method"]
 
 
+# What chunks are precomputed behind, after the chat template's prefix: nothing more
+# ("template"), an instruction that is not the prompt's ("generic"), or the prompt's own
+# instruction, i.e. the exact prefix the chunks follow in the prompt ("prompt").
+ANCHORS = ("prompt", "template", "generic")
+GENERIC_INSTRUCTION = "Use the following documents to answer the user's question.\n"
+
+
+def anchor_instruction(anchor: str, prompt_system: str) -> str | None:
+    """The ``anchor_instruction`` of the engine for ``anchor`` (see :data:`ANCHORS`)."""
+    return {"prompt": prompt_system, "template": None, "generic": GENERIC_INSTRUCTION}[anchor]
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """What ``blendkv eval`` runs. ``answer_tokens``: how much of full prefill's greedy answer
@@ -50,6 +62,10 @@ class EvalConfig:
     kv_store_dir: str | None = None
     device: str = "auto"
     attention_backend: str = "auto"
+    # What every chunk is precomputed behind (see ANCHORS), and how many tokens of the chunk
+    # before it in the prompt are added (EngineConfig.anchor_boundary_tokens).
+    anchor: str = "prompt"
+    anchor_boundary: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "answer_tokens"):
@@ -58,6 +74,10 @@ class EvalConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        if self.anchor not in ANCHORS:
+            raise ConfigError(f"anchor must be one of {', '.join(ANCHORS)}, got {self.anchor!r}")
+        if isinstance(self.anchor_boundary, bool) or self.anchor_boundary < 0:
+            raise ConfigError(f"anchor_boundary must be >= 0, got {self.anchor_boundary!r}")
         parse_methods(self.methods)  # raise MethodError now, before any model loads
 
     @property
@@ -115,7 +135,8 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         kv_store_dir=config.kv_store_dir,
         device=config.device,
         attention_backend=config.attention_backend,
-        anchor_instruction=spec.system,  # chunks are precomputed behind the real prompt prefix
+        anchor_instruction=anchor_instruction(config.anchor, spec.system),
+        anchor_boundary_tokens=config.anchor_boundary,
     )
     try:
         manager = llm.blend_manager()
@@ -167,12 +188,18 @@ def _warm_up(llm, hf, methods: list[Method], prompts: list[ExamplePrompt], progr
     from blendkv import SamplingParams
 
     manager = llm.blend_manager()
-    chunks: dict[tuple[int, ...], None] = {}
+    chunks: dict[bytes, tuple[list[int], list[int]]] = {}  # key -> (chunk, context)
     for p in prompts:
-        for doc in p.blended["documents"]:
-            chunks.setdefault(tuple(manager.builder.encode(doc)), None)
+        plan = manager.prepare(p.blended, None)
+        for key, ids, ctx in zip(
+            plan.chunk_keys, plan.prompt.chunks, plan.chunk_contexts, strict=True
+        ):
+            chunks.setdefault(key, (ids, ctx))
     with tqdm(total=len(chunks), desc="warm-up store", disable=not progress) as bar:
-        manager.precompute([list(c) for c in chunks], progress=bar.update)
+        pairs = list(chunks.values())
+        manager.precompute(
+            [c for c, _ in pairs], progress=bar.update, contexts=[ctx for _, ctx in pairs]
+        )
     small = {**prompts[0].blended, "documents": prompts[0].blended["documents"][:1]}
     ids = manager.prepare(small, None).prompt.token_ids
     tiny = ExamplePrompt(small, list(ids), list(ids))

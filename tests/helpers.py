@@ -95,3 +95,30 @@ def standalone_chunk_kv(hf, anchor, chunk):
         (captured[(i, "k_proj")].view(shape)[n:], captured[(i, "v_proj")].view(shape)[n:])
         for i in range(cfg.num_hidden_layers)
     ]
+
+
+def reference_full_reuse_logits(hf, manager, plan, contexts=None):
+    """transformers: prefix normally, then the standalone chunk K/V (each behind
+    ``contexts[i]``, default the anchor) with RoPE at the fused positions appended to its cache,
+    then only the query/suffix rows."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    p = plan.prompt
+    ids = p.token_ids
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        hf(torch.tensor([ids[: p.prefix_len]]), past_key_values=cache, use_cache=True)
+        contexts = contexts or [manager.anchor_ids] * len(p.chunks)
+        for chunk, ctx, (s, e) in zip(p.chunks, contexts, p.chunk_spans, strict=True):
+            kv = standalone_chunk_kv(hf, ctx, chunk)
+            pos = torch.arange(s, e)[None]
+            dummy = torch.zeros(1, e - s, 1)
+            cos, sin = hf.model.rotary_emb(dummy, pos)
+            for layer, (k, v) in enumerate(kv):
+                k4 = k.transpose(0, 1)[None]  # [1, H, T, D]
+                k4, _ = apply_rotary_pos_emb(k4, k4, cos, sin)
+                cache.update(k4, v.transpose(0, 1)[None], layer)
+        rest = torch.tensor([ids[p.query_start :]])
+        pos = torch.arange(p.query_start, len(ids))[None]
+        out = hf(rest, past_key_values=cache, position_ids=pos, use_cache=True)
+    return out.logits[0].float()

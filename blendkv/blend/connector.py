@@ -73,6 +73,7 @@ class BlendConnector(KVConnectorBase):
                 memory_tier_bytes=conf.kv_store_memory_bytes,
                 anchor_system=conf.anchor_system,
                 anchor_instruction=conf.anchor_instruction,
+                anchor_boundary_tokens=conf.anchor_boundary_tokens,
             )
             info = ctx.info
             # On CUDA, values read from storage land in pinned memory (async copies).

@@ -143,7 +143,8 @@ class ChunkLoader:
             return {}
         t0 = time.perf_counter()
         chunks = [plan.prompt.chunks[i] for i in misses]
-        kvs = self.manager.compute_kv(chunks)
+        contexts = plan.chunk_contexts and [plan.chunk_contexts[i] for i in misses]
+        kvs = self.manager.compute_kv(chunks, contexts)
         self.manager.write_back([plan.chunk_keys[i] for i in misses], chunks, kvs)
         plan.stats.precompute_seconds += time.perf_counter() - t0
         plan.stats.chunks_missed += len(misses)

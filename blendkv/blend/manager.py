@@ -46,6 +46,7 @@ class BlendManager:
         memory_tier_bytes: int = 256 << 20,
         anchor_system: str | None = None,
         anchor_instruction: str | None = None,
+        anchor_boundary_tokens: int = 0,
     ) -> None:
         from blendkv.layers.rotary import rope_parameters
         from blendkv.store import KVStore, ModelFingerprint
@@ -56,6 +57,7 @@ class BlendManager:
         self.attn_backend = attn_backend
         self.builder = PromptBuilder(tokenizer)
         self.anchor_ids = self.builder.anchor(anchor_system, anchor_instruction)
+        self.boundary_tokens = anchor_boundary_tokens
         cfg = model.config
         attn = model.model.layers[0].self_attn
         self.num_layers = cfg.num_hidden_layers
@@ -111,10 +113,21 @@ class BlendManager:
         self.writer = BackgroundWriter(store)
 
     # ------------------------------------------------------------- requests
-    def chunk_key(self, chunk_ids: list[int]) -> bytes:
+    def chunk_key(self, chunk_ids: list[int], context: list[int] | None = None) -> bytes:
+        """The store key of a chunk precomputed behind ``context`` (default: the anchor)."""
         from blendkv.store import chunk_key
 
-        return chunk_key(self.fingerprint, self.anchor_ids, chunk_ids)
+        anchor = self.anchor_ids if context is None else context
+        return chunk_key(self.fingerprint, anchor, chunk_ids)
+
+    def chunk_contexts(self, chunks: list[list[int]]) -> list[list[int]]:
+        """What each chunk of a prompt is precomputed behind: the anchor, and with
+        ``anchor_boundary_tokens`` N also the last N tokens of the chunk before it (so its K/V
+        is reused only where the same chunk follows the same neighbour)."""
+        n = self.boundary_tokens
+        if n == 0:
+            return [self.anchor_ids] * len(chunks)
+        return [self.anchor_ids + (chunks[i - 1][-n:] if i else []) for i in range(len(chunks))]
 
     def prepare(self, prompt: dict, config: BlendConfig | None) -> BlendPlan:
         """Parse a blended prompt dict (see ``blendkv.blend``) into a plan; raises on bad input."""
@@ -140,9 +153,12 @@ class BlendManager:
         built = self.builder.build(
             chunks, query, prompt.get("system"), prompt.get("instruction"), continuation
         )
-        keys = [self.chunk_key(c) for c in chunks]
+        contexts = self.chunk_contexts(chunks)
+        keys = [self.chunk_key(c, ctx) for c, ctx in zip(chunks, contexts, strict=True)]
         salt = self._salt(built, keys, config)
-        plan = BlendPlan(prompt=built, config=config, chunk_keys=keys, salt=salt)
+        plan = BlendPlan(
+            prompt=built, config=config, chunk_keys=keys, salt=salt, chunk_contexts=contexts
+        )
         plan.stats.num_chunks = len(chunks)
         plan.stats.num_prompt_tokens = len(built.token_ids)
         return plan
@@ -191,19 +207,22 @@ class BlendManager:
         return b"blend:" + h.digest()
 
     # ---------------------------------------------------------------- chunk K/V
-    def compute_kv(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """Each chunk's K (pre-RoPE) and V, prefilled alone behind the anchor (one forward
-        each), on the model's device."""
+    def compute_kv(
+        self, chunks: list[list[int]], contexts: list[list[int]] | None = None
+    ) -> list[torch.Tensor]:
+        """Each chunk's K (pre-RoPE) and V, prefilled alone behind its context (default: the
+        anchor; one forward each), on the model's device."""
         from blendkv.errors import PromptTooLongError
 
+        contexts = contexts or [self.anchor_ids] * len(chunks)
         limit = self.model.model.rotary_emb.max_position
-        for chunk in chunks:
-            if len(self.anchor_ids) + len(chunk) > limit:
+        for chunk, context in zip(chunks, contexts, strict=True):
+            if len(context) + len(chunk) > limit:
                 raise PromptTooLongError(
-                    f"a chunk of {len(chunk)} tokens behind the {len(self.anchor_ids)}-token "
+                    f"a chunk of {len(chunk)} tokens behind the {len(context)}-token "
                     f"anchor exceeds the model's {limit} positions; split it into smaller chunks"
                 )
-        return compute_chunks_kv(self.model, self.attn_backend, self.anchor_ids, chunks)
+        return compute_chunks_kv(self.model, self.attn_backend, contexts, chunks)
 
     def has(self, key: bytes) -> bool:
         """The chunk is stored or waiting in the writer (its value may still turn out corrupt)."""
@@ -224,22 +243,27 @@ class BlendManager:
             ]
         )
 
-    def precompute(self, chunks: list[list[int]], texts=None, doc_id=None, progress=None) -> list:
+    def precompute(
+        self, chunks: list[list[int]], texts=None, doc_id=None, progress=None, contexts=None
+    ) -> list:
         """Ingest: compute and store the K/V of chunks not stored yet (synchronously, in
-        batches of one forward each). Returns a PutResult per chunk (None: already stored)."""
+        batches of one forward each), each behind its context (default: the anchor). Returns a
+        PutResult per chunk (None: already stored)."""
         from blendkv.store import NewChunk
 
         self.flush()
+        contexts = contexts or [self.anchor_ids] * len(chunks)
+        keys = [self.chunk_key(c, ctx) for c, ctx in zip(chunks, contexts, strict=True)]
         results: list = [None] * len(chunks)
-        todo = [i for i, ids in enumerate(chunks) if self.chunk_key(ids) not in self.store]
+        todo = [i for i, key in enumerate(keys) if key not in self.store]
         if progress is not None and len(todo) < len(chunks):
             progress(len(chunks) - len(todo))
         for start in range(0, len(todo), _PRECOMPUTE_BATCH):
             batch = todo[start : start + _PRECOMPUTE_BATCH]
-            kvs = self.compute_kv([chunks[i] for i in batch])
+            kvs = self.compute_kv([chunks[i] for i in batch], [contexts[i] for i in batch])
             new = [
                 NewChunk(
-                    self.chunk_key(chunks[i]),
+                    keys[i],
                     kv.cpu(),
                     text=texts[i] if texts is not None else self.tokenizer.decode(chunks[i]),
                     token_ids=tuple(chunks[i]),

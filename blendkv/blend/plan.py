@@ -102,6 +102,8 @@ class BlendPlan:
     chunk_keys: list[bytes]
     salt: bytes
     stats: BlendStats = field(default_factory=BlendStats)
+    # What each chunk is precomputed behind (BlendManager.chunk_contexts); None: the anchor.
+    chunk_contexts: list[list[int]] | None = None
 
     def needs_fusion(self, num_computed_tokens: int) -> bool:
         """True while some chunk token has no K/V in the request's blocks yet."""

@@ -1,4 +1,5 @@
-"""Chunk precompute: a plain prefill of ``anchor + chunk`` whose K/V is handed to the store.
+"""Chunk precompute: a plain prefill of ``context + chunk`` whose K/V is handed to the store
+(the context: the anchor, or the anchor and the previous chunk's boundary).
 
 It runs through the model's one forward path with no KV pool (dense metadata) and a layer hook
 that keeps the chunk's own rows. One forward per chunk, on purpose: stored K/V is addressed by
@@ -30,24 +31,25 @@ class _ChunkKVSaver(LayerHooks):
 
 @torch.inference_mode()
 def compute_chunks_kv(
-    model, attn_backend, anchor_ids: list[int], chunks: list[list[int]]
+    model, attn_backend, contexts: list[list[int]], chunks: list[list[int]]
 ) -> list[torch.Tensor]:
-    """K (pre-RoPE) and V of each chunk prefilled alone at positions after ``anchor_ids``."""
+    """K (pre-RoPE) and V of each chunk prefilled alone at positions after its context
+    (``contexts[i]``: the anchor's ids, or the anchor plus the previous chunk's last ids)."""
     cfg = model.config
     attn = model.model.layers[0].self_attn
     dtype = model.model.embed_tokens.weight.dtype
     device = attn_backend.device
     outs = []
-    for chunk in chunks:
+    for context, chunk in zip(contexts, chunks, strict=True):
         assert chunk, "empty chunks are rejected before precompute"
-        ids = list(anchor_ids) + list(chunk)
+        ids = list(context) + list(chunk)
         out = torch.empty(
             cfg.num_hidden_layers, 2, len(chunk), attn.num_kv_heads, attn.head_dim,
             dtype=dtype, device=device,
         )  # fmt: skip
         md = attn_backend.dense_metadata([len(ids)])
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        saver = _ChunkKVSaver(out, len(anchor_ids))
+        saver = _ChunkKVSaver(out, len(context))
         model(input_ids, md.positions, None, md, hooks=saver, kv_only=True)
         outs.append(out)
     return outs

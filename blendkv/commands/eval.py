@@ -38,6 +38,15 @@ def register(sub) -> None:
         help="tokens of full prefill's answer the teacher-forced KL follows",
     )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--anchor", default="prompt", choices=["prompt", "template", "generic"],
+        help="what chunks are precomputed behind after the chat template's prefix: the "
+        "prompt's own instruction (default), nothing, or a generic instruction",
+    )  # fmt: skip
+    p.add_argument(
+        "--anchor-boundary", type=int, default=0, metavar="N",
+        help="also precompute each chunk behind the last N tokens of the chunk before it",
+    )  # fmt: skip
     p.add_argument("--kv-store-dir", default=None, help="chunk store (default: a temporary one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
@@ -65,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         kv_store_dir=args.kv_store_dir,
         device=args.device,
         attention_backend=args.attention_backend,
+        anchor=args.anchor,
+        anchor_boundary=args.anchor_boundary,
     )  # validates the method names before the model loads
     journal = Journal(args.out, asdict(config), [m.name for m in config.method_list], args.resume)
     if journal.records:

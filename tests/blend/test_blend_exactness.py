@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
-from helpers import standalone_chunk_kv
-from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from helpers import reference_full_reuse_logits
 
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
@@ -31,29 +29,6 @@ def test_ratio_one_equals_full_prefill(blend_llm):
     stats = blended.blend_stats
     assert stats.tokens_reused == plan.prompt.num_chunk_tokens
     assert stats.recompute_fraction == 1.0
-
-
-def reference_full_reuse_logits(hf, manager, plan):
-    """transformers: prefix normally, then the standalone chunk K/V with RoPE at the fused
-    positions appended to its cache, then only the query/suffix rows."""
-    p = plan.prompt
-    ids = p.token_ids
-    cache = DynamicCache()
-    with torch.no_grad():
-        hf(torch.tensor([ids[: p.prefix_len]]), past_key_values=cache, use_cache=True)
-        for chunk, (s, e) in zip(p.chunks, p.chunk_spans, strict=True):
-            kv = standalone_chunk_kv(hf, manager.anchor_ids, chunk)
-            pos = torch.arange(s, e)[None]
-            dummy = torch.zeros(1, e - s, 1)
-            cos, sin = hf.model.rotary_emb(dummy, pos)
-            for layer, (k, v) in enumerate(kv):
-                k4 = k.transpose(0, 1)[None]  # [1, H, T, D]
-                k4, _ = apply_rotary_pos_emb(k4, k4, cos, sin)
-                cache.update(k4, v.transpose(0, 1)[None], layer)
-        rest = torch.tensor([ids[p.query_start :]])
-        pos = torch.arange(p.query_start, len(ids))[None]
-        out = hf(rest, past_key_values=cache, position_ids=pos, use_cache=True)
-    return out.logits[0].float()
 
 
 def test_ratio_zero_equals_independent_reference(blend_llm, hf_model):

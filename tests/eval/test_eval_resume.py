@@ -7,13 +7,15 @@ import json
 import pytest
 
 from blendkv.cli import main
+from blendkv.errors import ConfigError
 from blendkv.eval.journal import Journal, JournalError
+from blendkv.eval.runner import EvalConfig
 
 ARGS = ["eval", "--data", "synthetic", "--methods", "full,reuse", "--dtype", "float32"]
 ARGS += ["--max-tokens", "4", "--no-progress"]
 SETTINGS = dict(
     data="synthetic", methods="full,reuse", model=None, dtype="float32", max_tokens=4, seed=0,
-    answer_tokens=16, max_model_len=None,
+    answer_tokens=16, max_model_len=None, anchor="prompt", anchor_boundary=0,
 )  # fmt: skip
 
 
@@ -64,3 +66,33 @@ def test_journal_refuses_other_settings_and_damage_in_the_middle(tmp_path):
     (tmp_path / "per_example.jsonl").write_text('{"id": "a", "met\n{"id": "b", "method": "full"}\n')
     with pytest.raises(JournalError, match=r"per_example.jsonl:1 is not valid JSON"):
         Journal(tmp_path, SETTINGS, ["full"], resume=True)
+
+
+def test_journal_from_before_the_anchor_settings_resumes_with_the_default_anchor(tmp_path):
+    journal = Journal(tmp_path, SETTINGS, ["full"], resume=False)
+    journal.start({})
+    path = tmp_path / "run_config.json"
+    doc = json.loads(path.read_text())
+    del doc["settings"]["anchor"], doc["settings"]["anchor_boundary"]
+    path.write_text(json.dumps(doc))
+    assert Journal(tmp_path, SETTINGS, ["full"], resume=True).records == []
+    with pytest.raises(JournalError, match=r"anchor: 'prompt' there, 'template' now"):
+        Journal(tmp_path, {**SETTINGS, "anchor": "template"}, ["full"], resume=True)
+
+
+def test_anchor_options_change_what_chunks_were_precomputed_behind(tmp_path):
+    """Reuse's K/V comes from chunks precomputed behind the anchor asked for: another anchor,
+    another reuse error; full prefill does not depend on it."""
+    kls = {}
+    for anchor in (["--anchor", "prompt"], ["--anchor", "template", "--anchor-boundary", "4"]):
+        out = tmp_path / anchor[1]
+        assert main([*ARGS, "--limit", "1", "--out", str(out), *anchor]) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["config"]["anchor"] == anchor[1]
+        kls[anchor[1]] = {r["method"]: r["answer_kl"] for r in _records(out)}
+    assert kls["prompt"]["full"] == kls["template"]["full"] == 0.0
+    assert kls["prompt"]["reuse"] != pytest.approx(kls["template"]["reuse"], rel=1e-3)
+    with pytest.raises(ConfigError, match="anchor must be one of"):
+        EvalConfig(data="synthetic", anchor="nowhere")
+    with pytest.raises(ConfigError, match="anchor_boundary must be >= 0"):
+        EvalConfig(data="synthetic", anchor_boundary=-1)

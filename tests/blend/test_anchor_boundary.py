@@ -1,0 +1,82 @@
+"""Chunks precomputed behind the previous chunk's boundary (``anchor_boundary_tokens``): the
+keys, the contexts, and reuse against a transformers reference built from the same contexts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import BLEND_DOCS as DOCS
+from helpers import BLEND_QUERY as QUERY
+from helpers import reference_full_reuse_logits
+
+from blendkv import LLM, SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.errors import ConfigError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+PROMPT = {"documents": DOCS, "query": QUERY}
+REUSE = BlendConfig(recompute_ratio=0.0)
+N = 3
+
+
+@pytest.fixture(scope="module")
+def boundary_llm(arch_dir):
+    _, path = arch_dir
+    llm = LLM(
+        str(path), dtype="float32", block_size=4, enable_prefix_caching=False,
+        anchor_boundary_tokens=N,
+    )  # fmt: skip
+    yield llm
+    llm.close()
+
+
+def test_contexts_and_keys(boundary_llm, blend_llm):
+    m, plain = boundary_llm.blend_manager(), blend_llm.blend_manager()
+    plan = m.prepare(PROMPT, REUSE)
+    chunks = plan.prompt.chunks
+    assert len(chunks) >= 3
+    assert plan.chunk_contexts[0] == m.anchor_ids
+    for i in range(1, len(chunks)):
+        assert plan.chunk_contexts[i] == m.anchor_ids + chunks[i - 1][-N:]
+    # the first chunk follows the anchor alone: the same key as without boundaries
+    assert plan.chunk_keys[0] == plain.prepare(PROMPT, REUSE).chunk_keys[0]
+    # a chunk after another neighbour is another entry
+    swapped = m.prepare({**PROMPT, "documents": [DOCS[1], DOCS[0], *DOCS[2:]]}, REUSE)
+    assert swapped.chunk_keys[2] != plan.chunk_keys[2]
+    assert swapped.chunk_keys[0] != plan.chunk_keys[1]  # DOCS[1] now follows the anchor
+
+
+def test_reuse_equals_reference_behind_each_boundary(boundary_llm, hf_model):
+    """Ratio 0: the query's logits equal transformers over each chunk's K/V computed behind
+    the anchor plus its neighbour's last N tokens, both when the chunks are computed at query
+    time (missed) and when they are read back from the store."""
+    m = boundary_llm.blend_manager()
+    plan = m.prepare(PROMPT, REUSE)
+    ref = reference_full_reuse_logits(hf_model, m, plan, contexts=plan.chunk_contexts)
+    plain = reference_full_reuse_logits(hf_model, m, plan)
+    assert (ref - plain).abs().max() > 1e-3  # the boundary changes the chunks' K/V
+    start = plan.prompt.query_start
+    missed = boundary_llm.generate([PROMPT], GREEDY, blend=REUSE, logits_from=start)[0]
+    m.flush()
+    hit = boundary_llm.generate([PROMPT], GREEDY, blend=REUSE, logits_from=start)[0]
+    assert missed.blend_stats.chunks_missed == len(plan.prompt.chunks)
+    assert hit.blend_stats.chunks_hit == len(plan.prompt.chunks)
+    for out in (missed, hit):
+        torch.testing.assert_close(out.extra["prompt_logits"], ref, atol=1e-4, rtol=0)
+
+
+def test_precompute_with_contexts_is_what_a_request_reads(boundary_llm):
+    m = boundary_llm.blend_manager()
+    docs = [d + " (again)" for d in DOCS]
+    plan = m.prepare({**PROMPT, "documents": docs}, REUSE)
+    results = m.precompute(plan.prompt.chunks, contexts=plan.chunk_contexts)
+    assert all(r is not None for r in results)
+    assert all(key in m.store for key in plan.chunk_keys)
+    out = boundary_llm.generate([{**PROMPT, "documents": docs}], GREEDY, blend=REUSE)[0]
+    assert out.blend_stats.chunks_missed == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_bad_boundary_is_refused(bad, arch_dir):
+    with pytest.raises(ConfigError, match="anchor_boundary_tokens"):
+        LLM(str(arch_dir[1]), anchor_boundary_tokens=bad)
