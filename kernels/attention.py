@@ -179,6 +179,9 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     # Its writes may run in a second host thread while the forward runs (pipelined loading).
     thread_safe: bool = True
+    # It reads a sequence's blocks faster when their ids are consecutive (slices of the pool,
+    # no gather): the block manager then places new blocks in runs.
+    prefers_block_runs: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -119,14 +119,15 @@ def split_masked_attention(
         band_k, band_v = k[:, :, g.prefix : g.end], v[:, :, g.prefix : g.end]
         if g.mask is None:
             # Causal band, heads unfolded (the flash kernel's GQA) then folded like the prefix.
-            o, lse = _flash(q[g.lo : g.hi].transpose(0, 1)[None], band_k, band_v, scale, None, True)
+            qh = q[g.lo : g.hi].transpose(0, 1)[None]
+            o, lse = flash_lse(qh, band_k, band_v, scale, None, True)
             o = o.view(1, num_kv_heads, group, rows, head_dim).transpose(2, 3)
             o = o.reshape(1, num_kv_heads, rows * group, head_dim)
             lse = lse.view(1, num_kv_heads, group, rows).transpose(2, 3).reshape(o.shape[:3])
         else:
-            o, lse = _flash(qg, band_k, band_v, scale, g.mask)
+            o, lse = flash_lse(qg, band_k, band_v, scale, g.mask)
         if g.prefix:
-            o1, lse1 = _flash(qg, k[:, :, : g.prefix], v[:, :, : g.prefix], scale, None)
+            o1, lse1 = flash_lse(qg, k[:, :, : g.prefix], v[:, :, : g.prefix], scale, None)
             both = torch.logaddexp(lse, lse1)
             o = o * torch.exp(lse - both)[..., None] + o1 * torch.exp(lse1 - both)[..., None]
         out[g.lo : g.hi] = (
@@ -145,7 +146,7 @@ def _band_mask(positions, start, end, group, dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
-def _flash(q, k, v, scale, mask, causal=False):
+def flash_lse(q, k, v, scale, mask, causal=False):
     """SDPA's CPU flash kernel: output [1, H, L, D] and its log-sum-exp [1, H, L] (fp32)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale

@@ -1,9 +1,12 @@
 """Torch attention backend: the CPU path and the reference every other backend is tested against.
 
 Keys are gathered from the paged cache through the block table and attended with
-``scaled_dot_product_attention`` under an explicit mask built from absolute positions. The one
-shortcut: a sequence whose query tokens are its whole context in order (a fresh prefill) is
-exactly the upper-left causal case, so it skips the gather and lets SDPA build the mask itself.
+``scaled_dot_product_attention`` under an explicit mask built from absolute positions. The
+shortcuts: a sequence whose query tokens are its whole context in order (a fresh prefill) is
+exactly the upper-left causal case, so it skips the gather and lets SDPA build the mask itself;
+and on the CPU a decode row whose blocks lie in a few runs of consecutive ids (the block
+manager places them so) attends each run as a slice of the pool, with no gather, merging the
+runs by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ from blendkv.kernels.attention import (
     StepPlanMemo,
     split_by_kind,
 )
-from blendkv.kernels.split_attention import RowGroup, plan_row_groups, split_masked_attention
+from blendkv.kernels.split_attention import (
+    RowGroup,
+    flash_lse,
+    plan_row_groups,
+    split_masked_attention,
+)
 from blendkv.kernels.split_attention import available as split_available
 
 
@@ -89,6 +97,8 @@ def position_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 _DECODE_GROUP = 8
+# A decode row in more runs of consecutive blocks than this is gathered instead.
+_MAX_RUNS = 4
 
 
 def masked_attention(
@@ -127,6 +137,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(device)
         self._step_plans = StepPlanMemo()  # (metadata, pool blocks) -> _StepPlan
         self._split_rows = split_available(self.device)  # scattered rows: split attention
+        self.prefers_block_runs = self._split_rows  # the CPU path reads runs as slices
 
     # ---- the pool -----------------------------------------------------------------------
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
@@ -217,9 +228,14 @@ class TorchAttentionBackend(AttentionBackend):
         for lo, hi in plan.fresh_ranges:
             # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
             out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
-        for i, groups in zip(plan.other_seqs, plan.row_groups, strict=True):
+        others = zip(plan.other_seqs, plan.row_groups, plan.other_slots, strict=True)
+        for i, groups, first in others:
             lo, hi = starts[i], starts[i + 1]
-            keys, values = gather_kv(kv_cache, md.block_table[i], md.seq_lens_cpu[i])
+            if first is None:
+                keys, values = gather_kv(kv_cache, md.block_table[i], md.seq_lens_cpu[i])
+            else:  # the context is one run of consecutive blocks: a slice of the pool
+                flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+                keys, values = flat[:, first : first + md.seq_lens_cpu[i]]
             positions = md.positions[lo:hi]
             if groups is None:
                 out[lo:hi] = masked_attention(q[lo:hi], keys, values, positions, scale)
@@ -241,8 +257,12 @@ class TorchAttentionBackend(AttentionBackend):
             else None
             for i in other
         ]
-        decode_plan = _decode_plan(md, decode, cache_shape) if decode else None
-        return _StepPlan(fresh, other, row_groups, decode_plan)
+        slots = [None] * len(other)
+        if self._split_rows:
+            runs = [_block_runs(md, i, cache_shape[2]) for i in other]
+            slots = [r[0][0] if len(r) == 1 else None for r in runs]
+        decode_plan = _decode_plan(md, decode, cache_shape, self._split_rows) if decode else None
+        return _StepPlan(fresh, other, row_groups, decode_plan, slots)
 
 
 @dataclass(frozen=True)
@@ -261,6 +281,9 @@ class _DecodePlan:
     rows: torch.Tensor  # [n] int64 token rows, sorted by context length
     block_ids: torch.Tensor  # every group's padded block table, flattened, K then V rows
     groups: list[_DecodeGroup]
+    # Rows attended in place (CPU): (token row, [(first pool slot, tokens) per run of the
+    # row's blocks with consecutive ids]); they are not in ``rows``.
+    in_place: list[tuple[int, list[tuple[int, int]]]]
 
 
 @dataclass(frozen=True)
@@ -271,14 +294,33 @@ class _StepPlan:
     other_seqs: list[int]
     row_groups: list[list[RowGroup] | None]  # per other seq (None: masked SDPA, not the CPU)
     decode: _DecodePlan | None
+    # per other seq: its first pool slot when its context is one run of consecutive blocks
+    # (read as a slice, not gathered; CPU), else None
+    other_slots: list[int | None]
 
 
-def _decode_plan(md: AttentionMetadata, seqs: list[int], cache_shape: torch.Size) -> _DecodePlan:
-    """Decode rows in groups of similar context length: one padded SDPA call per group keeps
-    the gathered K/V close to the real context sizes, and one ``index_select`` per layer
-    gathers every group's blocks."""
+def _decode_plan(
+    md: AttentionMetadata, seqs: list[int], cache_shape: torch.Size, in_place: bool
+) -> _DecodePlan:
+    """Decode rows whose blocks lie in at most ``_MAX_RUNS`` runs of consecutive ids are
+    attended in place (``in_place``: the CPU flash op is there). The others go in groups of
+    similar context length: one padded SDPA call per group keeps the gathered K/V close to the
+    real context sizes, and one ``index_select`` per layer gathers every group's blocks."""
     _, pool_blocks, block_size, _, _ = cache_shape
     dev = md.positions.device
+    direct = []
+    if in_place:
+        gathered = []
+        for i in seqs:
+            runs = _block_runs(md, i, block_size)
+            if len(runs) <= _MAX_RUNS:
+                direct.append((md.query_start_loc_cpu[i], runs))
+            else:
+                gathered.append(i)
+        seqs = gathered
+    if not seqs:
+        empty = torch.empty(0, dtype=torch.long, device=dev)
+        return _DecodePlan(empty, empty, [], direct)
     seqs = sorted(seqs, key=lambda i: md.seq_lens_cpu[i])
     groups, tables, offset = [], [], 0
     for g in range(0, len(seqs), _DECODE_GROUP):
@@ -293,11 +335,52 @@ def _decode_plan(md: AttentionMetadata, seqs: list[int], cache_shape: torch.Size
         offset += len(members) * num_blocks
     flat = torch.cat(tables)
     rows = torch.tensor([md.query_start_loc_cpu[i] for i in seqs], dtype=torch.long, device=dev)
-    return _DecodePlan(rows, torch.cat((flat, flat + pool_blocks)), groups)
+    return _DecodePlan(rows, torch.cat((flat, flat + pool_blocks)), groups, direct)
+
+
+def _block_runs(md: AttentionMetadata, i: int, block_size: int) -> list[tuple[int, int]]:
+    """Sequence ``i``'s context as (first pool slot, tokens) per run of consecutive blocks."""
+    seq_len = md.seq_lens_cpu[i]
+    table = md.block_table[i, : -(-seq_len // block_size)].tolist()
+    runs: list[tuple[int, int]] = []
+    first = prev = table[0]
+    for b in table[1:]:
+        if b != prev + 1:
+            runs.append((first * block_size, (prev - first + 1) * block_size))
+            first = b
+        prev = b
+    last = (first * block_size, (prev - first + 1) * block_size)
+    runs.append((last[0], last[1] - (len(table) * block_size - seq_len)))
+    return runs
+
+
+def _in_place_decode(q, kv_cache, plan: _DecodePlan, out, scale) -> None:
+    """Decode rows over slices of the pool (no gather): one flash call per run of consecutive
+    blocks, the query heads of a KV head folded into its rows, runs merged by log-sum-exp."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    pool = kv_cache.view(2, -1, num_kv_heads, head_dim).transpose(1, 2)  # [2, Hkv, slots, D]
+    keys, values = pool[0][None], pool[1][None]
+    for row, runs in plan.in_place:
+        qr = q[row].reshape(1, num_kv_heads, -1, head_dim)
+        if len(runs) == 1:
+            s, n = runs[0]
+            o = flash_lse(qr, keys[:, :, s : s + n], values[:, :, s : s + n], scale, None)[0]
+        else:
+            parts = [
+                flash_lse(qr, keys[:, :, s : s + n], values[:, :, s : s + n], scale, None)
+                for s, n in runs
+            ]
+            lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
+            o = sum(p[0] * torch.exp(p[1] - lse)[..., None] for p in parts)
+        out[row] = o.view(out.shape[1:])
 
 
 def _batched_decode(q, kv_cache, plan: _DecodePlan, out, scale) -> None:
     """Every single-token row: pad each group's contexts to its longest one and mask."""
+    if plan.in_place:
+        _in_place_decode(q, kv_cache, plan, out, scale)
+    if not plan.groups:
+        return
     _, pool_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     picked = kv_cache.view(2 * pool_blocks, -1).index_select(0, plan.block_ids)
     picked = picked.view(2, -1, block_size, num_kv_heads, head_dim)

@@ -12,6 +12,16 @@ Free-queue order is the eviction order (head first): blocks that hold nothing re
 at the head, cached blocks at the tail, and a finished sequence's blocks are freed back to front
 so that the longest prefixes outlive their tails.
 
+New blocks are placed to keep each block table in long runs of consecutive ids, so attention can
+read a sequence's K/V as slices of the pool instead of gathering it (the CPU decode path,
+``blendkv.kernels.torch_attention``). Only free blocks holding nothing reusable are placed this
+way, so eviction order is unchanged: a table grows into the block after its last one when that
+is free; otherwise its new blocks start inside the longest free run, in the middle when a used
+block sits just before that run (room for that table to grow), at its start otherwise. When no
+free run is long enough, blocks come from the queue's head as before. Backends that gain
+nothing from runs (the GPU kernels read any block table alike) turn placement off
+(``place_in_runs=False``): every block then comes from the queue's head in O(1).
+
 A full block's hash is ``xxh3_128(parent_hash, cache_salt, token_ids)`` — stable across processes
 (never Python's ``hash()``), chained so equal hashes mean equal whole prefixes.
 """
@@ -54,11 +64,18 @@ def hash_prefix_blocks(token_ids: list[int], block_size: int, salt: bytes = b"")
 class BlockManager:
     """Allocates KV blocks to sequences; see the module docstring for the state model."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        place_in_runs: bool = True,
+    ):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.place_in_runs = place_in_runs  # False: new blocks from the queue's head only
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
@@ -131,8 +148,7 @@ class BlockManager:
             table.append(block_id)
         if cow_index is not None:
             self._copy_on_write(table, cow_index)
-        for _ in range(num_new_blocks):
-            table.append(self._pop_free_block())
+        self._append_blocks(table, num_new_blocks)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -197,6 +213,57 @@ class BlockManager:
         if self.ref_cnt[block_id] == 0:
             del self.free_queue[block_id]
         self.ref_cnt[block_id] += 1
+
+    def _append_blocks(self, table: list[int], count: int) -> None:
+        """Append ``count`` free blocks to ``table``, in runs of consecutive ids where it can
+        (see the module docstring)."""
+        if not self.place_in_runs:
+            table.extend(self._pop_free_block() for _ in range(count))
+            return
+        while count and table and self._placeable(table[-1] + 1):
+            table.append(self._take(table[-1] + 1))
+            count -= 1
+        if not count:
+            return
+        start = self._place(count)
+        if start is None:
+            table.extend(self._pop_free_block() for _ in range(count))
+        else:
+            table.extend(self._take(b) for b in range(start, start + count))
+
+    def _placeable(self, block_id: int) -> bool:
+        """Free and holding nothing reusable."""
+        return (
+            block_id < self.num_blocks
+            and self.ref_cnt[block_id] == 0
+            and self.block_hash[block_id] is None
+        )
+
+    def _place(self, count: int) -> int | None:
+        """First block of ``count`` placeable blocks in a row, in the longest such run; None if
+        no run is long enough. One pass over the pool (Python lists, ~1 ms per 2K blocks)."""
+        ref, hashes = self.ref_cnt, self.block_hash
+        best_start, best_len, start = 0, 0, -1
+        for b in range(self.num_blocks):
+            if ref[b] == 0 and hashes[b] is None:
+                if start < 0:
+                    start = b
+            elif start >= 0:
+                if b - start > best_len:
+                    best_start, best_len = start, b - start
+                start = -1
+        if start >= 0 and self.num_blocks - start > best_len:
+            best_start, best_len = start, self.num_blocks - start
+        if best_len < count:
+            return None
+        if best_start > 0 and ref[best_start - 1] > 0:
+            return best_start + (best_len - count) // 2  # leave the table before it room
+        return best_start
+
+    def _take(self, block_id: int) -> int:
+        del self.free_queue[block_id]
+        self.ref_cnt[block_id] = 1
+        return block_id
 
     def _pop_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)

@@ -109,7 +109,10 @@ class LLMEngine:
             ),
         )
         self.block_manager = BlockManager(
-            self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.info.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            place_in_runs=self.attn_backend.prefers_block_runs,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -52,15 +52,16 @@ def test_allocate_exact_ids_and_free_order():
 
     b = make_seq("b", list(range(8)) + [100, 101, 102])
     assert admit(bm, b) == 8
-    assert b.block_table == [0, 1, 3]
-    assert bm.ref_cnt[:4] == [2, 2, 1, 1]
+    # Its new block goes in the middle of the free run 3-7 (a, before it, may grow into 3, 4).
+    assert b.block_table == [0, 1, 5]
+    assert bm.ref_cnt[:6] == [2, 2, 1, 0, 0, 1]
     bm.check_integrity()
 
     bm.free(a)  # block 2 holds nothing reusable: head of the queue; 0 and 1 still used by b
-    assert list(bm.free_queue) == [2, 4, 5, 6, 7]
-    assert bm.ref_cnt[:4] == [1, 1, 0, 1]
-    bm.free(b)  # freed back to front: 3 (unhashed) to the head, then 1, 0 to the tail
-    assert list(bm.free_queue) == [3, 2, 4, 5, 6, 7, 1, 0]
+    assert list(bm.free_queue) == [2, 3, 4, 6, 7]
+    assert bm.ref_cnt[:6] == [1, 1, 0, 0, 0, 1]
+    bm.free(b)  # freed back to front: 5 (unhashed) to the head, then 1, 0 to the tail
+    assert list(bm.free_queue) == [5, 2, 3, 4, 6, 7, 1, 0]
     assert bm.num_cached_blocks == 2
     bm.check_integrity()
 
@@ -160,3 +161,50 @@ def test_integrity_check_catches_corruption():
     bm.ref_cnt[0] += 1
     with pytest.raises(AssertionError):
         bm.check_integrity()
+
+
+def test_tables_stay_in_runs_of_consecutive_blocks():
+    """Placement keeps each table in few runs, so attention can slice the pool (no gather)."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    seqs = [make_seq(f"s{i}", list(range(i * 100, i * 100 + 10))) for i in range(4)]
+    for seq in seqs:
+        admit(bm, seq)
+    # the first at the pool's start; each next one in the middle of the longest free run
+    assert seqs[0].block_table == [0, 1, 2]
+    assert seqs[1].block_table == [32, 33, 34]
+    assert seqs[2].block_table == [16, 17, 18]
+    assert seqs[3].block_table == [48, 49, 50]
+    for _ in range(30):  # decode: every table grows into the blocks after it
+        for seq in seqs:
+            seq.append_token(7)
+            seq.num_computed_tokens = seq.num_tokens - 1
+            assert bm.allocate_slots(seq, 1)
+    bm.check_integrity()
+    for seq in seqs:
+        table = seq.block_table
+        assert len(table) == 10
+        assert table == list(range(table[0], table[0] + len(table)))
+
+
+def test_placement_never_takes_cached_blocks_out_of_eviction_order():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = make_seq("a", list(range(16)))
+    admit(bm, a)
+    run_prefill(bm, a)
+    bm.free(a)  # blocks 0-3 cached (at the tail), 4 and 5 free and empty
+    assert list(bm.free_queue) == [4, 5, 3, 2, 1, 0]
+    b = make_seq("b", [9] * 12)  # 3 blocks: no run of 3 empty blocks, so the queue's head
+    admit(bm, b)
+    assert b.block_table == [4, 5, 3]  # 3 was the least recently used cached block
+    assert bm.num_cached_blocks == 3
+    bm.check_integrity()
+
+
+def test_without_placement_blocks_come_from_the_queue_head():
+    bm = BlockManager(num_blocks=8, block_size=4, place_in_runs=False)
+    for rid, tokens in (("a", list(range(10))), ("b", list(range(8)) + [100, 101, 102])):
+        seq = make_seq(rid, tokens)
+        admit(bm, seq)
+        run_prefill(bm, seq)
+    assert seq.block_table == [0, 1, 3]  # b's hits, then the queue's head (not block 5)
+    bm.check_integrity()

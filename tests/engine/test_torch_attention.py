@@ -113,13 +113,17 @@ def test_split_masked_attention_bf16():
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=0)
 
 
-def test_paged_backend_mixed_step():
-    """Scattered rows of one sequence, a chunked-prefill tail and decodes in one call."""
+@pytest.mark.parametrize("layout", ["shuffled", "runs"])
+def test_paged_backend_mixed_step(layout):
+    """Scattered rows of one sequence, a chunked-prefill tail and decodes in one call; block
+    tables shuffled (keys gathered) or in runs of consecutive blocks (slices of the pool)."""
     gen = torch.Generator().manual_seed(0)
     bs, hq, hkv, d = 4, 6, 2, 16
     cache = torch.randn(2, 64, bs, hkv, d, generator=gen)
     lens = [150, 37, 9, 21]
     perm = torch.randperm(64, generator=gen).tolist()  # disjoint, shuffled block tables
+    if layout == "runs":
+        perm = list(range(64))
     tables, used = [], 0
     for n in lens:
         tables.append(perm[used : used + -(-n // bs)])
@@ -162,7 +166,13 @@ def test_paged_backend_mixed_step():
         seq_lens_cpu=lens,
         is_contiguous_prefill=[False, True, True, True],
     )
-    out = TorchAttentionBackend().forward(q, k_new, v_new, cache, md, 0.25)
+    backend = TorchAttentionBackend()
+    out = backend.forward(q, k_new, v_new, cache, md, 0.25)
+    plan = backend._step_plans.get(md, cache.shape[1], None)
+    sliced = [first is not None for first in plan.other_slots]
+    assert sliced == ([True, True] if layout == "runs" else [False, False])
+    if layout == "runs":
+        assert len(plan.decode.in_place) == 2 and not plan.decode.groups
     for i in range(4):
         ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), ref, atol=1e-5, rtol=0)
@@ -221,3 +231,56 @@ def test_paged_backend_many_decodes_with_a_prefill():
             ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
             got = out[starts[i] : starts[i + 1]].double()
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_decode_rows_in_runs_of_consecutive_blocks_attend_in_place():
+    """Decode rows whose blocks form 1-4 runs of consecutive ids are attended as slices of the
+    pool (runs merged by log-sum-exp); a row in 5 runs is gathered. Both equal the oracle,
+    including a last run that ends mid-block and a block two rows share."""
+    from blendkv.kernels.torch_attention import _MAX_RUNS
+
+    gen = torch.Generator().manual_seed(5)
+    bs, hq, hkv, d = 4, 6, 2, 16
+    tables = [
+        [10, 11, 12, 13, 14],  # one run
+        [20, 21, 22, 40, 41],  # two runs
+        [50, 52, 54, 56],  # four runs of one block
+        [60, 62, 64, 66, 68, 70],  # six runs: gathered
+        [10, 11, 30],  # shares blocks 10 and 11 with the first row
+    ]
+    lens = [19, 20, 13, 23, 11]
+    cache = torch.randn(2, 80, bs, hkv, d, generator=gen)
+    full = []
+    for table, n in zip(tables, lens, strict=True):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        full.append((cache[0].view(-1, hkv, d)[slots], cache[1].view(-1, hkv, d)[slots]))
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    width = max(len(t) for t in tables)
+    md = AttentionMetadata(
+        positions=torch.tensor([n - 1 for n in lens]),
+        slot_mapping=torch.tensor(
+            [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)]
+        ),
+        query_start_loc=torch.arange(len(lens) + 1),
+        seq_lens=torch.tensor(lens),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        block_size=bs,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_start_loc_cpu=list(range(len(lens) + 1)),
+        seq_lens_cpu=lens,
+        is_contiguous_prefill=[True] * len(lens),
+    )
+    k_new = torch.stack([kk[-1] for kk, _ in full])
+    v_new = torch.stack([vv[-1] for _, vv in full])
+    backend = TorchAttentionBackend()
+    out = backend.forward(q, k_new, v_new, cache, md, 0.25)
+    plan = backend._step_plans.get(md, cache.shape[1], None).decode
+    assert _MAX_RUNS == 4
+    assert [row for row, _ in plan.in_place] == [0, 1, 2, 4]
+    assert plan.in_place[0][1] == [(40, 19)]  # slots 40.. (block 10), 19 tokens
+    assert plan.in_place[1][1] == [(80, 12), (160, 8)]
+    assert plan.rows.tolist() == [3]
+    for i, n in enumerate(lens):
+        ref = dense_reference(q[i : i + 1], *full[i], torch.tensor([n - 1]), 0.25)
+        torch.testing.assert_close(out[i : i + 1].double(), ref, atol=1e-5, rtol=0)
