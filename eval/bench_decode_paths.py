@@ -1,0 +1,76 @@
+"""A/B of the CPU decode attention paths in one process: in-place runs against the block gather.
+
+    python -m blendkv.eval.bench_decode_paths [--threads 2] [--rounds 30] [--num-requests 32]
+
+The requests of ``blendkv bench decode`` (prompts of 64-512 random tokens) are prefilled, then
+decode steps alternate between the two paths of the torch backend, on the same requests:
+``in place`` (decode rows whose blocks lie in at most 4 runs of consecutive ids attend slices
+of the pool) and ``gather`` (every decode row's blocks are gathered, the path before it; set by
+capping the runs at 0). Alternating step by step makes machine noise hit both alike. Prints
+the median and best step time of each and their ratio. Correctness is checked elsewhere: both
+paths against a dense float64 oracle in ``tests/engine/test_torch_attention.py``, and the
+default path's greedy tokens against transformers' by ``blendkv bench decode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    import blendkv.kernels.torch_attention as torch_attention
+    from blendkv import LLM, SamplingParams
+    from blendkv.eval.bench_engine import make_prompts
+
+    p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_decode_paths")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--model", default=None)
+    args = p.parse_args(argv)
+    llm = LLM(args.model, dtype="float32", num_threads=args.threads, device="cpu")
+    engine = llm.engine
+    default_runs = torch_attention._MAX_RUNS
+    try:
+        tok = engine.tokenizer
+        prompts = make_prompts(args.num_requests, engine.info.vocab_size, set(tok.all_special_ids))
+        params = SamplingParams(temperature=0.0, max_tokens=2 * args.rounds + 2, ignore_eos=True)
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        sched = engine.scheduler
+        while sched.waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in sched.running
+        ):
+            engine.step()  # prefill every request
+        runs = [_num_runs(s.block_table) for s in sched.running]
+        times: dict[str, list[float]] = {"in place": [], "gather": []}
+        for _ in range(args.rounds):
+            for name, cap in (("in place", default_runs), ("gather", 0)):
+                torch_attention._MAX_RUNS = cap
+                t0 = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        torch_attention._MAX_RUNS = default_runs
+        llm.close()
+    print(
+        f"{args.num_requests} decoding requests, {args.threads} threads, {args.rounds} rounds; "
+        f"runs of consecutive blocks per table: max {max(runs)}, median {statistics.median(runs)}"
+    )
+    for name, ts in times.items():
+        median, best = statistics.median(ts) * 1e3, min(ts) * 1e3
+        print(f"{name:9s} step median {median:7.1f} ms  best {best:7.1f} ms")
+    ratio = statistics.median(times["in place"]) / statistics.median(times["gather"])
+    print(f"in place / gather (medians): {ratio:.3f}x")
+    return 0
+
+
+def _num_runs(table: list[int]) -> int:
+    """Runs of consecutive block ids in a block table."""
+    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:], strict=False))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
