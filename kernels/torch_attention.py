@@ -284,6 +284,7 @@ class _DecodePlan:
     # Rows attended in place (CPU): (token row, [(first pool slot, tokens) per run of the
     # row's blocks with consecutive ids]); they are not in ``rows``.
     in_place: list[tuple[int, list[tuple[int, int]]]]
+    in_place_rows: torch.Tensor  # [len(in_place)] int64, their token rows
 
 
 @dataclass(frozen=True)
@@ -318,9 +319,10 @@ def _decode_plan(
             else:
                 gathered.append(i)
         seqs = gathered
+    direct_rows = torch.tensor([row for row, _ in direct], dtype=torch.long, device=dev)
     if not seqs:
         empty = torch.empty(0, dtype=torch.long, device=dev)
-        return _DecodePlan(empty, empty, [], direct)
+        return _DecodePlan(empty, empty, [], direct, direct_rows)
     seqs = sorted(seqs, key=lambda i: md.seq_lens_cpu[i])
     groups, tables, offset = [], [], 0
     for g in range(0, len(seqs), _DECODE_GROUP):
@@ -335,7 +337,7 @@ def _decode_plan(
         offset += len(members) * num_blocks
     flat = torch.cat(tables)
     rows = torch.tensor([md.query_start_loc_cpu[i] for i in seqs], dtype=torch.long, device=dev)
-    return _DecodePlan(rows, torch.cat((flat, flat + pool_blocks)), groups, direct)
+    return _DecodePlan(rows, torch.cat((flat, flat + pool_blocks)), groups, direct, direct_rows)
 
 
 def _block_runs(md: AttentionMetadata, i: int, block_size: int) -> list[tuple[int, int]]:
@@ -360,19 +362,20 @@ def _in_place_decode(q, kv_cache, plan: _DecodePlan, out, scale) -> None:
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     pool = kv_cache.view(2, -1, num_kv_heads, head_dim).transpose(1, 2)  # [2, Hkv, slots, D]
     keys, values = pool[0][None], pool[1][None]
+    qf = q.reshape(q.shape[0], 1, num_kv_heads, -1, head_dim)
+    outs = []
     for row, runs in plan.in_place:
-        qr = q[row].reshape(1, num_kv_heads, -1, head_dim)
-        if len(runs) == 1:
-            s, n = runs[0]
-            o = flash_lse(qr, keys[:, :, s : s + n], values[:, :, s : s + n], scale, None)[0]
+        parts = [
+            flash_lse(qf[row], keys.narrow(2, s, n), values.narrow(2, s, n), scale, None)
+            for s, n in runs
+        ]
+        if len(parts) == 1:
+            outs.append(parts[0][0])
         else:
-            parts = [
-                flash_lse(qr, keys[:, :, s : s + n], values[:, :, s : s + n], scale, None)
-                for s, n in runs
-            ]
             lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
-            o = sum(p[0] * torch.exp(p[1] - lse)[..., None] for p in parts)
-        out[row] = o.view(out.shape[1:])
+            outs.append(sum(p[0] * torch.exp(p[1] - lse)[..., None] for p in parts))
+    flat = out.view(out.shape[0], -1)
+    flat.index_copy_(0, plan.in_place_rows, torch.cat(outs).view(len(outs), -1))
 
 
 def _batched_decode(q, kv_cache, plan: _DecodePlan, out, scale) -> None:
