@@ -373,7 +373,8 @@ def _in_place_decode(q, kv_cache, plan: _DecodePlan, out, scale) -> None:
             outs.append(parts[0][0])
         else:
             lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
-            outs.append(sum(p[0] * torch.exp(p[1] - lse)[..., None] for p in parts))
+            merged = sum(p[0] * torch.exp(p[1] - lse)[..., None] for p in parts)
+            outs.append(merged.to(out.dtype))  # the log-sum-exps are fp32
     flat = out.view(out.shape[0], -1)
     flat.index_copy_(0, plan.in_place_rows, torch.cat(outs).view(len(outs), -1))
 
