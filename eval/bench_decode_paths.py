@@ -20,7 +20,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    import blendkv.kernels.torch_attention as torch_attention
+    import blendkv.kernels.paged_decode as paged_decode
     from blendkv import LLM, SamplingParams
     from blendkv.eval.bench_engine import make_prompts
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     llm = LLM(args.model, dtype="float32", num_threads=args.threads, device="cpu")
     engine = llm.engine
-    default_runs = torch_attention._MAX_RUNS
+    default_runs = paged_decode.MAX_RUNS
     try:
         tok = engine.tokenizer
         prompts = make_prompts(args.num_requests, engine.info.vocab_size, set(tok.all_special_ids))
@@ -48,12 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {"in place": [], "gather": []}
         for _ in range(args.rounds):
             for name, cap in (("in place", default_runs), ("gather", 0)):
-                torch_attention._MAX_RUNS = cap
+                paged_decode.MAX_RUNS = cap
                 t0 = time.perf_counter()
                 engine.step()
                 times[name].append(time.perf_counter() - t0)
     finally:
-        torch_attention._MAX_RUNS = default_runs
+        paged_decode.MAX_RUNS = default_runs
         llm.close()
     print(
         f"{args.num_requests} decoding requests, {args.threads} threads, {args.rounds} rounds; "

@@ -4,9 +4,8 @@ Keys are gathered from the paged cache through the block table and attended with
 ``scaled_dot_product_attention`` under an explicit mask built from absolute positions. The
 shortcuts: a sequence whose query tokens are its whole context in order (a fresh prefill) is
 exactly the upper-left causal case, so it skips the gather and lets SDPA build the mask itself;
-and on the CPU a decode row whose blocks lie in a few runs of consecutive ids (the block
-manager places them so) attends each run as a slice of the pool, with no gather, merging the
-runs by log-sum-exp.
+and on the CPU a context held by one run of consecutive blocks (the block manager places them
+so) is read as a slice of the pool, not gathered. Decode rows: :mod:`paged_decode`.
 """
 
 from __future__ import annotations
@@ -22,12 +21,8 @@ from blendkv.kernels.attention import (
     StepPlanMemo,
     split_by_kind,
 )
-from blendkv.kernels.split_attention import (
-    RowGroup,
-    flash_lse,
-    plan_row_groups,
-    split_masked_attention,
-)
+from blendkv.kernels.paged_decode import DecodePlan, block_runs, decode_attention, plan_decode
+from blendkv.kernels.split_attention import RowGroup, plan_row_groups, split_masked_attention
 from blendkv.kernels.split_attention import available as split_available
 
 
@@ -96,9 +91,9 @@ def position_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
     return key_positions[None, :] <= q_positions[:, None]
 
 
-_DECODE_GROUP = 8
-# A decode row in more runs of consecutive blocks than this is gathered instead.
-_MAX_RUNS = 4
+# masked_attention: rows in up to this many groups of at least this many rows each.
+_MAX_ROW_GROUPS = 8
+_MIN_GROUP_ROWS = 64
 
 
 def masked_attention(
@@ -124,10 +119,6 @@ def masked_attention(
         mask = position_mask(positions[lo:hi], end)
         out[lo:hi] = _sdpa(q[None, lo:hi], keys[None, :end], values[None, :end], mask, scale)[0]
     return out
-
-
-_MAX_ROW_GROUPS = 8
-_MIN_GROUP_ROWS = 64
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -244,7 +235,7 @@ class TorchAttentionBackend(AttentionBackend):
                     q[lo:hi], keys, values, positions, scale, groups
                 )
         if plan.decode is not None:
-            _batched_decode(q, kv_cache, plan.decode, out, scale)
+            decode_attention(q, kv_cache, plan.decode, out, scale)
         return out
 
     def _build_plan(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepPlan:
@@ -259,32 +250,10 @@ class TorchAttentionBackend(AttentionBackend):
         ]
         slots = [None] * len(other)
         if self._split_rows:
-            runs = [_block_runs(md, i, cache_shape[2]) for i in other]
+            runs = [block_runs(md, i, cache_shape[2]) for i in other]
             slots = [r[0][0] if len(r) == 1 else None for r in runs]
-        decode_plan = _decode_plan(md, decode, cache_shape, self._split_rows) if decode else None
+        decode_plan = plan_decode(md, decode, cache_shape, self._split_rows) if decode else None
         return _StepPlan(fresh, other, row_groups, decode_plan, slots)
-
-
-@dataclass(frozen=True)
-class _DecodeGroup:
-    """Single-token rows of similar context length, attended in one padded SDPA call."""
-
-    lo: int  # rows [lo, hi) of the step's decode rows (in :attr:`_DecodePlan.rows` order)
-    hi: int
-    block_offset: int  # where this group's blocks start in the gathered blocks
-    num_blocks: int  # blocks per row (the group's longest context)
-    mask: torch.Tensor  # [rows, 1, 1, num_blocks * block_size] bool, True = a real key
-
-
-@dataclass(frozen=True)
-class _DecodePlan:
-    rows: torch.Tensor  # [n] int64 token rows, sorted by context length
-    block_ids: torch.Tensor  # every group's padded block table, flattened, K then V rows
-    groups: list[_DecodeGroup]
-    # Rows attended in place (CPU): (token row, [(first pool slot, tokens) per run of the
-    # row's blocks with consecutive ids]); they are not in ``rows``.
-    in_place: list[tuple[int, list[tuple[int, int]]]]
-    in_place_rows: torch.Tensor  # [len(in_place)] int64, their token rows
 
 
 @dataclass(frozen=True)
@@ -294,110 +263,7 @@ class _StepPlan:
     fresh_ranges: list[tuple[int, int]]
     other_seqs: list[int]
     row_groups: list[list[RowGroup] | None]  # per other seq (None: masked SDPA, not the CPU)
-    decode: _DecodePlan | None
+    decode: DecodePlan | None
     # per other seq: its first pool slot when its context is one run of consecutive blocks
     # (read as a slice, not gathered; CPU), else None
     other_slots: list[int | None]
-
-
-def _decode_plan(
-    md: AttentionMetadata, seqs: list[int], cache_shape: torch.Size, in_place: bool
-) -> _DecodePlan:
-    """Decode rows whose blocks lie in at most ``_MAX_RUNS`` runs of consecutive ids are
-    attended in place (``in_place``: the CPU flash op is there). The others go in groups of
-    similar context length: one padded SDPA call per group keeps the gathered K/V close to the
-    real context sizes, and one ``index_select`` per layer gathers every group's blocks."""
-    _, pool_blocks, block_size, _, _ = cache_shape
-    dev = md.positions.device
-    direct = []
-    if in_place:
-        gathered = []
-        for i in seqs:
-            runs = _block_runs(md, i, block_size)
-            if len(runs) <= _MAX_RUNS:
-                direct.append((md.query_start_loc_cpu[i], runs))
-            else:
-                gathered.append(i)
-        seqs = gathered
-    direct_rows = torch.tensor([row for row, _ in direct], dtype=torch.long, device=dev)
-    if not seqs:
-        empty = torch.empty(0, dtype=torch.long, device=dev)
-        return _DecodePlan(empty, empty, [], direct, direct_rows)
-    seqs = sorted(seqs, key=lambda i: md.seq_lens_cpu[i])
-    groups, tables, offset = [], [], 0
-    for g in range(0, len(seqs), _DECODE_GROUP):
-        members = seqs[g : g + _DECODE_GROUP]
-        lens = [md.seq_lens_cpu[i] for i in members]
-        num_blocks = -(-max(lens) // block_size)
-        idx = torch.tensor(members, dtype=torch.long, device=dev)
-        tables.append(md.block_table[idx, :num_blocks].reshape(-1).long())
-        keys = torch.arange(num_blocks * block_size, device=dev)
-        mask = keys[None, :] < torch.tensor(lens, device=dev)[:, None]
-        groups.append(_DecodeGroup(g, g + len(members), offset, num_blocks, mask[:, None, None]))
-        offset += len(members) * num_blocks
-    flat = torch.cat(tables)
-    rows = torch.tensor([md.query_start_loc_cpu[i] for i in seqs], dtype=torch.long, device=dev)
-    return _DecodePlan(rows, torch.cat((flat, flat + pool_blocks)), groups, direct, direct_rows)
-
-
-def _block_runs(md: AttentionMetadata, i: int, block_size: int) -> list[tuple[int, int]]:
-    """Sequence ``i``'s context as (first pool slot, tokens) per run of consecutive blocks."""
-    seq_len = md.seq_lens_cpu[i]
-    table = md.block_table[i, : -(-seq_len // block_size)].tolist()
-    runs: list[tuple[int, int]] = []
-    first = prev = table[0]
-    for b in table[1:]:
-        if b != prev + 1:
-            runs.append((first * block_size, (prev - first + 1) * block_size))
-            first = b
-        prev = b
-    last = (first * block_size, (prev - first + 1) * block_size)
-    runs.append((last[0], last[1] - (len(table) * block_size - seq_len)))
-    return runs
-
-
-def _in_place_decode(q, kv_cache, plan: _DecodePlan, out, scale) -> None:
-    """Decode rows over slices of the pool (no gather): one flash call per run of consecutive
-    blocks, the query heads of a KV head folded into its rows, runs merged by log-sum-exp."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    pool = kv_cache.view(2, -1, num_kv_heads, head_dim).transpose(1, 2)  # [2, Hkv, slots, D]
-    keys, values = pool[0][None], pool[1][None]
-    qf = q.reshape(q.shape[0], 1, num_kv_heads, -1, head_dim)
-    outs = []
-    for row, runs in plan.in_place:
-        parts = [
-            flash_lse(qf[row], keys.narrow(2, s, n), values.narrow(2, s, n), scale, None)
-            for s, n in runs
-        ]
-        if len(parts) == 1:
-            outs.append(parts[0][0])
-        else:
-            lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
-            merged = sum(p[0] * torch.exp(p[1] - lse)[..., None] for p in parts)
-            outs.append(merged.to(out.dtype))  # the log-sum-exps are fp32
-    flat = out.view(out.shape[0], -1)
-    flat.index_copy_(0, plan.in_place_rows, torch.cat(outs).view(len(outs), -1))
-
-
-def _batched_decode(q, kv_cache, plan: _DecodePlan, out, scale) -> None:
-    """Every single-token row: pad each group's contexts to its longest one and mask."""
-    if plan.in_place:
-        _in_place_decode(q, kv_cache, plan, out, scale)
-    if not plan.groups:
-        return
-    _, pool_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    picked = kv_cache.view(2 * pool_blocks, -1).index_select(0, plan.block_ids)
-    picked = picked.view(2, -1, block_size, num_kv_heads, head_dim)
-    qd = q.index_select(0, plan.rows)  # [n, Hq, D]
-    # The query heads sharing a KV head go in as that head's "query rows" (all see the same
-    # keys): SDPA then reads each KV head once instead of once per query head.
-    qd = qd.view(qd.shape[0], num_kv_heads, -1, head_dim)  # [n, Hkv, Hq / Hkv, D]
-    res = torch.empty_like(qd)
-    for g in plan.groups:
-        n = g.hi - g.lo
-        kv = picked[:, g.block_offset : g.block_offset + n * g.num_blocks]
-        kv = kv.reshape(2, n, g.num_blocks * block_size, num_kv_heads, head_dim).transpose(2, 3)
-        res[g.lo : g.hi] = F.scaled_dot_product_attention(
-            qd[g.lo : g.hi], kv[0], kv[1], attn_mask=g.mask, scale=scale
-        )
-    out.view(out.shape[0], -1).index_copy_(0, plan.rows, res.view(res.shape[0], -1))

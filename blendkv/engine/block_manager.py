@@ -14,7 +14,7 @@ so that the longest prefixes outlive their tails.
 
 New blocks are placed to keep each block table in long runs of consecutive ids, so attention can
 read a sequence's K/V as slices of the pool instead of gathering it (the CPU decode path,
-``blendkv.kernels.torch_attention``). Only free blocks holding nothing reusable are placed this
+``blendkv.kernels.paged_decode``). Only free blocks holding nothing reusable are placed this
 way, so eviction order is unchanged: a table grows into the block after its last one when that
 is free; otherwise its new blocks start inside the longest free run, in the middle when a used
 block sits just before that run (room for that table to grow), at its start otherwise. When no

@@ -238,7 +238,7 @@ def test_decode_rows_in_runs_of_consecutive_blocks_attend_in_place(dtype):
     """Decode rows whose blocks form 1-4 runs of consecutive ids are attended as slices of the
     pool (runs merged by log-sum-exp); a row in 5 runs is gathered. Both equal the oracle,
     including a last run that ends mid-block and a block two rows share."""
-    from blendkv.kernels.torch_attention import _MAX_RUNS
+    from blendkv.kernels.paged_decode import MAX_RUNS
 
     gen = torch.Generator().manual_seed(5)
     bs, hq, hkv, d = 4, 6, 2, 16
@@ -277,7 +277,7 @@ def test_decode_rows_in_runs_of_consecutive_blocks_attend_in_place(dtype):
     backend = TorchAttentionBackend()
     out = backend.forward(q, k_new, v_new, cache, md, 0.25)
     plan = backend._step_plans.get(md, cache.shape[1], None).decode
-    assert _MAX_RUNS == 4
+    assert MAX_RUNS == 4
     assert [row for row, _ in plan.in_place] == [0, 1, 2, 4]
     assert plan.in_place[0][1] == [(40, 19)]  # slots 40.. (block 10), 19 tokens
     assert plan.in_place[1][1] == [(80, 12), (160, 8)]
