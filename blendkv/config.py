@@ -65,6 +65,10 @@ class EngineConfig:
     # Write loaded chunk K/V into the blocks layer by layer behind the forward (a background
     # thread on the CPU, a side stream on CUDA); False writes everything before the forward.
     pipeline_kv_load: bool = True
+    # CPU float32 with MKL: GEMMs of (rows/2, rows] rows (decode batches) use weights packed once
+    # for ``rows`` rows (blendkv.layers.linear; one more copy of the weights in memory).
+    # None = 32 where MKL's packed sgemm runs (float32 on the CPU), else off; 0 = off.
+    packed_gemm_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -103,6 +107,8 @@ class EngineConfig:
         if self.kv_store_max_bytes is not None:
             _positive("kv_store_max_bytes", self.kv_store_max_bytes)
         _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
+        if self.packed_gemm_rows is not None and self.packed_gemm_rows != 0:
+            _positive("packed_gemm_rows", self.packed_gemm_rows)
         n = self.anchor_boundary_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"anchor_boundary_tokens must be an integer >= 0, got {n!r}")

@@ -1,15 +1,22 @@
-"""A/B of the CPU decode attention paths in one process: in-place runs against the block gather.
+"""A/B of CPU decode step variants in one process, alternating step by step.
 
-    python -m blendkv.eval.bench_decode_paths [--threads 2] [--rounds 30] [--num-requests 32]
+    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm] [--threads 2]
+        [--rounds 30] [--num-requests 32]
 
 The requests of ``blendkv bench decode`` (prompts of 64-512 random tokens) are prefilled, then
-decode steps alternate between the two paths of the torch backend, on the same requests:
-``in place`` (decode rows whose blocks lie in at most 4 runs of consecutive ids attend slices
-of the pool) and ``gather`` (every decode row's blocks are gathered, the path before it; set by
-capping the runs at 0). Alternating step by step makes machine noise hit both alike. Prints
-the median and best step time of each and their ratio. Correctness is checked elsewhere: both
-paths against a dense float64 oracle in ``tests/engine/test_torch_attention.py``, and the
-default path's greedy tokens against transformers' by ``blendkv bench decode``.
+decode steps alternate between two variants, on the same requests:
+
+- ``--compare attention`` (default): ``in place`` (decode rows whose blocks lie in at most 4
+  runs of consecutive ids attend slices of the pool) against ``gather`` (every decode row's
+  blocks are gathered, the path before it; set by capping the runs at 0).
+- ``--compare gemm``: ``packed`` (weights packed for 32-row GEMMs, ``blendkv.layers.linear``)
+  against ``F.linear`` (packing switched off on every linear map).
+
+Alternating step by step makes machine noise hit both alike. Prints the median and best step
+time of each and their ratio. Correctness is checked elsewhere: the attention paths against a
+dense float64 oracle in ``tests/engine/test_torch_attention.py``, packed GEMMs against
+``F.linear`` in ``tests/models/test_packed_gemm.py``, and the default path's greedy tokens
+against transformers' by ``blendkv bench decode``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from blendkv.eval.bench_engine import make_prompts
 
     p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_decode_paths")
+    p.add_argument("--compare", choices=("attention", "gemm"), default="attention")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--num-requests", type=int, default=32)
@@ -36,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tok = engine.tokenizer
         prompts = make_prompts(args.num_requests, engine.info.vocab_size, set(tok.all_special_ids))
-        params = SamplingParams(temperature=0.0, max_tokens=2 * args.rounds + 2, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=2 * args.rounds + 4, ignore_eos=True)
         for prompt in prompts:
             engine.add_request(prompt, params)
         sched = engine.scheduler
@@ -45,10 +53,28 @@ def main(argv: list[str] | None = None) -> int:
         ):
             engine.step()  # prefill every request
         runs = [_num_runs(s.block_table) for s in sched.running]
-        times: dict[str, list[float]] = {"in place": [], "gather": []}
+        if args.compare == "attention":
+            variants = {
+                "in place": lambda: setattr(paged_decode, "MAX_RUNS", default_runs),
+                "gather": lambda: setattr(paged_decode, "MAX_RUNS", 0),
+            }
+        else:
+            from blendkv.layers.linear import small_batch_gemms
+
+            gemms, rows = small_batch_gemms(engine.model), engine.packed_gemm_rows
+            # Flip the row count only: the packed copies stay, packed once, not per switch.
+            variants = {
+                "packed": lambda: [setattr(g, "rows", rows) for g in gemms],
+                "F.linear": lambda: [setattr(g, "rows", 0) for g in gemms],
+            }
+            assert engine.packed_gemm_rows, "packed GEMMs are off here (not float32 with MKL)"
+        for switch in variants.values():  # warm-up (packs the weights), untimed
+            switch()
+            engine.step()
+        times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
-            for name, cap in (("in place", default_runs), ("gather", 0)):
-                paged_decode.MAX_RUNS = cap
+            for name, switch in variants.items():
+                switch()
                 t0 = time.perf_counter()
                 engine.step()
                 times[name].append(time.perf_counter() - t0)
@@ -62,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, ts in times.items():
         median, best = statistics.median(ts) * 1e3, min(ts) * 1e3
         print(f"{name:9s} step median {median:7.1f} ms  best {best:7.1f} ms")
-    ratio = statistics.median(times["in place"]) / statistics.median(times["gather"])
-    print(f"in place / gather (medians): {ratio:.3f}x")
+    a, b = times
+    ratio = statistics.median(times[a]) / statistics.median(times[b])
+    print(f"{a} / {b} (medians): {ratio:.3f}x")
     return 0
 
 

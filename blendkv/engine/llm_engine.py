@@ -100,6 +100,7 @@ class LLMEngine:
             raise ConfigError(str(exc)) from exc
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend)
         self.model.to(self.device)
+        self.packed_gemm_rows = self._enable_packed_gemm(config.packed_gemm_rows)
         self.hf_config = self.model.config
         self.info = self._runtime_info()
         self.kv_connector = create_kv_connector(
@@ -161,6 +162,23 @@ class LLMEngine:
         self.kv_connector.close()
 
     # ------------------------------------------------------------- startup
+    def _enable_packed_gemm(self, rows: int | None) -> int:
+        """Pack the model's weights for decode-sized GEMMs where MKL's packed sgemm runs
+        (``EngineConfig.packed_gemm_rows``); returns the row count, 0 when off."""
+        from blendkv.layers.linear import enable_packed_gemm, packed_gemm_available
+
+        available = packed_gemm_available(self.torch_dtype, self.device)
+        if rows is None:
+            rows = 32 if available else 0
+        elif rows and not available:
+            raise ConfigError(
+                f"packed_gemm_rows={rows} needs float32 on a CPU build of torch with MKL "
+                f"(got dtype {self.dtype} on {self.device}); use packed_gemm_rows=0 or None"
+            )
+        if rows:
+            enable_packed_gemm(self.model, rows)
+        return rows
+
     def _runtime_info(self) -> RuntimeInfo:
         cfg, conf = self.hf_config, self.config
         num_blocks = conf.num_kv_blocks or max(

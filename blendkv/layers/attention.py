@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+from blendkv.layers.linear import Linear
 from blendkv.layers.rotary import RotaryEmbedding, head_dim_of
 
 
@@ -40,10 +41,10 @@ class Attention(nn.Module):
             )
         self.scaling = self.head_dim**-0.5
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         # Shared objects, not owned submodules' parameters: the table has no checkpoint key and
         # the backend is not an nn.Module.
         self.rotary_emb = rotary_emb

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blendkv.layers.linear import SmallBatchGemm
+
 
 class FusedLinear:
     """The concatenated weight/bias of several ``nn.Linear``s, and their output sizes."""
@@ -21,6 +23,7 @@ class FusedLinear:
         has_bias = [lin.bias is not None for lin in linears]
         assert all(has_bias) or not any(has_bias), "all or none of the fused linears have bias"
         self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
+        self.gemm = SmallBatchGemm()  # packed for small batches once enabled (layers.linear)
         start = 0
         for lin, size in zip(linears, self.sizes, strict=True):
             lin.weight = nn.Parameter(self.weight[start : start + size], requires_grad=False)
@@ -29,4 +32,4 @@ class FusedLinear:
             start += size
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.gemm(x, self.weight, self.bias).split(self.sizes, dim=-1)

@@ -6,15 +6,17 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from blendkv.layers.linear import Linear
+
 
 class GatedMLP(nn.Module):
     def __init__(
         self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False
     ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[hidden_act]
         self.fused_gate_up = None  # set by fuse() once weights are loaded
 

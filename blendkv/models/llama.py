@@ -33,6 +33,7 @@ from torch import nn
 from blendkv.errors import ModelLoadError
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
 from blendkv.layers.attention import Attention
+from blendkv.layers.linear import Linear
 from blendkv.layers.mlp import GatedMLP
 from blendkv.layers.norm import RMSNorm
 from blendkv.layers.rotary import RotaryEmbedding
@@ -151,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias, o_bias = self.attention_bias(config)
         self.model = LlamaModel(config, attn_backend, qkv_bias, o_bias)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     @staticmethod

@@ -39,6 +39,8 @@ ENGINE_SETUPS = {
     "preemption": dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=64),
     "chunked": dict(max_num_batched_tokens=16, block_size=4),
     "no-prefix-cache": dict(enable_prefix_caching=False, block_size=8),
+    # decode steps of 6 rows and prefill chunks of 8 go through MKL-packed weights
+    "packed-gemm": dict(packed_gemm_rows=8, max_num_batched_tokens=8),
 }
 
 
