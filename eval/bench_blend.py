@@ -112,13 +112,15 @@ def main(args) -> int:
             test = _teacher_forced(llm, p, answer, cfg, one)
             row[f"kl_{name}"] = teacher_forced_fidelity(ref, test, ANSWER_TOKENS).mean_kl
         if getattr(args, "profile", False):
-            from blendkv.eval.profile_blend import print_profile, profile_request
+            from blendkv.eval.profile_blend import attention_share, print_profile, profile_request
 
-            prof = profile_request(llm, p, methods["blend"], one, row["ttft_full"])
+            share = attention_share(llm, ids, one)
+            prof = profile_request(llm, p, methods["blend"], one, row["ttft_full"], share)
             print(f"profile, example {len(rows)} ({row['prompt_tokens']} tokens):")
             print_profile(prof)
             row["profile"] = prof
             row["floor_fraction"] = prof["floor_fraction"]
+            row["key_floor_fraction"] = prof["key_floor_fraction"]
         rows.append(row)
         print(json.dumps(row))
 
@@ -145,6 +147,7 @@ def main(args) -> int:
     }
     if rows and "floor_fraction" in rows[0]:
         summary["floor_fraction_blend"] = med("floor_fraction")
+        summary["key_floor_fraction_blend"] = med("key_floor_fraction")
     print(
         f"\n{'method':10} {'TTFT median s':>14} {'speedup':>8} {'answer KL':>10}\n"
         f"{'full':10} {summary['ttft_full_s']:>14.3f} {1.0:>7.2f}x {0.0:>10.4f}\n"

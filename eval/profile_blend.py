@@ -11,6 +11,14 @@ writes behind it).
 The **compute floor** of a request is what its recompute would cost at full prefill's speed:
 ``full TTFT x computed row-layers / all row-layers`` (the row plan counts the row-layers it
 computed); ``floor fraction = floor / blend TTFT`` says how close blending gets to it.
+
+That floor prices every row alike, but causal attention costs a row at position p in
+proportion to its p + 1 keys, and the rows a blend recomputes (the query, high-deviation
+tokens) need not sit at average positions. The **key-weighted floor** prices the attention
+part of full prefill's time by (row, key) pairs instead: ``full TTFT x (a x computed pair-layers
+/ all pair-layers + (1 - a) x computed row-layers / all row-layers)``, where ``a`` is the
+attention share of the request's own all-row layers (the full and check layers) in the
+profile. Its fraction tells overhead apart from where the picked rows sit.
 """
 
 from __future__ import annotations
@@ -113,11 +121,21 @@ def profiled(llm, check_layer: int):
         out.update(timer.seconds)
         if rows_plan:
             out["_row_layers"] = rows_plan[-1].row_layers(len(layers))
+            out["_key_row_layers"] = rows_plan[-1].key_row_layers(len(layers))
 
 
-def profile_request(llm, prompt, blend, params, full_ttft: float) -> dict:
-    """Run one blended request under the timers; returns seconds per part, the floor and
-    the fraction of it reached."""
+def attention_share(llm, token_ids, params) -> float:
+    """Attention's share of the layers' time in a full prefill of ``token_ids``, timed."""
+    num_layers = len(llm.engine.model.model.layers)
+    with profiled(llm, num_layers) as parts:  # every layer is a full layer
+        llm.generate([token_ids], params)
+    layers = {k: v for k, v in parts.items() if k.startswith("full layers:")}
+    return sum(v for k, v in layers.items() if k.endswith(": attention")) / sum(layers.values())
+
+
+def profile_request(llm, prompt, blend, params, full_ttft: float, attn_share: float) -> dict:
+    """Run one blended request under the timers; returns seconds per part, the floors and
+    the fractions of them reached. ``attn_share``: :func:`attention_share` of the prompt."""
     # The first layer that drops rows is "check layer" (layer 0 for ProphetKV).
     with profiled(llm, blend.first_selection_layer) as parts:
         out = llm.generate([prompt], params, blend=blend)[0]
@@ -125,6 +143,8 @@ def profile_request(llm, prompt, blend, params, full_ttft: float) -> dict:
     num_tokens = stats.num_prompt_tokens - stats.prefix_cached_tokens
     num_layers = len(llm.engine.model.model.layers)
     row_layers = parts.pop("_row_layers", num_tokens * num_layers)
+    all_keys = num_tokens * (num_tokens + 1) // 2 + num_tokens * stats.prefix_cached_tokens
+    key_row_layers = parts.pop("_key_row_layers", all_keys * num_layers)
     exposed_writes = stats.write_seconds - stats.load_hidden_seconds
     parts["store reads"] = stats.read_seconds
     parts["RoPE + block writes (not hidden)"] = exposed_writes
@@ -133,7 +153,11 @@ def profile_request(llm, prompt, blend, params, full_ttft: float) -> dict:
     covered = sum(v for k, v in parts.items())
     ttft = out.metrics.ttft
     parts["python + scheduling"] = max(0.0, ttft - covered)
-    floor = full_ttft * row_layers / (num_tokens * num_layers)
+    rows_share = row_layers / (num_tokens * num_layers)
+    floor = full_ttft * rows_share
+    a = attn_share
+    keys_share = key_row_layers / (all_keys * num_layers)
+    key_floor = full_ttft * (a * keys_share + (1 - a) * rows_share)
     return {
         "ttft": ttft,
         "full_ttft": full_ttft,
@@ -141,6 +165,10 @@ def profile_request(llm, prompt, blend, params, full_ttft: float) -> dict:
         "floor_fraction": floor / ttft,
         "row_layers": row_layers,
         "all_row_layers": num_tokens * num_layers,
+        "attention_share": a,
+        "key_row_layers_fraction": keys_share,
+        "key_floor": key_floor,
+        "key_floor_fraction": key_floor / ttft,
         "writes_hidden_s": stats.load_hidden_seconds,
         "parts": dict(sorted(parts.items())),
     }
@@ -152,6 +180,15 @@ def print_profile(p: dict) -> None:
         f"{p['floor']:.3f} s ({p['row_layers']:,} of {p['all_row_layers']:,} row-layers) -> "
         f"blend reaches {100 * p['floor_fraction']:.0f}% of its floor"
     )
+    if "key_floor" in p:
+        print(
+            f"  key-weighted floor {p['key_floor']:.3f} s (attention "
+            f"{100 * p['attention_share']:.0f}% of full prefill's layer time; the computed rows "
+            f"attend to "
+            f"{100 * p['key_row_layers_fraction']:.1f}% of full prefill's (row, key) pairs, in "
+            f"{100 * p['row_layers'] / p['all_row_layers']:.1f}% of its rows) -> blend reaches "
+            f"{100 * p['key_floor_fraction']:.0f}% of it"
+        )
     for name, seconds in p["parts"].items():
         print(f"    {name:40} {seconds:8.3f} s  {100 * seconds / p['ttft']:5.1f}%")
     print(f"    {'(writes hidden behind compute)':40} {p['writes_hidden_s']:8.3f} s")

@@ -86,6 +86,8 @@ class BlendRowPlan(RowPlan):
         self.all_slots = md.slot_mapping
         self.schedules = [sb.config.selection_layers(num_layers) for sb in blends]
         self._row_counts = [(0, n)]  # (from layer, rows computed) as the set shrinks
+        # (from layer, keys the computed rows attend to: position + 1 each), for profiling
+        self._key_counts = [(0, int(self.positions.sum()) + n)]
         self.layers = set().union(*self.schedules)
         self._exact: dict[int, torch.Tensor] = {}  # seq index -> rows made exact this layer
         # seq index -> its correction's rows, kept while the row set stays (until a selection)
@@ -113,6 +115,7 @@ class BlendRowPlan(RowPlan):
                 t[keep] for t in (self.rows, self.seq_ids, self.reused, self.positions)
             )
             self._row_counts.append((layer_idx, len(self.rows)))
+            self._key_counts.append((layer_idx, int(self.positions.sum()) + len(self.rows)))
         self._record()
         return None if keep.all() else keep
 
@@ -221,9 +224,12 @@ class BlendRowPlan(RowPlan):
 
     def row_layers(self, num_layers: int) -> int:
         """Rows x layers this forward computed (so far): the work the controller times."""
-        bounds = [layer for layer, _ in self._row_counts[1:]] + [num_layers]
-        segments = zip(self._row_counts, bounds, strict=True)
-        return sum(rows * (end - start) for (start, rows), end in segments)
+        return _layers_sum(self._row_counts, num_layers)
+
+    def key_row_layers(self, num_layers: int) -> int:
+        """(Query row, key) pairs x layers of causal attention this forward computed (so far):
+        a row at position p attends to p + 1 keys, so late rows cost more than early ones."""
+        return _layers_sum(self._key_counts, num_layers)
 
     def _record(self) -> None:
         """Rows computed through the last layer so far, per blended sequence (final after the
@@ -240,3 +246,9 @@ class BlendRowPlan(RowPlan):
             cost += count * (self.num_layers - prev)
             sb.stats.row_layers = cost
             sb.stats.full_row_layers = (hi - lo) * self.num_layers
+
+
+def _layers_sum(counts: list[tuple[int, int]], num_layers: int) -> int:
+    """Sum over layers of a count that changes at the layers given: [(from layer, count)]."""
+    bounds = [layer for layer, _ in counts[1:]] + [num_layers]
+    return sum(c * (end - start) for (start, c), end in zip(counts, bounds, strict=True))

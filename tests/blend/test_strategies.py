@@ -328,3 +328,17 @@ def test_method_names():
     for bad in ("blend@0.1:prophet+zz", "blend@0.1:+cv", "blend@0.1:heads+rs9"):
         with pytest.raises(MethodError):
             parse_method(bad)
+
+
+def test_key_row_layers_price_rows_by_their_positions(llm, plans):
+    """V deviation: every row attends in layer 0, the kept rows from the check layer 1 on (the
+    dropped ones only got their Q/K/V there); a row at position p attends to p + 1 keys (the
+    profile's key-weighted floor)."""
+    prompt_logits(llm, PROMPT, BlendConfig(recompute_ratio=0.3, selection="v_deviation"))
+    plan = plans[-1]
+    n = len(plan.blends[0].reused)
+    kept_keys = int(plan.positions.sum()) + len(plan.positions)  # the rows left after layer 1
+    assert len(plan.positions) < n
+    all_keys = n * (n + 1) // 2  # positions 0..n-1, no prefix hit
+    assert plan.key_row_layers(NUM_LAYERS) == all_keys + kept_keys * (NUM_LAYERS - 1)
+    assert plan.row_layers(NUM_LAYERS) == n + len(plan.positions) * (NUM_LAYERS - 1)

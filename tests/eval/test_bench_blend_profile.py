@@ -37,4 +37,8 @@ def test_profile_parts_add_up_to_the_ttft(tmp_path, capsys, selection):
     if pass_one:
         assert parts["ProphetKV pass 1: attention"] > 0 and parts["ProphetKV pass 1: scoring"] > 0
     assert 0 < prof["row_layers"] < prof["all_row_layers"]
-    assert "of its floor" in capsys.readouterr().out
+    assert 0 < prof["key_row_layers_fraction"] < 1 and 0 < prof["attention_share"] < 1
+    assert prof["key_floor_fraction"] == pytest.approx(prof["key_floor"] / prof["ttft"])
+    assert summary["key_floor_fraction_blend"] == prof["key_floor_fraction"]
+    printed = capsys.readouterr().out
+    assert "of its floor" in printed and "key-weighted floor" in printed
