@@ -287,3 +287,30 @@ def test_decode_rows_in_runs_of_consecutive_blocks_attend_in_place(dtype):
     for i, n in enumerate(lens):
         ref = dense_reference(q[i : i + 1], *full[i], torch.tensor([n - 1]), 0.25)
         torch.testing.assert_close(out[i : i + 1].double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotated_load_in_place_writes_the_reference_bits(dtype):
+    """The CPU load_rotated_kv (rotation straight into the pool, run by run of consecutive
+    slots) writes exactly the base class's bits (rotate, then write_kv), with slots in several
+    runs: a whole block run, a run crossing into a non-adjacent block, a lone slot."""
+    from blendkv.kernels.attention import AttentionBackend
+    from blendkv.kernels.torch_attention import slot_runs
+
+    gen = torch.Generator().manual_seed(7)
+    layers, heads, head_dim = 3, 2, 8
+    pool = torch.zeros(layers, 2, 6, 4, heads, head_dim, dtype=dtype)  # 6 blocks of 4 slots
+    slots = torch.tensor([4, 5, 6, 7, 8, 9, 16, 17, 18, 2])
+    assert slot_runs(slots) == [(0, 6, 4), (6, 9, 16), (9, 10, 2)]
+    assert slot_runs(slots[:0]) == []
+    kv = torch.randn(layers - 1, 2, len(slots), heads, head_dim, generator=gen).to(dtype)
+    positions = torch.arange(20, 20 + len(slots))
+    angles = torch.arange(64.0)[:, None] * torch.linspace(1.0, 0.01, head_dim // 2)[None, :]
+    cos, sin = (f(torch.cat((angles, angles), dim=-1)) for f in (torch.cos, torch.sin))
+    backend = TorchAttentionBackend("cpu")
+    expected, actual = list(pool.clone()), list(pool.clone())
+    AttentionBackend.load_rotated_kv(backend, expected, 1, kv, positions, slots, cos, sin)
+    backend.load_rotated_kv(actual, 1, kv, positions, slots, cos, sin)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a, e)
+    assert actual[0].abs().sum() == 0 and actual[2].abs().sum() > 0  # layers 1.. only
