@@ -98,8 +98,7 @@ class LLMEngine:
             self.attn_backend = get_attention_backend(backend, self.device)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend)
-        self.model.to(self.device)
+        self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
         self.packed_gemm_rows = self._enable_packed_gemm(config.packed_gemm_rows)
         self.hf_config = self.model.config
         self.info = self._runtime_info()

@@ -205,10 +205,14 @@ def iter_safetensors(model_dir: Path):
                 yield name, f.get_tensor(name)
 
 
-def load_model(resolved: ResolvedModel, dtype: torch.dtype, attn_backend) -> nn.Module:
-    """Build the model without random init (meta device), then load weights by name in ``dtype``.
+def load_model(
+    resolved: ResolvedModel, dtype: torch.dtype, attn_backend, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """Build the model without random init (meta device), load weights by name in ``dtype``, move
+    it to ``device`` and fuse sibling projections there; returned in eval mode.
 
-    The model is returned in eval mode on the CPU; move it with ``.to(device)``.
+    Fusing happens on the device: the fused weights are plain tensors that a later ``.to()`` would
+    not move (and moving views of them would un-share the memory), so do not move the result.
     """
     config = load_config(resolved)
     model_cls = get_model_class(config)
@@ -216,6 +220,7 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype, attn_backend) -> nn.
         model = model_cls(config, attn_backend).to(dtype)
     # Meta parameters are replaced by the checkpoint tensors (cast to dtype) as they stream in.
     model.load_weights(iter_safetensors(resolved.model_dir))
+    model.to(device)
     for module in model.modules():
         if hasattr(module, "fuse") and callable(module.fuse):
             module.fuse()

@@ -107,6 +107,19 @@ def test_in_place_directory_loads_without_random_init(tiny_dir):
         assert torch.equal(params[name], p.to(torch.bfloat16)), name
 
 
+def test_model_is_fused_on_the_device_it_is_loaded_to(tiny_dir):
+    """Fused q/k/v and gate/up weights are plain tensors that ``.to()`` does not move: they are
+    made on the target device (a GPU run once found them left on the CPU). The meta
+    device stands in for CUDA here."""
+    from blendkv.layers.fused import FusedLinear
+
+    model = load_model(resolve_model(tiny_dir), torch.float32, TorchAttentionBackend(), "meta")
+    fused = [f for m in model.modules() for f in vars(m).values() if isinstance(f, FusedLinear)]
+    assert len(fused) == 2 * model.config.num_hidden_layers
+    assert all(f.weight.is_meta for f in fused)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
 def test_load_weights_names_every_problem(tiny_dir):
     resolved = resolve_model(tiny_dir)
     model = load_model(resolved, torch.float32, TorchAttentionBackend())
