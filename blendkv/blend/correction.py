@@ -25,11 +25,27 @@ def chunk_mean_shift(
 ) -> torch.Tensor:
     """delta [N, H, D] (fresh - reused of recomputed rows), chunk_ids [N] ->
     [num_chunks, H, D]: per-chunk mean, times ``n / (n + shrink)``; 0 for chunks without rows."""
-    sums = torch.zeros((num_chunks, *delta.shape[1:]), dtype=torch.float32)
-    sums.index_add_(0, chunk_ids, delta.float())
-    counts = torch.bincount(chunk_ids, minlength=num_chunks).float()
+    sums_counts = _sums_index_add if delta.device.type == "cpu" else _sums_one_hot
+    sums, counts = sums_counts(delta.float(), chunk_ids, num_chunks)
     weight = 1.0 / (counts + shrink).clamp_min(1e-12)  # mean (sum / n) times n / (n + shrink)
     return sums * weight[:, None, None]
+
+
+def _sums_index_add(delta, chunk_ids, num_chunks):
+    """Per-chunk sums and row counts: the CPU path (sequential adds)."""
+    sums = torch.zeros((num_chunks, *delta.shape[1:]), dtype=torch.float32)
+    sums.index_add_(0, chunk_ids, delta)
+    return sums, torch.bincount(chunk_ids, minlength=num_chunks).float()
+
+
+def _sums_one_hot(delta, chunk_ids, num_chunks):
+    """The same as a one-hot matmul: index_add_ adds with atomics on CUDA (the order of the sum,
+    hence its bits, varies from run to run) and bincount syncs with the host; a matmul does
+    neither."""
+    chunks = torch.arange(num_chunks, device=delta.device)
+    one_hot = (chunk_ids[None, :] == chunks[:, None]).float()  # [chunks, N]
+    sums = (one_hot @ delta.flatten(1)).view(num_chunks, *delta.shape[1:])
+    return sums, one_hot.sum(dim=1)
 
 
 class Rows(NamedTuple):

@@ -278,6 +278,20 @@ def test_chunk_mean_shift_and_shrinkage():
     torch.testing.assert_close(shrunk[2], torch.full((2, 2), 10.0 / 3))
 
 
+def test_chunk_sums_one_hot_path_equals_the_cpu_path():
+    """The CUDA path (one-hot matmul: deterministic, no host sync) and the CPU path
+    (index_add_, bincount) give the same per-chunk sums and counts, unsorted ids included."""
+    from blendkv.blend.correction import _sums_index_add, _sums_one_hot
+
+    g = torch.Generator().manual_seed(0)
+    delta = torch.randn(9, 2, 4, generator=g)
+    chunks = torch.tensor([3, 0, 0, 1, 3, 3, 1, 0, 3])
+    sums, counts = _sums_index_add(delta, chunks, 5)
+    sums1, counts1 = _sums_one_hot(delta, chunks, 5)
+    torch.testing.assert_close(sums1, sums)
+    assert torch.equal(counts1, counts) and counts.tolist() == [3, 2, 0, 4, 0]
+
+
 def test_unrotate_inverts_rotate(llm):
     rotary = llm.engine.runner.model.model.rotary_emb
     x = torch.randn(5, 2, rotary.head_dim)

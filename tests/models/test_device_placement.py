@@ -100,3 +100,15 @@ def test_a_cpu_tensor_in_the_step_is_caught():
         ids = torch.zeros(md.num_tokens, dtype=torch.long, device="cuda")
         with pytest.raises(FakeTensorDeviceMismatchError):
             model(ids, md.positions.cpu(), caches, md)
+
+
+def test_kept_row_correction_stays_on_cuda():
+    """The per-chunk mean shift of kept rows (blend's K/V correction) on CUDA tensors; a GPU
+    run once found its accumulator made on the CPU."""
+    from blendkv.blend.correction import chunk_mean_shift
+
+    with fake_cuda():
+        delta = torch.empty(5, 2, 8, device="cuda")
+        chunk_ids = torch.zeros(5, dtype=torch.long, device="cuda")
+        shift = chunk_mean_shift(delta, chunk_ids, 3, 1.0)
+    assert shift.device.type == "cuda" and shift.shape == (3, 2, 8)
