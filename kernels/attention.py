@@ -152,6 +152,9 @@ class StepPlanMemo:
         self._entries = [*self._entries[-(self.size - 1) :], (md, key, plan)]
         return plan
 
+    def plans_for(self, md: AttentionMetadata) -> list[Any]:
+        return [plan for seen, _, plan in self._entries if seen is md]
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -185,6 +188,12 @@ class AttentionBackend(ABC):
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
+
+    def step_plans(self, md: AttentionMetadata) -> list[Any]:
+        """What this backend derived from ``md`` and still remembers (index tensors, tiles). A
+        CUDA graph captured over ``md`` reads these tensors at replay without asking again:
+        the capturer keeps them alive (the memo forgets them after a few other steps)."""
+        return []
 
     # ---- the pool -----------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[torch.Tensor]:

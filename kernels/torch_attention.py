@@ -140,6 +140,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._split_rows = split_available(self.device)  # scattered rows: split attention
         self.prefers_block_runs = self._split_rows  # the CPU path reads runs as slices
 
+    def step_plans(self, md: AttentionMetadata) -> list:
+        return self._step_plans.plans_for(md)
+
     # ---- the pool -----------------------------------------------------------------------
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
         write_kv_cache(kv_cache, k, v, slot_mapping)

@@ -67,6 +67,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._xformers_checked = False
         self._xformers_attention = None
 
+    def step_plans(self, md: AttentionMetadata) -> list:
+        return [*super().step_plans(md), *self._plans.plans_for(md)]
+
     # ---- the pool -----------------------------------------------------------------------
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
         self._ops.write_kv(kv_cache, k, v, slot_mapping)

@@ -13,7 +13,8 @@ What makes a forward capturable, and how it is kept so:
   lengths from ``seq_lens`` on the device);
 - padded rows are inert: slot -1 (the KV write skips it), one key, position 0;
 - no tensors made during capture: the backend's per-metadata plan is built by the warm-up run
-  on the same metadata object, and the rotary table's memo is cleared before capture;
+  on the same metadata object (and kept alive with the graph: replay reads its tensors), and
+  the rotary table's memo is cleared before capture;
 - only backends that read sequence lengths on the device (``supports_cuda_graphs``) and KV
   connectors without per-layer hooks (checked by the runner).
 
@@ -80,6 +81,7 @@ class DecodeGraphs:
         capture: Callable | None = None,
     ) -> None:
         self.model = model
+        self.attn_backend = attn_backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -95,6 +97,10 @@ class DecodeGraphs:
         self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        # Per size, the backend's plans for its metadata: the graph reads their tensors at every
+        # replay, so they live as long as the graph (a GPU run once crashed with an illegal
+        # memory access after the backend's memo had dropped them).
+        self.retained: dict[int, list] = {}
         self.failed: str | None = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -125,6 +131,7 @@ class DecodeGraphs:
 
             forward()  # warm-up: the backend builds its plan for this metadata object
             self._graphs[size] = self.capture(forward)
+            self.retained[size] = self.attn_backend.step_plans(md)
 
     def can_run(self, md: AttentionMetadata) -> bool:
         """A pure decode batch that fits a captured size (captures on first use; if capturing
@@ -143,6 +150,7 @@ class DecodeGraphs:
             except Exception as exc:  # noqa: BLE001  (any capture failure: fall back to eager)
                 self.failed = f"{type(exc).__name__}: {exc}"
                 self._graphs.clear()
+                self.retained.clear()
                 logger.warning("CUDA graph capture failed, decoding eagerly: %s", self.failed)
                 return False
         return True

@@ -85,3 +85,38 @@ def test_blended_requests_on_cuda(tiny_llama_dir, tmp_path):
     assert out.blend_stats.chunks_hit == len(BLEND_DOCS)
     assert len(out.outputs[0].token_ids) == 12
     llm.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pipelined_loading_on_cuda_equals_serial(tiny_llama_dir, tmp_path, backend):
+    """The side-stream layer loads (pinned host -> device, RoPE, writes) leave the same blocks
+    and logits as loading every layer before the forward."""
+    from helpers import BLEND_DOCS, BLEND_QUERY
+
+    from blendkv import LLM, SamplingParams
+    from blendkv.blend.config import BlendConfig
+
+    prompt = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
+    blend, one = BlendConfig(recompute_ratio=0.3), SamplingParams(temperature=0.0, max_tokens=1)
+    runs = []
+    for pipelined in (False, False, True):  # the later engines read the first one's store
+        llm = LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            device="cuda",
+            attention_backend=backend,
+            enable_prefix_caching=False,
+            kv_store_dir=str(tmp_path),
+            pipeline_kv_load=pipelined,
+        )
+        llm.generate([prompt], one, blend=blend)  # warm: chunks in the memory tier
+        n = len(llm.blend_manager().prepare(prompt, blend).prompt.token_ids)
+        out = llm.generate([prompt], one, blend=blend, logits_from=n - 3)[0]
+        assert out.blend_stats.chunks_hit == len(BLEND_DOCS)
+        pool = torch.stack(llm.engine.runner.kv_caches).cpu()
+        runs.append((pool, out.extra["prompt_logits"]))
+        llm.close()
+    (pool0, logits0), (pool1, logits1), (pool2, logits2) = runs
+    assert torch.equal(pool1, pool0) and torch.equal(logits1, logits0), "not deterministic"
+    assert torch.equal(pool2, pool0), "pipelined blocks differ from serial"
+    assert torch.equal(logits2, logits0), "pipelined logits differ from serial"

@@ -9,6 +9,7 @@ stand-in for the CUDA capture) must give the same tokens as eager steps.
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import BLEND_DOCS, BLEND_QUERY
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
@@ -20,6 +21,8 @@ from blendkv.engine.cuda_graphs import DecodeGraphs, EagerCapture  # noqa: E402
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 PREFIX = [7 + (i * 5) % 200 for i in range(24)]
 BLEND = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
+# On a GPU the kernels run compiled; here under the interpreter (tests/kernels/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_llm(path, backend, store):
@@ -27,7 +30,7 @@ def make_llm(path, backend, store):
         str(path),
         dtype="float32",
         block_size=4,
-        device="cpu",
+        device=DEVICE,
         attention_backend=backend,
         max_num_batched_tokens=160,
         kv_store_dir=str(store),
@@ -123,6 +126,20 @@ def test_padded_graph_decode_equals_eager(tiny_llama_dir, tmp_path):
     assert actual == expected
     assert graphs.sizes == [1, 2, 4] and 3 in runs  # decode steps of 3 ran padded to 4
     eager.close()
+    llm.close()
+
+
+def test_captured_graphs_keep_the_backend_plans_they_read(tiny_llama_dir, tmp_path):
+    """Replay runs no Python, so the plan built for each captured size (its index tensors) must
+    live as long as the graph, not as long as the backend's memo (which later eager steps
+    overwrite: on a GPU, replay then read freed memory)."""
+    llm = make_llm(tiny_llama_dir, "triton", tmp_path)
+    graphs = with_decode_graphs(llm, 4, EagerCapture())
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert set(graphs.retained) == {1, 2, 4}
+    for size, plans in graphs.retained.items():
+        decode_rows = [len(p.decode_seq_ids) for p in plans if hasattr(p, "decode_seq_ids")]
+        assert decode_rows == [size]  # the Triton plan of that padded decode batch
     llm.close()
 
 
