@@ -62,6 +62,25 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, device: str):
     return len(prompts) * new_tokens / seconds, out[:, x.shape[1] :].tolist()
 
 
+def _copy_times(nbytes: int, device: str) -> dict:
+    """Host-to-device copy of ``nbytes`` from pinned vs pageable memory (ms, median of 5)."""
+    if not device.startswith("cuda") or not nbytes:
+        return {}
+    out = {}
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for name, pin in (("pinned", True), ("pageable", False)):
+        src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)
+        times = []
+        for _ in range(5):
+            _sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        out[f"h2d_{name}_ms"] = statistics.median(times) * 1e3
+    return out
+
+
 def _random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
@@ -101,6 +120,7 @@ def bench_shape(shape: str, args, device: str) -> dict:
         ours = [o.outputs[0].token_ids for o in llm.generate(check, greedy)]
         _, theirs = _hf_generate(hf, check, 8, device)
         row["greedy_match"] = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+        print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
 
         # 2. prefill
         ids = _random_ids(1, args.prefill_tokens, vocab, seed=2)[0]
@@ -114,6 +134,7 @@ def bench_shape(shape: str, args, device: str) -> dict:
         row["prefill_s"] = min(ttft_ours)
         row["prefill_hf_s"] = min(ttft_hf)
         row["prefill_vs_hf"] = row["prefill_s"] / row["prefill_hf_s"]
+        print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
 
         # 3. blend with a warm store
         words = max(8, args.doc_tokens // 2)
@@ -128,11 +149,15 @@ def bench_shape(shape: str, args, device: str) -> dict:
         full_ids = plan.prompt.token_ids
         for cfg in (blend, BlendConfig(recompute_ratio=0.0)):
             llm.generate([prompt], one, blend=cfg)  # warm: checksums, memory tier
-        t_full, t_blend, t_reuse = [], [], []
+        connector = llm.engine.kv_connector
+        t_full, t_blend, t_serial, t_reuse = [], [], [], []
         for _ in range(args.repeats):
             t_full.append(llm.generate([full_ids], one)[0].metrics.ttft)
             out = llm.generate([prompt], one, blend=blend)[0]
             t_blend.append(out.metrics.ttft)
+            connector.pipelined = False  # the same request with every layer loaded first
+            t_serial.append(llm.generate([prompt], one, blend=blend)[0].metrics.ttft)
+            connector.pipelined = True
             t_reuse.append(
                 llm.generate([prompt], one, blend=BlendConfig(recompute_ratio=0.0))[0].metrics.ttft
             )
@@ -141,8 +166,12 @@ def bench_shape(shape: str, args, device: str) -> dict:
         row["blend_s"] = statistics.median(t_blend)
         row["reuse_s"] = statistics.median(t_reuse)
         row["blend_speedup"] = row["blend_full_s"] / row["blend_s"]
+        row["blend_serial_load_s"] = statistics.median(t_serial)
         row["blend_load_s"] = out.blend_stats.load_seconds
         row["blend_chunks_hit"] = out.blend_stats.chunks_hit
+        row["blend_kv_bytes"] = out.blend_stats.kv_bytes_loaded
+        row.update(_copy_times(out.blend_stats.kv_bytes_loaded, device))
+        print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
 
         # 4. decode
         decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
@@ -170,7 +199,11 @@ def _print(row: dict) -> None:
         f"transformers {row['prefill_hf_s'] * 1e3:.1f} ms ({row['prefill_vs_hf']:.2f}x its time)\n"
         f"  blend@{row.get('ratio', '')} {row['blend_prompt_tokens']} tok: full "
         f"{row['blend_full_s'] * 1e3:.1f} ms, blend {row['blend_s'] * 1e3:.1f} ms "
-        f"({row['blend_speedup']:.2f}x), reuse {row['reuse_s'] * 1e3:.1f} ms\n"
+        f"({row['blend_speedup']:.2f}x), reuse {row['reuse_s'] * 1e3:.1f} ms; "
+        f"load not pipelined {row['blend_serial_load_s'] * 1e3:.1f} ms\n"
+        f"  K/V loaded {row['blend_kv_bytes'] / 1e6:.0f} MB; host-to-device copy pinned "
+        f"{row.get('h2d_pinned_ms', float('nan')):.1f} ms, pageable "
+        f"{row.get('h2d_pageable_ms', float('nan')):.1f} ms\n"
         f"  decode tok/s: batch 1 {row['decode_tok_s_1']:.1f} vs {row['decode_hf_tok_s_1']:.1f} "
         f"({row['decode_vs_hf_1']:.2f}x); {n} concurrent {row[f'decode_tok_s_{n}']:.1f} vs "
         f"{row[f'decode_hf_tok_s_{n}']:.1f} ({row[f'decode_vs_hf_{n}']:.2f}x)"

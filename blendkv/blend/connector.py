@@ -51,6 +51,10 @@ class BlendConnector(KVConnectorBase):
         self._row_plan = None
         self._forward_start = 0.0
         self.controller = LoadingController()
+        # Layer-wise pipelined loading (EngineConfig.pipeline_kv_load); benchmarks switch it off
+        # between requests to time the serial path on the same engine.
+        self.pipelined = context.config.pipeline_kv_load
+        self._load_stream = None  # CUDA: the side stream of pipelined loads, made once
 
     @property
     def manager(self):
@@ -164,12 +168,18 @@ class BlendConnector(KVConnectorBase):
             self._step.append(blend)
             writes.extend(chunk_writes)
         ctx = self.context
+        device = inputs.kv_caches[0].device
+        if device.type == "cuda" and self._load_stream is None:
+            import torch
+
+            self._load_stream = torch.cuda.Stream(device=device)
         self._layer_load = LayerwiseLoad(
             ctx.attn_backend,
             inputs.kv_caches,
             ctx.model.model.rotary_emb.tables(ctx.info.device),
             writes,
-            pipelined=ctx.config.pipeline_kv_load,
+            pipelined=self.pipelined,
+            stream=self._load_stream,
         )
         self._layer_load.start()
 

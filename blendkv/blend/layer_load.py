@@ -8,8 +8,8 @@ writing K/V into the request's blocks, is done here, one layer at a time:
   marks layer ``l`` ready; the forward waits for a layer (``wait(l)``) only when it gets there,
   so the writes of later layers run while earlier layers compute;
 - **pipelined** on CUDA: the same writes (and host-to-device copies of pinned sources) are
-  queued on a side stream with one event per layer; ``wait(l)`` makes the compute stream wait
-  for that event (no host block);
+  queued on a side stream in stages of 1, 2, 4, ... layers (:func:`load_stages`), one event per
+  stage; ``wait(l)`` makes the compute stream wait for its stage's event (no host block);
 - **serial** (``pipelined=False``): everything is written before the forward, one backend call
   per chunk covering all its layers.
 
@@ -25,6 +25,18 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+
+def load_stages(num_layers: int) -> list[tuple[int, int]]:
+    """Layer ranges loaded together on CUDA: 1, 2, 4, 8, ... layers. Each stage's copy is about
+    as long as the compute of all the layers before it, so loading stays ahead of the forward,
+    while a request costs ~log2(layers) launches per chunk, not one per layer (a GPU measured
+    the per-layer launches' host time at several times the copies they hid)."""
+    stages, lo, size = [], 0, 1
+    while lo < num_layers:
+        stages.append((lo, min(lo + size, num_layers)))
+        lo, size = lo + size, 2 * size
+    return stages
 
 
 @dataclass
@@ -53,7 +65,11 @@ class LayerwiseLoad:
         rotary_tables: tuple[torch.Tensor, torch.Tensor],
         writes: list[ChunkWrite],
         pipelined: bool,
+        stream=None,
     ) -> None:
+        """``stream``: the side CUDA stream to load on; pass the same one every step (the caching
+        allocator keeps memory per stream: on a new stream each step, the copies' device
+        buffers would be allocated afresh every time)."""
         self.backend = backend
         self.kv_caches = kv_caches
         self.cos, self.sin = rotary_tables
@@ -68,6 +84,7 @@ class LayerwiseLoad:
         self._ready = [threading.Event() for _ in range(self.num_layers)]
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._side_stream = stream
         self._stream = None
         self._events: list = []
 
@@ -106,16 +123,17 @@ class LayerwiseLoad:
             self.busy = time.perf_counter() - t0
 
     def _start_cuda(self) -> None:
-        self._stream = torch.cuda.Stream(device=self.device)
+        self._stream = self._side_stream or torch.cuda.Stream(device=self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            for layer in range(self.num_layers):
+            for lo, hi in load_stages(self.num_layers):
                 for w in self.writes:
-                    if layer >= w.first_layer:
-                        self._write(w, layer, 1)
+                    first = max(lo, w.first_layer)
+                    if first < hi:
+                        self._write(w, first, hi - first)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-                self._events.append(event)
+                self._events.extend([event] * (hi - lo))
 
     def _write(self, w: ChunkWrite, layer: int, count: int) -> None:
         """Layers ``layer .. layer + count`` of ``w`` into the pool."""

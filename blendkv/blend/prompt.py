@@ -11,12 +11,14 @@ so a chunk's ids in a prompt are exactly the ids its K/V was stored under.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from blendkv.errors import InvalidRequestError
 from blendkv.text import replace_lone_surrogates
 
 _SENTINEL = "\u2063BLENDKV_CONTENT\u2063"
+_ENCODE_CACHE = 256  # texts whose ids a builder remembers
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,17 @@ class PromptBuilder:
         self.use_chat_template = use_chat_template and bool(
             getattr(tokenizer, "chat_template", None)
         )
+        # RAG prompts repeat the same documents: their ids are remembered (a GPU profile of a
+        # blended request found tokenizing ten documents ~10 % of its time to first token).
+        self._encode_cached = functools.lru_cache(maxsize=_ENCODE_CACHE)(self._encode)
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` alone; lone surrogates become U+FFFD (see :mod:`blendkv.text`)."""
+        return list(self._encode_cached(text))
+
+    def _encode(self, text: str) -> tuple[int, ...]:
         text = replace_lone_surrogates(text, "blended prompt text")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def template_pieces(self, system: str | None) -> tuple[list[int], list[int]]:
         """(prefix ids, suffix ids) around the user content of a one-turn chat."""

@@ -25,41 +25,53 @@ def needs_query_pass(sb: SeqBlend) -> bool:
 
 class QueryScorePlan(RowPlan):
     """Keeps every row; at every layer adds the query rows' attention mass to each blended
-    sequence's ``query_scores`` (indexed by absolute position)."""
+    sequence's ``query_scores`` (indexed by absolute position).
+
+    Everything that is the same at every layer (each sequence's rows, query rows, key slots) is
+    built once here, and the scores add up on the device: a layer costs no host sync (on a GPU
+    one per layer left it idle most of the pass). :meth:`finish` brings the scores to the CPU.
+    """
 
     def __init__(self, attn_metadata, blends: list[SeqBlend], attn_backend) -> None:
         md = attn_metadata
+        dev = md.positions.device
         self.rows = torch.arange(md.num_tokens)
-        self.seq_ids = md.row_seq_ids()
-        self.blends = blends
         self.backend = attn_backend
+        self.blends = blends
+        self._seqs = []  # (seq blend, its rows, their positions, query rows, key positions, slots)
+        starts = md.query_start_loc_cpu
+        positions_cpu = md.positions.cpu()  # the pass's one host sync
         for sb in blends:
-            sb.query_scores = torch.zeros(md.seq_lens_cpu[sb.index], dtype=torch.float32)
+            seq_len = md.seq_lens_cpu[sb.index]
+            sb.query_scores = torch.zeros(seq_len, dtype=torch.float32, device=dev)
+            lo, hi = starts[sb.index], starts[sb.index + 1]
+            is_query = positions_cpu[lo:hi] >= sb.query_start
+            if not is_query.any():
+                continue
+            key_positions = torch.arange(seq_len, device=dev)
+            table = md.block_table[sb.index].long()
+            bs = md.block_size
+            slots = table[key_positions // bs] * bs + key_positions % bs
+            query = torch.nonzero(is_query).flatten().to(dev)
+            self._seqs.append((sb, slice(lo, hi), md.positions[lo:hi], query, key_positions, slots))
 
     def selects_at(self, layer_idx: int) -> bool:
         return True
 
     def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
-        md = attn_metadata
-        for sb in self.blends:
-            rows = torch.nonzero(self.seq_ids == sb.index).flatten().to(md.positions.device)
-            positions = md.positions[rows]
-            is_query = positions >= sb.query_start
-            if not is_query.any():
-                continue
-            seq_len = md.seq_lens_cpu[sb.index]
-            key_positions = torch.arange(seq_len, device=positions.device)
-            table = md.block_table[sb.index].long()
-            bs = md.block_size
-            slots = table[key_positions // bs] * bs + key_positions % bs
+        for sb, rows, positions, query, key_positions, slots in self._seqs:
             keys, _ = self.backend.read_kv(kv_cache, slots)  # reused K; these rows' are stale
             qr, kr = attn.rotary_emb.apply_rotary(positions, q[rows], k[rows])
             keys = keys.clone()
             keys[positions] = kr.to(keys.dtype)
             sb.query_scores += query_attention_mass(
-                qr[is_query], keys, positions[is_query], key_positions
-            ).cpu()
+                qr[query], keys, positions[query], key_positions
+            )
         return None
+
+    def finish(self) -> None:
+        for sb in self.blends:
+            sb.query_scores = sb.query_scores.cpu()
 
 
 def run_query_pass(
@@ -79,6 +91,7 @@ def run_query_pass(
     plan = QueryScorePlan(sub, prophets, attn_backend)
     ids = input_ids[keep.to(input_ids.device)]
     model(ids, sub.positions, kv_caches, sub, row_plan=plan, hooks=hooks, kv_only=True)
+    plan.finish()
     num_layers = len(kv_caches)
     for sb in prophets:
         sb.extra_row_layers = float(int((~sb.reused).sum()) * num_layers)

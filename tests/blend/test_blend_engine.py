@@ -145,3 +145,21 @@ def test_precomputing_a_chunk_longer_than_the_model_is_a_clear_error(tiny_llama_
     with pytest.raises(PromptTooLongError, match="split it into smaller chunks"):
         llm.blend_manager().precompute([[5] * 1100])
     llm.close()
+
+
+def test_documents_are_tokenized_once(tiny_llama_dir):
+    """A document seen again is not re-tokenized (RAG prompts repeat documents); the ids are
+    the tokenizer's, and a caller mutating a returned list changes nothing."""
+    from blendkv.blend.prompt import PromptBuilder
+    from blendkv.models.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(tiny_llama_dir))
+    builder = PromptBuilder(tokenizer)
+    calls = []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda *a, **k: calls.append(a[0]) or encode(*a, **k)
+    first = builder.encode(DOCS[0])
+    first.append(-1)
+    assert builder.encode(DOCS[0]) == encode(DOCS[0], add_special_tokens=False)
+    builder.encode(DOCS[1])
+    assert calls == [DOCS[0], DOCS[1]]

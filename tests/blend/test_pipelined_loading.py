@@ -98,3 +98,15 @@ def test_auto_ratio_bounds_are_checked():
     with pytest.raises(ConfigError, match="or 'auto'"):
         BlendConfig(recompute_ratio="most")
     assert BlendConfig(recompute_ratio="auto").planned_ratio == 0.5
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 24, 30, 32])
+def test_cuda_load_stages_cover_every_layer_once_in_doubling_steps(num_layers):
+    from blendkv.blend.layer_load import load_stages
+
+    stages = load_stages(num_layers)
+    layers = [layer for lo, hi in stages for layer in range(lo, hi)]
+    assert layers == list(range(num_layers))
+    sizes = [hi - lo for lo, hi in stages]
+    assert sizes[0] == 1 and all(b == 2 * a for a, b in zip(sizes, sizes[1:-1], strict=False))
+    assert len(stages) == num_layers.bit_length()  # ~log2: a few launches per chunk
