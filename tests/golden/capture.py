@@ -70,3 +70,22 @@ def capture(
     doc_ids = llm.tokenizer.encode(DOCS[1], add_special_tokens=False)
     got["chunk.kv"] = chunk_kv(llm, doc_ids)
     return {k: v.contiguous() for k, v in got.items()}
+
+
+def cpu_kind() -> str:
+    """The goldens' key: architecture, CPU vendor and the kernels torch picks for this CPU.
+
+    MKL and oneDNN choose code paths by vendor as well as by instruction set, so the same torch
+    build rounds fp32 differently on an Intel and an AMD x86-64 CPU with the same AVX-512."""
+    import platform
+
+    vendor = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()}-{vendor}-{torch.backends.cpu.get_cpu_capability()}"

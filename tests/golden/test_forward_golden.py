@@ -1,9 +1,11 @@
 """The one forward path computes exactly what main computed before it (fp32, bit for bit).
 
 Goldens were recorded by ``record.py`` on main before the refactor that merged the three layer
-loops (model forward, blended prefill, chunk precompute) into one. They hold for this machine
-kind (CI's: x86-64, torch 2.13 CPU, 2 threads); another CPU or BLAS build may round
-differently, and then only ``record.py`` on a known-good commit makes new ones.
+loops (model forward, blended prefill, chunk precompute) into one. Bits hold only for one CPU
+kind (torch 2.13 CPU, 2 threads): MKL rounds differently on Intel and AMD CPUs of the same ISA,
+so each kind has its own folder (:func:`capture.cpu_kind`). On a CPU kind with no set, the tiny
+models are compared with another kind's set within fp32 rounding (1e-4), and the embedded
+model (stored as hashes only) is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -14,18 +16,29 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from capture import capture
+from capture import capture, cpu_kind
 from safetensors.torch import load_file
 
 from blendkv import LLM
 
 HERE = Path(__file__).resolve().parent
+KINDS = sorted(p.name for p in HERE.iterdir() if p.is_dir() and (p / "embedded.json").exists())
+# Between CPU kinds the captured tensors measured <= 3.6e-6 apart (tiny models, Intel vs AMD).
+CROSS_KIND_ATOL = 1e-4
+
+
+def _golden_dir() -> tuple[Path, bool]:
+    """This CPU kind's set (exact), else the first recorded one (compared within rounding)."""
+    assert KINDS, "no golden sets recorded"
+    kind = cpu_kind()
+    return (HERE / kind, True) if kind in KINDS else (HERE / KINDS[0], False)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_models_bit_identical(arch, request):
     path = request.getfixturevalue(f"tiny_{arch}_dir")
-    want = load_file(str(HERE / f"tiny_{arch}.safetensors"))
+    folder, exact = _golden_dir()
+    want = load_file(str(folder / f"tiny_{arch}.safetensors"))
     with LLM(
         str(path), dtype="float32", block_size=4, num_threads=2, enable_prefix_caching=False
     ) as llm:
@@ -34,11 +47,22 @@ def test_tiny_models_bit_identical(arch, request):
     for name in want:
         assert got[name].shape == want[name].shape, name
         diff = (got[name].double() - want[name].double()).abs().max().item()
-        assert torch.equal(got[name], want[name]), f"{name}: max abs diff {diff:.3g}"
+        if exact:
+            assert torch.equal(got[name], want[name]), f"{name}: max abs diff {diff:.3g}"
+        elif name.endswith(".tokens"):
+            assert torch.equal(got[name], want[name]), name
+        else:
+            assert diff <= CROSS_KIND_ATOL, f"{name}: max abs diff {diff:.3g} ({folder.name})"
 
 
 def test_embedded_model_bit_identical():
-    want = json.loads((HERE / "embedded.json").read_text())
+    folder, exact = _golden_dir()
+    if not exact:
+        pytest.skip(
+            f"no goldens for this CPU kind ({cpu_kind()}; recorded: {', '.join(KINDS)}): "
+            "record them with tests/golden/record.py --embedded on a known-good commit"
+        )
+    want = json.loads((folder / "embedded.json").read_text())
     with LLM(dtype="float32", block_size=16, num_threads=2, enable_prefix_caching=False) as llm:
         got = capture(llm)
     assert sorted(got) == sorted(want)
@@ -46,3 +70,14 @@ def test_embedded_model_bit_identical():
         t = got[name].contiguous()
         assert list(t.shape) == entry["shape"], name
         assert xxhash.xxh3_128_hexdigest(t.numpy().tobytes()) == entry["xxh3"], name
+
+
+def test_cpu_kinds_agree_within_rounding():
+    """The recorded sets of different CPU kinds are the same numbers up to fp32 rounding."""
+    for arch in ("llama", "qwen2"):
+        sets = [load_file(str(HERE / kind / f"tiny_{arch}.safetensors")) for kind in KINDS]
+        for other in sets[1:]:
+            assert sorted(other) == sorted(sets[0])
+            for name, t in sets[0].items():
+                diff = (other[name].double() - t.double()).abs().max().item()
+                assert diff <= CROSS_KIND_ATOL, f"{arch} {name}: {diff:.3g}"
