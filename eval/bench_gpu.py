@@ -168,6 +168,8 @@ def bench_shape(shape: str, args, device: str) -> dict:
         row["blend_speedup"] = row["blend_full_s"] / row["blend_s"]
         row["blend_serial_load_s"] = statistics.median(t_serial)
         row["blend_load_s"] = out.blend_stats.load_seconds
+        row["blend_write_s"] = out.blend_stats.write_seconds  # device time (CUDA events)
+        row["blend_write_hidden_s"] = out.blend_stats.load_hidden_seconds
         row["blend_chunks_hit"] = out.blend_stats.chunks_hit
         row["blend_kv_bytes"] = out.blend_stats.kv_bytes_loaded
         row.update(_copy_times(out.blend_stats.kv_bytes_loaded, device))
@@ -201,7 +203,9 @@ def _print(row: dict) -> None:
         f"{row['blend_full_s'] * 1e3:.1f} ms, blend {row['blend_s'] * 1e3:.1f} ms "
         f"({row['blend_speedup']:.2f}x), reuse {row['reuse_s'] * 1e3:.1f} ms; "
         f"load not pipelined {row['blend_serial_load_s'] * 1e3:.1f} ms\n"
-        f"  K/V loaded {row['blend_kv_bytes'] / 1e6:.0f} MB; host-to-device copy pinned "
+        f"  K/V loaded {row['blend_kv_bytes'] / 1e6:.0f} MB, written in "
+        f"{row['blend_write_s'] * 1e3:.1f} ms ({row['blend_write_hidden_s'] * 1e3:.1f} hidden); "
+        "host-to-device copy pinned "
         f"{row.get('h2d_pinned_ms', float('nan')):.1f} ms, pageable "
         f"{row.get('h2d_pageable_ms', float('nan')):.1f} ms\n"
         f"  decode tok/s: batch 1 {row['decode_tok_s_1']:.1f} vs {row['decode_hf_tok_s_1']:.1f} "

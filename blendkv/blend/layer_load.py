@@ -15,7 +15,8 @@ writing K/V into the request's blocks, is done here, one layer at a time:
 
 The written bits are the same in every mode (RoPE is elementwise; a test checks the blocks and
 the logits). Timing: ``busy`` is the seconds the writes took, ``waited`` the seconds the forward
-blocked in :meth:`wait`; the difference was hidden behind compute.
+blocked in :meth:`wait`; the difference was hidden behind compute. On CUDA both are device time
+(CUDA events: the side stream's span, the compute stream's stalls on each stage).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def load_stages(num_layers: int) -> list[tuple[int, int]]:
         stages.append((lo, min(lo + size, num_layers)))
         lo, size = lo + size, 2 * size
     return stages
+
+
+def _timing_event(stream):
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 @dataclass
@@ -87,9 +94,21 @@ class LayerwiseLoad:
         self._side_stream = stream
         self._stream = None
         self._events: list = []
+        # CUDA timing (device time, read in finish()): the writes' span, and each stall of the
+        # compute stream on a stage's event.
+        self._span: tuple | None = None
+        self._stalls: list[tuple] = []
+        self._last_waited = None
 
     # ---- the three modes ----------------------------------------------------------------
     def start(self) -> None:
+        if not self.pipelined and self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            first = _timing_event(stream)
+            for w in self.writes:
+                self._write(w, w.first_layer, len(w.kv))
+            self._span = (first, _timing_event(stream))
+            return
         if not self.pipelined:
             t0 = time.perf_counter()
             for w in self.writes:
@@ -126,14 +145,15 @@ class LayerwiseLoad:
         self._stream = self._side_stream or torch.cuda.Stream(device=self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
+            start = _timing_event(self._stream)
             for lo, hi in load_stages(self.num_layers):
                 for w in self.writes:
                     first = max(lo, w.first_layer)
                     if first < hi:
                         self._write(w, first, hi - first)
-                event = torch.cuda.Event()
-                event.record(self._stream)
+                event = _timing_event(self._stream)
                 self._events.extend([event] * (hi - lo))
+            self._span = (start, event)
 
     def _write(self, w: ChunkWrite, layer: int, count: int) -> None:
         """Layers ``layer .. layer + count`` of ``w`` into the pool."""
@@ -151,7 +171,13 @@ class LayerwiseLoad:
         if not self.pipelined:
             return
         if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._events[layer])
+            event = self._events[layer]
+            if event is not self._last_waited:  # a stage's first layer: time the stall
+                stream = torch.cuda.current_stream(self.device)
+                before = _timing_event(stream)
+                stream.wait_event(event)
+                self._stalls.append((before, _timing_event(stream)))
+                self._last_waited = event
             return
         event = self._ready[layer]
         if not event.is_set():
@@ -175,8 +201,26 @@ class LayerwiseLoad:
                     if t.device == self.device:
                         t.record_stream(self._stream)
             self._stream = None
+        if self._span is not None:
+            self._device_times()
+
+    def _device_times(self) -> None:
+        """CUDA: ``busy`` = device seconds from the first write to the last, ``waited`` = the
+        compute stream's stalls on them; each write is given a share of ``busy`` by bytes.
+        Waits for those events (the last stall is at the last stage's first layer), not for
+        the end of the forward."""
+        first, last = self._span
+        self._span = None
+        last.synchronize()
+        self.busy = first.elapsed_time(last) / 1e3
+        if self._stalls:
+            self._stalls[-1][1].synchronize()
+            self.waited = sum(b.elapsed_time(a) for b, a in self._stalls) / 1e3
+        total = sum(w.nbytes for w in self.writes) or 1
+        for w in self.writes:
+            w.seconds += self.busy * w.nbytes / total
 
     @property
     def hidden(self) -> float:
-        """Seconds of writing that overlapped compute (CPU modes)."""
+        """Seconds of writing that overlapped compute."""
         return max(0.0, self.busy - self.waited) if self.pipelined else 0.0

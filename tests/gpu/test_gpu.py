@@ -115,6 +115,10 @@ def test_pipelined_loading_on_cuda_equals_serial(tiny_llama_dir, tmp_path, backe
         assert out.blend_stats.chunks_hit == len(BLEND_DOCS)
         pool = torch.stack(llm.engine.runner.kv_caches).cpu()
         runs.append((pool, out.extra["prompt_logits"]))
+        stats = out.blend_stats  # device time from CUDA events
+        assert stats.write_seconds > 0
+        assert 0.0 <= stats.load_hidden_seconds <= stats.write_seconds
+        assert pipelined or stats.load_hidden_seconds == 0.0
         llm.close()
     (pool0, logits0), (pool1, logits1), (pool2, logits2) = runs
     assert torch.equal(pool1, pool0) and torch.equal(logits1, logits0), "not deterministic"
