@@ -252,7 +252,8 @@ class AttentionBackend(ABC):
     def read_kv(
         self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V held at ``slot_mapping``: [num_tokens, kv_heads, head_dim] each."""
+        """K and V held at ``slot_mapping``: [num_tokens, kv_heads, head_dim] each, new tensors
+        (copies, not views of the pool: the caller may write them)."""
 
     @abstractmethod
     def copy_blocks(self, kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:

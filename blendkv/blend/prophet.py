@@ -53,19 +53,22 @@ class QueryScorePlan(RowPlan):
             bs = md.block_size
             slots = table[key_positions // bs] * bs + key_positions % bs
             query = torch.nonzero(is_query).flatten().to(dev)
-            self._seqs.append((sb, slice(lo, hi), md.positions[lo:hi], query, key_positions, slots))
+            # keys 0 .. the first query row's position are seen by every query row: unmasked
+            visible = int(positions_cpu[lo:hi][is_query].min()) + 1
+            self._seqs.append(
+                (sb, slice(lo, hi), md.positions[lo:hi], query, key_positions, slots, visible)
+            )
 
     def selects_at(self, layer_idx: int) -> bool:
         return True
 
     def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
-        for sb, rows, positions, query, key_positions, slots in self._seqs:
-            keys, _ = self.backend.read_kv(kv_cache, slots)  # reused K; these rows' are stale
+        for sb, rows, positions, query, key_positions, slots, visible in self._seqs:
+            keys, _ = self.backend.read_kv(kv_cache, slots)  # reused K (a copy); these rows' stale
             qr, kr = attn.rotary_emb.apply_rotary(positions, q[rows], k[rows])
-            keys = keys.clone()
             keys[positions] = kr.to(keys.dtype)
             sb.query_scores += query_attention_mass(
-                qr[query], keys, positions[query], key_positions
+                qr[query], keys, positions[query], key_positions, visible
             )
         return None
 

@@ -66,18 +66,27 @@ def _attention_scores(x: SelectionInputs) -> torch.Tensor:
 
 
 def query_attention_mass(
-    q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    visible_prefix: int = 0,
 ) -> torch.Tensor:
     """q [Q, H, D] and k [S, Hkv, D] (RoPE applied) -> [S]: the softmax attention each key
-    gets, summed over the query rows and heads (a row sees keys at positions <= its own)."""
+    gets, summed over the query rows and heads (a row sees keys at positions <= its own).
+
+    ``visible_prefix``: how many leading keys every query row sees (the caller knows it without
+    a device sync); only the keys after them are masked."""
     num_q, num_heads, dim = q.shape
     num_kv = k.shape[1]
-    # Query heads grouped by the KV head they share (GQA): no copy of K per query head.
-    q = q.float().reshape(num_q, num_kv, num_heads // num_kv, dim)
-    logits = torch.einsum("qhgd,shd->hgqs", q, k.float()) * dim**-0.5
-    visible = k_positions[None, :] <= q_positions[:, None]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    return logits.softmax(dim=-1).sum(dim=(0, 1, 2))  # [S]
+    group = num_heads // num_kv
+    # Query heads grouped by the KV head they share (GQA: no copy of K per query head), rows
+    # g-major: [Hkv, G * Q, D] @ [Hkv, D, S], one batched GEMM.
+    qg = (q.float() * dim**-0.5).view(num_q, num_kv, group, dim).permute(1, 2, 0, 3)
+    logits = torch.bmm(qg.reshape(num_kv, group * num_q, dim), k.float().permute(1, 2, 0))
+    hidden = k_positions[None, visible_prefix:] > q_positions[:, None]  # [Q, S - prefix]
+    logits[:, :, visible_prefix:].masked_fill_(hidden.repeat(group, 1), float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=(0, 1))  # [S]
 
 
 def top_rows(scores: torch.Tensor, count: int, forced: torch.Tensor | None = None) -> torch.Tensor:

@@ -356,3 +356,22 @@ def test_key_row_layers_price_rows_by_their_positions(llm, plans):
     all_keys = n * (n + 1) // 2  # positions 0..n-1, no prefix hit
     assert plan.key_row_layers(NUM_LAYERS) == all_keys + kept_keys * (NUM_LAYERS - 1)
     assert plan.row_layers(NUM_LAYERS) == n + len(plan.positions) * (NUM_LAYERS - 1)
+
+
+@pytest.mark.parametrize("visible_prefix", [0, 1, 17, 20])
+def test_query_attention_mass_equals_a_dense_softmax(visible_prefix):
+    """GQA (6 query heads on 2 KV heads), query rows at the end: per head and row a plain
+    masked softmax over the keys, summed; masking only after ``visible_prefix`` keys (all of
+    which every row sees) changes nothing."""
+    torch.manual_seed(1)
+    q, k = torch.randn(4, 6, 16), torch.randn(24, 2, 16)
+    q_pos = torch.tensor([20, 21, 22, 23])
+    want = torch.zeros(24, dtype=torch.float64)
+    for row in range(4):
+        for head in range(6):
+            logits = k[:, head // 3].double() @ q[row, head].double() / 4.0
+            logits[torch.arange(24) > q_pos[row]] = float("-inf")
+            want += logits.softmax(0)
+    got = query_attention_mass(q, k, q_pos, torch.arange(24), visible_prefix)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert got[21:].tolist() != [0.0] * 3 and got[23] > 0  # the tail is seen by later rows
