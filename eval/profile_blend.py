@@ -10,7 +10,8 @@ writes behind it).
 
 The **compute floor** of a request is what its recompute would cost at full prefill's speed:
 ``full TTFT x computed row-layers / all row-layers`` (the row plan counts the row-layers it
-computed); ``floor fraction = floor / blend TTFT`` says how close blending gets to it.
+computed, ProphetKV's query pass included: its rows run every layer too);
+``floor fraction = floor / blend TTFT`` says how close blending gets to it.
 
 That floor prices every row alike, but causal attention costs a row at position p in
 proportion to its p + 1 keys, and the rows a blend recomputes (the query, high-deviation

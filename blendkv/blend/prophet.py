@@ -41,6 +41,7 @@ class QueryScorePlan(RowPlan):
         self._seqs = []  # (seq blend, its rows, their positions, query rows, key positions, slots)
         starts = md.query_start_loc_cpu
         positions_cpu = md.positions.cpu()  # the pass's one host sync
+        self.positions_cpu = positions_cpu
         for sb in blends:
             seq_len = md.seq_lens_cpu[sb.index]
             sb.query_scores = torch.zeros(seq_len, dtype=torch.float32, device=dev)
@@ -95,6 +96,11 @@ def run_query_pass(
     ids = input_ids[keep.to(input_ids.device)]
     model(ids, sub.positions, kv_caches, sub, row_plan=plan, hooks=hooks, kv_only=True)
     plan.finish()
+    # The pass's work, counted with the fused forward's (stats, profile floors, controller):
+    # its rows at every layer, each attending to (scored over) its position + 1 keys.
     num_layers = len(kv_caches)
     for sb in prophets:
-        sb.extra_row_layers = float(int((~sb.reused).sum()) * num_layers)
+        lo, hi = sub.query_start_loc_cpu[sb.index], sub.query_start_loc_cpu[sb.index + 1]
+        keys = int(plan.positions_cpu[lo:hi].sum()) + hi - lo
+        sb.extra_row_layers = float((hi - lo) * num_layers)
+        sb.extra_key_row_layers = keys * num_layers

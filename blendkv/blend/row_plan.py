@@ -53,6 +53,7 @@ class SeqBlend:
     # prophet: attention mass the query rows paid each position (indexed by absolute position)
     query_scores: torch.Tensor | None = None
     extra_row_layers: float = 0.0  # row-layers run for this seq before the fused forward
+    extra_key_row_layers: int = 0  # and the (row, key) pairs x layers they attended to
     _events: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, in, kept)
 
 
@@ -223,13 +224,17 @@ class BlendRowPlan(RowPlan):
         return rec_d, recomputed, kept_rows
 
     def row_layers(self, num_layers: int) -> int:
-        """Rows x layers this forward computed (so far): the work the controller times."""
-        return _layers_sum(self._row_counts, num_layers)
+        """Rows x layers this forward computed (so far), ProphetKV's query pass before it
+        included: the work the controller times."""
+        extra = sum(int(sb.extra_row_layers) for sb in self.blends)
+        return _layers_sum(self._row_counts, num_layers) + extra
 
     def key_row_layers(self, num_layers: int) -> int:
-        """(Query row, key) pairs x layers of causal attention this forward computed (so far):
-        a row at position p attends to p + 1 keys, so late rows cost more than early ones."""
-        return _layers_sum(self._key_counts, num_layers)
+        """(Query row, key) pairs x layers of causal attention this forward computed (so far),
+        the query pass included: a row at position p attends to p + 1 keys, so late rows cost
+        more than early ones."""
+        extra = sum(sb.extra_key_row_layers for sb in self.blends)
+        return _layers_sum(self._key_counts, num_layers) + extra
 
     def _record(self) -> None:
         """Rows computed through the last layer so far, per blended sequence (final after the

@@ -375,3 +375,20 @@ def test_query_attention_mass_equals_a_dense_softmax(visible_prefix):
     got = query_attention_mass(q, k, q_pos, torch.arange(24), visible_prefix)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert got[21:].tolist() != [0.0] * 3 and got[23] > 0  # the tail is seen by later rows
+
+
+def test_row_layers_count_the_prophet_query_pass(llm, plans):
+    """ProphetKV: the rows of its query pass (those without reused K/V) ran every layer before
+    the fused forward, each over its position + 1 keys; the plan's counts include them (the
+    profile's floors and the loading controller's compute rate use these counts)."""
+    prompt_logits(llm, PROMPT, BlendConfig(recompute_ratio=0.3, selection="prophet"))
+    plan = plans[-1]
+    sb = plan.blends[0]
+    others = torch.nonzero(~sb.reused).flatten()  # rows of this seq = positions (no prefix hit)
+    assert sb.extra_row_layers == len(others) * NUM_LAYERS
+    assert sb.extra_key_row_layers == int((others + 1).sum()) * NUM_LAYERS
+    from blendkv.blend.row_plan import _layers_sum
+
+    fused_keys = _layers_sum(plan._key_counts, NUM_LAYERS)
+    assert plan.key_row_layers(NUM_LAYERS) == fused_keys + sb.extra_key_row_layers
+    assert plan.row_layers(NUM_LAYERS) > sb.extra_row_layers > 0
