@@ -69,6 +69,10 @@ class EngineConfig:
     # for ``rows`` rows (blendkv.layers.linear; one more copy of the weights in memory).
     # None = 32 where MKL's packed sgemm runs (float32 on the CPU), else off; 0 = off.
     packed_gemm_rows: int | None = None
+    # CPU, torch attention backend, float32: attend all decode rows of a step with one kernel
+    # per layer compiled by torch.compile (blendkv.kernels.compiled_decode) instead of a flash
+    # call per row. Needs a C++ compiler; the first decode step compiles (~20 s, then cached).
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

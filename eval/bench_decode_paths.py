@@ -1,6 +1,6 @@
 """A/B of CPU decode step variants in one process, alternating step by step.
 
-    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm] [--threads 2]
+    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm|compiled] [--threads 2]
         [--rounds 30] [--num-requests 32]
 
 The requests of ``blendkv bench decode`` (prompts of 64-512 random tokens) are prefilled, then
@@ -9,6 +9,8 @@ decode steps alternate between two variants, on the same requests:
 - ``--compare attention`` (default): ``in place`` (decode rows whose blocks lie in at most 4
   runs of consecutive ids attend slices of the pool) against ``gather`` (every decode row's
   blocks are gathered, the path before it; set by capping the runs at 0).
+- ``--compare compiled``: ``compiled`` (every decode row of a step in one compiled kernel per
+  layer, ``EngineConfig.compile_decode``; the warm-up step compiles it) against ``in place``.
 - ``--compare gemm``: ``packed`` (weights packed for 32-row GEMMs, ``blendkv.layers.linear``)
   against ``F.linear`` (packing switched off on every linear map).
 
@@ -22,6 +24,7 @@ against transformers' by ``blendkv bench decode``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from blendkv.eval.bench_engine import make_prompts
 
     p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_decode_paths")
-    p.add_argument("--compare", choices=("attention", "gemm"), default="attention")
+    p.add_argument("--compare", choices=("attention", "gemm", "compiled"), default="attention")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--num-requests", type=int, default=32)
@@ -53,7 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         ):
             engine.step()  # prefill every request
         runs = [_num_runs(s.block_table) for s in sched.running]
-        if args.compare == "attention":
+        if args.compare == "compiled":
+            from blendkv.kernels.compiled_decode import CompiledDecode
+
+            backend, compiled = engine.attn_backend, CompiledDecode()
+            variants = {
+                "compiled": lambda: setattr(backend, "compiled_decode", compiled),
+                "in place": lambda: setattr(backend, "compiled_decode", None),
+            }
+        elif args.compare == "attention":
             variants = {
                 "in place": lambda: setattr(paged_decode, "MAX_RUNS", default_runs),
                 "gather": lambda: setattr(paged_decode, "MAX_RUNS", 0),
@@ -88,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, ts in times.items():
         median, best = statistics.median(ts) * 1e3, min(ts) * 1e3
         print(f"{name:9s} step median {median:7.1f} ms  best {best:7.1f} ms")
+        if os.environ.get("BENCH_STEPS"):
+            print("   ", [round(t * 1e3) for t in ts])
     a, b = times
     ratio = statistics.median(times[a]) / statistics.median(times[b])
     print(f"{a} / {b} (medians): {ratio:.3f}x")

@@ -21,6 +21,7 @@ from blendkv.kernels.attention import (
     StepPlanMemo,
     split_by_kind,
 )
+from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, plan_dense_decode
 from blendkv.kernels.paged_decode import DecodePlan, block_runs, decode_attention, plan_decode
 from blendkv.kernels.split_attention import RowGroup, plan_row_groups, split_masked_attention
 from blendkv.kernels.split_attention import available as split_available
@@ -139,6 +140,14 @@ class TorchAttentionBackend(AttentionBackend):
         self._step_plans = StepPlanMemo()  # (metadata, pool blocks) -> _StepPlan
         self._split_rows = split_available(self.device)  # scattered rows: split attention
         self.prefers_block_runs = self._split_rows  # the CPU path reads runs as slices
+        self.compiled_decode: CompiledDecode | None = None  # enable_compiled_decode()
+
+    def enable_compiled_decode(self) -> None:
+        """Decode rows through one compiled kernel per layer (:mod:`compiled_decode`): CPU
+        and float32 pools only (the engine checks both)."""
+        if self.device.type != "cpu":
+            raise ValueError(f"compiled decode attention runs on the CPU, not {self.device}")
+        self.compiled_decode = CompiledDecode()
 
     def step_plans(self, md: AttentionMetadata) -> list:
         return self._step_plans.plans_for(md)
@@ -277,6 +286,8 @@ class TorchAttentionBackend(AttentionBackend):
                 )
         if plan.decode is not None:
             decode_attention(q, kv_cache, plan.decode, out, scale)
+        if plan.dense_decode is not None:
+            self.compiled_decode(q, kv_cache, plan.dense_decode, out, scale)
         return out
 
     def _build_plan(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepPlan:
@@ -293,8 +304,12 @@ class TorchAttentionBackend(AttentionBackend):
         if self._split_rows:
             runs = [block_runs(md, i, cache_shape[2]) for i in other]
             slots = [r[0][0] if len(r) == 1 else None for r in runs]
-        decode_plan = plan_decode(md, decode, cache_shape, self._split_rows) if decode else None
-        return _StepPlan(fresh, other, row_groups, decode_plan, slots)
+        decode_plan = dense = None
+        if decode and self.compiled_decode is not None:
+            dense = plan_dense_decode(md, decode, cache_shape[2])
+        elif decode:
+            decode_plan = plan_decode(md, decode, cache_shape, self._split_rows)
+        return _StepPlan(fresh, other, row_groups, decode_plan, slots, dense)
 
 
 @dataclass(frozen=True)
@@ -308,3 +323,4 @@ class _StepPlan:
     # per other seq: its first pool slot when its context is one run of consecutive blocks
     # (read as a slice, not gathered; CPU), else None
     other_slots: list[int | None]
+    dense_decode: DenseDecode | None = None  # decode rows when compiled decode is on

@@ -100,6 +100,8 @@ class LLMEngine:
             raise ConfigError(str(exc)) from exc
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
         self.packed_gemm_rows = self._enable_packed_gemm(config.packed_gemm_rows)
+        if config.compile_decode:
+            self._enable_compiled_decode()
         self.hf_config = self.model.config
         self.info = self._runtime_info()
         self.kv_connector = create_kv_connector(
@@ -177,6 +179,16 @@ class LLMEngine:
         if rows:
             enable_packed_gemm(self.model, rows)
         return rows
+
+    def _enable_compiled_decode(self) -> None:
+        if self.attn_backend.name != "torch" or self.device != "cpu":
+            raise ConfigError(
+                "compile_decode needs the torch attention backend on the CPU "
+                f"(got {self.attn_backend.name} on {self.device})"
+            )
+        if self.torch_dtype != torch.float32:
+            raise ConfigError(f"compile_decode needs dtype float32, got {self.dtype}")
+        self.attn_backend.enable_compiled_decode()
 
     def _runtime_info(self) -> RuntimeInfo:
         cfg, conf = self.hf_config, self.config

@@ -64,3 +64,13 @@ def test_the_store_fingerprint_records_the_resolved_dtype(tiny_llama_dir):
     assert llm.engine.info.dtype in ("float32", "bfloat16")
     assert llm.blend_manager().fingerprint.dtype == llm.engine.info.dtype
     llm.close()
+
+
+def test_compile_decode_needs_the_torch_backend_on_the_cpu_in_float32(tiny_llama_dir, monkeypatch):
+    from blendkv import LLM
+
+    with pytest.raises(ConfigError, match="compile_decode needs dtype float32"):
+        LLM(str(tiny_llama_dir), compile_decode=True, dtype="bfloat16")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ConfigError, match="torch attention backend on the CPU"):
+        LLM(str(tiny_llama_dir), compile_decode=True, attention_backend="triton", device="cpu")

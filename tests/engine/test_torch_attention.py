@@ -178,9 +178,11 @@ def test_paged_backend_mixed_step(layout):
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), ref, atol=1e-5, rtol=0)
 
 
-def test_paged_backend_many_decodes_with_a_prefill():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_paged_backend_many_decodes_with_a_prefill(compiled):
     """19 decode rows of mixed context lengths (three SDPA groups, rows out of length order)
-    around a fresh prefill; the step plan is built by the first layer and reused by the next."""
+    around a fresh prefill; the step plan is built by the first layer and reused by the next.
+    ``compiled``: the decode rows go through the compiled kernel (one call for all of them)."""
     gen = torch.Generator().manual_seed(3)
     bs, hq, hkv, d = 4, 6, 2, 16
     lens = [int(x) for x in torch.randint(1, 80, (19,), generator=gen)]
@@ -225,8 +227,14 @@ def test_paged_backend_many_decodes_with_a_prefill():
     k_new = torch.cat([full[i][0][queries[i]] for i in range(len(lens))])
     v_new = torch.cat([full[i][1][queries[i]] for i in range(len(lens))])
     backend = TorchAttentionBackend()
+    if compiled:
+        backend.enable_compiled_decode()
     for _layer in range(2):
         out = backend.forward(q, k_new, v_new, cache, md, 0.25)
+        plan = backend._step_plans.get(md, cache.shape[1], None)
+        assert (plan.dense_decode is not None) == compiled and (plan.decode is None) == compiled
+        if compiled:
+            assert backend.compiled_decode.failed is None
         for i in range(len(lens)):
             ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
             got = out[starts[i] : starts[i + 1]].double()
@@ -314,3 +322,28 @@ def test_rotated_load_in_place_writes_the_reference_bits(dtype):
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
     assert actual[0].abs().sum() == 0 and actual[2].abs().sum() > 0  # layers 1.. only
+
+
+def test_dense_decode_attention_equals_the_oracle():
+    """The compiled path's function, eager: rows padded to the longest context, keys read
+    through slots (two rows share blocks), GQA 3:1; padding slots point at other rows' keys
+    and must not count."""
+    from blendkv.kernels.compiled_decode import dense_decode_attention
+
+    gen = torch.Generator().manual_seed(7)
+    hkv, g, d = 2, 3, 16
+    pool_k, pool_v = torch.randn(2, 200, hkv, d, generator=gen)
+    lens = [1, 37, 90, 12]
+    slot_lists = [[5], list(range(100, 137)), list(range(10, 100)), list(range(100, 112))]
+    slots = torch.zeros(4, 90, dtype=torch.long)
+    for i, sl in enumerate(slot_lists):
+        slots[i, : len(sl)] = torch.tensor(sl)
+        slots[i, len(sl) :] = torch.randint(0, 200, (90 - len(sl),), generator=gen)
+    q = torch.randn(4, hkv, g, d, generator=gen)
+    out = dense_decode_attention(q, pool_k, pool_v, slots, torch.tensor(lens), 0.25)
+    for i, sl in enumerate(slot_lists):
+        idx = torch.tensor(sl)
+        ref = dense_reference(
+            q[i].reshape(1, hkv * g, d), pool_k[idx], pool_v[idx], torch.tensor([len(sl) - 1]), 0.25
+        )
+        torch.testing.assert_close(out[i].reshape(1, hkv * g, d).double(), ref, atol=1e-5, rtol=0)
