@@ -44,6 +44,8 @@ class DecodeBenchResult:
     llama_cpp_decode_tok_s: float | None
     llama_cpp_first_token_agreement: float | None
     llama_cpp_note: str
+    cpu_gemm: str = "mkl"  # the engine's resolved EngineConfig.cpu_gemm
+    compile_decode: bool = False
 
 
 def blendkv_run(llm, prompts, output_tokens):
@@ -137,7 +139,15 @@ def run(args) -> DecodeBenchResult:
     from blendkv import LLM
 
     n, out_tokens = args.num_requests, args.output_tokens
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(64, n), enable_prefix_caching=False)
+    compile_decode = getattr(args, "compile_decode", False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(64, n),
+        enable_prefix_caching=False,
+        cpu_gemm=getattr(args, "cpu_gemm", "auto"),
+        compile_decode=compile_decode,
+    )
     threads = torch.get_num_threads()
     tok = llm.tokenizer
     prompts = make_prompts(n, llm.engine.info.vocab_size, set(tok.all_special_ids))
@@ -146,7 +156,7 @@ def run(args) -> DecodeBenchResult:
     )
     hf.generation_config.eos_token_id = None
     hf.eval()
-    blendkv_run(llm, prompts[:2], 4)  # warm-up
+    blendkv_run(llm, prompts[:2], 4)  # warm-up (packs the weights, compiles decode)
     ours, ours_s, ours_decode_s, ours_decode_tokens = blendkv_run(llm, prompts, out_tokens)
     with torch.inference_mode():
         ref, hf_s, hf_decode_s = hf_run(hf, prompts, out_tokens)
@@ -178,13 +188,17 @@ def run(args) -> DecodeBenchResult:
         if firsts is None
         else statistics.fmean(a == b[0] for a, b in zip(firsts, ours, strict=False)),
         llama_cpp_note=note,
+        cpu_gemm=llm.engine.cpu_gemm,
+        compile_decode=compile_decode,
     )
 
 
 def print_result(r: DecodeBenchResult) -> None:
     print(
         f"{r.num_requests} greedy requests x {r.output_tokens} tokens, {r.dtype}, "
-        f"{r.threads} threads; blendkv matches transformers on {r.match_requests}/"
+        f"{r.threads} threads, GEMMs {r.cpu_gemm}"
+        f"{', compiled decode attention' if r.compile_decode else ''}; "
+        f"blendkv matches transformers on {r.match_requests}/"
         f"{r.num_requests} requests"
     )
     print(f"{'':34} {'end to end tok/s':>17} {'decode tok/s':>13}")

@@ -1,7 +1,7 @@
 """A/B of CPU decode step variants in one process, alternating step by step.
 
-    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm|compiled] [--threads 2]
-        [--rounds 30] [--num-requests 32]
+    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm|onednn|compiled]
+        [--threads 2] [--rounds 30] [--num-requests 32]
 
 The requests of ``blendkv bench decode`` (prompts of 64-512 random tokens) are prefilled, then
 decode steps alternate between two variants, on the same requests:
@@ -11,6 +11,8 @@ decode steps alternate between two variants, on the same requests:
   blocks are gathered, the path before it; set by capping the runs at 0).
 - ``--compare compiled``: ``compiled`` (every decode row of a step in one compiled kernel per
   layer, ``EngineConfig.compile_decode``; the warm-up step compiles it) against ``in place``.
+- ``--compare onednn``: ``onednn`` (every GEMM on weights packed for oneDNN,
+  ``EngineConfig.cpu_gemm="onednn"``) against ``mkl`` (MKL, weights packed for 32 rows).
 - ``--compare gemm``: ``packed`` (weights packed for 32-row GEMMs, ``blendkv.layers.linear``)
   against ``F.linear`` (packing switched off on every linear map).
 
@@ -35,13 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     from blendkv.eval.bench_engine import make_prompts
 
     p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_decode_paths")
-    p.add_argument("--compare", choices=("attention", "gemm", "compiled"), default="attention")
+    p.add_argument(
+        "--compare", choices=("attention", "gemm", "onednn", "compiled"), default="attention"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--model", default=None)
     args = p.parse_args(argv)
-    llm = LLM(args.model, dtype="float32", num_threads=args.threads, device="cpu")
+    gemm = "mkl" if args.compare == "gemm" else "auto"
+    llm = LLM(args.model, dtype="float32", num_threads=args.threads, device="cpu", cpu_gemm=gemm)
     engine = llm.engine
     default_runs = paged_decode.MAX_RUNS
     try:
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 "in place": lambda: setattr(paged_decode, "MAX_RUNS", default_runs),
                 "gather": lambda: setattr(paged_decode, "MAX_RUNS", 0),
             }
-        else:
+        elif args.compare == "gemm":
             from blendkv.layers.linear import small_batch_gemms
 
             gemms, rows = small_batch_gemms(engine.model), engine.packed_gemm_rows
@@ -78,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                 "packed": lambda: [setattr(g, "rows", rows) for g in gemms],
                 "F.linear": lambda: [setattr(g, "rows", 0) for g in gemms],
             }
-            assert engine.packed_gemm_rows, "packed GEMMs are off here (not float32 with MKL)"
+            assert engine.packed_gemm_rows, "packed GEMMs are off here (use --cpu-gemm mkl)"
+        else:  # onednn
+            variants = _gemm_library_variants(engine)
         for switch in variants.values():  # warm-up (packs the weights), untimed
             switch()
             engine.step()
@@ -105,6 +112,26 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.median(times[a]) / statistics.median(times[b])
     print(f"{a} / {b} (medians): {ratio:.3f}x")
     return 0
+
+
+def _gemm_library_variants(engine) -> dict:
+    """``onednn`` (every GEMM on oneDNN-packed weights) and ``mkl`` (MKL, packed for 32-row
+    batches): each linear map keeps both packed copies, made at the warm-up step."""
+    from blendkv.layers.linear import small_batch_gemms
+
+    gemms = small_batch_gemms(engine.model)
+    states: dict[str, list] = {"onednn": [None] * len(gemms), "mkl": [None] * len(gemms)}
+    current = [None]
+
+    def switch(name: str) -> None:
+        if current[0] is not None:  # keep what the last variant packed
+            states[current[0]] = [g.packed for g in gemms]
+        for g, packed in zip(gemms, states[name], strict=True):
+            g.rows, g.onednn = (0, True) if name == "onednn" else (32, False)
+            g.packed = packed
+        current[0] = name
+
+    return {"onednn": lambda: switch("onednn"), "mkl": lambda: switch("mkl")}
 
 
 def _num_runs(table: list[int]) -> int:

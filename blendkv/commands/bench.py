@@ -28,6 +28,10 @@ def register(sub) -> None:
         default=4,
         help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
     )
+    d.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "mkl"])
+    d.add_argument(
+        "--compile-decode", action="store_true", help="EngineConfig.compile_decode (CPU)"
+    )
     d.add_argument("--json", default=None)
     d.set_defaults(func=_decode)
     b = bench.add_parser("blend", help="TTFT of full prefill vs blend vs reuse on MuSiQue")

@@ -99,7 +99,14 @@ class LLMEngine:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
-        self.packed_gemm_rows = self._enable_packed_gemm(config.packed_gemm_rows)
+        self.cpu_gemm = self._resolve_cpu_gemm(config.cpu_gemm, config.packed_gemm_rows)
+        if self.cpu_gemm == "onednn":
+            from blendkv.layers.linear import enable_onednn_gemm
+
+            enable_onednn_gemm(self.model)
+            self.packed_gemm_rows = 0
+        else:
+            self.packed_gemm_rows = self._enable_packed_gemm(config.packed_gemm_rows)
         if config.compile_decode:
             self._enable_compiled_decode()
         self.hf_config = self.model.config
@@ -163,6 +170,29 @@ class LLMEngine:
         self.kv_connector.close()
 
     # ------------------------------------------------------------- startup
+    def _resolve_cpu_gemm(self, name: str, packed_rows: int | None) -> str:
+        """``EngineConfig.cpu_gemm`` -> "onednn" or "mkl" ("mkl" also where neither packs:
+        other dtypes and devices run ``F.linear``)."""
+        from blendkv.layers.linear import cpu_vendor, onednn_gemm_available
+
+        available = onednn_gemm_available(self.torch_dtype, self.device)
+        if name == "auto":
+            intel = cpu_vendor() == "GenuineIntel"
+            # packed_gemm_rows given: the caller tunes MKL's packing
+            return "onednn" if available and not intel and packed_rows is None else "mkl"
+        if name == "onednn":
+            if not available:
+                raise ConfigError(
+                    "cpu_gemm='onednn' needs float32 or bfloat16 on a CPU build of torch with "
+                    f"oneDNN (got dtype {self.dtype} on {self.device}); use cpu_gemm='auto'"
+                )
+            if packed_rows:
+                raise ConfigError(
+                    "packed_gemm_rows sets MKL's packed GEMMs; cpu_gemm='onednn' packs every "
+                    "GEMM already (leave packed_gemm_rows unset or use cpu_gemm='mkl')"
+                )
+        return name
+
     def _enable_packed_gemm(self, rows: int | None) -> int:
         """Pack the model's weights for decode-sized GEMMs where MKL's packed sgemm runs
         (``EngineConfig.packed_gemm_rows``); returns the row count, 0 when off."""

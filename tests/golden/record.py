@@ -52,7 +52,13 @@ def main() -> None:
     out.mkdir(exist_ok=True)
 
     if args.embedded:
-        llm = LLM(dtype="float32", block_size=16, num_threads=2, enable_prefix_caching=False)
+        llm = LLM(
+            dtype="float32",
+            block_size=16,
+            num_threads=2,
+            enable_prefix_caching=False,
+            cpu_gemm="mkl",
+        )
         got = capture(llm)
         llm.close()
         data = {k: {"xxh3": digest(v), "shape": list(v.shape)} for k, v in got.items()}
@@ -67,6 +73,7 @@ def main() -> None:
                 block_size=4,
                 num_threads=2,
                 enable_prefix_caching=False,
+                cpu_gemm="mkl",
             )
             got = capture(llm)
             llm.close()

@@ -5,7 +5,9 @@ loops (model forward, blended prefill, chunk precompute) into one. Bits hold onl
 kind (torch 2.13 CPU, 2 threads): MKL rounds differently on Intel and AMD CPUs of the same ISA,
 so each kind has its own folder (:func:`capture.cpu_kind`). On a CPU kind with no set, the tiny
 models are compared with another kind's set within fp32 rounding (1e-4), and the embedded
-model (stored as hashes only) is skipped with the reason.
+model (stored as hashes only) is skipped with the reason. GEMMs run through MKL
+(``cpu_gemm="mkl"``), as when the goldens were recorded; oneDNN's are checked against
+transformers elsewhere.
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ def test_tiny_models_bit_identical(arch, request):
     folder, exact = _golden_dir()
     want = load_file(str(folder / f"tiny_{arch}.safetensors"))
     with LLM(
-        str(path), dtype="float32", block_size=4, num_threads=2, enable_prefix_caching=False
+        str(path),
+        dtype="float32",
+        block_size=4,
+        num_threads=2,
+        enable_prefix_caching=False,
+        cpu_gemm="mkl",
     ) as llm:
         got = capture(llm)
     assert sorted(got) == sorted(want)
@@ -63,7 +70,9 @@ def test_embedded_model_bit_identical():
             "record them with tests/golden/record.py --embedded on a known-good commit"
         )
     want = json.loads((folder / "embedded.json").read_text())
-    with LLM(dtype="float32", block_size=16, num_threads=2, enable_prefix_caching=False) as llm:
+    with LLM(
+        dtype="float32", block_size=16, num_threads=2, enable_prefix_caching=False, cpu_gemm="mkl"
+    ) as llm:
         got = capture(llm)
     assert sorted(got) == sorted(want)
     for name, entry in want.items():

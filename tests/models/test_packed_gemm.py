@@ -1,6 +1,6 @@
-"""Packed small-batch GEMMs (blendkv.layers.linear): same results as ``F.linear``, used only
-for the batch sizes they were packed for, packed lazily, and switched on by the engine only
-where MKL's packed sgemm runs."""
+"""Packed GEMMs (blendkv.layers.linear): same results as ``F.linear``; MKL's used only for the
+batch sizes they were packed for, oneDNN's for every batch; packed lazily, and switched on by
+the engine only where they run (``EngineConfig.cpu_gemm``, ``packed_gemm_rows``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from blendkv.errors import ConfigError
 from blendkv.layers.fused import FusedLinear
 from blendkv.layers.linear import (
     Linear,
+    OneDNNWeight,
     PackedWeight,
     SmallBatchGemm,
+    cpu_vendor,
+    onednn_gemm_available,
     packed_gemm_available,
     small_batch_gemms,
 )
@@ -72,7 +75,7 @@ def test_engine_decodes_through_packed_weights_with_the_same_tokens(tiny_qwen2_d
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     results = {}
     for rows in (0, 16):
-        llm = LLM(str(tiny_qwen2_dir), dtype="float32", packed_gemm_rows=rows)
+        llm = LLM(str(tiny_qwen2_dir), dtype="float32", packed_gemm_rows=rows, cpu_gemm="mkl")
         assert llm.engine.packed_gemm_rows == rows
         results[rows] = llm.generate(prompts, params)
         # decode steps of 10 rows: fused q/k/v (biased), o, fused gate/up and down in each
@@ -89,8 +92,11 @@ def test_engine_decodes_through_packed_weights_with_the_same_tokens(tiny_qwen2_d
 
 
 def test_engine_packs_by_default_on_the_cpu_in_float32_only(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", cpu_gemm="mkl")
     assert llm.engine.packed_gemm_rows == 32
+    llm.close()
+    llm = LLM(str(tiny_llama_dir), dtype="float32", packed_gemm_rows=16)  # MKL's, tuned
+    assert (llm.engine.cpu_gemm, llm.engine.packed_gemm_rows) == ("mkl", 16)
     llm.close()
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16")
     assert llm.engine.packed_gemm_rows == 0
@@ -106,3 +112,82 @@ def test_small_batch_gemm_is_off_until_enabled():
     w, x = torch.randn(8, 4), torch.randn(3, 4)
     assert torch.equal(gemm(x, w, None), F.linear(x, w, None))
     assert gemm.packed is None
+
+
+onednn = pytest.mark.skipif(
+    not onednn_gemm_available(torch.float32, "cpu"), reason="this torch build has no oneDNN"
+)
+
+
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [1, 7, 32, 100])
+def test_onednn_weight_matches_linear_for_any_batch(dtype, bias, m):
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(136, 200, generator=g).to(dtype)
+    b = torch.randn(136, generator=g).to(dtype) if bias else None
+    x = torch.randn(m, 200, generator=g).to(dtype)
+    out = OneDNNWeight(w, b)(x)
+    assert out.shape == (m, 136) and out.dtype == dtype
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # outputs of magnitude ~14: fp32 rounding, or bf16's 8 bits of mantissa on the output
+    atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.01)
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
+
+
+@onednn
+def test_onednn_gemm_packs_lazily_and_serves_every_batch():
+    lin = Linear(64, 48, bias=True)
+    lin.gemm.enable_onednn()
+    assert lin.gemm.packed is None
+    x = torch.randn(70, 64)
+    for m in (1, 9, 70):
+        torch.testing.assert_close(lin(x[:m]), F.linear(x[:m], lin.weight, lin.bias))
+    assert isinstance(lin.gemm.packed, OneDNNWeight)
+    lin.gemm.enable(0)  # back to F.linear, the packed copy dropped
+    assert lin.gemm.packed is None and torch.equal(
+        lin(x[:5]), F.linear(x[:5], lin.weight, lin.bias)
+    )
+
+
+@onednn
+def test_engine_with_onednn_gemms_decodes_the_same_tokens(tiny_qwen2_dir):
+    """Every linear map (the biased fused q/k/v too) through oneDNN, prefill and decode: the
+    same greedy tokens as MKL's, logprobs within fp32 rounding."""
+    prompts = [[3 + i, 40 + 2 * i, 7, 90 + i] for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    results = {}
+    for gemm in ("mkl", "onednn"):
+        llm = LLM(str(tiny_qwen2_dir), dtype="float32", cpu_gemm=gemm)
+        assert llm.engine.cpu_gemm == gemm
+        results[gemm] = llm.generate(prompts, params)
+        if gemm == "onednn":
+            assert llm.engine.packed_gemm_rows == 0
+            assert _modules_packed(llm) == 4 * llm.engine.info.num_layers + 1
+        llm.close()
+    for a, b in zip(results["mkl"], results["onednn"], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            for tok in la:
+                assert la[tok] == pytest.approx(lb[tok], abs=1e-4)
+
+
+@onednn
+def test_cpu_gemm_choice_and_errors(tiny_llama_dir):
+    """auto: oneDNN except on Intel CPUs (where MKL's packed GEMMs were measured); bfloat16
+    packs too; float16 does not run there."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    want = "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
+    assert llm.engine.cpu_gemm == want
+    llm.close()
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", cpu_gemm="onednn")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert _modules_packed(llm) > 0
+    llm.close()
+    with pytest.raises(ConfigError, match="cpu_gemm='onednn' needs float32 or bfloat16"):
+        LLM(str(tiny_llama_dir), dtype="float16", cpu_gemm="onednn")
+    with pytest.raises(ConfigError, match="packed_gemm_rows sets MKL"):
+        LLM(str(tiny_llama_dir), dtype="float32", cpu_gemm="onednn", packed_gemm_rows=32)
+    with pytest.raises(ConfigError, match="cpu_gemm must be one of"):
+        LLM(str(tiny_llama_dir), cpu_gemm="blas")
