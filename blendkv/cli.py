@@ -36,6 +36,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--cpu-gemm",
+        default="auto",
+        choices=["auto", "onednn", "mkl"],
+        help="CPU GEMM library (auto: oneDNN except on Intel CPUs)",
+    )
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="CPU, float32: decode attention through one torch.compile'd kernel per layer "
+        "(the first decode step compiles it, ~20 s)",
+    )
     add_device_args(p)
 
 
@@ -61,6 +73,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "device": args.device,
         "attention_backend": args.attention_backend,
+        "cpu_gemm": args.cpu_gemm,
+        "compile_decode": args.compile_decode,
     }
 
 

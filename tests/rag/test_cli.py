@@ -99,3 +99,17 @@ def test_missing_store_exits_2_without_a_model(tmp_path, capsys):
         timeout=120,
     )
     assert proc.returncode == 2 and "no blendkv store" in proc.stderr
+
+
+def test_engine_options_reach_the_engine_config():
+    """--cpu-gemm and --compile-decode go into every model command's engine kwargs."""
+    from blendkv.cli import build_parser, engine_kwargs
+    from blendkv.config import EngineConfig
+
+    for command in (["generate", "hi"], ["ask", "q", "--store", "s"], ["serve"]):
+        args = build_parser().parse_args([*command, "--cpu-gemm", "onednn", "--compile-decode"])
+        kwargs = engine_kwargs(args)
+        assert kwargs["cpu_gemm"] == "onednn" and kwargs["compile_decode"] is True
+        EngineConfig(**kwargs)  # valid config fields
+        defaults = engine_kwargs(build_parser().parse_args(command))
+        assert defaults["cpu_gemm"] == "auto" and defaults["compile_decode"] is False
