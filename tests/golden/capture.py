@@ -72,6 +72,22 @@ def capture(
     return {k: v.contiguous() for k, v in got.items()}
 
 
+def golden_llm(model: str | None = None):
+    """The engine the goldens are captured with: float32, 2 threads, no prefix cache, MKL's
+    GEMMs (as when they were recorded); blocks of 4 tokens for the tiny models, 16 for the
+    embedded one (``model=None``)."""
+    from blendkv import LLM
+
+    return LLM(
+        model,
+        dtype="float32",
+        block_size=16 if model is None else 4,
+        num_threads=2,
+        enable_prefix_caching=False,
+        cpu_gemm="mkl",
+    )
+
+
 def cpu_kind() -> str:
     """The goldens' key: architecture, CPU vendor and the kernels torch picks for this CPU.
 
@@ -79,13 +95,6 @@ def cpu_kind() -> str:
     build rounds fp32 differently on an Intel and an AMD x86-64 CPU with the same AVX-512."""
     import platform
 
-    vendor = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    vendor = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{platform.machine()}-{vendor}-{torch.backends.cpu.get_cpu_capability()}"
+    from blendkv.layers.linear import cpu_vendor
+
+    return f"{platform.machine()}-{cpu_vendor()}-{torch.backends.cpu.get_cpu_capability()}"

@@ -32,10 +32,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from capture import capture, cpu_kind  # noqa: E402
+from capture import capture, cpu_kind, golden_llm  # noqa: E402
 from helpers import make_tiny_model_dir  # noqa: E402
-
-from blendkv import LLM  # noqa: E402
 
 
 def digest(t: torch.Tensor) -> str:
@@ -52,13 +50,7 @@ def main() -> None:
     out.mkdir(exist_ok=True)
 
     if args.embedded:
-        llm = LLM(
-            dtype="float32",
-            block_size=16,
-            num_threads=2,
-            enable_prefix_caching=False,
-            cpu_gemm="mkl",
-        )
+        llm = golden_llm()
         got = capture(llm)
         llm.close()
         data = {k: {"xxh3": digest(v), "shape": list(v.shape)} for k, v in got.items()}
@@ -67,14 +59,7 @@ def main() -> None:
     for arch in ("llama", "qwen2"):
         with tempfile.TemporaryDirectory() as d:
             path = make_tiny_model_dir(Path(d), arch)
-            llm = LLM(
-                str(path),
-                dtype="float32",
-                block_size=4,
-                num_threads=2,
-                enable_prefix_caching=False,
-                cpu_gemm="mkl",
-            )
+            llm = golden_llm(str(path))
             got = capture(llm)
             llm.close()
         save_file(got, str(out / f"tiny_{arch}.safetensors"))

@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from capture import capture, cpu_kind
+from capture import capture, cpu_kind, golden_llm
 from safetensors.torch import load_file
-
-from blendkv import LLM
 
 HERE = Path(__file__).resolve().parent
 KINDS = sorted(p.name for p in HERE.iterdir() if p.is_dir() and (p / "embedded.json").exists())
@@ -41,14 +39,7 @@ def test_tiny_models_bit_identical(arch, request):
     path = request.getfixturevalue(f"tiny_{arch}_dir")
     folder, exact = _golden_dir()
     want = load_file(str(folder / f"tiny_{arch}.safetensors"))
-    with LLM(
-        str(path),
-        dtype="float32",
-        block_size=4,
-        num_threads=2,
-        enable_prefix_caching=False,
-        cpu_gemm="mkl",
-    ) as llm:
+    with golden_llm(str(path)) as llm:
         got = capture(llm)
     assert sorted(got) == sorted(want)
     for name in want:
@@ -70,9 +61,7 @@ def test_embedded_model_bit_identical():
             "record them with tests/golden/record.py --embedded on a known-good commit"
         )
     want = json.loads((folder / "embedded.json").read_text())
-    with LLM(
-        dtype="float32", block_size=16, num_threads=2, enable_prefix_caching=False, cpu_gemm="mkl"
-    ) as llm:
+    with golden_llm() as llm:
         got = capture(llm)
     assert sorted(got) == sorted(want)
     for name, entry in want.items():
