@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -122,3 +125,13 @@ def reference_full_reuse_logits(hf, manager, plan, contexts=None):
         pos = torch.arange(p.query_start, len(ids))[None]
         out = hf(rest, past_key_values=cache, position_ids=pos, use_cache=True)
     return out.logits[0].float()
+
+
+def has_cpp_compiler() -> bool:
+    """torch.compile on the CPU (inductor) builds C++: without a compiler it cannot run here."""
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
+
+
+needs_cpp_compiler = pytest.mark.skipif(
+    not has_cpp_compiler(), reason="no C++ compiler for torch.compile (inductor) on this machine"
+)

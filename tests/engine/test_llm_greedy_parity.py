@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 import transformers
-from helpers import hf_greedy
+from helpers import hf_greedy, needs_cpp_compiler
 
 from blendkv import LLM, SamplingParams
 
@@ -46,7 +46,13 @@ ENGINE_SETUPS = {
 }
 
 
-@pytest.mark.parametrize("setup", sorted(ENGINE_SETUPS))
+@pytest.mark.parametrize(
+    "setup",
+    [
+        pytest.param(s, marks=needs_cpp_compiler) if s == "compiled-decode" else s
+        for s in sorted(ENGINE_SETUPS)
+    ],
+)
 def test_batch_matches_transformers(model_and_refs, setup):
     path, prompts, refs = model_and_refs
     llm = LLM(str(path), dtype="float32", **ENGINE_SETUPS[setup])

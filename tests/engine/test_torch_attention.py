@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import needs_cpp_compiler
 
 from blendkv.kernels.attention import AttentionMetadata
 from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
@@ -178,7 +179,9 @@ def test_paged_backend_mixed_step(layout):
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=needs_cpp_compiler)], ids=["eager", "compiled"]
+)
 def test_paged_backend_many_decodes_with_a_prefill(compiled):
     """19 decode rows of mixed context lengths (three SDPA groups, rows out of length order)
     around a fresh prefill; the step plan is built by the first layer and reused by the next.
@@ -347,3 +350,33 @@ def test_dense_decode_attention_equals_the_oracle():
             q[i].reshape(1, hkv * g, d), pool_k[idx], pool_v[idx], torch.tensor([len(sl) - 1]), 0.25
         )
         torch.testing.assert_close(out[i].reshape(1, hkv * g, d).double(), ref, atol=1e-5, rtol=0)
+
+
+def test_compiled_decode_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):
+    """No C++ compiler (or an inductor error): the reason is logged once and kept in
+    ``failed``, and every call answers with the eager function's output."""
+    from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, dense_decode_attention
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    gen = torch.Generator().manual_seed(11)
+    bs, hkv, g, d = 4, 2, 3, 16
+    cache = torch.randn(2, 20, bs, hkv, d, generator=gen)
+    q = torch.randn(5, hkv * g, d, generator=gen)  # rows 1 and 3 decode
+    slots = torch.stack([torch.arange(0, 10), torch.arange(40, 50)])
+    plan = DenseDecode(torch.tensor([1, 3]), slots, torch.tensor([10, 7]))
+    decode = CompiledDecode()
+    with caplog.at_level("WARNING", logger="blendkv.kernels.compiled_decode"):
+        for _ in range(2):
+            out = torch.zeros(5, hkv * g, d)
+            decode(q, cache, plan, out, 0.25)
+    assert decode.failed == "RuntimeError: no C++ compiler"
+    assert sum("running it eagerly" in r.message for r in caplog.records) == 1
+    pool = cache.view(2, -1, hkv, d)
+    ref = dense_decode_attention(
+        q[[1, 3]].view(2, hkv, g, d), pool[0], pool[1], slots, plan.lens, 0.25
+    )
+    assert torch.equal(out[[1, 3]], ref.reshape(2, hkv * g, d))
+    assert out[[0, 2, 4]].abs().sum() == 0
