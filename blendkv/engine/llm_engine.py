@@ -17,6 +17,7 @@ import torch
 
 from blendkv.config import EngineConfig
 from blendkv.engine.block_manager import BlockManager
+from blendkv.engine.cpu_speedups import enable_compiled_decode, setup_cpu_gemm
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
 from blendkv.engine.request_state import RequestState
@@ -99,16 +100,11 @@ class LLMEngine:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
-        self.cpu_gemm = self._resolve_cpu_gemm(config.cpu_gemm, config.packed_gemm_rows)
-        if self.cpu_gemm == "onednn":
-            from blendkv.layers.linear import enable_onednn_gemm
-
-            enable_onednn_gemm(self.model)
-            self.packed_gemm_rows = 0
-        else:
-            self.packed_gemm_rows = self._enable_packed_gemm(config.packed_gemm_rows)
+        self.cpu_gemm, self.packed_gemm_rows = setup_cpu_gemm(
+            self.model, config.cpu_gemm, config.packed_gemm_rows, self.torch_dtype, self.device
+        )
         if config.compile_decode:
-            self._enable_compiled_decode()
+            enable_compiled_decode(self.attn_backend, self.torch_dtype, self.device)
         self.hf_config = self.model.config
         self.info = self._runtime_info()
         self.kv_connector = create_kv_connector(
@@ -170,56 +166,6 @@ class LLMEngine:
         self.kv_connector.close()
 
     # ------------------------------------------------------------- startup
-    def _resolve_cpu_gemm(self, name: str, packed_rows: int | None) -> str:
-        """``EngineConfig.cpu_gemm`` -> "onednn" or "mkl" ("mkl" also where neither packs:
-        other dtypes and devices run ``F.linear``)."""
-        from blendkv.layers.linear import cpu_vendor, onednn_gemm_available
-
-        available = onednn_gemm_available(self.torch_dtype, self.device)
-        if name == "auto":
-            intel = cpu_vendor() == "GenuineIntel"
-            # packed_gemm_rows given: the caller tunes MKL's packing
-            return "onednn" if available and not intel and packed_rows is None else "mkl"
-        if name == "onednn":
-            if not available:
-                raise ConfigError(
-                    "cpu_gemm='onednn' needs float32 or bfloat16 on a CPU build of torch with "
-                    f"oneDNN (got dtype {self.dtype} on {self.device}); use cpu_gemm='auto'"
-                )
-            if packed_rows:
-                raise ConfigError(
-                    "packed_gemm_rows sets MKL's packed GEMMs; cpu_gemm='onednn' packs every "
-                    "GEMM already (leave packed_gemm_rows unset or use cpu_gemm='mkl')"
-                )
-        return name
-
-    def _enable_packed_gemm(self, rows: int | None) -> int:
-        """Pack the model's weights for decode-sized GEMMs where MKL's packed sgemm runs
-        (``EngineConfig.packed_gemm_rows``); returns the row count, 0 when off."""
-        from blendkv.layers.linear import enable_packed_gemm, packed_gemm_available
-
-        available = packed_gemm_available(self.torch_dtype, self.device)
-        if rows is None:
-            rows = 32 if available else 0
-        elif rows and not available:
-            raise ConfigError(
-                f"packed_gemm_rows={rows} needs float32 on a CPU build of torch with MKL "
-                f"(got dtype {self.dtype} on {self.device}); use packed_gemm_rows=0 or None"
-            )
-        if rows:
-            enable_packed_gemm(self.model, rows)
-        return rows
-
-    def _enable_compiled_decode(self) -> None:
-        if self.attn_backend.name != "torch" or self.device != "cpu":
-            raise ConfigError(
-                "compile_decode needs the torch attention backend on the CPU "
-                f"(got {self.attn_backend.name} on {self.device})"
-            )
-        if self.torch_dtype != torch.float32:
-            raise ConfigError(f"compile_decode needs dtype float32, got {self.dtype}")
-        self.attn_backend.enable_compiled_decode()
-
     def _runtime_info(self) -> RuntimeInfo:
         cfg, conf = self.hf_config, self.config
         num_blocks = conf.num_kv_blocks or max(

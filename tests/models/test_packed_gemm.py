@@ -191,3 +191,28 @@ def test_cpu_gemm_choice_and_errors(tiny_llama_dir):
         LLM(str(tiny_llama_dir), dtype="float32", cpu_gemm="onednn", packed_gemm_rows=32)
     with pytest.raises(ConfigError, match="cpu_gemm must be one of"):
         LLM(str(tiny_llama_dir), cpu_gemm="blas")
+
+
+@pytest.mark.parametrize(
+    ("vendor", "packed_rows", "dtype", "device", "want"),
+    [
+        ("GenuineIntel", None, torch.float32, "cpu", "mkl"),
+        ("AuthenticAMD", None, torch.float32, "cpu", "onednn"),
+        ("AuthenticAMD", None, torch.bfloat16, "cpu", "onednn"),
+        ("unknown", None, torch.float32, "cpu", "onednn"),
+        ("AuthenticAMD", 16, torch.float32, "cpu", "mkl"),  # MKL's packing tuned by the caller
+        ("AuthenticAMD", None, torch.float16, "cpu", "mkl"),  # neither packs: F.linear
+        ("AuthenticAMD", None, torch.float32, "cuda", "mkl"),
+    ],
+)
+def test_cpu_gemm_auto_picks_by_vendor_dtype_and_device(
+    monkeypatch, vendor, packed_rows, dtype, device, want
+):
+    import blendkv.layers.linear as linear
+    from blendkv.engine.cpu_speedups import resolve_cpu_gemm
+
+    if not torch.backends.mkldnn.is_available() and want == "onednn":
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
+    assert resolve_cpu_gemm("auto", packed_rows, dtype, device) == want
+    assert resolve_cpu_gemm("mkl", packed_rows, dtype, device) == "mkl"

@@ -1,0 +1,86 @@
+"""The engine's CPU speed options, checked and switched on at start-up.
+
+``EngineConfig.cpu_gemm`` / ``packed_gemm_rows`` choose how the model's linear maps run on the
+CPU (oneDNN on weights reordered once, MKL's packed sgemm for decode-sized batches, or plain
+``F.linear``; :mod:`blendkv.layers.linear`), ``compile_decode`` whether decode rows go through
+the compiled attention kernel (:mod:`blendkv.kernels.compiled_decode`). Bad combinations raise
+:class:`~blendkv.errors.ConfigError` before anything is packed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blendkv.errors import ConfigError
+
+
+def setup_cpu_gemm(
+    model, name: str, packed_rows: int | None, dtype: torch.dtype, device: str
+) -> tuple[str, int]:
+    """Resolve ``cpu_gemm`` and switch it on for ``model``; returns ``(library, packed rows)``:
+    ``("onednn", 0)`` or ``("mkl", rows)`` (``"mkl"`` with 0 rows also where neither packs:
+    other dtypes and devices run ``F.linear``)."""
+    from blendkv.layers.linear import enable_onednn_gemm
+
+    library = resolve_cpu_gemm(name, packed_rows, dtype, device)
+    if library == "onednn":
+        enable_onednn_gemm(model)
+        return library, 0
+    return library, enable_packed_gemm_rows(model, packed_rows, dtype, device)
+
+
+def resolve_cpu_gemm(name: str, packed_rows: int | None, dtype: torch.dtype, device: str) -> str:
+    """``EngineConfig.cpu_gemm`` -> "onednn" or "mkl"."""
+    from blendkv.layers.linear import cpu_vendor, onednn_gemm_available
+
+    available = onednn_gemm_available(dtype, device)
+    if name == "auto":
+        intel = cpu_vendor() == "GenuineIntel"
+        # packed_gemm_rows given: the caller tunes MKL's packing
+        return "onednn" if available and not intel and packed_rows is None else "mkl"
+    if name == "onednn":
+        if not available:
+            raise ConfigError(
+                "cpu_gemm='onednn' needs float32 or bfloat16 on a CPU build of torch with "
+                f"oneDNN (got dtype {_name(dtype)} on {device}); use cpu_gemm='auto'"
+            )
+        if packed_rows:
+            raise ConfigError(
+                "packed_gemm_rows sets MKL's packed GEMMs; cpu_gemm='onednn' packs every "
+                "GEMM already (leave packed_gemm_rows unset or use cpu_gemm='mkl')"
+            )
+    return name
+
+
+def enable_packed_gemm_rows(model, rows: int | None, dtype: torch.dtype, device: str) -> int:
+    """Pack the model's weights for decode-sized GEMMs where MKL's packed sgemm runs
+    (``EngineConfig.packed_gemm_rows``); returns the row count, 0 when off."""
+    from blendkv.layers.linear import enable_packed_gemm, packed_gemm_available
+
+    available = packed_gemm_available(dtype, device)
+    if rows is None:
+        rows = 32 if available else 0
+    elif rows and not available:
+        raise ConfigError(
+            f"packed_gemm_rows={rows} needs float32 on a CPU build of torch with MKL "
+            f"(got dtype {_name(dtype)} on {device}); use packed_gemm_rows=0 or None"
+        )
+    if rows:
+        enable_packed_gemm(model, rows)
+    return rows
+
+
+def enable_compiled_decode(attn_backend, dtype: torch.dtype, device: str) -> None:
+    """``EngineConfig.compile_decode``: the torch backend on the CPU, float32 only."""
+    if attn_backend.name != "torch" or device != "cpu":
+        raise ConfigError(
+            "compile_decode needs the torch attention backend on the CPU "
+            f"(got {attn_backend.name} on {device})"
+        )
+    if dtype != torch.float32:
+        raise ConfigError(f"compile_decode needs dtype float32, got {_name(dtype)}")
+    attn_backend.enable_compiled_decode()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
