@@ -1,6 +1,6 @@
 """A/B of CPU decode step variants in one process, alternating step by step.
 
-    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm|onednn|compiled]
+    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm|onednn|compiled|buckets]
         [--threads 2] [--rounds 30] [--num-requests 32]
 
 The requests of ``blendkv bench decode`` (prompts of 64-512 random tokens) are prefilled, then
@@ -11,6 +11,8 @@ decode steps alternate between two variants, on the same requests:
   blocks are gathered, the path before it; set by capping the runs at 0).
 - ``--compare compiled``: ``compiled`` (every decode row of a step in one compiled kernel per
   layer, ``EngineConfig.compile_decode``; the warm-up step compiles it) against ``in place``.
+- ``--compare buckets``: the compiled kernel called once per bucket of similar context lengths
+  (``compiled_decode.length_buckets``, the default) against ``one call`` for every row.
 - ``--compare onednn``: ``onednn`` (every GEMM on weights packed for oneDNN,
   ``EngineConfig.cpu_gemm="onednn"``) against ``mkl`` (MKL, weights packed for 32 rows).
 - ``--compare gemm``: ``packed`` (weights packed for 32-row GEMMs, ``blendkv.layers.linear``)
@@ -38,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_decode_paths")
     p.add_argument(
-        "--compare", choices=("attention", "gemm", "onednn", "compiled"), default="attention"
+        "--compare",
+        choices=("attention", "gemm", "onednn", "compiled", "buckets"),
+        default="attention",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=30)
@@ -49,10 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, dtype="float32", num_threads=args.threads, device="cpu", cpu_gemm=gemm)
     engine = llm.engine
     default_runs = paged_decode.MAX_RUNS
+    import blendkv.kernels.compiled_decode as compiled_decode
+
+    default_buckets = compiled_decode.length_buckets
     try:
         tok = engine.tokenizer
         prompts = make_prompts(args.num_requests, engine.info.vocab_size, set(tok.all_special_ids))
-        params = SamplingParams(temperature=0.0, max_tokens=2 * args.rounds + 4, ignore_eos=True)
+        # Requests prefilled first decode during the later prefills: a margin keeps every
+        # request running to the last timed step.
+        params = SamplingParams(temperature=0.0, max_tokens=2 * args.rounds + 64, ignore_eos=True)
         for prompt in prompts:
             engine.add_request(prompt, params)
         sched = engine.scheduler
@@ -68,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             variants = {
                 "compiled": lambda: setattr(backend, "compiled_decode", compiled),
                 "in place": lambda: setattr(backend, "compiled_decode", None),
+            }
+        elif args.compare == "buckets":
+            import blendkv.kernels.compiled_decode as compiled_decode
+
+            engine.attn_backend.compiled_decode = compiled_decode.CompiledDecode()
+            variants = {
+                "buckets": lambda: setattr(compiled_decode, "length_buckets", default_buckets),
+                "one call": lambda: setattr(compiled_decode, "length_buckets", _one_bucket),
             }
         elif args.compare == "attention":
             variants = {
@@ -98,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.perf_counter() - t0)
     finally:
         paged_decode.MAX_RUNS = default_runs
+        compiled_decode.length_buckets = default_buckets
         llm.close()
     print(
         f"{args.num_requests} decoding requests, {args.threads} threads, {args.rounds} rounds; "
@@ -132,6 +150,10 @@ def _gemm_library_variants(engine) -> dict:
         current[0] = name
 
     return {"onednn": lambda: switch("onednn"), "mkl": lambda: switch("mkl")}
+
+
+def _one_bucket(lens: list[int], **_) -> list[list[int]]:
+    return [list(range(len(lens)))]
 
 
 def _num_runs(table: list[int]) -> int:

@@ -185,7 +185,8 @@ def test_paged_backend_mixed_step(layout):
 def test_paged_backend_many_decodes_with_a_prefill(compiled):
     """19 decode rows of mixed context lengths (three SDPA groups, rows out of length order)
     around a fresh prefill; the step plan is built by the first layer and reused by the next.
-    ``compiled``: the decode rows go through the compiled kernel (one call for all of them)."""
+    ``compiled``: the decode rows go through the compiled kernel (two calls, rows bucketed by
+    context length)."""
     gen = torch.Generator().manual_seed(3)
     bs, hq, hkv, d = 4, 6, 2, 16
     lens = [int(x) for x in torch.randint(1, 80, (19,), generator=gen)]
@@ -235,9 +236,10 @@ def test_paged_backend_many_decodes_with_a_prefill(compiled):
     for _layer in range(2):
         out = backend.forward(q, k_new, v_new, cache, md, 0.25)
         plan = backend._step_plans.get(md, cache.shape[1], None)
-        assert (plan.dense_decode is not None) == compiled and (plan.decode is None) == compiled
+        assert bool(plan.dense_decode) == compiled and (plan.decode is None) == compiled
         if compiled:
             assert backend.compiled_decode.failed is None
+            assert len(plan.dense_decode) == 2  # contexts of 2-24 keys apart from 32-78
         for i in range(len(lens)):
             ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
             got = out[starts[i] : starts[i + 1]].double()
@@ -380,3 +382,21 @@ def test_compiled_decode_falls_back_to_eager_when_compiling_fails(monkeypatch, c
     )
     assert torch.equal(out[[1, 3]], ref.reshape(2, hkv * g, d))
     assert out[[0, 2, 4]].abs().sum() == 0
+
+
+def test_length_buckets_split_only_where_padding_drops():
+    from blendkv.kernels.compiled_decode import length_buckets
+
+    assert length_buckets([100] * 8) == [list(range(8))]  # nothing to save
+    assert length_buckets([5]) == [[0]]
+    # rows out of order; the short bucket holds the short contexts, each bucket sorted
+    assert length_buckets([300, 2, 290, 3, 4]) == [[1, 3, 4], [0, 2]]
+    # a bucket of one row or of one-key contexts would compile the kernel again: not split
+    assert length_buckets([10, 500, 500, 500]) == [[0, 1, 2, 3]]
+    assert length_buckets([1, 1, 500, 500]) == [[0, 1, 2, 3]]
+    # a small saving is not worth a second call
+    assert length_buckets([90, 95, 100, 100]) == [[0, 1, 2, 3]]
+    lens = [96 + (i * 37) % 480 for i in range(32)]
+    buckets = length_buckets(lens)
+    assert len(buckets) == 2 and sorted(buckets[0] + buckets[1]) == list(range(32))
+    assert max(lens[i] for i in buckets[0]) <= min(lens[i] for i in buckets[1])
