@@ -78,7 +78,10 @@ def enable_compiled_decode(attn_backend, dtype: torch.dtype, device: str) -> Non
             f"(got {attn_backend.name} on {device})"
         )
     if dtype != torch.float32:
-        raise ConfigError(f"compile_decode needs dtype float32, got {_name(dtype)}")
+        raise ConfigError(
+            f"compile_decode needs dtype float32, got {_name(dtype)} (dtype='auto' picks "
+            "bfloat16 on CPUs with native bf16): pass dtype='float32' (--dtype float32)"
+        )
     attn_backend.enable_compiled_decode()
 
 
