@@ -9,7 +9,8 @@ process killed mid-write never sees half an entry.
 Reads never copy more than once: values are read through LMDB's memory map (``buffers=True``)
 and copied straight into the destination tensor (:meth:`KVStore.read_into`) or into a fresh
 tensor (:meth:`KVStore.get`). :meth:`KVStore.reader` gives zero-copy views for the length of a
-read transaction.
+read transaction, :meth:`KVStore.snapshot` for the length of an engine step (its loading thread
+reads the views layer by layer while the forward runs; no copy at all).
 
 One process must not open the same store twice at once (LMDB's locks are per process); the
 store refuses it. A ``KVStore`` object may be shared between threads (the engine's background
@@ -24,27 +25,27 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import lmdb
 import torch
 
 from . import format as fmt
-from . import layout, opening, txn_ops
+from . import opening, txn_ops
 from .base import locked
-from .errors import CorruptValueError, StoreError, StoreReadOnlyError
+from .errors import CorruptValueError, StoreError
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
 from .queries import StoreQueries
-from .reader import ZeroCopyReader
+from .reader import ReadSnapshot
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
+from .transactions import StoreTransactions
 
 logger = logging.getLogger(__name__)
 
 
-class KVStore(StoreQueries):
+class KVStore(StoreTransactions, StoreQueries):
     """Chunk K/V values plus metadata, content-addressed, LRU-bounded, fingerprint-checked.
 
     Args:
@@ -93,6 +94,9 @@ class KVStore(StoreQueries):
         self.connection_errors = 0  # always 0 here; a Redis store counts lost connections
         self.lmdb_hits = self.lmdb_misses = 0
         self._pending_touches: OrderedDict[bytes, float] = OrderedDict()
+        self._snapshots: list[ReadSnapshot] = []  # open ones; the map may not grow meanwhile
+        self._no_snapshots = threading.Condition(self._lock)
+        self._deferred_deletes: set[bytes] = set()  # corrupt values seen through a snapshot
         self._env: lmdb.Environment | None = None
         self._reg_key = None
         is_new = opening.check_directory(
@@ -122,6 +126,8 @@ class KVStore(StoreQueries):
 
     @locked
     def close(self) -> None:
+        for snapshot in list(self._snapshots):
+            snapshot.close()
         if self._env is not None:
             if not self.readonly and self._pending_touches:
                 try:
@@ -139,69 +145,6 @@ class KVStore(StoreQueries):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ---- transactions ----------------------------------------------------------------------
-
-    @contextmanager
-    def _read(self) -> Iterator[lmdb.Transaction]:
-        with self._lock:
-            if self._env is None:
-                raise StoreError("store is closed")
-            try:
-                txn = self._env.begin(buffers=True)
-            except lmdb.MapResizedError:
-                self._env.set_mapsize(0)  # another process grew the map: adopt its size
-                txn = self._env.begin(buffers=True)
-            try:
-                yield txn
-            finally:
-                txn.abort()
-
-    @locked
-    def _write(self, fn):
-        """Run ``fn(txn, counters)`` in one write transaction; grow the map and retry when full.
-
-        ``fn`` must only touch the transaction (it may run more than once); the pending LRU
-        touches are flushed in the same transaction.
-        """
-        if self.readonly:
-            raise StoreReadOnlyError(f"store {self.path} is open read-only")
-        if self._env is None:
-            raise StoreError("store is closed")
-        while True:
-            try:
-                with self._env.begin(write=True) as txn:
-                    counters = layout.Counters.read(txn, self._dbs["store"])
-                    self._flush_touches(txn, counters)
-                    result = fn(txn, counters)
-                    counters.write(txn, self._dbs["store"])
-                self._pending_touches.clear()
-                return result
-            except lmdb.MapFullError:
-                new_size = self._env.info()["map_size"] * 2
-                logger.info("LMDB map of %s full; growing to %d bytes", self.path, new_size)
-                self._env.set_mapsize(new_size)
-            except lmdb.MapResizedError:
-                self._env.set_mapsize(0)
-
-    def _flush_touches(self, txn, counters: layout.Counters) -> None:
-        for key, when in self._pending_touches.items():
-            txn_ops.touch(txn, self._dbs, counters, key, when)
-
-    @locked
-    def _record_use(self, key: bytes) -> None:
-        if self.readonly:
-            return
-        self._pending_touches[key] = time.time()
-        self._pending_touches.move_to_end(key)
-        if len(self._pending_touches) >= self.touch_flush_every:
-            self.flush()
-
-    @locked
-    def flush(self) -> None:
-        """Write the batched LRU touches now."""
-        if not self.readonly and self._pending_touches:
-            self._write(lambda txn, counters: None)
 
     # ---- writing ---------------------------------------------------------------------------
 
@@ -380,14 +323,3 @@ class KVStore(StoreQueries):
             return None
         self.lmdb_hits += 1
         return out
-
-    @contextmanager
-    def reader(self) -> Iterator[ZeroCopyReader]:
-        """A read transaction whose :meth:`ZeroCopyReader.view` returns zero-copy tensors.
-
-        The views point into LMDB's read-only memory map: they are valid only inside the
-        ``with`` block and must never be written (writing faults the process).
-        """
-        self._check_servable()
-        with self._read() as txn:
-            yield ZeroCopyReader(self, txn)

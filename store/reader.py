@@ -1,9 +1,35 @@
-"""Zero-copy reads of LMDB values inside one read transaction (:meth:`KVStore.reader`)."""
+"""Zero-copy reads of LMDB values: inside one ``with`` block (:meth:`KVStore.reader`) or for
+the length of an engine step (:meth:`KVStore.snapshot`).
+
+A view is a tensor over LMDB's read-only memory map: valid while its read transaction is open,
+never to be written (writing faults the process). LMDB may not remap (grow the map) while a
+transaction of this process is open, so the store counts its open snapshots and a write that
+must grow the map waits for them to close.
+"""
 
 from __future__ import annotations
 
+import threading
+
 from . import format as fmt
+from .errors import StoreError
 from .records import ChunkKV
+
+
+def _view(store, txn, key: bytes) -> ChunkKV | None:
+    """``key``'s value as a zero-copy tensor (header checked; checksum per ``verify_reads``)."""
+    buf = txn.get(key, db=store._dbs["values"])
+    if buf is None:
+        store.misses += 1
+        store.lmdb_misses += 1
+        return None
+    header = store._checked_header(txn, key, buf)
+    if header is None:
+        return None
+    store.hits += 1
+    store.lmdb_hits += 1
+    tensor = fmt.payload_view(buf).view(header.dtype).view(header.shape)
+    return ChunkKV(key, tensor)
 
 
 class ZeroCopyReader:
@@ -13,16 +39,45 @@ class ZeroCopyReader:
         self._store, self._txn = store, txn
 
     def view(self, key: bytes) -> ChunkKV | None:
+        return _view(self._store, self._txn, key)
+
+
+class ReadSnapshot:
+    """A read transaction held open across threads (py-lmdb opens with ``MDB_NOTLS``), made
+    by :meth:`KVStore.snapshot`: the engine takes one per step, views the step's chunks through
+    it, and its loading thread reads them layer by layer while the forward runs; the snapshot
+    also keeps the viewed values alive if a concurrent write evicts them.
+
+    While it is open the store defers what would write from the viewing thread (LRU touches,
+    deleting a corrupt value) to :meth:`close`. Close it when every view is done with.
+    """
+
+    def __init__(self, store, txn) -> None:
+        self._store, self.txn = store, txn
+        self.owner = threading.get_ident()
+        self.closed = False
+
+    def view(self, key: bytes) -> ChunkKV | None:
+        """The chunk's K/V as a zero-copy, read-only tensor; None on a miss or a corrupt value
+        (counted like :meth:`KVStore.get`)."""
         store = self._store
-        buf = self._txn.get(key, db=store._dbs["values"])
-        if buf is None:
-            store.misses += 1
-            store.lmdb_misses += 1
-            return None
-        header = store._checked_header(self._txn, key, buf)
-        if header is None:
-            return None
-        store.hits += 1
-        store.lmdb_hits += 1
-        tensor = fmt.payload_view(buf).view(header.dtype).view(header.shape)
-        return ChunkKV(key, tensor)
+        with store._lock:
+            if self.closed:
+                raise StoreError("the read snapshot is closed")
+            corrupt_before = store.corrupt
+            chunk = _view(store, self.txn, key)
+            if chunk is None:
+                if store.corrupt != corrupt_before:
+                    store._deferred_deletes.add(key)
+                return None
+            store._record_use(key, flush=False)
+            return chunk
+
+    def close(self) -> None:
+        self._store._close_snapshot(self)
+
+    def __enter__(self) -> ReadSnapshot:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

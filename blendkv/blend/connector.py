@@ -236,6 +236,8 @@ class BlendConnector(KVConnectorBase):
                 self._layer_load.finish()
             except Exception:  # noqa: BLE001  (the forward's own error is the one reported)
                 pass
+        if self._loader is not None:  # after the writes: they may read from the snapshot
+            self._loader.end_step()
         self._step = []
         self._layer_load = None
         self._row_plan = None

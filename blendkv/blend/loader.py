@@ -4,8 +4,13 @@ Per chunk, before the forward: its K/V from the background writer's pending set,
 tier or the store (LMDB / Redis; the loading controller picks the tier when a chunk is in
 several), or, if it is missing, computed now (one forward behind the anchor, used at once and
 handed to the background writer: the step never waits on a disk write). Sources are used in
-place (no copy from the memory tier); rotating K to the fused positions and writing K/V into
-the request's blocks happens layer by layer behind the forward (:mod:`blendkv.blend.layer_load`).
+place: no copy from the memory tier, and on the CPU none from LMDB either (zero-copy views of
+its memory map through one read snapshot per step, :meth:`KVStore.snapshot`; the OS page cache
+is the hot tier there). Reading them, rotating K to the fused positions and writing K/V into the
+request's blocks happens layer by layer behind the forward (:mod:`blendkv.blend.layer_load`);
+before the forward only the value's header is checked (and its checksum on the first read of
+the process, ``verify_reads="once"``). Call :meth:`ChunkLoader.end_step` once the step's
+writes are done.
 With ``recompute_ratio="auto"`` the controller picks the request's ratio here, from the bytes
 it loads per layer. The request's TTFT includes all of it.
 """
@@ -37,6 +42,9 @@ class ChunkLoader:
         self.kv_shape = kv_shape
         self.device = torch.device(device)
         self.controller = controller or LoadingController()
+        self._snapshot = None  # this step's LMDB read snapshot (CPU), opened on first use
+        # Benchmarks switch it off to time copying reads (``store.get``) on the same engine.
+        self.zero_copy_reads = True
 
     def load(
         self, index: int, plan: BlendPlan, start: int, num_new: int, block_table, block_size: int
@@ -129,6 +137,13 @@ class ChunkLoader:
         store = self.manager.store
         tiers = ["memory", store.tier] if key in store.memory_tier else [store.tier]
         tier = self.controller.choose_tier(tiers)
+        viewable = self.device.type == "cpu" and hasattr(store, "snapshot")
+        if self.zero_copy_reads and viewable and tier != "memory":
+            if self._snapshot is None:
+                self._snapshot = store.snapshot()
+            if self._snapshot is not None:
+                chunk = self._snapshot.view(key)
+                return None if chunk is None else (chunk.kv, tier)
         chunk = store.get(key, skip_memory_tier=tier != "memory")
         if chunk is None:
             return None
@@ -136,6 +151,12 @@ class ChunkLoader:
         if self.device.type == "cpu" or kv.is_pinned():
             return kv, tier
         return kv.to(self.device, non_blocking=True), tier
+
+    def end_step(self) -> None:
+        """The step's writes are done: release its read snapshot (views into it die)."""
+        if self._snapshot is not None:
+            self._snapshot.close()
+            self._snapshot = None
 
     def _compute(self, plan: BlendPlan, misses: list[int]) -> dict[int, torch.Tensor]:
         """Compute the missed chunks (one forward each) and hand them to the background writer."""

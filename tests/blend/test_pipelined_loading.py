@@ -49,6 +49,38 @@ def test_pipelined_equals_serial_bit_for_bit(tiny_llama_dir, tmp_path, ratio):
     assert runs[False][2].load_hidden_seconds == 0.0
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_lmdb_chunks_are_viewed_through_a_step_snapshot(tiny_llama_dir, tmp_path, pipelined):
+    """On the CPU, stored chunks are read in place from LMDB's map (the loading thread reads
+    each layer there): the same logits as from memory-tier copies, nothing copied into the
+    memory tier, and the snapshot closed when the step ends."""
+    blend = BlendConfig(recompute_ratio=0.3)
+    llm = make_llm(tiny_llama_dir, tmp_path, pipelined)
+    llm.generate([PROMPT], ONE, blend=blend)  # computes the chunks and writes them back
+    manager = llm.blend_manager()
+    manager.flush()
+    store = manager.store
+    plan = manager.prepare(PROMPT, blend)
+    n = len(plan.prompt.token_ids)
+
+    def run():
+        return llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
+
+    lmdb_hits = store.lmdb_hits
+    from_lmdb = run()
+    assert from_lmdb.blend_stats.chunks_hit == len(DOCS)
+    assert store.lmdb_hits - lmdb_hits == len(DOCS)
+    assert len(store.memory_tier) == 0 and store._snapshots == []
+    for key in plan.chunk_keys:  # get() copies each chunk into the memory tier
+        store.get(key)
+    memory_hits, lmdb_hits = store.memory_tier.hits, store.lmdb_hits
+    from_memory = run()
+    assert store.memory_tier.hits - memory_hits == len(DOCS)
+    assert store.lmdb_hits == lmdb_hits
+    assert torch.equal(from_lmdb.extra["prompt_logits"], from_memory.extra["prompt_logits"])
+    llm.close()
+
+
 def test_a_failing_layer_write_fails_the_step_and_the_engine_recovers(tiny_llama_dir, tmp_path):
     llm = make_llm(tiny_llama_dir, tmp_path, pipelined=True)
     blend = BlendConfig(recompute_ratio=0.3)
