@@ -76,10 +76,12 @@ class EngineConfig:
     # "auto" = oneDNN on CPUs not made by Intel (measured 1.2-4.8x faster than MKL on an AMD
     # EPYC), MKL on Intel's. Either keeps a packed copy of the weights in memory.
     cpu_gemm: str = "auto"
-    # CPU, torch attention backend, float32: attend all decode rows of a step with one kernel
-    # per layer compiled by torch.compile (blendkv.kernels.compiled_decode) instead of a flash
-    # call per row. Needs a C++ compiler; the first decode step compiles (~20 s, then cached).
-    compile_decode: bool = False
+    # CPU, torch attention backend, float32 or bfloat16: attend all decode rows of a step with
+    # one C++ kernel call per layer (blendkv.kernels.compiled_decode) instead of a flash call
+    # per row. Needs a C++ compiler: built for the machine on the first start (~10 s, then
+    # cached); if it can't be built, the log says why and decode runs the flash calls.
+    # None = on wherever it applies; True = on, an error where it cannot apply; False = off.
+    compile_decode: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -91,6 +93,10 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             raise ConfigError(
                 f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.compile_decode not in (None, True, False):
+            raise ConfigError(
+                f"compile_decode must be None, True or False, got {self.compile_decode!r}"
             )
         if not (self.kv_connector is None or isinstance(self.kv_connector, str)):
             if not callable(self.kv_connector):

@@ -45,7 +45,7 @@ class DecodeBenchResult:
     llama_cpp_first_token_agreement: float | None
     llama_cpp_note: str
     cpu_gemm: str = "mkl"  # the engine's resolved EngineConfig.cpu_gemm
-    compile_decode: bool = False
+    compile_decode: bool = False  # whether the C++ decode kernel ran (EngineConfig.compile_decode)
 
 
 def blendkv_run(llm, prompts, output_tokens):
@@ -139,14 +139,13 @@ def run(args) -> DecodeBenchResult:
     from blendkv import LLM
 
     n, out_tokens = args.num_requests, args.output_tokens
-    compile_decode = getattr(args, "compile_decode", False)
     llm = LLM(
         args.model,
         dtype=args.dtype,
         max_num_seqs=max(64, n),
         enable_prefix_caching=False,
         cpu_gemm=getattr(args, "cpu_gemm", "auto"),
-        compile_decode=compile_decode,
+        compile_decode=getattr(args, "compile_decode", None),
     )
     threads = torch.get_num_threads()
     tok = llm.tokenizer
@@ -189,7 +188,7 @@ def run(args) -> DecodeBenchResult:
         else statistics.fmean(a == b[0] for a, b in zip(firsts, ours, strict=False)),
         llama_cpp_note=note,
         cpu_gemm=llm.engine.cpu_gemm,
-        compile_decode=compile_decode,
+        compile_decode=llm.engine.compile_decode,
     )
 
 
@@ -197,7 +196,7 @@ def print_result(r: DecodeBenchResult) -> None:
     print(
         f"{r.num_requests} greedy requests x {r.output_tokens} tokens, {r.dtype}, "
         f"{r.threads} threads, GEMMs {r.cpu_gemm}"
-        f"{', compiled decode attention' if r.compile_decode else ''}; "
+        f"{', C++ decode attention' if r.compile_decode else ', flash decode attention'}; "
         f"blendkv matches transformers on {r.match_requests}/"
         f"{r.num_requests} requests"
     )

@@ -1,7 +1,7 @@
 """A/B of CPU decode step variants in one process, alternating step by step.
 
-    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm|onednn|compiled|buckets]
-        [--threads 2] [--rounds 30] [--num-requests 32]
+    python -m blendkv.eval.bench_decode_paths [--compare attention|gemm|onednn|compiled]
+        [--threads 2] [--rounds 30] [--num-requests 32] [--dtype float32]
 
 The requests of ``blendkv bench decode`` (prompts of 64-512 random tokens) are prefilled, then
 decode steps alternate between two variants, on the same requests:
@@ -9,10 +9,8 @@ decode steps alternate between two variants, on the same requests:
 - ``--compare attention`` (default): ``in place`` (decode rows whose blocks lie in at most 4
   runs of consecutive ids attend slices of the pool) against ``gather`` (every decode row's
   blocks are gathered, the path before it; set by capping the runs at 0).
-- ``--compare compiled``: ``compiled`` (every decode row of a step in one compiled kernel per
-  layer, ``EngineConfig.compile_decode``; the warm-up step compiles it) against ``in place``.
-- ``--compare buckets``: the compiled kernel called once per bucket of similar context lengths
-  (``compiled_decode.length_buckets``, the default) against ``one call`` for every row.
+- ``--compare compiled``: ``compiled`` (every decode row of a step in one C++ kernel call per
+  layer, ``EngineConfig.compile_decode``) against ``in place``.
 - ``--compare onednn``: ``onednn`` (every GEMM on weights packed for oneDNN,
   ``EngineConfig.cpu_gemm="onednn"``) against ``mkl`` (MKL, weights packed for 32 rows).
 - ``--compare gemm``: ``packed`` (weights packed for 32-row GEMMs, ``blendkv.layers.linear``)
@@ -41,21 +39,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_decode_paths")
     p.add_argument(
         "--compare",
-        choices=("attention", "gemm", "onednn", "compiled", "buckets"),
+        choices=("attention", "gemm", "onednn", "compiled"),
         default="attention",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args(argv)
     gemm = "mkl" if args.compare == "gemm" else "auto"
-    llm = LLM(args.model, dtype="float32", num_threads=args.threads, device="cpu", cpu_gemm=gemm)
+    # The attention A/Bs switch the C++ decode kernel themselves; the GEMM ones keep the default.
+    compiled = False if args.compare in ("attention", "compiled") else None
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        device="cpu",
+        cpu_gemm=gemm,
+        compile_decode=compiled,
+    )
     engine = llm.engine
     default_runs = paged_decode.MAX_RUNS
-    import blendkv.kernels.compiled_decode as compiled_decode
-
-    default_buckets = compiled_decode.length_buckets
     try:
         tok = engine.tokenizer
         prompts = make_prompts(args.num_requests, engine.info.vocab_size, set(tok.all_special_ids))
@@ -77,14 +82,6 @@ def main(argv: list[str] | None = None) -> int:
             variants = {
                 "compiled": lambda: setattr(backend, "compiled_decode", compiled),
                 "in place": lambda: setattr(backend, "compiled_decode", None),
-            }
-        elif args.compare == "buckets":
-            import blendkv.kernels.compiled_decode as compiled_decode
-
-            engine.attn_backend.compiled_decode = compiled_decode.CompiledDecode()
-            variants = {
-                "buckets": lambda: setattr(compiled_decode, "length_buckets", default_buckets),
-                "one call": lambda: setattr(compiled_decode, "length_buckets", _one_bucket),
             }
         elif args.compare == "attention":
             variants = {
@@ -115,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.perf_counter() - t0)
     finally:
         paged_decode.MAX_RUNS = default_runs
-        compiled_decode.length_buckets = default_buckets
         llm.close()
     print(
         f"{args.num_requests} decoding requests, {args.threads} threads, {args.rounds} rounds; "
@@ -150,10 +146,6 @@ def _gemm_library_variants(engine) -> dict:
         current[0] = name
 
     return {"onednn": lambda: switch("onednn"), "mkl": lambda: switch("mkl")}
-
-
-def _one_bucket(lens: list[int], **_) -> list[list[int]]:
-    return [list(range(len(lens)))]
 
 
 def _num_runs(table: list[int]) -> int:

@@ -10,7 +10,7 @@ so) is read as a slice of the pool, not gathered. Decode rows: :mod:`paged_decod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -143,8 +143,9 @@ class TorchAttentionBackend(AttentionBackend):
         self.compiled_decode: CompiledDecode | None = None  # enable_compiled_decode()
 
     def enable_compiled_decode(self) -> None:
-        """Decode rows through one compiled kernel per layer (:mod:`compiled_decode`): CPU
-        and float32 pools only (the engine checks both)."""
+        """Decode rows through one C++ kernel call per layer (:mod:`compiled_decode`): CPU,
+        float32 or bfloat16 pools (the engine checks the dtype). Builds the kernel on first
+        use; raises :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` if it can't."""
         if self.device.type != "cpu":
             raise ValueError(f"compiled decode attention runs on the CPU, not {self.device}")
         self.compiled_decode = CompiledDecode()
@@ -286,8 +287,8 @@ class TorchAttentionBackend(AttentionBackend):
                 )
         if plan.decode is not None:
             decode_attention(q, kv_cache, plan.decode, out, scale)
-        for bucket in plan.dense_decode:
-            self.compiled_decode(q, kv_cache, bucket, out, scale)
+        if plan.dense_decode is not None:
+            self.compiled_decode(q, kv_cache, plan.dense_decode, out, scale)
         return out
 
     def _build_plan(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepPlan:
@@ -304,7 +305,7 @@ class TorchAttentionBackend(AttentionBackend):
         if self._split_rows:
             runs = [block_runs(md, i, cache_shape[2]) for i in other]
             slots = [r[0][0] if len(r) == 1 else None for r in runs]
-        decode_plan, dense = None, []
+        decode_plan, dense = None, None
         if decode and self.compiled_decode is not None:
             dense = plan_dense_decode(md, decode, cache_shape[2])
         elif decode:
@@ -323,5 +324,5 @@ class _StepPlan:
     # per other seq: its first pool slot when its context is one run of consecutive blocks
     # (read as a slice, not gathered; CPU), else None
     other_slots: list[int | None]
-    # decode rows when compiled decode is on: one call per bucket of similar context lengths
-    dense_decode: list[DenseDecode] = field(default_factory=list)
+    # decode rows when compiled decode is on: all of them in one kernel call per layer
+    dense_decode: DenseDecode | None = None

@@ -30,7 +30,10 @@ def register(sub) -> None:
     )
     d.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "mkl"])
     d.add_argument(
-        "--compile-decode", action="store_true", help="EngineConfig.compile_decode (CPU)"
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="EngineConfig.compile_decode (CPU; default: on where it applies)",
     )
     d.add_argument("--json", default=None)
     d.set_defaults(func=_decode)

@@ -3,15 +3,19 @@
 ``EngineConfig.cpu_gemm`` / ``packed_gemm_rows`` choose how the model's linear maps run on the
 CPU (oneDNN on weights reordered once, MKL's packed sgemm for decode-sized batches, or plain
 ``F.linear``; :mod:`blendkv.layers.linear`), ``compile_decode`` whether decode rows go through
-the compiled attention kernel (:mod:`blendkv.kernels.compiled_decode`). Bad combinations raise
+the C++ attention kernel (:mod:`blendkv.kernels.compiled_decode`). Bad combinations raise
 :class:`~blendkv.errors.ConfigError` before anything is packed.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from blendkv.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def setup_cpu_gemm(
@@ -70,19 +74,39 @@ def enable_packed_gemm_rows(model, rows: int | None, dtype: torch.dtype, device:
     return rows
 
 
-def enable_compiled_decode(attn_backend, dtype: torch.dtype, device: str) -> None:
-    """``EngineConfig.compile_decode``: the torch backend on the CPU, float32 only."""
-    if attn_backend.name != "torch" or device != "cpu":
+def setup_compiled_decode(
+    attn_backend, wanted: bool | None, dtype: torch.dtype, device: str
+) -> bool:
+    """``EngineConfig.compile_decode``: the C++ decode kernel for the torch backend on the CPU,
+    float32 or bfloat16. ``None`` switches it on where it applies, ``True`` raises where it
+    cannot. Builds the kernel (cached after the first time); returns whether it runs. A build
+    failure is logged (a warning when it was asked for) and decode runs the eager flash calls."""
+    from blendkv.kernels.cpu_extension import CPUKernelBuildError
+
+    if wanted is False:
+        return False
+    applies = attn_backend.name == "torch" and device == "cpu"
+    if wanted is None and not (applies and dtype in (torch.float32, torch.bfloat16)):
+        return False
+    if not applies:
         raise ConfigError(
             "compile_decode needs the torch attention backend on the CPU "
             f"(got {attn_backend.name} on {device})"
         )
-    if dtype != torch.float32:
-        raise ConfigError(
-            f"compile_decode needs dtype float32, got {_name(dtype)} (dtype='auto' picks "
-            "bfloat16 on CPUs with native bf16): pass dtype='float32' (--dtype float32)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ConfigError(f"compile_decode needs dtype float32 or bfloat16, got {_name(dtype)}")
+    try:
+        attn_backend.enable_compiled_decode()
+    except CPUKernelBuildError as exc:
+        level = logging.WARNING if wanted else logging.INFO
+        logger.log(
+            level,
+            "compile_decode: the C++ decode kernel is unavailable, decode runs the eager flash "
+            "calls: %s",
+            exc,
         )
-    attn_backend.enable_compiled_decode()
+        return False
+    return True
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from blendkv.config import EngineConfig
 from blendkv.engine.block_manager import BlockManager
-from blendkv.engine.cpu_speedups import enable_compiled_decode, setup_cpu_gemm
+from blendkv.engine.cpu_speedups import setup_compiled_decode, setup_cpu_gemm
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
 from blendkv.engine.request_state import RequestState
@@ -103,8 +103,9 @@ class LLMEngine:
         self.cpu_gemm, self.packed_gemm_rows = setup_cpu_gemm(
             self.model, config.cpu_gemm, config.packed_gemm_rows, self.torch_dtype, self.device
         )
-        if config.compile_decode:
-            enable_compiled_decode(self.attn_backend, self.torch_dtype, self.device)
+        self.compile_decode = setup_compiled_decode(
+            self.attn_backend, config.compile_decode, self.torch_dtype, self.device
+        )
         self.hf_config = self.model.config
         self.info = self._runtime_info()
         self.kv_connector = create_kv_connector(

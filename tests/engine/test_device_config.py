@@ -66,11 +66,17 @@ def test_the_store_fingerprint_records_the_resolved_dtype(tiny_llama_dir):
     llm.close()
 
 
-def test_compile_decode_needs_the_torch_backend_on_the_cpu_in_float32(tiny_llama_dir, monkeypatch):
+def test_compile_decode_needs_the_torch_backend_on_the_cpu_in_fp32_or_bf16(
+    tiny_llama_dir, monkeypatch
+):
     from blendkv import LLM
 
-    with pytest.raises(ConfigError, match="compile_decode needs dtype float32"):
-        LLM(str(tiny_llama_dir), compile_decode=True, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="compile_decode needs dtype float32 or bfloat16"):
+        LLM(str(tiny_llama_dir), compile_decode=True, dtype="float16")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ConfigError, match="torch attention backend on the CPU"):
         LLM(str(tiny_llama_dir), compile_decode=True, attention_backend="triton", device="cpu")
+    # None (the default) switches it on only where it applies, silently elsewhere
+    llm = LLM(str(tiny_llama_dir), attention_backend="triton", device="cpu")
+    assert llm.engine.compile_decode is False
+    llm.close()

@@ -185,8 +185,7 @@ def test_paged_backend_mixed_step(layout):
 def test_paged_backend_many_decodes_with_a_prefill(compiled):
     """19 decode rows of mixed context lengths (three SDPA groups, rows out of length order)
     around a fresh prefill; the step plan is built by the first layer and reused by the next.
-    ``compiled``: the decode rows go through the compiled kernel (two calls, rows bucketed by
-    context length)."""
+    ``compiled``: the decode rows go through the C++ kernel (one call per layer)."""
     gen = torch.Generator().manual_seed(3)
     bs, hq, hkv, d = 4, 6, 2, 16
     lens = [int(x) for x in torch.randint(1, 80, (19,), generator=gen)]
@@ -236,10 +235,7 @@ def test_paged_backend_many_decodes_with_a_prefill(compiled):
     for _layer in range(2):
         out = backend.forward(q, k_new, v_new, cache, md, 0.25)
         plan = backend._step_plans.get(md, cache.shape[1], None)
-        assert bool(plan.dense_decode) == compiled and (plan.decode is None) == compiled
-        if compiled:
-            assert backend.compiled_decode.failed is None
-            assert len(plan.dense_decode) == 2  # contexts of 2-24 keys apart from 32-78
+        assert (plan.dense_decode is not None) == compiled and (plan.decode is None) == compiled
         for i in range(len(lens)):
             ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
             got = out[starts[i] : starts[i + 1]].double()
@@ -330,9 +326,9 @@ def test_rotated_load_in_place_writes_the_reference_bits(dtype):
 
 
 def test_dense_decode_attention_equals_the_oracle():
-    """The compiled path's function, eager: rows padded to the longest context, keys read
-    through slots (two rows share blocks), GQA 3:1; padding slots point at other rows' keys
-    and must not count."""
+    """The C++ kernel's reference: rows padded to the longest context, keys read through slots
+    (two rows share blocks), GQA 3:1; padding slots point at other rows' keys and must not
+    count."""
     from blendkv.kernels.compiled_decode import dense_decode_attention
 
     gen = torch.Generator().manual_seed(7)
@@ -352,51 +348,3 @@ def test_dense_decode_attention_equals_the_oracle():
             q[i].reshape(1, hkv * g, d), pool_k[idx], pool_v[idx], torch.tensor([len(sl) - 1]), 0.25
         )
         torch.testing.assert_close(out[i].reshape(1, hkv * g, d).double(), ref, atol=1e-5, rtol=0)
-
-
-def test_compiled_decode_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):
-    """No C++ compiler (or an inductor error): the reason is logged once and kept in
-    ``failed``, and every call answers with the eager function's output."""
-    from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, dense_decode_attention
-
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(torch, "compile", no_compiler)
-    gen = torch.Generator().manual_seed(11)
-    bs, hkv, g, d = 4, 2, 3, 16
-    cache = torch.randn(2, 20, bs, hkv, d, generator=gen)
-    q = torch.randn(5, hkv * g, d, generator=gen)  # rows 1 and 3 decode
-    slots = torch.stack([torch.arange(0, 10), torch.arange(40, 50)])
-    plan = DenseDecode(torch.tensor([1, 3]), slots, torch.tensor([10, 7]))
-    decode = CompiledDecode()
-    with caplog.at_level("WARNING", logger="blendkv.kernels.compiled_decode"):
-        for _ in range(2):
-            out = torch.zeros(5, hkv * g, d)
-            decode(q, cache, plan, out, 0.25)
-    assert decode.failed == "RuntimeError: no C++ compiler"
-    assert sum("running it eagerly" in r.message for r in caplog.records) == 1
-    pool = cache.view(2, -1, hkv, d)
-    ref = dense_decode_attention(
-        q[[1, 3]].view(2, hkv, g, d), pool[0], pool[1], slots, plan.lens, 0.25
-    )
-    assert torch.equal(out[[1, 3]], ref.reshape(2, hkv * g, d))
-    assert out[[0, 2, 4]].abs().sum() == 0
-
-
-def test_length_buckets_split_only_where_padding_drops():
-    from blendkv.kernels.compiled_decode import length_buckets
-
-    assert length_buckets([100] * 8) == [list(range(8))]  # nothing to save
-    assert length_buckets([5]) == [[0]]
-    # rows out of order; the short bucket holds the short contexts, each bucket sorted
-    assert length_buckets([300, 2, 290, 3, 4]) == [[1, 3, 4], [0, 2]]
-    # a bucket of one row or of one-key contexts would compile the kernel again: not split
-    assert length_buckets([10, 500, 500, 500]) == [[0, 1, 2, 3]]
-    assert length_buckets([1, 1, 500, 500]) == [[0, 1, 2, 3]]
-    # a small saving is not worth a second call
-    assert length_buckets([90, 95, 100, 100]) == [[0, 1, 2, 3]]
-    lens = [96 + (i * 37) % 480 for i in range(32)]
-    buckets = length_buckets(lens)
-    assert len(buckets) == 2 and sorted(buckets[0] + buckets[1]) == list(range(32))
-    assert max(lens[i] for i in buckets[0]) <= min(lens[i] for i in buckets[1])

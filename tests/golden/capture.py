@@ -74,8 +74,8 @@ def capture(
 
 def golden_llm(model: str | None = None):
     """The engine the goldens are captured with: float32, 2 threads, no prefix cache, MKL's
-    GEMMs (as when they were recorded); blocks of 4 tokens for the tiny models, 16 for the
-    embedded one (``model=None``)."""
+    GEMMs and the flash decode calls (as when they were recorded); blocks of 4 tokens for the
+    tiny models, 16 for the embedded one (``model=None``)."""
     from blendkv import LLM
 
     return LLM(
@@ -85,6 +85,7 @@ def golden_llm(model: str | None = None):
         num_threads=2,
         enable_prefix_caching=False,
         cpu_gemm="mkl",
+        compile_decode=False,
     )
 
 

@@ -112,4 +112,4 @@ def test_engine_options_reach_the_engine_config():
         assert kwargs["cpu_gemm"] == "onednn" and kwargs["compile_decode"] is True
         EngineConfig(**kwargs)  # valid config fields
         defaults = engine_kwargs(build_parser().parse_args(command))
-        assert defaults["cpu_gemm"] == "auto" and defaults["compile_decode"] is False
+        assert defaults["cpu_gemm"] == "auto" and defaults["compile_decode"] is None

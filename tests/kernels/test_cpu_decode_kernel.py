@@ -1,0 +1,140 @@
+"""The C++ CPU decode kernel (``torch.ops.blendkv_cpu.decode_attention``) against a dense
+float64 oracle, its input checks, and its build (cache, failure)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import needs_cpp_compiler
+
+from blendkv.kernels import cpu_extension
+from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, dense_decode_attention
+
+pytestmark = needs_cpp_compiler
+
+
+def _case(hkv: int, g: int, d: int, dtype, seed: int):
+    """A pool of shuffled 4-slot blocks, 9 step rows of which 6 decode (out of order, two
+    sharing blocks); padding slots past each row's length point at other rows' keys."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, num_blocks = 4, 64
+    pool = torch.randn(2, num_blocks * bs, hkv, d, generator=gen).to(dtype)
+    lens = [1, 37, 90, 12, 5, 64]
+    perm = torch.randperm(num_blocks, generator=gen)
+    slots = torch.randint(0, num_blocks * bs, (len(lens), max(lens)), generator=gen)
+    used = 0
+    for r, n in enumerate(lens):
+        blocks = perm[used : used + -(-n // bs)]
+        used += 0 if r == 0 else len(blocks)  # rows 0 and 1 share their first block
+        slots[r, :n] = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
+    q = torch.randn(9, hkv * g, d, generator=gen).to(dtype)
+    rows = torch.tensor([7, 0, 3, 8, 1, 5])
+    return q, pool, DenseDecode(rows, slots, torch.tensor(lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads", [(3, 3, 64), (2, 7, 64), (1, 4, 128), (2, 5, 16)], ids=lambda h: "x".join(map(str, h))
+)
+def test_kernel_equals_the_dense_oracle(heads, dtype):
+    """Specialised (G, D) pairs (SmolLM2's 3x64, Qwen 0.5B's 7x64, 4x128) and the generic loop
+    (5x16); only the decode rows are written."""
+    hkv, g, d = heads
+    q, pool, plan = _case(hkv, g, d, dtype, seed=hkv * 100 + g * 10 + d)
+    ops = cpu_extension.load_ops()
+    out = torch.full_like(q, 7.0)
+    ops.decode_attention(q, pool[0], pool[1], plan.rows, plan.slots, plan.lens, d**-0.5, out)
+    ref = dense_decode_attention(
+        q[plan.rows].double().view(-1, hkv, g, d),
+        pool[0].double(),
+        pool[1].double(),
+        plan.slots,
+        plan.lens,
+        d**-0.5,
+    ).reshape(-1, hkv * g, d)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out[plan.rows].double(), ref, atol=tol, rtol=0)
+    others = [i for i in range(len(q)) if i not in plan.rows.tolist()]
+    assert torch.all(out[others] == 7.0)
+
+
+def test_compiled_decode_reads_the_layer_pool_and_a_strided_q():
+    """Through the backend's wrapper: a [2, blocks, block_size, Hkv, D] layer cache and a q
+    sliced out of a wider tensor (not contiguous)."""
+    hkv, g, d = 3, 3, 64
+    q, pool, plan = _case(hkv, g, d, torch.float32, seed=1)
+    cache = pool.view(2, -1, 4, hkv, d)
+    wide = torch.cat([q, torch.randn_like(q)], dim=1)
+    strided_q = wide[:, : hkv * g]
+    assert not strided_q.is_contiguous()
+    out = torch.zeros_like(q)
+    CompiledDecode()(strided_q, cache, plan, out, 0.125)
+    ref = dense_decode_attention(
+        q[plan.rows].view(-1, hkv, g, d), pool[0], pool[1], plan.slots, plan.lens, 0.125
+    )
+    torch.testing.assert_close(out[plan.rows], ref.reshape(-1, hkv * g, d), atol=1e-5, rtol=0)
+
+
+def test_kernel_rejects_bad_inputs():
+    ops = cpu_extension.load_ops()
+    q, pool, plan = _case(2, 3, 16, torch.float32, seed=2)
+    out = torch.zeros_like(q)
+
+    def call(q=q, rows=plan.rows, lens=plan.lens):
+        ops.decode_attention(q, pool[0], pool[1], rows, plan.slots, lens, 0.25, out)
+
+    no_keys = plan.lens.clone()
+    no_keys[2] = 0
+    with pytest.raises(RuntimeError, match="1 .. L keys"):
+        call(lens=no_keys)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        call(q=q.double())
+    with pytest.raises(RuntimeError, match="int64"):
+        call(rows=plan.rows.int())
+
+
+def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    with pytest.raises(cpu_extension.CPUKernelBuildError, match="compiling decode_attention"):
+        cpu_extension.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_build_is_cached_per_source_and_machine(tmp_path):
+    first = cpu_extension.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_extension.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert first.name.startswith("blendkv_cpu_") and list(tmp_path.iterdir()) == [first]
+
+
+@pytest.mark.parametrize("wanted", [True, None], ids=["asked-for", "auto"])
+def test_the_engine_runs_eager_decode_when_the_kernel_cannot_be_built(wanted, monkeypatch, caplog):
+    """Asked for (True): a warning; by default (None): an info line. Both run the flash calls."""
+    from blendkv.engine.cpu_speedups import setup_compiled_decode
+    from blendkv.kernels.torch_attention import TorchAttentionBackend
+
+    def fail():
+        raise cpu_extension.CPUKernelBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(cpu_extension, "load_ops", fail)
+    backend = TorchAttentionBackend()
+    with caplog.at_level(logging.INFO, logger="blendkv.engine.cpu_speedups"):
+        assert setup_compiled_decode(backend, wanted, torch.float32, "cpu") is False
+    assert backend.compiled_decode is None
+    (record,) = caplog.records
+    assert record.levelno == (logging.WARNING if wanted else logging.INFO)
+    assert "decode runs the eager flash calls: no C++ compiler found" in record.getMessage()
+
+
+def test_the_engine_builds_the_kernel_by_default_on_the_cpu(tiny_llama_dir):
+    from blendkv import LLM
+
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(tiny_llama_dir), dtype=dtype)
+        assert llm.engine.compile_decode and llm.engine.attn_backend.compiled_decode is not None
+        llm.close()
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile_decode=False)
+    assert not llm.engine.compile_decode and llm.engine.attn_backend.compiled_decode is None
+    llm.close()
