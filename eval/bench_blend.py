@@ -63,7 +63,8 @@ def main(args) -> int:
     data = Path(args.data) if args.data else DEFAULT_DATA
     examples = load_cacheblend_json(data, limit=args.limit)
     spec = get_prompt_spec("musique")
-    # A memory tier large enough for every example's chunks: "warm store" = served from RAM.
+    # "Warm store" = served from RAM: on the CPU as zero-copy views of LMDB's map (the page
+    # cache), on CUDA from a memory tier large enough for every example's chunks (pinned).
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -85,7 +86,7 @@ def main(args) -> int:
     for p in prompts:
         plan = manager.prepare(p, methods["blend"])
         manager.precompute(plan.prompt.chunks)
-        llm.generate([p], one, blend=methods["blend"])  # first read: checksums, memory tier
+        llm.generate([p], one, blend=methods["blend"])  # first read: checksums, page cache
     first = prompts[0]
     ids0 = manager.prepare(first, methods["blend"]).prompt.token_ids
     exact = llm.generate([first], answer_params, blend=BlendConfig(recompute_ratio=1.0))[0]
