@@ -65,7 +65,6 @@ def _library_path(compiler: str, torch_version: str, cache_dir: Path) -> Path:
 def build(cache_dir: Path | None = None) -> Path:
     """The path of the built library, compiling it unless a matching one is cached."""
     import torch
-    from torch.utils import cpp_extension
 
     from blendkv.models.loader import default_cache_dir
 
@@ -73,9 +72,20 @@ def build(cache_dir: Path | None = None) -> Path:
     if compiler is None:
         raise CPUKernelBuildError("no C++ compiler found (set $CXX or install g++)")
     cache_dir = cache_dir or default_cache_dir() / "extensions"
-    path = _library_path(compiler, torch.__version__, cache_dir)
-    if path.exists():
-        return path
+    try:
+        path = _library_path(compiler, torch.__version__, cache_dir)
+        return path if path.exists() else _compile(compiler, path)
+    except OSError as exc:  # an unwritable cache, a compiler that vanished, ...
+        raise CPUKernelBuildError(
+            f"building into {cache_dir} failed: {exc} (set BLENDKV_CACHE to a writable directory)"
+        ) from exc
+
+
+def _compile(compiler: str, path: Path) -> Path:
+    import torch
+    from torch.utils import cpp_extension
+
+    cache_dir = path.parent
     cache_dir.mkdir(parents=True, exist_ok=True)
     abi = int(torch.compiled_with_cxx11_abi())
     cmd = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
@@ -103,12 +113,17 @@ def build(cache_dir: Path | None = None) -> Path:
 @functools.cache
 def load_ops():
     """``torch.ops.blendkv_cpu``, built and loaded once per process (torch's operator
-    registry is process-wide: a library registers its namespace once)."""
+    registry is process-wide: a library registers its namespace once). A cached library that
+    does not load (truncated by a full disk, say) is built again, once."""
     import torch
 
-    path = build()
-    try:
-        torch.ops.load_library(str(path))
-    except (OSError, RuntimeError) as exc:
-        raise CPUKernelBuildError(f"loading {path} failed: {exc}") from exc
-    return torch.ops.blendkv_cpu
+    for attempt in range(2):
+        path = build()
+        try:
+            torch.ops.load_library(str(path))
+            return torch.ops.blendkv_cpu
+        except (OSError, RuntimeError) as exc:
+            if attempt == 1:
+                raise CPUKernelBuildError(f"loading {path} failed: {exc}") from exc
+            logger.warning("cached CPU kernels %s do not load (%s); building them again", path, exc)
+            path.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ float64 oracle, its input checks, and its build (cache, failure)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -102,11 +103,33 @@ def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_build_is_cached_per_source_and_machine(tmp_path):
-    first = cpu_extension.build(tmp_path)
-    mtime = first.stat().st_mtime_ns
-    assert cpu_extension.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
-    assert first.name.startswith("blendkv_cpu_") and list(tmp_path.iterdir()) == [first]
+def test_an_unwritable_cache_is_a_build_error(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(cpu_extension.CPUKernelBuildError, match="BLENDKV_CACHE"):
+        cpu_extension.build(tmp_path / "a_file" / "extensions")
+
+
+def test_the_build_is_cached_and_a_broken_cache_is_built_again(tmp_path):
+    """The second build finds the first; a cached library that does not load is rebuilt, in a
+    fresh process (torch registers the op namespace once per process)."""
+    import subprocess
+    import sys
+
+    path = cpu_extension.build(tmp_path / "extensions")
+    mtime = path.stat().st_mtime_ns
+    assert cpu_extension.build(tmp_path / "extensions") == path
+    assert path.stat().st_mtime_ns == mtime and path.name.startswith("blendkv_cpu_")
+    assert list(path.parent.iterdir()) == [path]
+    path.write_bytes(b"not an ELF file")
+    script = (
+        "from blendkv.kernels.cpu_extension import load_ops; "
+        "print(hasattr(load_ops(), 'decode_attention'))"
+    )
+    env = {**os.environ, "BLENDKV_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True" and "building them again" in done.stderr
+    assert path.read_bytes()[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("wanted", [True, None], ids=["asked-for", "auto"])
