@@ -56,6 +56,8 @@ class EngineConfig:
     # prefix with this system prompt / instruction).
     kv_store_dir: str | None = None
     kv_store_max_bytes: int | None = None
+    # The in-RAM tier in front of the store: Redis stores and CUDA (pinned) reads fill it; on
+    # the CPU, LMDB chunks are read in place from the memory map (the page cache) instead.
     kv_store_memory_bytes: int = 256 << 20
     anchor_system: str | None = None
     anchor_instruction: str | None = None
