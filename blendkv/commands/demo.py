@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
                 prompt = rag.blended_prompt(q, sources)
                 ids = rag.manager.prepare(prompt, blend).prompt.token_ids
                 [full] = llm.generate([ids], first_token)  # same tokens, no reuse
-                cold = rag.query(q, args.top_k, first_token, blend)  # K/V read from LMDB
-                warm = rag.query(q, args.top_k, params, blend)  # K/V warm in memory
+                cold = rag.query(q, args.top_k, first_token, blend)  # first read: + checksums
+                warm = rag.query(q, args.top_k, params, blend)  # warm: page cache / memory tier
                 rows.append((q, len(ids), full.metrics.ttft, cold.ttft, warm))
             _print(rows)
     llm.close()

@@ -87,7 +87,7 @@ class FullComparison:
     full_answer: str
     full_ttft: float  # seconds, from an empty prefix cache
     blend_answer: str
-    blend_ttft: float  # seconds, from an empty prefix cache (chunks in the memory tier)
+    blend_ttft: float  # seconds, from an empty prefix cache (chunks warm in the store)
     recompute_ratio: float | str
     answer_kl: float  # mean KL(full || blend) along full's answer, nats
     answer_agreement: float  # share of those positions where both argmaxes agree
