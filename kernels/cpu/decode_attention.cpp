@@ -7,8 +7,10 @@
 //   keys     [S, Hkv, D]      one layer's pool (pool slots x kv heads x head dim), values alike
 //   slots    [R, L] int64     pool slots of decode row r's keys 0 .. lens[r] - 1 (L >= lens[r])
 //
-// One task per (decode row, kv head), spread over torch's intra-op threads (at::parallel_for):
-// it reads each key and value once for the G = Hq / Hkv query heads that share them, keeps the
+// One task per (decode row, kv head), handed out longest context first to torch's intra-op
+// threads as each finishes the one before (a batch mixing long RAG contexts with short chats
+// stays balanced); a task reads each key and value once for the G = Hq / Hkv query heads that
+// share them, keeps the
 // scores in a buffer (softmax over exactly lens[r] keys, no padding), and accumulates in
 // float32 for float32 and bfloat16 pools alike. Common (G, D) pairs are compiled with constant
 // sizes so the compiler unrolls and vectorises the inner loops; others take the generic loop.
@@ -19,7 +21,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
+#include <numeric>
 #include <cmath>
 #include <vector>
 
@@ -37,72 +41,85 @@ struct Args {
   float scale;
 };
 
+// Tasks: (row, block of `heads` kv heads), handed out in `order` (longest context first).
+struct Queue {
+  const int64_t* order;
+  int64_t size;
+  int64_t heads;
+  std::atomic<int64_t> next{0};
+};
+
 // GT, DT: the group size and head dim as constants (0 = read them from args).
 template <typename scalar_t, int64_t GT, int64_t DT>
-void run_tasks(const Args& a, int64_t begin, int64_t end) {
+void run_tasks(const Args& a, Queue& queue) {
   const int64_t G = GT ? GT : a.group, D = DT ? DT : a.head_dim, Hkv = a.num_kv_heads;
   const auto* q = static_cast<const scalar_t*>(a.q);
   const auto* keys = static_cast<const scalar_t*>(a.keys);
   const auto* values = static_cast<const scalar_t*>(a.values);
   auto* out = static_cast<scalar_t*>(a.out);
   std::vector<float> scores, qf(G * D), acc(G * D), sums(G);
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t r = task / Hkv, h = task % Hkv, row = a.rows[r], n = a.lens[r];
+  const int64_t blocks_per_row = Hkv / queue.heads;
+  for (int64_t t = queue.next++; t < queue.size; t = queue.next++) {
+    const int64_t task = queue.order[t], r = task / blocks_per_row;
+    const int64_t row = a.rows[r], n = a.lens[r];
     const int64_t* slots = a.slots + r * a.max_len;
-    const scalar_t* qr = q + (row * a.num_q_heads + h * G) * D;
-    for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qr[i]) * a.scale;
-    scores.resize(G * n);
-    for (int64_t j = 0; j < n; ++j) {
-      const scalar_t* k = keys + (slots[j] * Hkv + h) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf.data() + g * D;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(k[d]);
-        scores[g * n + j] = s;
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores.data() + g * n;
-      float m = -FLT_MAX;
-      for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-      float total = 0.f;
-#pragma omp simd reduction(+ : total)
+    const int64_t first_head = (task % blocks_per_row) * queue.heads;
+    for (int64_t h = first_head; h < first_head + queue.heads; ++h) {
+      const scalar_t* qr = q + (row * a.num_q_heads + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qr[i]) * a.scale;
+      scores.resize(G * n);
       for (int64_t j = 0; j < n; ++j) {
-        sg[j] = std::exp(sg[j] - m);
-        total += sg[j];
+        const scalar_t* k = keys + (slots[j] * Hkv + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(k[d]);
+          scores[g * n + j] = s;
+        }
       }
-      sums[g] = total;
-    }
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t j = 0; j < n; ++j) {
-      const scalar_t* v = values + (slots[j] * Hkv + h) * D;
       for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * n + j];
-        float* ag = acc.data() + g * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+        float* sg = scores.data() + g * n;
+        float m = -FLT_MAX;
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] = std::exp(sg[j] - m);
+          total += sg[j];
+        }
+        sums[g] = total;
       }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      scalar_t* o = out + (row * a.num_q_heads + h * G + g) * D;
-      const float inv = 1.f / sums[g];
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const scalar_t* v = values + (slots[j] * Hkv + h) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + j];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        scalar_t* o = out + (row * a.num_q_heads + h * G + g) * D;
+        const float inv = 1.f / sums[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+      }
     }
   }
 }
 
 template <typename scalar_t>
-void dispatch(const Args& a, int64_t begin, int64_t end) {
-#define BLENDKV_CASE(G, D)                              \
-  if (a.group == G && a.head_dim == D) {               \
-    return run_tasks<scalar_t, G, D>(a, begin, end);   \
+void dispatch(const Args& a, Queue& queue) {
+#define BLENDKV_CASE(G, D)                         \
+  if (a.group == G && a.head_dim == D) {          \
+    return run_tasks<scalar_t, G, D>(a, queue);   \
   }
   BLENDKV_CASE(1, 64) BLENDKV_CASE(2, 64) BLENDKV_CASE(3, 64) BLENDKV_CASE(4, 64)
   BLENDKV_CASE(7, 64) BLENDKV_CASE(8, 64) BLENDKV_CASE(1, 128) BLENDKV_CASE(2, 128)
   BLENDKV_CASE(4, 128) BLENDKV_CASE(7, 128) BLENDKV_CASE(8, 128)
 #undef BLENDKV_CASE
-  run_tasks<scalar_t, 0, 0>(a, begin, end);
+  run_tasks<scalar_t, 0, 0>(a, queue);
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
@@ -137,11 +154,23 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "decode_attention: float32 or bfloat16 only");
-  at::parallel_for(0, num_rows * a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A row's kv heads read neighbouring bytes of each slot: one task takes all of them when
+  // there are rows enough to balance the threads, else one head each (a lone long row).
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads = num_rows >= 4 * threads ? a.num_kv_heads : 1;
+  const int64_t blocks_per_row = a.num_kv_heads / heads, num_tasks = num_rows * blocks_per_row;
+  std::vector<int64_t> order(num_tasks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return lp[x / blocks_per_row] > lp[y / blocks_per_row];
+  });
+  Queue queue{order.data(), num_tasks, heads};
+  const int64_t workers = std::min<int64_t>(threads, num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     if (dtype == at::kFloat) {
-      dispatch<float>(a, begin, end);
+      dispatch<float>(a, queue);
     } else {
-      dispatch<c10::BFloat16>(a, begin, end);
+      dispatch<c10::BFloat16>(a, queue);
     }
   });
 }

@@ -61,6 +61,28 @@ def test_kernel_equals_the_dense_oracle(heads, dtype):
     assert torch.all(out[others] == 7.0)
 
 
+def test_kernel_with_many_rows_of_mixed_lengths():
+    """Rows enough for whole-row tasks (>= 4 per thread), long ones first then short ones,
+    handed out longest first; every row equals the oracle."""
+    gen = torch.Generator().manual_seed(4)
+    hkv, g, d = 3, 3, 64
+    lens = [300] * 4 + [3 + i for i in range(4 * torch.get_num_threads() + 4)]
+    slots = torch.stack(
+        [torch.randperm(1200, generator=gen)[: max(lens)] for _ in lens]
+    )  # any slots, shared between rows
+    pool = torch.randn(2, 1200, hkv, d, generator=gen)
+    q = torch.randn(len(lens), hkv * g, d, generator=gen)
+    plan = DenseDecode(torch.arange(len(lens)), slots, torch.tensor(lens))
+    out = torch.empty_like(q)
+    cpu_extension.load_ops().decode_attention(
+        q, pool[0], pool[1], plan.rows, plan.slots, plan.lens, 0.125, out
+    )
+    ref = dense_decode_attention(
+        q.double().view(-1, hkv, g, d), pool[0].double(), pool[1].double(), slots, plan.lens, 0.125
+    )
+    torch.testing.assert_close(out.double(), ref.reshape(len(lens), -1, d), atol=1e-5, rtol=0)
+
+
 def test_compiled_decode_reads_the_layer_pool_and_a_strided_q():
     """Through the backend's wrapper: a [2, blocks, block_size, Hkv, D] layer cache and a q
     sliced out of a wider tensor (not contiguous)."""
