@@ -38,7 +38,7 @@ from .errors import CorruptValueError, StoreError
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
 from .queries import StoreQueries
-from .reader import ReadSnapshot
+from .reader import ReadSnapshot, checked_value
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
 from .transactions import StoreTransactions
 
@@ -296,17 +296,11 @@ class KVStore(StoreTransactions, StoreQueries):
 
     def _load(self, key: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
         """Read from LMDB into ``out`` (or a new tensor); None on miss/corruption."""
-        corrupt = False
+        corrupt_before = self.corrupt
         with self._read() as txn:
-            buf = txn.get(key, db=self._dbs["values"])
-            if buf is None:
-                self.misses += 1
-                self.lmdb_misses += 1
-                return None
-            header = self._checked_header(txn, key, buf)
-            if header is None:
-                corrupt = True
-            else:
+            found = checked_value(self, txn, key)
+            if found is not None:
+                buf, header = found
                 if out is None:
                     out = torch.empty(header.shape, dtype=header.dtype, pin_memory=self.pin_memory)
                 elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
@@ -318,8 +312,9 @@ class KVStore(StoreTransactions, StoreQueries):
                     out.view(-1).view(torch.uint8).copy_(src)
                 else:
                     out.copy_(src.view(header.dtype).view(header.shape))
-        if corrupt:
-            self._on_corrupt(key)
+        if found is None:
+            if self.corrupt != corrupt_before:
+                self._on_corrupt(key)
             return None
         self.lmdb_hits += 1
         return out

@@ -16,16 +16,24 @@ from .errors import StoreError
 from .records import ChunkKV
 
 
-def _view(store, txn, key: bytes) -> ChunkKV | None:
-    """``key``'s value as a zero-copy tensor (header checked; checksum per ``verify_reads``)."""
+def checked_value(store, txn, key: bytes) -> tuple[memoryview, fmt.ValueHeader] | None:
+    """``key``'s stored bytes and their checked header (checksum per ``verify_reads``); None on
+    a miss or a corrupt value (both counted)."""
     buf = txn.get(key, db=store._dbs["values"])
     if buf is None:
         store.misses += 1
         store.lmdb_misses += 1
         return None
     header = store._checked_header(txn, key, buf)
-    if header is None:
+    return None if header is None else (buf, header)
+
+
+def _view(store, txn, key: bytes) -> ChunkKV | None:
+    """``key``'s value as a zero-copy tensor."""
+    found = checked_value(store, txn, key)
+    if found is None:
         return None
+    buf, header = found
     store.hits += 1
     store.lmdb_hits += 1
     tensor = fmt.payload_view(buf).view(header.dtype).view(header.shape)
