@@ -81,6 +81,17 @@ def _copy_times(nbytes: int, device: str) -> dict:
     return out
 
 
+def _profile_runs(llm, prompt, full_ids, blend, one) -> dict:
+    from blendkv.blend.config import BlendConfig
+
+    reuse = BlendConfig(recompute_ratio=0.0)
+    return {
+        "blend": lambda: llm.generate([prompt], one, blend=blend),
+        "reuse": lambda: llm.generate([prompt], one, blend=reuse),
+        "full": lambda: llm.generate([full_ids], one),
+    }
+
+
 def _random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
@@ -174,6 +185,14 @@ def bench_shape(shape: str, args, device: str) -> dict:
         row["blend_kv_bytes"] = out.blend_stats.kv_bytes_loaded
         row.update(_copy_times(out.blend_stats.kv_bytes_loaded, device))
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
+        if args.profile:
+            from blendkv.eval.profile_gpu import profile_requests
+
+            runs = _profile_runs(llm, prompt, full_ids, blend, one)
+            path = Path(args.profile) / f"profile_{shape}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            row["profile"] = profile_requests(runs, str(path), f"{shape} {args.dtype} {device}")
+            print(f"so far: {json.dumps(row)}", flush=True)
 
         # 4. decode
         decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)

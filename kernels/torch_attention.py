@@ -193,6 +193,21 @@ class TorchAttentionBackend(AttentionBackend):
         v = flat[1].index_select(0, slot_mapping).view(-1, num_kv_heads, head_dim)
         return k, v
 
+    # Whether shift_kept_rows runs a blended layer's K/V correction in kernels (else the torch
+    # code of blendkv.blend.correction does).
+    fused_chunk_shift = False
+
+    def add_query_mass(self, scores, q, q_positions, kv_cache, slots, visible_prefix=0) -> None:
+        """``scores`` [S] float32 += the softmax attention ``q`` [Q, H, D] (RoPE applied, rows
+        at ``q_positions``) pays each key of positions ``0..S-1``, read from ``kv_cache`` at
+        ``slots`` [S] (the query rows' own K already written), summed over rows and heads.
+        ``visible_prefix``: how many leading keys every row sees (spares their masking)."""
+        from blendkv.kernels.attention_mass import query_attention_mass
+
+        keys, _ = self.read_kv(kv_cache, slots)
+        key_positions = torch.arange(len(slots), device=slots.device)
+        scores += query_attention_mass(q, keys, q_positions, key_positions, visible_prefix)
+
     def copy_blocks(self, kv_caches, copies) -> None:
         if not copies:
             return

@@ -88,6 +88,23 @@ class TritonAttentionBackend(TorchAttentionBackend):
         in one launch (see :func:`blendkv.kernels.triton.rope_load.rope_load`)."""
         self._ops.rope_load(kv_caches, first_layer, kv, positions, slots, cos, sin)
 
+    def add_query_mass(self, scores, q, q_positions, kv_cache, slots, visible_prefix=0) -> None:
+        """Two launches reading the keys in place (:mod:`blendkv.kernels.triton.query_mass`)."""
+        from blendkv.kernels.triton.query_mass import add_query_mass
+
+        add_query_mass(scores, q, q_positions, kv_cache, slots)
+
+    fused_chunk_shift = True
+
+    def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
+                        sin, attention_scaling) -> None:  # fmt: skip
+        """A blended layer's K/V correction in two launches
+        (:mod:`blendkv.kernels.triton.chunk_shift`)."""
+        from blendkv.kernels.triton.chunk_shift import shift_kept_rows
+
+        shift_kept_rows(kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
+                        attention_scaling)  # fmt: skip
+
     # ---- attention ----------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, attn_metadata, scale):
         md: AttentionMetadata | None = attn_metadata

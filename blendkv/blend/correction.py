@@ -54,6 +54,10 @@ class Rows(NamedTuple):
     positions: torch.Tensor  # [N] absolute positions
     slots: torch.Tensor  # [N] KV-pool slots
     chunk_ids: torch.Tensor  # [N] index of the chunk in the prompt
+    rows: torch.Tensor | None = None  # [N] (recomputed rows) their index among the layer's rows
+    # (recomputed rows, for a backend that shifts in kernels) int32 [chunks + 1]: chunk c's rows
+    # are segments[c] .. segments[c + 1] (rows in position order, chunks too)
+    segments: torch.Tensor | None = None
 
 
 def correct_kept_rows(
@@ -63,18 +67,26 @@ def correct_kept_rows(
     which: str,
     shrink: float,
     recomputed: Rows,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     kept: Rows,
     num_chunks: int,
 ) -> None:
     """Shift the ``kept`` rows' K and/or V (``which``: ``k``, ``v`` or ``kv``) in ``kv_cache``.
 
-    ``k_new`` (pre-RoPE) / ``v_new`` [N, Hkv, D]: fresh K/V of the ``recomputed`` rows, whose
-    slots still hold the reused K/V (call this before the layer's attention writes them).
+    ``k`` (pre-RoPE) / ``v`` [T, Hkv, D]: the layer's fresh rows; ``recomputed.rows`` are the
+    recomputed ones among them, whose slots still hold the reused K/V (call this before the
+    layer's attention writes them). With ``recomputed.segments`` the backend does it all in
+    its kernels (:mod:`blendkv.kernels.triton.chunk_shift`, two launches).
     """
     if len(recomputed.slots) == 0 or len(kept.slots) == 0:
         return
+    if recomputed.segments is not None:
+        cos, sin = rotary.tables(kv_cache.device)
+        backend.shift_kept_rows(kv_cache, which, shrink, k, v, recomputed, kept, num_chunks,
+                                cos, sin, rotary.attention_scaling)  # fmt: skip
+        return
+    k_new, v_new = k[recomputed.rows], v[recomputed.rows]
     old_k, old_v = backend.read_kv(kv_cache, recomputed.slots)
     cur_k, cur_v = backend.read_kv(kv_cache, kept.slots)
     if "v" in which:

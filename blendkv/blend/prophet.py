@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from blendkv.blend.row_plan import SeqBlend
-from blendkv.blend.selection import query_attention_mass
 from blendkv.models.hooks import RowPlan
 
 
@@ -38,7 +37,9 @@ class QueryScorePlan(RowPlan):
         self.rows = torch.arange(md.num_tokens)
         self.backend = attn_backend
         self.blends = blends
-        self._seqs = []  # (seq blend, its rows, their positions, query rows, key positions, slots)
+        # (seq blend, its rows, their positions and slots, query rows, their positions, key
+        # slots, keys every query row sees)
+        self._seqs = []
         starts = md.query_start_loc_cpu
         positions_cpu = md.positions.cpu()  # the pass's one host sync
         self.positions_cpu = positions_cpu
@@ -56,20 +57,23 @@ class QueryScorePlan(RowPlan):
             query = torch.nonzero(is_query).flatten().to(dev)
             # keys 0 .. the first query row's position are seen by every query row: unmasked
             visible = int(positions_cpu[lo:hi][is_query].min()) + 1
+            positions = md.positions[lo:hi]
             self._seqs.append(
-                (sb, slice(lo, hi), md.positions[lo:hi], query, key_positions, slots, visible)
-            )
+                (sb, slice(lo, hi), positions, md.slot_mapping[lo:hi], query, positions[query],
+                 slots, visible)
+            )  # fmt: skip
 
     def selects_at(self, layer_idx: int) -> bool:
         return True
 
     def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
-        for sb, rows, positions, query, key_positions, slots, visible in self._seqs:
-            keys, _ = self.backend.read_kv(kv_cache, slots)  # reused K (a copy); these rows' stale
+        for sb, rows, positions, row_slots, query, query_positions, slots, visible in self._seqs:
             qr, kr = attn.rotary_emb.apply_rotary(positions, q[rows], k[rows])
-            keys[positions] = kr.to(keys.dtype)
-            sb.query_scores += query_attention_mass(
-                qr[query], keys, positions[query], key_positions, visible
+            # The rows' own K/V into the pool now (attention writes the same values again), so
+            # the backend reads every key in place.
+            self.backend.write_kv(kv_cache, kr, v[rows], row_slots)
+            self.backend.add_query_mass(
+                sb.query_scores, qr[query], query_positions, kv_cache, slots, visible
             )
         return None
 

@@ -188,7 +188,7 @@ class BlendRowPlan(RowPlan):
             rows = self._correction_split(sb, exact, md, k.device)
             if exact is None:  # the same rows every layer until the next selection
                 self._correction_rows[sb.index] = rows
-        rec_d, recomputed, kept = rows
+        recomputed, kept = rows
         correct_kept_rows(
             self.backend,
             attn.rotary_emb,
@@ -196,15 +196,15 @@ class BlendRowPlan(RowPlan):
             sb.config.correction,
             float(sb.config.correction_shrink),
             recomputed,
-            k[rec_d],
-            v[rec_d],
+            k,
+            v,
             kept,
             sb.num_chunks,
         )
 
-    def _correction_split(self, sb: SeqBlend, exact, md, dev) -> tuple[torch.Tensor, Rows, Rows]:
-        """``sb``'s reused rows computed this layer (current-row indices and :class:`Rows`) and
-        its kept ones (those not computed, nor made exact at this layer)."""
+    def _correction_split(self, sb: SeqBlend, exact, md, dev) -> tuple[Rows, Rows]:
+        """``sb``'s reused rows computed this layer and its kept ones (those not computed, nor
+        made exact at this layer)."""
         lo = self.starts[sb.index]
         mine = self.seq_ids == sb.index
         rec = torch.nonzero(mine & self.reused).flatten()  # current rows, reused
@@ -215,13 +215,18 @@ class BlendRowPlan(RowPlan):
         kept = torch.nonzero(sb.reused & ~computed).flatten() + lo  # step rows
         rec_local = self.rows[rec] - lo
         rec_d, kept_d = rec.to(dev), kept.to(dev)
+        rec_chunks = sb.chunk_ids[rec_local]
+        segments = None
+        if self.backend.fused_chunk_shift and bool((rec_chunks[1:] >= rec_chunks[:-1]).all()):
+            counts = torch.bincount(rec_chunks, minlength=sb.num_chunks)
+            segments = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32).to(dev)
         recomputed = Rows(
-            md.positions[rec_d], md.slot_mapping[rec_d], sb.chunk_ids[rec_local].to(dev)
+            md.positions[rec_d], md.slot_mapping[rec_d], rec_chunks.to(dev), rec_d, segments
         )
         kept_rows = Rows(
             self.all_positions[kept_d], self.all_slots[kept_d], sb.chunk_ids[kept - lo].to(dev)
         )
-        return rec_d, recomputed, kept_rows
+        return recomputed, kept_rows
 
     def row_layers(self, num_layers: int) -> int:
         """Rows x layers this forward computed (so far), ProphetKV's query pass before it

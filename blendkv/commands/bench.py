@@ -66,6 +66,9 @@ def register(sub) -> None:
     g.add_argument("--repeats", type=int, default=3)
     g.add_argument("--kv-cache-gb", type=int, default=8)
     g.add_argument("--json", default=None)
+    g.add_argument(
+        "--profile", default=None, metavar="DIR", help="write host/device profiles of the requests"
+    )
     g.set_defaults(func=_gpu)
 
 

@@ -17,8 +17,12 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.hidden_act = hidden_act
         self.act_fn = ACT2FN[hidden_act]
         self.fused_gate_up = None  # set by fuse() once weights are loaded
+        # ``act(gate) * up`` of the fused gate/up output in one launch (GPUs, SiLU only; set by
+        # blendkv.layers.fused_kernels); None = torch ops.
+        self.act_and_mul = None
 
     def fuse(self) -> None:
         """One GEMM for gate/up from now on (parameters become views; names unchanged)."""
@@ -27,8 +31,11 @@ class GatedMLP(nn.Module):
         self.fused_gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up is not None:
-            gate, up = self.fused_gate_up(x)
+        fused = self.fused_gate_up
+        if fused is not None and self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(fused.gemm(x, fused.weight, fused.bias)))
+        if fused is not None:
+            gate, up = fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act_fn(gate) * up)

@@ -18,6 +18,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        # One-launch kernel (same signature as forward, residual updated in place) set by
+        # blendkv.layers.fused_kernels on GPUs; None = the torch code below.
+        self.kernel = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
@@ -28,6 +31,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
+            return self.kernel(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

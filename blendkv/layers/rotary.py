@@ -98,6 +98,8 @@ class RotaryEmbedding(nn.Module):
         # A few entries, matched by identity: a blended forward also rotates its kept rows'
         # K corrections at their own (per-step fixed) positions every layer.
         self._memo: list[tuple] = []
+        # One-launch RoPE of q and k (blendkv.layers.fused_kernels, GPUs); None = torch ops.
+        self.kernel = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin gathered at ``positions``: [T, 1, head_dim] each, cast to ``dtype``."""
@@ -132,6 +134,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k [T, kv_heads, head_dim] -> both rotated (new tensors)."""
+        if self.kernel is not None and k.dtype == q.dtype:
+            cos, sin = self.tables(q.device)
+            return self.kernel(positions, q, k, cos, sin)
         cos, sin = self.cos_sin(positions, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)

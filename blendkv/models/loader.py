@@ -209,7 +209,8 @@ def load_model(
     resolved: ResolvedModel, dtype: torch.dtype, attn_backend, device: str | torch.device = "cpu"
 ) -> nn.Module:
     """Build the model without random init (meta device), load weights by name in ``dtype``, move
-    it to ``device`` and fuse sibling projections there; returned in eval mode.
+    it to ``device`` and fuse sibling projections there; returned in eval mode. With the Triton
+    attention backend the norms, RoPE and SiLU-and-mul run as Triton kernels too.
 
     Fusing happens on the device: the fused weights are plain tensors that a later ``.to()`` would
     not move (and moving views of them would un-share the memory), so do not move the result.
@@ -224,6 +225,10 @@ def load_model(
     for module in model.modules():
         if hasattr(module, "fuse") and callable(module.fuse):
             module.fuse()
+    if getattr(attn_backend, "name", None) == "triton":
+        from blendkv.layers.fused_kernels import enable_triton_elementwise
+
+        enable_triton_elementwise(model)
     return model.eval()
 
 

@@ -124,3 +124,76 @@ def test_pipelined_loading_on_cuda_equals_serial(tiny_llama_dir, tmp_path, backe
     assert torch.equal(pool1, pool0) and torch.equal(logits1, logits0), "not deterministic"
     assert torch.equal(pool2, pool0), "pipelined blocks differ from serial"
     assert torch.equal(logits2, logits0), "pipelined logits differ from serial"
+
+
+def test_elementwise_and_blend_kernels_at_llama8b_shapes():
+    """The one-launch norm / RoPE / SiLU-and-mul, ProphetKV's query mass and the chunk shift
+    at Llama-3.1-8B's widths (bf16) against their torch references."""
+    from transformers import LlamaConfig
+
+    from blendkv.blend.correction import Rows, correct_kept_rows
+    from blendkv.kernels.torch_attention import TorchAttentionBackend
+    from blendkv.kernels.triton import elementwise as ops
+    from blendkv.kernels.triton.query_mass import add_query_mass, query_mass_reference
+    from blendkv.kernels.triton_attention import TritonAttentionBackend
+    from blendkv.layers.norm import RMSNorm
+    from blendkv.layers.rotary import RotaryEmbedding
+
+    dev, bf16 = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def close(a, b, tol=2e-2):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+    x = torch.randn(3000, 4096, device=dev, dtype=bf16, generator=g)
+    r = torch.randn(3000, 4096, device=dev, dtype=bf16, generator=g)
+    norm = RMSNorm(4096, 1e-5).to(device=dev, dtype=bf16)
+    ref_out, ref_res = norm(x, r)
+    out, res = ops.rms_norm(x.clone(), norm.weight, 1e-5, r.clone())
+    close(out, ref_out)
+    assert torch.equal(res, ref_res)
+    gu = torch.randn(3000, 2 * 14336, device=dev, dtype=bf16, generator=g)
+    close(ops.silu_and_mul(gu), torch.nn.functional.silu(gu[:, :14336]) * gu[:, 14336:])
+
+    config = LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+        max_position_embeddings=8192,
+    )  # fmt: skip
+    rope = RotaryEmbedding(config)
+    qkv = torch.randn(3000, 48 * 128, device=dev, dtype=bf16, generator=g)
+    q, k = qkv[:, : 32 * 128].view(-1, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(-1, 8, 128)
+    positions = torch.randperm(8000, device=dev, generator=g)[:3000]
+    ref_q, ref_k = rope.apply_rotary(positions, q, k)
+    out_q, out_k = ops.rotary_qk(positions, q, k, *rope.tables(dev))
+    close(out_q, ref_q)
+    close(out_k, ref_k)
+
+    pool = torch.randn(2, 400, 16, 8, 128, device=dev, dtype=bf16, generator=g)
+    slots = torch.randperm(400 * 16, device=dev, generator=g)[:3000]
+    qq = torch.randn(60, 32, 128, device=dev, dtype=bf16, generator=g)
+    q_positions = torch.arange(2940, 3000, device=dev)
+    expected = torch.zeros(3000, device=dev)
+    actual = torch.zeros(3000, device=dev)
+    query_mass_reference(expected, qq, q_positions, pool, slots)
+    add_query_mass(actual, qq, q_positions, pool, slots)
+    torch.testing.assert_close(actual, expected, atol=2e-3, rtol=5e-2)
+
+    chunk_of = torch.arange(3000, device=dev) // 300
+    rec = torch.arange(0, 3000, 9, device=dev)
+    kept = torch.arange(3000, device=dev)[torch.arange(3000, device=dev) % 9 != 0]
+    kk = torch.randn(len(rec) + 7, 8, 128, device=dev, dtype=bf16, generator=g)
+    vv = torch.randn_like(kk)
+    rows = torch.arange(len(rec), device=dev) + 7
+    counts = torch.bincount(chunk_of[rec], minlength=10)
+    segments = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+    pos = torch.arange(3000, device=dev)
+
+    def rows_of(idx, current=None, seg=None):
+        return Rows(pos[idx], slots[idx], chunk_of[idx], current, seg)
+
+    want, got = pool.clone(), pool.clone()
+    correct_kept_rows(TorchAttentionBackend(dev), rope, want, "kv", 32.0,
+                      rows_of(rec, rows), kk, vv, rows_of(kept), 10)  # fmt: skip
+    correct_kept_rows(TritonAttentionBackend(dev), rope, got, "kv", 32.0,
+                      rows_of(rec, rows, segments), kk, vv, rows_of(kept), 10)  # fmt: skip
+    close(got, want)

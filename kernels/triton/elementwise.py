@@ -1,0 +1,197 @@
+"""The layer's small element-wise steps as one launch each (torch references: the layers' own
+code, :class:`~blendkv.layers.norm.RMSNorm`, :meth:`RotaryEmbedding.apply_rotary
+<blendkv.layers.rotary.RotaryEmbedding.apply_rotary>`, ``F.silu(gate) * up``).
+
+In eager PyTorch an RMSNorm with its residual add is 9 kernels, RoPE of q and k 12, SiLU-and-mul
+2: on a GPU each is a host-side launch of a few microseconds for very little work, and a
+blended prefill, whose layers compute few rows, is bound by those launches. Each function here
+is one kernel that rounds where the torch code rounds (every bf16 op of the reference rounds
+its float32 result to bf16, so the kernels do the same between steps): results agree with the
+references to float32 reduction order.
+
+- :func:`rms_norm`: optional residual add (in the input dtype), float32 normalisation, the
+  weight applied after the cast back (transformers' order). With a residual both inputs are
+  overwritten (vLLM's fused_add_rms_norm): ``x`` by the normalised rows, ``residual`` by the sum.
+- :func:`rotary_qk`: RoPE of q and k (any strides, e.g. views of a fused QKV output) at
+  arbitrary positions from the float32 cos/sin tables, into new contiguous tensors.
+- :func:`silu_and_mul`: ``silu(gate) * up`` of a fused ``[T, 2 * I]`` gate/up output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    out_ptr,
+    w_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    n,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / n
+    h = (h * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward`` in one launch. Without ``residual``: a new tensor. With it: ``x``
+    becomes the normalised rows and ``residual`` the sum ``x + residual``; returns both."""
+    assert x.dim() == 2 and x.stride(1) == 1 and x.dtype == weight.dtype, (x.shape, x.dtype)
+    rows, n = x.shape
+    out = x if residual is not None else torch.empty_like(x)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x,
+            x if residual is None else residual,
+            out,
+            weight,
+            x.stride(0),
+            x.stride(0) if residual is None else residual.stride(0),
+            out.stride(0),
+            n,
+            eps,
+            HAS_RES=residual is not None,
+            BLOCK=triton.next_power_of_2(n),
+        )
+    return out if residual is None else (out, residual)
+
+
+@triton.jit
+def _rotate(
+    src_ptr, dst_ptr, t, cos, sin, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dim = 2 * half
+    mask = (h < num_heads) & (d < dim)
+    partner = tl.where(d < half, d + half, d - half)
+    base = src_ptr + t * stride_t + h * stride_h
+    x = tl.load(base + d, mask=mask, other=0.0)
+    rot = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
+    rot = tl.where(d < half, -rot, rot)
+    dt = dst_ptr.dtype.element_ty
+    a = (x.to(tl.float32) * cos).to(dt).to(tl.float32)  # q * cos, rounded like torch
+    b = (rot * sin).to(dt).to(tl.float32)  # rotate_half(q) * sin
+    tl.store(dst_ptr + (t * num_heads + h) * dim + d, (a + b).to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_qk_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    num_heads,
+    num_kv_heads,
+    half,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dmask = d < 2 * half
+    dt = q_out_ptr.dtype.element_ty
+    # The tables are float32; torch casts them to the activations' dtype first.
+    cos = tl.load(cos_ptr + pos * 2 * half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * 2 * half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
+    _rotate(q_ptr, q_out_ptr, t, cos, sin, stride_qt, stride_qh, num_heads, half, BLOCK_H, BLOCK_D)
+    _rotate(k_ptr, k_out_ptr, t, cos, sin, stride_kt, stride_kh, num_kv_heads, half, BLOCK_HKV,
+            BLOCK_D)  # fmt: skip
+
+
+def rotary_qk(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, Hkv, D] (last dim contiguous), positions [T] -> rotated copies.
+    ``cos_table`` / ``sin_table``: float32 [max_position, D], both halves stored."""
+    num_tokens, num_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and k.dtype == q.dtype and dim % 2 == 0
+    assert cos_table.is_contiguous() and cos_table.shape[1] == dim, cos_table.shape
+    q_out = torch.empty((num_tokens, num_heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_kv_heads, dim), dtype=k.dtype, device=k.device)
+    if num_tokens:
+        _rotary_qk_kernel[(num_tokens,)](
+            q,
+            k,
+            q_out,
+            k_out,
+            positions,
+            cos_table,
+            sin_table,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            num_heads,
+            num_kv_heads,
+            dim // 2,
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+            BLOCK_D=triton.next_power_of_2(dim),
+        )
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # silu(gate), rounded
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(dt), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] (gate columns first, then up; rows contiguous) -> [T, I]."""
+    rows, width = gate_up.shape
+    assert gate_up.stride(1) == 1 and width % 2 == 0
+    n = width // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block
+        )
+    return out

@@ -1,0 +1,187 @@
+"""ProphetKV's per-layer score: the softmax attention the query rows pay each key, summed over
+rows and heads, read straight from the paged pool (torch reference:
+:func:`query_mass_reference`, i.e. :func:`~blendkv.kernels.attention_mass.query_attention_mass`
+over the keys gathered from their slots).
+
+The torch version gathers a float32 copy of every key of the sequence and runs ~12 kernels a
+layer; here it is two launches and no copy:
+
+1. ``_lse_kernel``, grid ``(kv_heads, row blocks)``: each (query row, head)'s log-sum-exp over the
+   keys it sees (key ``j`` sits at position ``j``; a row at position ``p`` sees ``j <= p``), the
+   online-softmax loop of flash attention without values.
+2. ``_mass_kernel``, grid ``(key blocks,)``: for its keys, ``exp(q.k * scale - lse)`` summed over
+   every row and head, added to the scores. Each key belongs to one program: no atomics, so
+   the sums (and the rows ProphetKV picks from them) are the same on every run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_q(q_ptr, m, num_q, group, kvh, stride_qt, stride_qh, d, head_dim, rows):
+    """Rows ``m`` of one KV head's query block, g-major: row ``m`` is query ``m % num_q`` of
+    head ``kvh * group + m // num_q``."""
+    row_ok = m < rows
+    i = m % num_q
+    head = kvh * group + m // num_q
+    ptrs = q_ptr + i[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(ptrs, mask=row_ok[:, None] & (d[None, :] < head_dim), other=0.0)
+    return q, i, row_ok
+
+
+@triton.jit
+def _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch, block_size,
+            d, head_dim):  # fmt: skip
+    """Keys ``n`` of KV head ``kvh`` from the pool, transposed: [BLOCK_D, BLOCK_N]."""
+    slot = tl.load(slots_ptr + n, mask=key_ok, other=0).to(tl.int64)
+    ptrs = (
+        cache_ptr
+        + (slot // block_size)[None, :] * stride_cb
+        + (slot % block_size)[None, :] * stride_co
+        + kvh * stride_ch
+        + d[:, None]
+    )
+    return tl.load(ptrs, mask=key_ok[None, :] & (d[:, None] < head_dim), other=0.0)
+
+
+@triton.jit
+def _lse_kernel(
+    q_ptr,
+    qpos_ptr,
+    cache_ptr,
+    slots_ptr,
+    lse_ptr,
+    scale_log2,
+    num_q,
+    num_keys,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    block_size,
+    group,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    rows = group * num_q
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    q, i, row_ok = _load_q(q_ptr, m, num_q, group, kvh, stride_qt, stride_qh, d, head_dim, rows)
+    qpos = tl.load(qpos_ptr + i, mask=row_ok, other=0)  # every row sees key 0: no empty row
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    last = tl.max(tl.where(row_ok, qpos, 0), axis=0)  # keys past the block's last row: unseen
+    for start in range(0, tl.minimum(num_keys, last + 1), BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < num_keys
+        k = _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch,
+                    block_size, d, head_dim)  # fmt: skip
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(key_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+        m_i = m_new
+    tl.store(lse_ptr + kvh * rows + m, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _mass_kernel(
+    q_ptr,
+    qpos_ptr,
+    cache_ptr,
+    slots_ptr,
+    lse_ptr,
+    out_ptr,
+    scale_log2,
+    num_q,
+    num_keys,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    block_size,
+    group,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_ok = n < num_keys
+    d = tl.arange(0, BLOCK_D)
+    rows = group * num_q
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for kvh in range(num_kv_heads):
+        k = _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch,
+                    block_size, d, head_dim)  # fmt: skip
+        for start in range(0, rows, BLOCK_M):
+            m = start + tl.arange(0, BLOCK_M)
+            q, i, row_ok = _load_q(q_ptr, m, num_q, group, kvh, stride_qt, stride_qh, d,
+                                   head_dim, rows)  # fmt: skip
+            qpos = tl.load(qpos_ptr + i, mask=row_ok, other=-1)
+            lse = tl.load(lse_ptr + kvh * rows + m, mask=row_ok, other=0.0)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            seen = row_ok[:, None] & key_ok[None, :] & (n[None, :] <= qpos[:, None])
+            acc += tl.sum(tl.where(seen, tl.exp2(s - lse[:, None]), 0.0), axis=0)
+    old = tl.load(out_ptr + n, mask=key_ok, other=0.0)
+    tl.store(out_ptr + n, old + acc, mask=key_ok)
+
+
+def add_query_mass(
+    scores: torch.Tensor,
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """``scores`` [S] float32 += the attention mass of ``q`` [Q, H, D] (RoPE applied, at
+    ``q_positions`` [Q]) over the keys of positions ``0..S-1``, at ``slots`` [S] of ``kv_cache``
+    [2, num_blocks, block_size, kv_heads, head_dim] (the query rows' own K written)."""
+    num_q, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_keys = slots.numel()
+    assert kv_cache.stride(-1) == 1
+    assert scores.shape == (num_keys,) and scores.dtype == torch.float32 and q.stride(2) == 1
+    if num_q == 0 or num_keys == 0:
+        return
+    group = num_heads // num_kv_heads
+    rows = group * num_q
+    block_m, block_n = 32, 64
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    lse = torch.empty(num_kv_heads * rows, dtype=torch.float32, device=q.device)
+    k_cache = kv_cache[0]
+    scale_log2 = head_dim**-0.5 * LOG2E  # the reference's scale (head_dim ** -0.5)
+    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    common = (*q.stride()[:2], *k_cache.stride()[:3], block_size, group, head_dim)
+    _lse_kernel[(num_kv_heads, triton.cdiv(rows, block_m))](
+        q, q_positions, k_cache, slots, lse, scale_log2, num_q, num_keys, *common,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+    )  # fmt: skip
+    _mass_kernel[(triton.cdiv(num_keys, block_n),)](
+        q, q_positions, k_cache, slots, lse, scores, scale_log2, num_q, num_keys, num_kv_heads,
+        *common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+    )  # fmt: skip
+
+
+def query_mass_reference(scores, q, q_positions, kv_cache, slots) -> None:
+    """The torch computation the kernels replace (float32)."""
+    from blendkv.kernels.attention_mass import query_attention_mass
+
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    keys = kv_cache[0].reshape(-1, num_kv_heads, head_dim).index_select(0, slots)
+    key_positions = torch.arange(len(slots), device=slots.device)
+    scores += query_attention_mass(q, keys, q_positions, key_positions)

@@ -1,0 +1,156 @@
+"""The one-launch norm / RoPE / SiLU-and-mul kernels against the layers' torch code (CPU:
+Triton's interpreter; on a GPU, compiled), and a model switched to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
+
+from blendkv.kernels.triton import elementwise as ops  # noqa: E402
+from blendkv.layers.norm import RMSNorm  # noqa: E402
+from blendkv.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def _close(actual, expected):
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=2e-6, rtol=2e-6)
+    else:  # one bf16 ulp where float32 reduction order moves a value across a rounding edge
+        torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=8e-3)
+
+
+@DTYPES
+@pytest.mark.parametrize("hidden", [64, 40], ids=["pow2", "masked"])
+def test_rms_norm_with_and_without_residual(device, dtype, hidden):
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    x = (torch.randn(5, hidden, generator=g) * 3).to(device=device, dtype=dtype)
+    r = torch.randn(5, hidden, generator=g).to(device=device, dtype=dtype)
+    _close(ops.rms_norm(x.clone(), norm.weight, 1e-5), norm(x))
+    ref_out, ref_res = norm(x, r)
+    xs, rs = x.clone(), r.clone()
+    out, res = ops.rms_norm(xs, norm.weight, 1e-5, rs)
+    assert out is xs and res is rs  # in place, like vLLM's fused_add_rms_norm
+    assert torch.equal(res, ref_res)  # the add rounds exactly like torch's
+    _close(out, ref_out)
+
+
+@DTYPES
+def test_rotary_qk_on_views_of_a_fused_projection(device, dtype):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+    rope = RotaryEmbedding(config)
+    heads, kv_heads, dim = 4, 2, rope.head_dim
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=g).to(device=device, dtype=dtype)
+    q = qkv[:, : heads * dim].view(6, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(6, kv_heads, dim)
+    positions = torch.tensor([0, 7, 3, 100, 5, 2], device=device)
+    ref_q, ref_k = rope.apply_rotary(positions, q, k)
+    cos, sin = rope.tables(device)
+    out_q, out_k = ops.rotary_qk(positions, q, k, cos, sin)
+    assert out_q.is_contiguous() and out_k.is_contiguous()
+    _close(out_q, ref_q)
+    _close(out_k, ref_k)
+
+
+@DTYPES
+def test_silu_and_mul(device, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 2 * 48, generator=g) * 4).to(device=device, dtype=dtype)
+    gate, up = x.split(48, dim=-1)
+    _close(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+def test_model_switched_to_the_kernels_gives_the_same_logits(tiny_llama_dir, device):
+    """A tiny Llama through the loader with the Triton backend uses the kernels everywhere and
+    gives the torch backend's prompt logits (fp32)."""
+    from blendkv.kernels.torch_attention import TorchAttentionBackend
+    from blendkv.kernels.triton_attention import TritonAttentionBackend
+    from blendkv.models.loader import load_model, resolve_model
+
+    resolved = resolve_model(str(tiny_llama_dir))
+    ref = load_model(resolved, torch.float32, TorchAttentionBackend(device), device)
+    ours = load_model(resolved, torch.float32, TritonAttentionBackend(device), device)
+    assert ours.model.norm.kernel is ops.rms_norm and ours.model.rotary_emb.kernel is not None
+    assert ours.model.layers[0].mlp.act_and_mul is ops.silu_and_mul
+    assert ref.model.norm.kernel is None
+    ids = torch.tensor([1, 5, 9, 13, 17, 21, 25, 29], device=device)
+    positions = torch.arange(len(ids), device=device)
+    with torch.no_grad():
+        expected = ref.compute_logits(ref(ids, positions))
+        actual = ours.compute_logits(ours(ids, positions))
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+# ---- ProphetKV's query attention mass -----------------------------------------------------
+@DTYPES
+@pytest.mark.parametrize("group,head_dim", [(3, 16), (1, 24)], ids=["gqa3", "mha-d24"])
+def test_query_mass_matches_the_gathered_torch_scores(device, dtype, group, head_dim):
+    from blendkv.kernels.triton.query_mass import add_query_mass, query_mass_reference
+
+    g = torch.Generator().manual_seed(3)
+    kv_heads, block_size, num_keys, num_q = 2, 4, 70, 5
+    num_blocks = num_keys // block_size + 3
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+    pool = pool.to(device=device, dtype=dtype)
+    blocks = torch.randperm(num_blocks, generator=g)[: -(-num_keys // block_size)]
+    keys = torch.arange(num_keys)
+    slots = (blocks[keys // block_size] * block_size + keys % block_size).to(device)
+    q = torch.randn(num_q, kv_heads * group, head_dim, generator=g).to(device=device, dtype=dtype)
+    q_positions = torch.tensor([40, 41, 55, 66, 69], device=device)  # rows see 41..70 keys
+    start = torch.rand(num_keys, generator=g).to(device)  # added to, as over the layers
+    expected, actual = start.clone(), start.clone()
+    query_mass_reference(expected, q, q_positions, pool, slots)
+    add_query_mass(actual, q, q_positions, pool, slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 products in the kernel's dot
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+    # each row's softmax sums to one: the mass added is the number of (row, head) pairs
+    assert abs(float((actual - start).sum()) - num_q * kv_heads * group) < 1e-3 * num_q * 8
+
+
+# ---- the K/V correction ---------------------------------------------------------------------
+@DTYPES
+@pytest.mark.parametrize("which", ["k", "v", "kv"])
+def test_chunk_shift_kernels_match_the_torch_correction(device, dtype, which):
+    """Two launches give the pool the torch correction gives it (chunk 1 has no recomputed
+    row: its kept rows stay as they are)."""
+    from transformers import LlamaConfig
+
+    from blendkv.blend.correction import Rows, correct_kept_rows
+    from blendkv.kernels.torch_attention import TorchAttentionBackend
+    from blendkv.kernels.triton_attention import TritonAttentionBackend
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, max_position_embeddings=128)
+    rope = RotaryEmbedding(config)
+    g = torch.Generator().manual_seed(4)
+    kv_heads, dim, block_size, num_blocks = 2, rope.head_dim, 4, 12
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g)
+    pool = pool.to(device=device, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:20].to(device)
+    positions = torch.arange(20, device=device) * 3 + 5
+    chunk_of = torch.tensor([0] * 7 + [1] * 6 + [2] * 7, device=device)
+    rec = torch.tensor([1, 4, 5, 15, 18], device=device)  # chunks 0, 0, 0, 2, 2
+    kept = torch.tensor([0, 2, 3, 6, 8, 9, 13, 14, 16, 19], device=device)
+    k = torch.randn(9, kv_heads, dim, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(9, kv_heads, dim, generator=g).to(device=device, dtype=dtype)
+    rows = torch.tensor([0, 2, 3, 6, 8], device=device)  # the recomputed rows among the layer's 9
+
+    def rows_of(idx, current=None, segments=None):
+        return Rows(positions[idx], slots[idx], chunk_of[idx], current, segments)
+
+    expected, actual = pool.clone(), pool.clone()
+    args = (which, 8.0)
+    correct_kept_rows(TorchAttentionBackend(device), rope, expected, *args,
+                      rows_of(rec, rows), k, v, rows_of(kept), 3)  # fmt: skip
+    segments = torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=device)
+    correct_kept_rows(TritonAttentionBackend(device), rope, actual, *args,
+                      rows_of(rec, rows, segments), k, v, rows_of(kept), 3)  # fmt: skip
+    assert not torch.equal(expected, pool)
+    _close(actual, expected)
