@@ -65,6 +65,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._ops = ops
         self._plans = StepPlanMemo()  # (metadata, num_heads / num_kv_heads) -> _StepPlan
         self._xformers_checked = False
+        self._kernel_ok: dict[str, bool] = {}  # blend kernels: ran on first use (else torch)
         self._xformers_attention = None
 
     def step_plans(self, md: AttentionMetadata) -> list:
@@ -92,18 +93,48 @@ class TritonAttentionBackend(TorchAttentionBackend):
         """Two launches reading the keys in place (:mod:`blendkv.kernels.triton.query_mass`)."""
         from blendkv.kernels.triton.query_mass import add_query_mass
 
-        add_query_mass(scores, q, q_positions, kv_cache, slots)
+        if self._first_use("query_mass", add_query_mass, scores, q, q_positions, kv_cache, slots):
+            return
+        if self._kernel_ok["query_mass"]:
+            add_query_mass(scores, q, q_positions, kv_cache, slots)
+        else:
+            super().add_query_mass(scores, q, q_positions, kv_cache, slots, visible_prefix)
 
     fused_chunk_shift = True
 
     def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
-                        sin, attention_scaling) -> None:  # fmt: skip
+                        sin, attention_scaling) -> bool:  # fmt: skip
         """A blended layer's K/V correction in two launches
-        (:mod:`blendkv.kernels.triton.chunk_shift`)."""
+        (:mod:`blendkv.kernels.triton.chunk_shift`); False if the kernels cannot run here (the
+        caller then does it with torch ops)."""
         from blendkv.kernels.triton.chunk_shift import shift_kept_rows
 
-        shift_kept_rows(kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
-                        attention_scaling)  # fmt: skip
+        args = (kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
+                attention_scaling)  # fmt: skip
+        if self._first_use("chunk_shift", shift_kept_rows, *args):
+            return True
+        if self._kernel_ok["chunk_shift"]:
+            shift_kept_rows(*args)
+        return self._kernel_ok["chunk_shift"]
+
+    def _first_use(self, name: str, kernel, *args) -> bool:
+        """Run ``kernel`` the first time it is needed, catching a failure to compile or launch
+        (logged; the torch code takes over for good). True if it ran now."""
+        if name in self._kernel_ok:
+            return False
+        try:
+            kernel(*args)
+        except Exception as e:
+            logger.warning(
+                "the Triton %s kernel failed (%s: %s); blending uses torch ops for it",
+                name,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            self._kernel_ok[name] = False
+            return False
+        self._kernel_ok[name] = True
+        return True
 
     # ---- attention ----------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, attn_metadata, scale):
@@ -117,6 +148,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
         plan = self._plan(md, q.shape[1] // kv_cache.shape[3])
+        if plan.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
+            # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
+            return dense_causal_attention(q, k, v, scale)
         out = torch.empty_like(q)
         if plan.fresh_ranges:
             self._dense_prefill(q, k, v, plan.fresh_ranges, out, scale)

@@ -83,9 +83,9 @@ def correct_kept_rows(
         return
     if recomputed.segments is not None:
         cos, sin = rotary.tables(kv_cache.device)
-        backend.shift_kept_rows(kv_cache, which, shrink, k, v, recomputed, kept, num_chunks,
-                                cos, sin, rotary.attention_scaling)  # fmt: skip
-        return
+        if backend.shift_kept_rows(kv_cache, which, shrink, k, v, recomputed, kept, num_chunks,
+                                   cos, sin, rotary.attention_scaling):  # fmt: skip
+            return
     k_new, v_new = k[recomputed.rows], v[recomputed.rows]
     old_k, old_v = backend.read_kv(kv_cache, recomputed.slots)
     cur_k, cur_v = backend.read_kv(kv_cache, kept.slots)

@@ -154,3 +154,51 @@ def test_chunk_shift_kernels_match_the_torch_correction(device, dtype, which):
                       rows_of(rec, rows, segments), k, v, rows_of(kept), 3)  # fmt: skip
     assert not torch.equal(expected, pool)
     _close(actual, expected)
+
+
+# ---- a kernel that fails its check or its first launch is left off ---------------------------
+def test_a_kernel_failing_its_check_is_left_off(tiny_llama_dir, device, monkeypatch, caplog):
+    from blendkv.kernels.triton_attention import TritonAttentionBackend
+    from blendkv.models.loader import load_model, resolve_model
+
+    def wrong_norm(x, weight, eps, residual=None):  # off by a lot
+        out = torch.zeros_like(x)
+        return out if residual is None else (out, x + residual)
+
+    monkeypatch.setattr(ops, "rms_norm", wrong_norm)
+    with caplog.at_level("WARNING", logger="blendkv.layers.fused_kernels"):
+        model = load_model(
+            resolve_model(str(tiny_llama_dir)), torch.float32, TritonAttentionBackend(device), device
+        )
+    assert "rms_norm kernel failed its check" in caplog.text
+    assert all(m.kernel is None for m in model.modules() if isinstance(m, RMSNorm))
+    assert model.model.rotary_emb.kernel is ops.rotary_qk  # the others still switched
+    assert model.model.layers[0].mlp.act_and_mul is ops.silu_and_mul
+
+
+def test_blend_kernels_that_fail_to_launch_fall_back_to_torch(device, monkeypatch, caplog):
+    import blendkv.kernels.triton.query_mass as qm
+    from blendkv.kernels.torch_attention import TorchAttentionBackend
+    from blendkv.kernels.triton_attention import TritonAttentionBackend
+
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no such target")
+
+    monkeypatch.setattr(qm, "add_query_mass", broken)
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(2, 6, 4, 2, 16, generator=g).to(device)
+    slots = torch.randperm(24, generator=g)[:20].to(device)
+    q = torch.randn(3, 4, 16, generator=g).to(device)
+    q_positions = torch.tensor([17, 18, 19], device=device)
+    backend = TritonAttentionBackend(device)
+    got, want = torch.zeros(20, device=device), torch.zeros(20, device=device)
+    with caplog.at_level("WARNING", logger="blendkv.kernels.triton_attention"):
+        for _ in range(2):
+            backend.add_query_mass(got, q, q_positions, pool, slots)
+            TorchAttentionBackend(device).add_query_mass(want, q, q_positions, pool, slots)
+    assert calls == [1]  # tried once, then torch for good
+    assert caplog.text.count("query_mass kernel failed") == 1
+    torch.testing.assert_close(got, want)
