@@ -204,7 +204,9 @@ class TorchAttentionBackend(AttentionBackend):
         ``visible_prefix``: how many leading keys every row sees (spares their masking)."""
         from blendkv.kernels.attention_mass import query_attention_mass
 
-        keys, _ = self.read_kv(kv_cache, slots)
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads * head_dim)
+        keys = flat_k.index_select(0, slots).view(-1, num_kv_heads, head_dim)  # K only
         key_positions = torch.arange(len(slots), device=slots.device)
         scores += query_attention_mass(q, keys, q_positions, key_positions, visible_prefix)
 

@@ -86,15 +86,15 @@ def correct_kept_rows(
         if backend.shift_kept_rows(kv_cache, which, shrink, k, v, recomputed, kept, num_chunks,
                                    cos, sin, rotary.attention_scaling):  # fmt: skip
             return
-    k_new, v_new = k[recomputed.rows], v[recomputed.rows]
-    old_k, old_v = backend.read_kv(kv_cache, recomputed.slots)
-    cur_k, cur_v = backend.read_kv(kv_cache, kept.slots)
     if "v" in which:
-        delta = v_new.float() - old_v.float()
+        old_v = _read(kv_cache, 1, recomputed.slots)
+        delta = v[recomputed.rows].float() - old_v.float()
         shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink)
-        cur_v = _per_row(shift, kept.chunk_ids).add_(cur_v).to(cur_v.dtype)
+        cur_v = _read(kv_cache, 1, kept.slots)
+        _write(kv_cache, 1, _per_row(shift, kept.chunk_ids).add_(cur_v), kept.slots)
     if "k" in which:
-        delta = k_new.float() - rotary.unrotate_k(recomputed.positions, old_k.float())
+        old_k = _read(kv_cache, 0, recomputed.slots)
+        delta = k[recomputed.rows].float() - rotary.unrotate_k(recomputed.positions, old_k.float())
         shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink)
         # RoPE of the per-chunk shift at each kept row's position, rotate_half taken on the
         # [chunks, H, D] shift (exact: it permutes and negates); cos/sin of the kept positions
@@ -102,8 +102,21 @@ def correct_kept_rows(
         cos, sin = rotary.cos_sin(kept.positions, torch.float32)
         moved = _per_row(shift, kept.chunk_ids).mul_(cos)
         moved.addcmul_(_per_row(rotate_half(shift), kept.chunk_ids), sin)
-        cur_k = moved.add_(cur_k).to(cur_k.dtype)
-    backend.write_kv(kv_cache, cur_k, cur_v, kept.slots)
+        _write(kv_cache, 0, moved.add_(_read(kv_cache, 0, kept.slots)), kept.slots)
+
+
+def _read(kv_cache: torch.Tensor, half: int, slots: torch.Tensor) -> torch.Tensor:
+    """K (``half`` 0) or V (1) of ``slots`` [N] -> [N, Hkv, D] (a copy): only the half the
+    correction shifts is read and written back (the other is ~half the pool's traffic)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache[half].view(num_blocks * block_size, num_kv_heads * head_dim)
+    return flat.index_select(0, slots).view(-1, num_kv_heads, head_dim)
+
+
+def _write(kv_cache: torch.Tensor, half: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache[half].view(num_blocks * block_size, num_kv_heads * head_dim)
+    flat.index_copy_(0, slots, rows.to(kv_cache.dtype).reshape(len(slots), -1).contiguous())
 
 
 def _per_row(shift: torch.Tensor, chunk_ids: torch.Tensor) -> torch.Tensor:

@@ -167,9 +167,8 @@ def test_a_kernel_failing_its_check_is_left_off(tiny_llama_dir, device, monkeypa
 
     monkeypatch.setattr(ops, "rms_norm", wrong_norm)
     with caplog.at_level("WARNING", logger="blendkv.layers.fused_kernels"):
-        model = load_model(
-            resolve_model(str(tiny_llama_dir)), torch.float32, TritonAttentionBackend(device), device
-        )
+        backend = TritonAttentionBackend(device)
+        model = load_model(resolve_model(str(tiny_llama_dir)), torch.float32, backend, device)
     assert "rms_norm kernel failed its check" in caplog.text
     assert all(m.kernel is None for m in model.modules() if isinstance(m, RMSNorm))
     assert model.model.rotary_emb.kernel is ops.rotary_qk  # the others still switched
