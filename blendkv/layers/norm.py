@@ -11,7 +11,9 @@ class RMSNorm(nn.Module):
 
     ``forward(x)`` returns the normalised tensor. ``forward(x, residual)`` first adds
     ``residual`` (in the input dtype, exactly where transformers adds it) and returns
-    ``(normalised, x + residual)`` — the new residual stream, vLLM's convention.
+    ``(normalised, x + residual)`` — the new residual stream, vLLM's convention. With the
+    one-launch kernel set (GPUs) that call writes both results into ``x`` and ``residual``
+    themselves: callers pass tensors they no longer need.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -31,7 +33,13 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.kernel is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
+        if (
+            self.kernel is not None
+            and x.dim() == 2
+            and x.dtype == self.weight.dtype
+            and x.stride(1) == 1
+            and (residual is None or residual.stride(1) == 1)
+        ):
             return self.kernel(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._norm(x)
