@@ -38,4 +38,5 @@ class GatedMLP(nn.Module):
             gate, up = fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act_fn(gate) * up)
+        # in place on the activation's new tensor: one pass less (the same bits)
+        return self.down_proj(self.act_fn(gate).mul_(up))

@@ -28,7 +28,10 @@ class RMSNorm(nn.Module):
         input_dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(input_dtype)
+        h = h.to(input_dtype)  # a new tensor either way (the product above, or the cast)
+        if h.dtype != torch.promote_types(h.dtype, self.weight.dtype):
+            return self.weight * h
+        return h.mul_(self.weight)  # weight * h, in place (the product is commutative)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

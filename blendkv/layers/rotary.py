@@ -60,8 +60,18 @@ def compute_inv_freq(config) -> tuple[torch.Tensor, float]:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    """``cat(-x2, x1)`` of the two halves of the last dim, written into one new tensor."""
+    half = x.shape[-1] // 2
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    torch.neg(x[..., half:], out=out[..., :half])
+    out[..., half:].copy_(x[..., :half])
+    return out
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with the same roundings, in two new tensors instead
+    of five (measured 11.3 vs 17.7 ms for 6,144 x 9 x 64 float32 on 2 cores)."""
+    return torch.mul(x, cos).add_(rotate_half(x).mul_(sin))
 
 
 class RotaryEmbedding(nn.Module):
@@ -128,7 +138,7 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [T, heads, head_dim] whose row ``i`` sits at absolute ``positions[i]``."""
         cos, sin = self.cos_sin(positions, x.dtype)
-        return x * cos + rotate_half(x) * sin
+        return _rope(x, cos, sin)
 
     def apply_rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -138,9 +148,7 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.tables(q.device)
             return self.kernel(positions, q, k, cos, sin)
         cos, sin = self.cos_sin(positions, q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
-        return q, k
+        return _rope(q, cos, sin), _rope(k, cos.to(k.dtype), sin.to(k.dtype))
 
     def rotate_k(self, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """RoPE on pre-RoPE keys alone (the chunk store re-rotates stored K to new positions)."""
@@ -151,7 +159,8 @@ class RotaryEmbedding(nn.Module):
 
         cos/sin carry ``attention_scaling`` s, so rotating scales by s: undo it too."""
         cos, sin = self.cos_sin(positions, k.dtype)
-        return (k * cos - rotate_half(k) * sin) / (self.attention_scaling**2)
+        out = torch.mul(k, cos).sub_(rotate_half(k).mul_(sin))
+        return out.div_(self.attention_scaling**2)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
