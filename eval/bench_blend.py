@@ -56,20 +56,32 @@ def _blend_config(args):
     return BlendConfig(**fields)
 
 
-def main(args) -> int:
-    from blendkv import LLM, SamplingParams
-    from blendkv.blend.config import BlendConfig
+def musique_setup(args, **llm_kwargs):
+    """(examples, prompt spec, LLM) of a MuSiQue blend benchmark: ``args.data`` (default: the
+    dev set), ``args.limit`` examples, ``args.model`` in ``args.dtype``, no prefix caching,
+    8K context; ``llm_kwargs`` for the store and loading."""
+    from blendkv import LLM
 
     data = Path(args.data) if args.data else DEFAULT_DATA
     examples = load_cacheblend_json(data, limit=args.limit)
-    spec = get_prompt_spec("musique")
-    # "Warm store" = served from RAM: on the CPU as zero-copy views of LMDB's map (the page
-    # cache), on CUDA from a memory tier large enough for every example's chunks (pinned).
     llm = LLM(
         args.model,
         dtype=args.dtype,
         enable_prefix_caching=False,
         max_model_len=8192,
+        **llm_kwargs,
+    )
+    return examples, get_prompt_spec("musique"), llm
+
+
+def main(args) -> int:
+    from blendkv import SamplingParams
+    from blendkv.blend.config import BlendConfig
+
+    # "Warm store" = served from RAM: on the CPU as zero-copy views of LMDB's map (the page
+    # cache), on CUDA from a memory tier large enough for every example's chunks (pinned).
+    examples, spec, llm = musique_setup(
+        args,
         kv_store_memory_bytes=4 << 30,
         pipeline_kv_load=not getattr(args, "no_pipeline", False),
     )

@@ -26,11 +26,9 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
     from blendkv.blend.config import BlendConfig
-    from blendkv.eval.bench_blend import DEFAULT_DATA, _blended
-    from blendkv.eval.datasets import load_cacheblend_json
-    from blendkv.eval.prompts import get_prompt_spec
+    from blendkv.eval.bench_blend import _blended, musique_setup
 
     p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_store_reads")
     p.add_argument("--model", default=None)
@@ -42,15 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    examples = load_cacheblend_json(Path(args.data or DEFAULT_DATA), limit=args.limit)
-    spec = get_prompt_spec("musique")
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        enable_prefix_caching=False,
-        max_model_len=8192,
-        kv_store_memory_bytes=1,  # nothing fits: every read goes to LMDB
-    )
+    # kv_store_memory_bytes=1: nothing fits the memory tier, every read goes to LMDB
+    examples, spec, llm = musique_setup(args, kv_store_memory_bytes=1)
     manager = llm.blend_manager()
     loader = llm.engine.kv_connector._loader
     one = SamplingParams(temperature=0.0, max_tokens=1)
