@@ -99,6 +99,8 @@ def profiled(llm, check_layer: int):
     patched: list = []  # (class or module, name, original)
     timer.wrap_class(BlendRowPlan, "select", "selection", patched, on_call=rows_plan.append)
     timer.wrap_class(BlendRowPlan, "before_attention", "K/V correction", patched)
+    # Backends that score before attention (Triton); the torch one scores inside attention,
+    # so on the CPU the scoring is part of "ProphetKV pass 1: attention".
     timer.wrap_class(prophet.QueryScorePlan, "select", "ProphetKV pass 1: scoring", patched)
     original_query_pass = prophet.run_query_pass
 

@@ -27,6 +27,18 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True)
+class QueryMassRequest:
+    """A sequence's rows from ``first_row`` (an index into the step's rows) to its last are
+    query rows: every layer's attention adds the softmax weight they pay each key, summed over
+    rows and heads, to ``scores`` [seq_len] float32. ``visible_prefix``: how many leading keys
+    all of them see."""
+
+    first_row: int
+    scores: torch.Tensor
+    visible_prefix: int
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step tensors shared by every layer. Built by :meth:`AttentionBackend.build_metadata`.
@@ -43,6 +55,8 @@ class AttentionMetadata:
         query_start_loc_cpu / seq_lens_cpu: Python lists mirroring the tensors (cheap loops).
         is_contiguous_prefill: per sequence, True when its query tokens are exactly positions
             ``seq_len - query_len .. seq_len - 1`` in order (ordinary prefill/decode).
+        query_mass: per sequence index, a :class:`QueryMassRequest` (ProphetKV's query pass,
+            backends with ``scores_in_attention``); not carried by :meth:`subset`.
 
     Dense metadata (:meth:`AttentionBackend.dense_metadata`, no KV pool) has empty
     ``slot_mapping`` and ``block_table``: every sequence is a fresh prefill at 0..n-1.
@@ -59,6 +73,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     is_contiguous_prefill: list[bool]
+    query_mass: dict[int, QueryMassRequest] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -185,6 +200,9 @@ class AttentionBackend(ABC):
     # It reads a sequence's blocks faster when their ids are consecutive (slices of the pool,
     # no gather): the block manager then places new blocks in runs.
     prefers_block_runs: bool = False
+    # Its forward honours ``AttentionMetadata.query_mass`` (the query pass needs no separate
+    # scoring product per layer); else the pass calls :meth:`add_query_mass` before attention.
+    scores_in_attention: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -21,6 +21,7 @@ from blendkv.kernels.attention import (
     StepPlanMemo,
     split_by_kind,
 )
+from blendkv.kernels.attention_mass import attention_with_mass, query_attention_mass
 from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, plan_dense_decode
 from blendkv.kernels.paged_decode import DecodePlan, block_runs, decode_attention, plan_decode
 from blendkv.kernels.split_attention import RowGroup, plan_row_groups, split_masked_attention
@@ -196,14 +197,13 @@ class TorchAttentionBackend(AttentionBackend):
     # Whether shift_kept_rows runs a blended layer's K/V correction in kernels (else the torch
     # code of blendkv.blend.correction does).
     fused_chunk_shift = False
+    scores_in_attention = True
 
     def add_query_mass(self, scores, q, q_positions, kv_cache, slots, visible_prefix=0) -> None:
         """``scores`` [S] float32 += the softmax attention ``q`` [Q, H, D] (RoPE applied, rows
         at ``q_positions``) pays each key of positions ``0..S-1``, read from ``kv_cache`` at
         ``slots`` [S] (the query rows' own K already written), summed over rows and heads.
         ``visible_prefix``: how many leading keys every row sees (spares their masking)."""
-        from blendkv.kernels.attention_mass import query_attention_mass
-
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads * head_dim)
         keys = flat_k.index_select(0, slots).view(-1, num_kv_heads, head_dim)  # K only
@@ -287,21 +287,27 @@ class TorchAttentionBackend(AttentionBackend):
         for lo, hi in plan.fresh_ranges:
             # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
             out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
-        others = zip(plan.other_seqs, plan.row_groups, plan.other_slots, strict=True)
-        for i, groups, first in others:
+        others = zip(plan.other_seqs, plan.row_groups, plan.other_slots, plan.scored_from)
+        for i, groups, first, mid in others:
             lo, hi = starts[i], starts[i + 1]
             if first is None:
                 keys, values = gather_kv(kv_cache, md.block_table[i], md.seq_lens_cpu[i])
             else:  # the context is one run of consecutive blocks: a slice of the pool
                 flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
                 keys, values = flat[:, first : first + md.seq_lens_cpu[i]]
-            positions = md.positions[lo:hi]
-            if groups is None:
-                out[lo:hi] = masked_attention(q[lo:hi], keys, values, positions, scale)
-            else:
-                out[lo:hi] = split_masked_attention(
-                    q[lo:hi], keys, values, positions, scale, groups
+            positions = md.positions[lo:mid]
+            if mid > lo and groups is None:
+                out[lo:mid] = masked_attention(q[lo:mid], keys, values, positions, scale)
+            elif mid > lo:
+                out[lo:mid] = split_masked_attention(
+                    q[lo:mid], keys, values, positions, scale, groups
                 )
+            if mid < hi:  # ProphetKV's query rows: their output and their score, one product
+                request = md.query_mass[i]
+                out[mid:hi], mass = attention_with_mass(
+                    q[mid:hi], keys, values, md.positions[mid:hi], request.visible_prefix
+                )
+                request.scores.add_(mass)
         if plan.decode is not None:
             decode_attention(q, kv_cache, plan.decode, out, scale)
         if plan.dense_decode is not None:
@@ -312,11 +318,16 @@ class TorchAttentionBackend(AttentionBackend):
         fresh, decode, other = split_by_kind(md)
         group = q.shape[1] // cache_shape[3]
         starts = md.query_start_loc_cpu
-        row_groups = [
-            plan_row_groups(md.positions[starts[i] : starts[i + 1]], group, q.dtype)
-            if self._split_rows
-            else None
+        # Rows from `scored_from` on are query rows scored in attention (query_mass).
+        scored_from = [
+            md.query_mass[i].first_row if md.query_mass and i in md.query_mass else starts[i + 1]
             for i in other
+        ]
+        row_groups = [
+            plan_row_groups(md.positions[starts[i] : mid], group, q.dtype)
+            if self._split_rows and mid > starts[i]
+            else None
+            for i, mid in zip(other, scored_from, strict=True)
         ]
         slots = [None] * len(other)
         if self._split_rows:
@@ -327,7 +338,7 @@ class TorchAttentionBackend(AttentionBackend):
             dense = plan_dense_decode(md, decode, cache_shape[2])
         elif decode:
             decode_plan = plan_decode(md, decode, cache_shape, self._split_rows)
-        return _StepPlan(fresh, other, row_groups, decode_plan, slots, dense)
+        return _StepPlan(fresh, other, row_groups, decode_plan, slots, scored_from, dense)
 
 
 @dataclass(frozen=True)
@@ -341,5 +352,7 @@ class _StepPlan:
     # per other seq: its first pool slot when its context is one run of consecutive blocks
     # (read as a slice, not gathered; CPU), else None
     other_slots: list[int | None]
+    # per other seq: the row where its query rows scored in attention begin (its end if none)
+    scored_from: list[int]
     # decode rows when compiled decode is on: all of them in one kernel call per layer
     dense_decode: DenseDecode | None = None

@@ -101,6 +101,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
             super().add_query_mass(scores, q, q_positions, kv_cache, slots, visible_prefix)
 
     fused_chunk_shift = True
+    scores_in_attention = False  # its forward scores nothing: the pass scores in kernels
 
     def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
                         sin, attention_scaling) -> bool:  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from blendkv.blend.row_plan import SeqBlend
+from blendkv.kernels.attention import QueryMassRequest
 from blendkv.models.hooks import RowPlan
 
 
@@ -29,6 +30,11 @@ class QueryScorePlan(RowPlan):
     Everything that is the same at every layer (each sequence's rows, query rows, key slots) is
     built once here, and the scores add up on the device: a layer costs no host sync (on a GPU
     one per layer left it idle most of the pass). :meth:`finish` brings the scores to the CPU.
+
+    A backend with ``scores_in_attention`` (the torch one) scores inside its attention: the
+    plan leaves a :class:`QueryMassRequest` per sequence on the metadata and selects nothing,
+    so q and K are multiplied once per layer, not twice. Otherwise :meth:`select` scores each
+    layer through ``add_query_mass`` (the Triton kernels) before attention.
     """
 
     def __init__(self, attn_metadata, blends: list[SeqBlend], attn_backend) -> None:
@@ -37,6 +43,8 @@ class QueryScorePlan(RowPlan):
         self.rows = torch.arange(md.num_tokens)
         self.backend = attn_backend
         self.blends = blends
+        self.in_attention = attn_backend.scores_in_attention
+        requests = {}
         # (seq blend, its rows, their positions and slots, query rows, their positions, key
         # slots, keys every query row sees)
         self._seqs = []
@@ -50,21 +58,29 @@ class QueryScorePlan(RowPlan):
             is_query = positions_cpu[lo:hi] >= sb.query_start
             if not is_query.any():
                 continue
+            # keys 0 .. the first query row's position are seen by every query row: unmasked
+            visible = int(positions_cpu[lo:hi][is_query].min()) + 1
+            first = hi - int(is_query.sum())
+            # rows are laid out in position order, so the query rows are the sequence's last
+            assert bool(is_query[first - lo :].all()), "query rows must be the last rows"
+            if self.in_attention:
+                requests[sb.index] = QueryMassRequest(first, sb.query_scores, visible)
+                continue
             key_positions = torch.arange(seq_len, device=dev)
             table = md.block_table[sb.index].long()
             bs = md.block_size
             slots = table[key_positions // bs] * bs + key_positions % bs
-            query = torch.nonzero(is_query).flatten().to(dev)
-            # keys 0 .. the first query row's position are seen by every query row: unmasked
-            visible = int(positions_cpu[lo:hi][is_query].min()) + 1
+            query = torch.arange(first - lo, hi - lo, device=dev)
             positions = md.positions[lo:hi]
             self._seqs.append(
                 (sb, slice(lo, hi), positions, md.slot_mapping[lo:hi], query, positions[query],
                  slots, visible)
             )  # fmt: skip
+        if requests:
+            md.query_mass = requests
 
     def selects_at(self, layer_idx: int) -> bool:
-        return True
+        return bool(self._seqs)
 
     def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
         for sb, rows, positions, row_slots, query, query_positions, slots, visible in self._seqs:
@@ -98,7 +114,10 @@ def run_query_pass(
     sub = md.subset(keep)
     plan = QueryScorePlan(sub, prophets, attn_backend)
     ids = input_ids[keep.to(input_ids.device)]
-    model(ids, sub.positions, kv_caches, sub, row_plan=plan, hooks=hooks, kv_only=True)
+    # Scoring in attention needs the last layer's attention too (its MLP is wasted: ~1/30th
+    # of the pass); scoring before attention can stop after the last layer's projections.
+    kv_only = not plan.in_attention
+    model(ids, sub.positions, kv_caches, sub, row_plan=plan, hooks=hooks, kv_only=kv_only)
     plan.finish()
     # The pass's work, counted with the fused forward's (stats, profile floors, controller):
     # its rows at every layer, each attending to (scored over) its position + 1 keys.

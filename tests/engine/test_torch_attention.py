@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import needs_cpp_compiler
 
-from blendkv.kernels.attention import AttentionMetadata
+from blendkv.kernels.attention import AttentionMetadata, QueryMassRequest
+from blendkv.kernels.attention_mass import attention_with_mass, query_attention_mass
 from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
 from blendkv.kernels.torch_attention import TorchAttentionBackend, masked_attention
 
@@ -54,6 +55,35 @@ def test_split_masked_attention(num_rows, n_keys, heads):
     torch.testing.assert_close(
         out.double(), dense_reference(q, k, v, positions, 0.25), atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_probs", [None, 700])
+def test_attention_with_mass(dtype, max_probs, monkeypatch):
+    """Query rows' attention and their mass from one product: the output is the dense
+    oracle's, the mass is query_attention_mass's (the same bits in one block of rows; several
+    blocks when the probabilities are capped small)."""
+    import blendkv.kernels.attention_mass as am
+
+    if max_probs is not None:
+        monkeypatch.setattr(am, "_MAX_PROBS", max_probs)
+    gen = torch.Generator().manual_seed(3)
+    n_keys, rows = 60, 9
+    q = torch.randn(rows, 6, 16, generator=gen).to(dtype)
+    k = torch.randn(n_keys, 2, 16, generator=gen).to(dtype)
+    v = torch.randn(n_keys, 2, 16, generator=gen).to(dtype)
+    positions = torch.tensor([40, 41, 45, 50, 51, 52, 55, 58, 59])
+    out, mass = attention_with_mass(q, k, v, positions, visible_prefix=41)
+    assert out.dtype == dtype and mass.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    ref = dense_reference(q.float(), k.float(), v.float(), positions, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+    want = query_attention_mass(q, k, positions, torch.arange(n_keys), 41)
+    if max_probs is None:
+        assert torch.equal(mass, want)
+    else:
+        torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
+    assert float(mass.sum()) == pytest.approx(6 * rows, rel=1e-5)
 
 
 def _run_layout(layout, gen):
@@ -114,10 +144,15 @@ def test_split_masked_attention_bf16():
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=0)
 
 
+@pytest.mark.parametrize("scored", [False, True])
 @pytest.mark.parametrize("layout", ["shuffled", "runs"])
-def test_paged_backend_mixed_step(layout):
+def test_paged_backend_mixed_step(layout, scored):
     """Scattered rows of one sequence, a chunked-prefill tail and decodes in one call; block
-    tables shuffled (keys gathered) or in runs of consecutive blocks (slices of the pool)."""
+    tables shuffled (keys gathered) or in runs of consecutive blocks (slices of the pool).
+
+    ``scored``: the last rows of the first two sequences are ProphetKV query rows; attention
+    also adds the mass they pay each key (the same as :func:`query_attention_mass`) and their
+    output is unchanged."""
     gen = torch.Generator().manual_seed(0)
     bs, hq, hkv, d = 4, 6, 2, 16
     cache = torch.randn(2, 64, bs, hkv, d, generator=gen)
@@ -167,16 +202,28 @@ def test_paged_backend_mixed_step(layout):
         seq_lens_cpu=lens,
         is_contiguous_prefill=[False, True, True, True],
     )
+    scored_rows = {0: 70, 1: 2}  # seq -> its first query row (an offset in its rows)
+    if scored:
+        md.query_mass = {
+            i: QueryMassRequest(starts[i] + r, torch.zeros(lens[i]), int(queries[i][r]) + 1)
+            for i, r in scored_rows.items()
+        }
     backend = TorchAttentionBackend()
-    out = backend.forward(q, k_new, v_new, cache, md, 0.25)
+    d_scale = d**-0.5
+    out = backend.forward(q, k_new, v_new, cache, md, d_scale)
     plan = backend._step_plans.get(md, cache.shape[1], None)
     sliced = [first is not None for first in plan.other_slots]
     assert sliced == ([True, True] if layout == "runs" else [False, False])
     if layout == "runs":
         assert len(plan.decode.in_place) == 2 and not plan.decode.groups
     for i in range(4):
-        ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
+        ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], d_scale)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), ref, atol=1e-5, rtol=0)
+    for i, r in scored_rows.items() if scored else ():
+        rows = slice(starts[i] + r, starts[i + 1])
+        want = query_attention_mass(q[rows], full[i][0], queries[i][r:], torch.arange(lens[i]))
+        torch.testing.assert_close(md.query_mass[i].scores, want, atol=1e-5, rtol=1e-5)
+        assert float(want.sum()) == pytest.approx(hq * len(queries[i][r:]), rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,9 @@ def test_profile_parts_add_up_to_the_ttft(tmp_path, capsys, selection):
     assert summary["selection"] == (selection or "prophet")
     assert bool(pass_one) == (summary["selection"] == "prophet")
     if pass_one:
-        assert parts["ProphetKV pass 1: attention"] > 0 and parts["ProphetKV pass 1: scoring"] > 0
+        # the torch backend scores the query rows inside their attention: no separate part
+        assert parts["ProphetKV pass 1: attention"] > 0
+        assert parts.get("ProphetKV pass 1: scoring", 0.0) == 0.0
     assert 0 < prof["row_layers"] < prof["all_row_layers"]
     assert 0 < prof["key_row_layers_fraction"] < 1 and 0 < prof["attention_share"] < 1
     assert prof["key_floor_fraction"] == pytest.approx(prof["key_floor"] / prof["ttft"])
