@@ -287,7 +287,9 @@ class TorchAttentionBackend(AttentionBackend):
         for lo, hi in plan.fresh_ranges:
             # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
             out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
-        others = zip(plan.other_seqs, plan.row_groups, plan.other_slots, plan.scored_from)
+        others = zip(
+            plan.other_seqs, plan.row_groups, plan.other_slots, plan.scored_from, strict=True
+        )
         for i, groups, first, mid in others:
             lo, hi = starts[i], starts[i + 1]
             if first is None:

@@ -14,8 +14,6 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-
 from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.eval.bench_blend import DEFAULT_DATA, _blended
