@@ -49,6 +49,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="CPU, float32/bfloat16: decode attention through one C++ kernel call per layer "
         "(default: on where it applies; built on the first start, ~10 s, then cached)",
     )
+    p.add_argument(
+        "--compile-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU, float32/bfloat16: prefill attention through one C++ kernel call per "
+        "sequence and layer (default: on where it applies)",
+    )
     add_device_args(p)
 
 
@@ -76,6 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "attention_backend": args.attention_backend,
         "cpu_gemm": args.cpu_gemm,
         "compile_decode": args.compile_decode,
+        "compile_prefill": args.compile_prefill,
     }
 
 

@@ -84,6 +84,10 @@ class EngineConfig:
     # cached); if it can't be built, the log says why and decode runs the flash calls.
     # None = on wherever it applies; True = on, an error where it cannot apply; False = off.
     compile_decode: bool | None = None
+    # The same for prefill rows (fresh prompts, chunked-prefill chunks, CacheBlend's scattered
+    # recomputed rows): one C++ kernel call per sequence and layer
+    # (blendkv.kernels.compiled_prefill) instead of SDPA's flash calls. Same values and rules.
+    compile_prefill: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -96,10 +100,11 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.compile_decode not in (None, True, False):
-            raise ConfigError(
-                f"compile_decode must be None, True or False, got {self.compile_decode!r}"
-            )
+        for name in ("compile_decode", "compile_prefill"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(
+                    f"{name} must be None, True or False, got {getattr(self, name)!r}"
+                )
         if not (self.kv_connector is None or isinstance(self.kv_connector, str)):
             if not callable(self.kv_connector):
                 raise ConfigError(

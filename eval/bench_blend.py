@@ -84,6 +84,7 @@ def main(args) -> int:
         args,
         kv_store_memory_bytes=4 << 30,
         pipeline_kv_load=not getattr(args, "no_pipeline", False),
+        compile_prefill=getattr(args, "compile_prefill", None),
     )
     manager = llm.blend_manager()
     one = SamplingParams(temperature=0.0, max_tokens=1)

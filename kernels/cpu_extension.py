@@ -1,9 +1,10 @@
 """Building and loading blendkv's C++ CPU kernels (``torch.ops.blendkv_cpu``).
 
-The source (``kernels/cpu/decode_attention.cpp``) is compiled on first use with the machine's
-C++ compiler (``$CXX``, else ``c++`` / ``g++`` / ``clang++``) against the installed torch, for
-this CPU (``-march=native``), into ``<cache>/extensions/`` (``$BLENDKV_CACHE``, else
-``~/.cache/blendkv``); later processes load the cached library. The file name hashes the source,
+The sources (``kernels/cpu/decode_attention.cpp``, ``kernels/cpu/rows_attention.cpp``) are
+compiled into one library on first use with the machine's C++ compiler (``$CXX``, else ``c++``
+/ ``g++`` / ``clang++``) against the installed torch, for this CPU (``-march=native``), into
+``<cache>/extensions/`` (``$BLENDKV_CACHE``, else ``~/.cache/blendkv``); later processes load
+the cached library. The file name hashes the sources,
 the torch version, the compiler, the flags and the CPU's model and feature flags, so a changed
 source, torch or machine builds afresh and a home directory shared by two kinds of CPU never
 loads code built for the other. One compiler call (~10-30 s on 2 cores), no ninja.
@@ -26,7 +27,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "cpu" / "decode_attention.cpp"
+_CPU_DIR = Path(__file__).resolve().parent / "cpu"
+SOURCES = (_CPU_DIR / "decode_attention.cpp", _CPU_DIR / "rows_attention.cpp")
+HEADERS = (_CPU_DIR / "tasks.h",)  # included by the sources: part of the cache key
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 
 
@@ -56,7 +59,8 @@ def _library_path(compiler: str, torch_version: str, cache_dir: Path) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch_version.encode(), version.encode(), *FLAGS):
+    sources = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
+    for part in (*sources, torch_version.encode(), version.encode(), *FLAGS):
         h.update(part if isinstance(part, bytes) else part.encode())
     h.update(_cpu_signature().encode())
     return cache_dir / f"blendkv_cpu_{h.hexdigest()[:16]}.so"
@@ -90,7 +94,7 @@ def _compile(compiler: str, path: Path) -> Path:
     abi = int(torch.compiled_with_cxx11_abi())
     cmd = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(SOURCE)]
+    cmd += [str(src) for src in SOURCES]
     lib_dirs = cpp_extension.library_paths()
     cmd += [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs]
     cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
@@ -102,7 +106,8 @@ def _compile(compiler: str, path: Path) -> Path:
         done = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True, check=False)
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-            raise CPUKernelBuildError(f"compiling {SOURCE.name} failed:\n{tail}")
+            names = ", ".join(src.name for src in SOURCES)
+            raise CPUKernelBuildError(f"compiling {names} failed:\n{tail}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

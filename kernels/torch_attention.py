@@ -23,6 +23,7 @@ from blendkv.kernels.attention import (
 )
 from blendkv.kernels.attention_mass import attention_with_mass, query_attention_mass
 from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, plan_dense_decode
+from blendkv.kernels.compiled_prefill import CompiledPrefill
 from blendkv.kernels.paged_decode import DecodePlan, block_runs, decode_attention, plan_decode
 from blendkv.kernels.split_attention import RowGroup, plan_row_groups, split_masked_attention
 from blendkv.kernels.split_attention import available as split_available
@@ -142,6 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._split_rows = split_available(self.device)  # scattered rows: split attention
         self.prefers_block_runs = self._split_rows  # the CPU path reads runs as slices
         self.compiled_decode: CompiledDecode | None = None  # enable_compiled_decode()
+        self.compiled_prefill: CompiledPrefill | None = None  # enable_compiled_prefill()
 
     def enable_compiled_decode(self) -> None:
         """Decode rows through one C++ kernel call per layer (:mod:`compiled_decode`): CPU,
@@ -150,6 +152,22 @@ class TorchAttentionBackend(AttentionBackend):
         if self.device.type != "cpu":
             raise ValueError(f"compiled decode attention runs on the CPU, not {self.device}")
         self.compiled_decode = CompiledDecode()
+
+    def enable_compiled_prefill(self) -> None:
+        """Prefill rows (fresh, chunked, scattered) through one C++ kernel call per sequence
+        and layer (:mod:`compiled_prefill`): CPU, float32 or bfloat16 (the engine checks the
+        dtype). Builds the kernel on first use; raises
+        :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` if it can't."""
+        if self.device.type != "cpu":
+            raise ValueError(f"compiled prefill attention runs on the CPU, not {self.device}")
+        self.compiled_prefill = CompiledPrefill()
+
+    def _causal(self, q, k, v, scale, out) -> None:
+        """``out`` = causal attention of one fresh sequence (positions 0..n-1)."""
+        if self.compiled_prefill is not None:
+            self.compiled_prefill.causal(q, k, v, scale, out)
+        else:
+            out.copy_(dense_causal_attention(q, k, v, scale))
 
     def step_plans(self, md: AttentionMetadata) -> list:
         return self._step_plans.plans_for(md)
@@ -271,12 +289,12 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, attn_metadata, scale):
         md: AttentionMetadata | None = attn_metadata
         if kv_cache is None:
-            if md is None or md.num_seqs == 1:
+            if (md is None or md.num_seqs == 1) and self.compiled_prefill is None:
                 return dense_causal_attention(q, k, v, scale)
             out = torch.empty_like(q)
-            starts = md.query_start_loc_cpu
+            starts = [0, q.shape[0]] if md is None else md.query_start_loc_cpu
             for lo, hi in zip(starts, starts[1:], strict=False):
-                out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
+                self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi])
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
         plan = self._step_plans.get(
@@ -286,7 +304,7 @@ class TorchAttentionBackend(AttentionBackend):
         starts = md.query_start_loc_cpu
         for lo, hi in plan.fresh_ranges:
             # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
-            out[lo:hi] = dense_causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale)
+            self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi])
         others = zip(
             plan.other_seqs, plan.row_groups, plan.other_slots, plan.scored_from, strict=True
         )
@@ -298,7 +316,9 @@ class TorchAttentionBackend(AttentionBackend):
                 flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
                 keys, values = flat[:, first : first + md.seq_lens_cpu[i]]
             positions = md.positions[lo:mid]
-            if mid > lo and groups is None:
+            if mid > lo and self.compiled_prefill is not None:
+                self.compiled_prefill(q[lo:mid], keys, values, positions, scale, out[lo:mid])
+            elif mid > lo and groups is None:
                 out[lo:mid] = masked_attention(q[lo:mid], keys, values, positions, scale)
             elif mid > lo:
                 out[lo:mid] = split_masked_attention(
@@ -327,7 +347,7 @@ class TorchAttentionBackend(AttentionBackend):
         ]
         row_groups = [
             plan_row_groups(md.positions[starts[i] : mid], group, q.dtype)
-            if self._split_rows and mid > starts[i]
+            if self._split_rows and self.compiled_prefill is None and mid > starts[i]
             else None
             for i, mid in zip(other, scored_from, strict=True)
         ]

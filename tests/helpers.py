@@ -135,3 +135,15 @@ def has_cpp_compiler() -> bool:
 needs_cpp_compiler = pytest.mark.skipif(
     not has_cpp_compiler(), reason="no C++ compiler to build the CPU kernels on this machine"
 )
+
+
+def dense_attention_reference(q, k, v, q_positions, scale):
+    """The attention oracle: q [Lq, Hq, D] at ``q_positions`` over keys 0..Lk-1 (GQA by
+    repetition), an explicit softmax over each row's keys, float64."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, 1)
+    v = v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    allowed = torch.arange(k.shape[0])[None, :] <= q_positions[:, None]
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

@@ -48,6 +48,12 @@ def register(sub) -> None:
         "--profile", action="store_true", help="per request: where the time goes, the floor"
     )
     b.add_argument("--no-pipeline", action="store_true", help="write loaded K/V before the forward")
+    b.add_argument(
+        "--compile-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="EngineConfig.compile_prefill (CPU; default: on where it applies)",
+    )
     b.add_argument("--json", default=None)
     b.set_defaults(func=_blend)
     g = bench.add_parser(

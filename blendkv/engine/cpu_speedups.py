@@ -2,9 +2,10 @@
 
 ``EngineConfig.cpu_gemm`` / ``packed_gemm_rows`` choose how the model's linear maps run on the
 CPU (oneDNN on weights reordered once, MKL's packed sgemm for decode-sized batches, or plain
-``F.linear``; :mod:`blendkv.layers.linear`), ``compile_decode`` whether decode rows go through
-the C++ attention kernel (:mod:`blendkv.kernels.compiled_decode`). Bad combinations raise
-:class:`~blendkv.errors.ConfigError` before anything is packed.
+``F.linear``; :mod:`blendkv.layers.linear`), ``compile_decode`` / ``compile_prefill`` whether
+decode rows / prefill rows go through the C++ attention kernels
+(:mod:`blendkv.kernels.compiled_decode`, :mod:`blendkv.kernels.compiled_prefill`). Bad
+combinations raise :class:`~blendkv.errors.ConfigError` before anything is packed.
 """
 
 from __future__ import annotations
@@ -77,12 +78,29 @@ def enable_packed_gemm_rows(model, rows: int | None, dtype: torch.dtype, device:
 def setup_compiled_decode(
     attn_backend, wanted: bool | None, dtype: torch.dtype, device: str
 ) -> bool:
-    """``EngineConfig.compile_decode``: the C++ decode kernel for the torch backend on the CPU,
-    float32 or bfloat16. ``None`` switches it on where it applies, ``True`` raises where it
-    cannot. Builds the kernel (cached after the first time); returns whether it runs. A build
-    failure is logged (a warning when it was asked for) and decode runs the eager flash calls."""
+    """``EngineConfig.compile_decode``: the C++ decode kernel (:func:`_setup_cpp_kernel`)."""
+    return _setup_cpp_kernel(
+        "compile_decode", attn_backend.enable_compiled_decode, attn_backend, wanted, dtype, device
+    )
+
+
+def setup_compiled_prefill(
+    attn_backend, wanted: bool | None, dtype: torch.dtype, device: str
+) -> bool:
+    """``EngineConfig.compile_prefill``: the C++ prefill kernel (:func:`_setup_cpp_kernel`)."""
+    return _setup_cpp_kernel(
+        "compile_prefill", attn_backend.enable_compiled_prefill, attn_backend, wanted, dtype, device
+    )
+
+
+def _setup_cpp_kernel(option, enable, attn_backend, wanted, dtype, device) -> bool:
+    """A C++ attention kernel for the torch backend on the CPU, float32 or bfloat16. ``None``
+    switches it on where it applies, ``True`` raises where it cannot. Builds the kernels
+    (cached after the first time); returns whether it runs. A build failure is logged (a
+    warning when it was asked for) and attention runs the eager flash calls."""
     from blendkv.kernels.cpu_extension import CPUKernelBuildError
 
+    what = option.removeprefix("compile_")  # decode / prefill
     if wanted is False:
         return False
     applies = attn_backend.name == "torch" and device == "cpu"
@@ -90,19 +108,21 @@ def setup_compiled_decode(
         return False
     if not applies:
         raise ConfigError(
-            "compile_decode needs the torch attention backend on the CPU "
+            f"{option} needs the torch attention backend on the CPU "
             f"(got {attn_backend.name} on {device})"
         )
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ConfigError(f"compile_decode needs dtype float32 or bfloat16, got {_name(dtype)}")
+        raise ConfigError(f"{option} needs dtype float32 or bfloat16, got {_name(dtype)}")
     try:
-        attn_backend.enable_compiled_decode()
+        enable()
     except CPUKernelBuildError as exc:
         level = logging.WARNING if wanted else logging.INFO
         logger.log(
             level,
-            "compile_decode: the C++ decode kernel is unavailable, decode runs the eager flash "
-            "calls: %s",
+            "%s: the C++ %s kernel is unavailable, %s runs the eager flash calls: %s",
+            option,
+            what,
+            what,
             exc,
         )
         return False

@@ -17,7 +17,11 @@ import torch
 
 from blendkv.config import EngineConfig
 from blendkv.engine.block_manager import BlockManager
-from blendkv.engine.cpu_speedups import setup_compiled_decode, setup_cpu_gemm
+from blendkv.engine.cpu_speedups import (
+    setup_compiled_decode,
+    setup_compiled_prefill,
+    setup_cpu_gemm,
+)
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
 from blendkv.engine.request_state import RequestState
@@ -105,6 +109,9 @@ class LLMEngine:
         )
         self.compile_decode = setup_compiled_decode(
             self.attn_backend, config.compile_decode, self.torch_dtype, self.device
+        )
+        self.compile_prefill = setup_compiled_prefill(
+            self.attn_backend, config.compile_prefill, self.torch_dtype, self.device
         )
         self.hf_config = self.model.config
         self.info = self._runtime_info()

@@ -27,7 +27,11 @@
 #include <cmath>
 #include <vector>
 
+#include "tasks.h"
+
 namespace {
+
+using Queue = blendkv_cpu::TaskQueue;
 
 struct Args {
   const void* q;
@@ -39,14 +43,6 @@ struct Args {
   void* out;
   int64_t num_kv_heads, num_q_heads, max_len, group, head_dim;
   float scale;
-};
-
-// Tasks: (row, block of `heads` kv heads), handed out in `order` (longest context first).
-struct Queue {
-  const int64_t* order;
-  int64_t size;
-  int64_t heads;
-  std::atomic<int64_t> next{0};
 };
 
 // GT, DT: the group size and head dim as constants (0 = read them from args).
@@ -111,13 +107,9 @@ void run_tasks(const Args& a, Queue& queue) {
 
 template <typename scalar_t>
 void dispatch(const Args& a, Queue& queue) {
-#define BLENDKV_CASE(G, D)                         \
-  if (a.group == G && a.head_dim == D) {          \
-    return run_tasks<scalar_t, G, D>(a, queue);   \
-  }
-  BLENDKV_CASE(1, 64) BLENDKV_CASE(2, 64) BLENDKV_CASE(3, 64) BLENDKV_CASE(4, 64)
-  BLENDKV_CASE(7, 64) BLENDKV_CASE(8, 64) BLENDKV_CASE(1, 128) BLENDKV_CASE(2, 128)
-  BLENDKV_CASE(4, 128) BLENDKV_CASE(7, 128) BLENDKV_CASE(8, 128)
+#define BLENDKV_CASE(G, D) \
+  if (a.group == G && a.head_dim == D) return run_tasks<scalar_t, G, D>(a, queue);
+  BLENDKV_CONSTANT_SHAPES(BLENDKV_CASE)
 #undef BLENDKV_CASE
   run_tasks<scalar_t, 0, 0>(a, queue);
 }

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import dense_attention_reference as dense_reference
 from helpers import needs_cpp_compiler
 
 from blendkv.kernels.attention import AttentionMetadata, QueryMassRequest
 from blendkv.kernels.attention_mass import attention_with_mass, query_attention_mass
 from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
 from blendkv.kernels.torch_attention import TorchAttentionBackend, masked_attention
-
-
-def dense_reference(q, k, v, q_positions, scale):
-    """q [Lq, Hq, D] at q_positions over keys 0..Lk-1 (GQA by repetition), float64."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, 1)
-    v = v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    allowed = torch.arange(k.shape[0])[None, :] <= q_positions[:, None]
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 @pytest.mark.parametrize("num_rows", [5, 200, 700])
@@ -144,15 +134,16 @@ def test_split_masked_attention_bf16():
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=0)
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_cpp_compiler)])
 @pytest.mark.parametrize("scored", [False, True])
 @pytest.mark.parametrize("layout", ["shuffled", "runs"])
-def test_paged_backend_mixed_step(layout, scored):
+def test_paged_backend_mixed_step(layout, scored, compiled):
     """Scattered rows of one sequence, a chunked-prefill tail and decodes in one call; block
     tables shuffled (keys gathered) or in runs of consecutive blocks (slices of the pool).
 
     ``scored``: the last rows of the first two sequences are ProphetKV query rows; attention
     also adds the mass they pay each key (the same as :func:`query_attention_mass`) and their
-    output is unchanged."""
+    output is unchanged. ``compiled``: prefill rows through the C++ kernel."""
     gen = torch.Generator().manual_seed(0)
     bs, hq, hkv, d = 4, 6, 2, 16
     cache = torch.randn(2, 64, bs, hkv, d, generator=gen)
@@ -209,6 +200,8 @@ def test_paged_backend_mixed_step(layout, scored):
             for i, r in scored_rows.items()
         }
     backend = TorchAttentionBackend()
+    if compiled:
+        backend.enable_compiled_prefill()
     d_scale = d**-0.5
     out = backend.forward(q, k_new, v_new, cache, md, d_scale)
     plan = backend._step_plans.get(md, cache.shape[1], None)

@@ -74,7 +74,7 @@ def capture(
 
 def golden_llm(model: str | None = None):
     """The engine the goldens are captured with: float32, 2 threads, no prefix cache, MKL's
-    GEMMs and the flash decode calls (as when they were recorded); blocks of 4 tokens for the
+    GEMMs and the flash attention calls (as when they were recorded); blocks of 4 tokens for the
     tiny models, 16 for the embedded one (``model=None``)."""
     from blendkv import LLM
 
@@ -86,6 +86,7 @@ def golden_llm(model: str | None = None):
         enable_prefix_caching=False,
         cpu_gemm="mkl",
         compile_decode=False,
+        compile_prefill=False,
     )
 
 

@@ -154,10 +154,13 @@ def test_the_build_is_cached_and_a_broken_cache_is_built_again(tmp_path):
     assert path.read_bytes()[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("what", ["decode", "prefill"])
 @pytest.mark.parametrize("wanted", [True, None], ids=["asked-for", "auto"])
-def test_the_engine_runs_eager_decode_when_the_kernel_cannot_be_built(wanted, monkeypatch, caplog):
+def test_the_engine_runs_eager_attention_when_the_kernel_cannot_be_built(
+    wanted, what, monkeypatch, caplog
+):
     """Asked for (True): a warning; by default (None): an info line. Both run the flash calls."""
-    from blendkv.engine.cpu_speedups import setup_compiled_decode
+    from blendkv.engine import cpu_speedups
     from blendkv.kernels.torch_attention import TorchAttentionBackend
 
     def fail():
@@ -165,12 +168,13 @@ def test_the_engine_runs_eager_decode_when_the_kernel_cannot_be_built(wanted, mo
 
     monkeypatch.setattr(cpu_extension, "load_ops", fail)
     backend = TorchAttentionBackend()
+    setup = getattr(cpu_speedups, f"setup_compiled_{what}")
     with caplog.at_level(logging.INFO, logger="blendkv.engine.cpu_speedups"):
-        assert setup_compiled_decode(backend, wanted, torch.float32, "cpu") is False
-    assert backend.compiled_decode is None
+        assert setup(backend, wanted, torch.float32, "cpu") is False
+    assert getattr(backend, f"compiled_{what}") is None
     (record,) = caplog.records
     assert record.levelno == (logging.WARNING if wanted else logging.INFO)
-    assert "decode runs the eager flash calls: no C++ compiler found" in record.getMessage()
+    assert f"{what} runs the eager flash calls: no C++ compiler found" in record.getMessage()
 
 
 def test_the_engine_builds_the_kernel_by_default_on_the_cpu(tiny_llama_dir):
@@ -179,7 +183,11 @@ def test_the_engine_builds_the_kernel_by_default_on_the_cpu(tiny_llama_dir):
     for dtype in ("float32", "bfloat16"):
         llm = LLM(str(tiny_llama_dir), dtype=dtype)
         assert llm.engine.compile_decode and llm.engine.attn_backend.compiled_decode is not None
+        assert llm.engine.compile_prefill and llm.engine.attn_backend.compiled_prefill is not None
         llm.close()
+    llm = LLM(str(tiny_llama_dir), dtype="float32", compile_prefill=False)
+    assert not llm.engine.compile_prefill and llm.engine.attn_backend.compiled_prefill is None
+    llm.close()
     llm = LLM(str(tiny_llama_dir), dtype="float32", compile_decode=False)
     assert not llm.engine.compile_decode and llm.engine.attn_backend.compiled_decode is None
     llm.close()

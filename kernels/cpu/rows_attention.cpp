@@ -1,0 +1,284 @@
+// Rows at scattered positions over one sequence's keys on the CPU, flash style, one call per
+// layer: CacheBlend's recomputed rows (and any prefill rows over cached keys).
+//
+// Built with decode_attention.cpp by blendkv/kernels/cpu_extension.py; the reference is
+// blendkv.kernels.torch_attention.masked_attention (SDPA under an explicit position mask).
+//
+//   q, out     [n, Hq, D]     rows at ascending positions[n] (each row sees keys 0 .. its own)
+//   keys       [S, Hkv, D]    the sequence's keys at positions 0 .. S - 1 (RoPE applied),
+//   values     [S, Hkv, D]    rows of Hkv * D contiguous values (a slice of the pool, or gathered)
+//
+// One task per (kv head, block of consecutive rows), longest context first. A task folds the
+// G = Hq / Hkv query heads of its rows into one block of G * rows query rows (each key is read
+// once for all of them), walks the keys up to its last row's position in blocks of BK, and keeps
+// an online softmax per query row (float32, for float32 and bfloat16 inputs). Only key blocks
+// past the task's first row's position need the mask; those past a row's own position are
+// skipped for that row. Scores and the P.V product are register-blocked loops the compiler
+// vectorises (4 query rows x 32 keys; 4 query rows x D values).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "tasks.h"
+
+namespace {
+
+using RowsQueue = blendkv_cpu::TaskQueue;
+
+constexpr int64_t BK = 256;  // keys per block (a multiple of KJ)
+constexpr int64_t RI = 6;    // query rows per register block
+constexpr int64_t KJ = 32;   // keys per register block (two vectors)
+constexpr int64_t W = 16;    // floats per vector
+
+// GCC/Clang vector extensions: 16 floats, lowered to whatever the machine has (one AVX-512
+// register, two AVX2 ones, ...). Unaligned loads and stores through memcpy.
+typedef float vec __attribute__((vector_size(W * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof(vec));
+  return v;
+}
+inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
+inline vec splat(float x) { return vec{} + x; }
+
+struct RowsArgs {
+  const void* q;
+  const float* kt;      // [Hkv, D, ldk]: the keys transposed, float32, zero past the last one
+  const float* values;  // rows of ldv floats (the input's, or a float32 copy of bfloat16 ones)
+  int64_t ldk, ldv;
+  const int64_t* positions;
+  void* out;
+  int64_t num_rows, num_kv_heads, num_q_heads, group, head_dim, block_rows;
+  float scale;
+};
+
+// s[i][j] = sum_d qf[i][d] * kt[d * ldk + j] for i < mpad (a multiple of RI), j < kpad (of KJ):
+// RI rows x KJ keys of accumulators in registers, two key loads and RI broadcasts per d.
+inline void scores_block(const float* qf, const float* kt, int64_t ldk, float* s, int64_t mpad,
+                         int64_t kpad, int64_t D) {
+  for (int64_t i = 0; i < mpad; i += RI) {
+    for (int64_t j = 0; j < kpad; j += KJ) {
+      vec acc[RI][2] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const vec k0 = load(kt + d * ldk + j), k1 = load(kt + d * ldk + j + W);
+        for (int64_t r = 0; r < RI; ++r) {
+          const vec b = splat(qf[(i + r) * D + d]);
+          acc[r][0] += b * k0;
+          acc[r][1] += b * k1;
+        }
+      }
+      for (int64_t r = 0; r < RI; ++r) {
+        store(s + (i + r) * BK + j, acc[r][0]);
+        store(s + (i + r) * BK + j + W, acc[r][1]);
+      }
+    }
+  }
+}
+
+// o[i][:] += sum_j p[i][j] * v[j][:] for i < mpad, j < nk; v rows `ldv` floats apart. Head
+// dims that are a multiple of 64 go 64 at a time (RI rows x 4 vectors of accumulators).
+inline void values_block(const float* p, const float* v, int64_t ldv, float* o, int64_t mpad,
+                         int64_t nk, int64_t D) {
+  if (D % (4 * W) == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * W) {
+      for (int64_t i = 0; i < mpad; i += RI) {
+        vec acc[RI][4];
+        for (int64_t r = 0; r < RI; ++r) {
+          for (int64_t c = 0; c < 4; ++c) acc[r][c] = load(o + (i + r) * D + d0 + c * W);
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          const float* vj = v + j * ldv + d0;
+          const vec v0 = load(vj), v1 = load(vj + W), v2 = load(vj + 2 * W),
+                    v3 = load(vj + 3 * W);
+          for (int64_t r = 0; r < RI; ++r) {
+            const vec b = splat(p[(i + r) * BK + j]);
+            acc[r][0] += b * v0;
+            acc[r][1] += b * v1;
+            acc[r][2] += b * v2;
+            acc[r][3] += b * v3;
+          }
+        }
+        for (int64_t r = 0; r < RI; ++r) {
+          for (int64_t c = 0; c < 4; ++c) store(o + (i + r) * D + d0 + c * W, acc[r][c]);
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t i = 0; i < mpad; ++i) {
+    float* oi = o + i * D;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float pv = p[i * BK + j];
+      const float* vj = v + j * ldv;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) oi[d] += pv * vj[d];
+    }
+  }
+}
+
+// GT, DT: the group size and head dim as constants (0 = read them from args).
+template <typename scalar_t, int64_t GT, int64_t DT>
+void run_rows(const RowsArgs& a, RowsQueue& queue) {
+  const int64_t G = GT ? GT : a.group, D = DT ? DT : a.head_dim;
+  const int64_t Hkv = a.num_kv_heads, Hq = a.num_q_heads, BR = a.block_rows;
+  const int64_t mpad = (BR * G + RI - 1) / RI * RI;
+  const auto* q = static_cast<const scalar_t*>(a.q);
+  auto* out = static_cast<scalar_t*>(a.out);
+  const int64_t* pos = a.positions;
+  std::vector<float> qf(mpad * D), s(mpad * BK), o(mpad * D), m(mpad), l(mpad);
+  const int64_t blocks = (a.num_rows + BR - 1) / BR;
+  for (int64_t t = queue.next++; t < queue.size; t = queue.next++) {
+    const int64_t task = queue.order[t], h = task / blocks, r0 = (task % blocks) * BR;
+    const int64_t r1 = std::min(a.num_rows, r0 + BR), rows = (r1 - r0) * G;
+    std::fill(qf.begin(), qf.end(), 0.f);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < G; ++g) {
+        const scalar_t* src = q + (r * Hq + h * G + g) * D;
+        float* dst = qf.data() + ((r - r0) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * a.scale;
+      }
+    }
+    std::fill(o.begin(), o.end(), 0.f);
+    std::fill(m.begin(), m.end(), -INFINITY);
+    std::fill(l.begin(), l.end(), 0.f);
+    const int64_t first = pos[r0], end = pos[r1 - 1] + 1;
+    const float* kt = a.kt + h * D * a.ldk;
+    for (int64_t k0 = 0; k0 < end; k0 += BK) {
+      const int64_t nk = std::min(BK, end - k0), kpad = (nk + KJ - 1) / KJ * KJ;
+      scores_block(qf.data(), kt + k0, a.ldk, s.data(), mpad, kpad, D);
+      const bool masked = k0 + nk - 1 > first;
+      for (int64_t i = 0; i < mpad; ++i) {
+        float* si = s.data() + i * BK;
+        int64_t n = i < rows ? nk : 0;
+        if (masked && i < rows) n = std::clamp<int64_t>(pos[r0 + i / G] - k0 + 1, 0, nk);
+        if (n == 0) {
+          std::fill(si, si + nk, 0.f);
+          continue;
+        }
+        float mx = m[i];
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
+        const float alpha = std::exp(m[i] - mx);  // 0 for the first block (m = -inf)
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; ++j) {
+          si[j] = std::exp(si[j] - mx);
+          total += si[j];
+        }
+        std::fill(si + n, si + nk, 0.f);
+        l[i] = l[i] * alpha + total;
+        m[i] = mx;
+        float* oi = o.data() + i * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) oi[d] *= alpha;
+      }
+      values_block(s.data(), a.values + k0 * a.ldv + h * D, a.ldv, o.data(), mpad, nk, D);
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = (r - r0) * G + g;
+        const float inv = 1.f / l[i];
+        scalar_t* dst = out + (r * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[i * D + d] * inv);
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void dispatch_rows(const RowsArgs& a, RowsQueue& queue) {
+#define BLENDKV_CASE(G, D) \
+  if (a.group == G && a.head_dim == D) return run_rows<scalar_t, G, D>(a, queue);
+  BLENDKV_CONSTANT_SHAPES(BLENDKV_CASE)
+#undef BLENDKV_CASE
+  run_rows<scalar_t, 0, 0>(a, queue);
+}
+
+void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                    const at::Tensor& positions, double scale, int64_t block_rows,
+                    at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(),
+              "rows_attention: q [n, Hq, D], keys/values [S, Hkv, D]");
+  TORCH_CHECK(out.sizes() == q.sizes(), "rows_attention: out must have q's shape");
+  TORCH_CHECK(q.size(2) == keys.size(2) && q.size(1) % keys.size(1) == 0,
+              "rows_attention: head dims differ or Hq is not a multiple of Hkv");
+  for (const at::Tensor* t : {&q, &keys, &values, static_cast<const at::Tensor*>(&out)}) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type() && t->is_cpu(),
+                "rows_attention: q, keys, values, out: contiguous CPU tensors of one dtype");
+  }
+  TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == at::kLong &&
+                  positions.is_cpu() && positions.dim() == 1 && positions.size(0) == q.size(0),
+              "rows_attention: positions: [n] contiguous int64 CPU tensor");
+  TORCH_CHECK(block_rows >= 1, "rows_attention: block_rows >= 1");
+  const int64_t n = q.size(0);
+  if (n == 0) return;
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(pp[r] >= 0 && pp[r] < keys.size(0) && (r == 0 || pp[r] > pp[r - 1]),
+                "rows_attention: positions must ascend strictly within 0 .. S - 1");
+  }
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "rows_attention: float32 or bfloat16 only");
+  // The keys the rows see, transposed per kv head into float32 [Hkv, D, ldk] (zeros past the
+  // last one, so a block's last register block reads zeros), and bfloat16 values as float32:
+  // once per call, not once per task.
+  const int64_t Hkv = keys.size(1), D = q.size(2), used = pp[n - 1] + 1;
+  const int64_t ldk = (used + KJ - 1) / KJ * KJ;
+  at::Tensor kt = at::zeros({Hkv, D, ldk}, q.options().dtype(at::kFloat));
+  at::Tensor vf = dtype == at::kFloat ? values : values.narrow(0, 0, used).to(at::kFloat);
+  float* ktp = kt.data_ptr<float>();
+  constexpr int64_t TILE = 64;
+  at::parallel_for(0, Hkv * ((used + TILE - 1) / TILE), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t h = t % Hkv, j0 = t / Hkv * TILE, j1 = std::min(used, j0 + TILE);
+      for (int64_t j = j0; j < j1; ++j) {
+        if (dtype == at::kFloat) {
+          const float* src = keys.data_ptr<float>() + (j * Hkv + h) * D;
+          for (int64_t d = 0; d < D; ++d) ktp[(h * D + d) * ldk + j] = src[d];
+        } else {
+          const auto* src = keys.data_ptr<c10::BFloat16>() + (j * Hkv + h) * D;
+          for (int64_t d = 0; d < D; ++d) ktp[(h * D + d) * ldk + j] = static_cast<float>(src[d]);
+        }
+      }
+    }
+  });
+  RowsArgs a{q.data_ptr(), ktp, vf.data_ptr<float>(), ldk, Hkv * D, pp, out.data_ptr(), n, Hkv,
+             q.size(1), q.size(1) / Hkv, D, block_rows, static_cast<float>(scale)};
+  const int64_t blocks = (n + block_rows - 1) / block_rows, num_tasks = blocks * a.num_kv_heads;
+  // Longest context first: a task's cost grows with its last row's position.
+  std::vector<int64_t> order(num_tasks);
+  std::iota(order.begin(), order.end(), 0);
+  auto last = [&](int64_t task) {
+    return pp[std::min(n, (task % blocks) * block_rows + block_rows) - 1];
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return last(x) > last(y); });
+  RowsQueue queue{order.data(), num_tasks};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    if (dtype == at::kFloat) {
+      dispatch_rows<float>(a, queue);
+    } else {
+      dispatch_rows<c10::BFloat16>(a, queue);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(blendkv_cpu, m) {
+  m.def(
+      "rows_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale, "
+      "int block_rows, Tensor(a!) out) -> ()");
+  m.impl("rows_attention", c10::DispatchKey::CPU, TORCH_FN(rows_attention));
+}
