@@ -9,33 +9,14 @@ the pass may flip near-ties) and the largest difference of the first answer toke
     .venv/bin/python eval_results/bench/amd/query_mass_in_attention.py [--model GGUF] [--limit N]
 """
 
-import argparse
 import json
 import statistics
-from pathlib import Path
 
-from blendkv import LLM, SamplingParams
-from blendkv.blend.config import BlendConfig
-from blendkv.eval.bench_blend import DEFAULT_DATA, _blended
-from blendkv.eval.datasets import load_cacheblend_json
-from blendkv.eval.prompts import get_prompt_spec
+from ab_common import setup
+
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--model", default=None)
-parser.add_argument("--limit", type=int, default=3)
-parser.add_argument("--repeats", type=int, default=3)
-args = parser.parse_args()
-
-examples = load_cacheblend_json(Path(DEFAULT_DATA), limit=args.limit)
-spec = get_prompt_spec("musique")
-kwargs = {"model": args.model} if args.model else {}
-llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=8192, **kwargs)
-manager, cfg = llm.blend_manager(), BlendConfig()
-one = SamplingParams(temperature=0.0, max_tokens=1)
-prompts = [_blended(ex, spec) for ex in examples]
-for p in prompts:
-    llm.generate([p], one, blend=cfg)
+args, llm, manager, cfg, one, prompts = setup(repeats=3)
 rows = []
 modes = {"in_attention": True, "separate": False}
 for i, p in enumerate(prompts):
