@@ -1,20 +1,22 @@
-// Rows at scattered positions over one sequence's keys on the CPU, flash style, one call per
-// layer: CacheBlend's recomputed rows (and any prefill rows over cached keys).
+// Prefill rows at any ascending positions over one sequence's keys on the CPU, flash style, one
+// call per sequence and layer: fresh prompts, chunked-prefill chunks, prefix-hit tails and
+// CacheBlend's scattered recomputed rows (EngineConfig.compile_prefill).
 //
-// Built with decode_attention.cpp by blendkv/kernels/cpu_extension.py; the reference is
-// blendkv.kernels.torch_attention.masked_attention (SDPA under an explicit position mask).
+// Built with decode_attention.cpp by blendkv/kernels/cpu_extension.py; the eager paths it
+// replaces (SDPA's causal flash, blendkv.kernels.split_attention) and a float64 oracle are what
+// the tests hold it to.
 //
-//   q, out     [n, Hq, D]     rows at ascending positions[n] (each row sees keys 0 .. its own)
+//   q, out     [n, Hq, D]     rows at strictly ascending positions[n] (a row sees keys 0 .. its own)
 //   keys       [S, Hkv, D]    the sequence's keys at positions 0 .. S - 1 (RoPE applied),
 //   values     [S, Hkv, D]    rows of Hkv * D contiguous values (a slice of the pool, or gathered)
 //
-// One task per (kv head, block of consecutive rows), longest context first. A task folds the
-// G = Hq / Hkv query heads of its rows into one block of G * rows query rows (each key is read
-// once for all of them), walks the keys up to its last row's position in blocks of BK, and keeps
-// an online softmax per query row (float32, for float32 and bfloat16 inputs). Only key blocks
-// past the task's first row's position need the mask; those past a row's own position are
-// skipped for that row. Scores and the P.V product are register-blocked loops the compiler
-// vectorises (4 query rows x 32 keys; 4 query rows x D values).
+// The keys the rows see are transposed once per call into float32 [Hkv, D, S'] (bf16 values
+// copied to float32). One task per (kv head, block of consecutive rows), longest context first:
+// it folds the G = Hq / Hkv query heads of its rows into one block of G * rows query rows (each
+// key is read once for all of them), walks the keys up to its last row's position in blocks of
+// BK, and keeps an online softmax per query row in float32. Only key blocks past the task's
+// first row's position are masked; a row stops at its own position. Scores (RI rows x KJ keys)
+// and P.V (RI rows x 64 dims) are register-blocked loops over GCC vector types.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,7 +25,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cfloat>
 #include <cmath>
 #include <numeric>
 #include <vector>
