@@ -1,6 +1,6 @@
 """Building and loading blendkv's C++ CPU kernels (``torch.ops.blendkv_cpu``).
 
-The sources (``kernels/cpu/decode_attention.cpp``, ``kernels/cpu/rows_attention.cpp``) are
+The sources (``kernels/cpu/decode_attention.cpp``, ``rows_attention.cpp``, ``rope_write.cpp``) are
 compiled into one library on first use with the machine's C++ compiler (``$CXX``, else ``c++``
 / ``g++`` / ``clang++``) against the installed torch, for this CPU (``-march=native``), into
 ``<cache>/extensions/`` (``$BLENDKV_CACHE``, else ``~/.cache/blendkv``); later processes load
@@ -28,7 +28,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CPU_DIR = Path(__file__).resolve().parent / "cpu"
-SOURCES = (_CPU_DIR / "decode_attention.cpp", _CPU_DIR / "rows_attention.cpp")
+SOURCES = tuple(
+    _CPU_DIR / name for name in ("decode_attention.cpp", "rows_attention.cpp", "rope_write.cpp")
+)
 HEADERS = (_CPU_DIR / "tasks.h",)  # included by the sources: part of the cache key
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 
