@@ -67,7 +67,9 @@ class EngineConfig:
     anchor_boundary_tokens: int = 0
     # Write loaded chunk K/V into the blocks layer by layer behind the forward (a background
     # thread on the CPU, a side stream on CUDA); False writes everything before the forward.
-    pipeline_kv_load: bool = True
+    # None = on CUDA, and on the CPU only with a core the forward's threads leave free (on a
+    # CPU whose cores all compute, the thread measured 1-3 % slower than writing first).
+    pipeline_kv_load: bool | None = None
     # CPU float32 with MKL: GEMMs of (rows/2, rows] rows (decode batches) use weights packed once
     # for ``rows`` rows (blendkv.layers.linear; one more copy of the weights in memory).
     # None = 32 where MKL's packed sgemm runs (float32 on the CPU), else off; 0 = off.
@@ -133,6 +135,10 @@ class EngineConfig:
         _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
         if self.packed_gemm_rows is not None and self.packed_gemm_rows != 0:
             _positive("packed_gemm_rows", self.packed_gemm_rows)
+        if self.pipeline_kv_load not in (None, True, False):
+            raise ConfigError(
+                f"pipeline_kv_load must be None, True or False, got {self.pipeline_kv_load!r}"
+            )
         if self.cpu_gemm not in _CPU_GEMMS:
             raise ConfigError(f"cpu_gemm must be one of {_CPU_GEMMS}, got {self.cpu_gemm!r}")
         n = self.anchor_boundary_tokens

@@ -83,7 +83,7 @@ def main(args) -> int:
     examples, spec, llm = musique_setup(
         args,
         kv_store_memory_bytes=4 << 30,
-        pipeline_kv_load=not getattr(args, "no_pipeline", False),
+        pipeline_kv_load=getattr(args, "pipeline", None),
         compile_prefill=getattr(args, "compile_prefill", None),
     )
     manager = llm.blend_manager()

@@ -51,8 +51,8 @@ class BlendConnector(KVConnectorBase):
         self._row_plan = None
         self._forward_start = 0.0
         self.controller = LoadingController()
-        # Layer-wise pipelined loading (EngineConfig.pipeline_kv_load); benchmarks switch it off
-        # between requests to time the serial path on the same engine.
+        # Layer-wise pipelined loading (EngineConfig.pipeline_kv_load: None picks per device);
+        # benchmarks switch it between requests to time both paths on the same engine.
         self.pipelined = context.config.pipeline_kv_load
         self._load_stream = None  # CUDA: the side stream of pipelined loads, made once
 

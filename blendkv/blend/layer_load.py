@@ -13,6 +13,11 @@ writing K/V into the request's blocks, is done here, one layer at a time:
 - **serial** (``pipelined=False``): everything is written before the forward, one backend call
   per chunk covering all its layers.
 
+``pipelined=None`` (``EngineConfig.pipeline_kv_load``'s default) picks: pipelined on CUDA, and
+on the CPU only when the forward's threads leave a core free (:func:`spare_cpu_core`): with
+every core computing, the loading thread only takes time from them (measured 1-3 % slower on
+2 cores, ``eval_results/bench/amd/rope_write_ab.log``).
+
 The written bits are the same in every mode (RoPE is elementwise; a test checks the blocks and
 the logits). Timing: ``busy`` is the seconds the writes took, ``waited`` the seconds the forward
 blocked in :meth:`wait`; the difference was hidden behind compute. On CUDA both are device time
@@ -21,11 +26,21 @@ blocked in :meth:`wait`; the difference was hidden behind compute. On CUDA both 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
+
+
+def spare_cpu_core() -> bool:
+    """Whether this process may run on more cores than torch's intra-op threads use."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
 
 
 def load_stages(num_layers: int) -> list[tuple[int, int]]:
@@ -71,7 +86,7 @@ class LayerwiseLoad:
         kv_caches: list[torch.Tensor],
         rotary_tables: tuple[torch.Tensor, torch.Tensor],
         writes: list[ChunkWrite],
-        pipelined: bool,
+        pipelined: bool | None,
         stream=None,
     ) -> None:
         """``stream``: the side CUDA stream to load on; pass the same one every step (the caching
@@ -84,6 +99,8 @@ class LayerwiseLoad:
         self.device = kv_caches[0].device
         # On the CPU the writes run in a second thread: only with a backend that allows it.
         concurrent = self.device.type == "cuda" or backend.thread_safe
+        if pipelined is None:
+            pipelined = self.device.type == "cuda" or spare_cpu_core()
         self.pipelined = pipelined and concurrent and bool(writes)
         self.num_layers = len(kv_caches)
         self.busy = 0.0

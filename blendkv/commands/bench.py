@@ -47,7 +47,13 @@ def register(sub) -> None:
     b.add_argument(
         "--profile", action="store_true", help="per request: where the time goes, the floor"
     )
-    b.add_argument("--no-pipeline", action="store_true", help="write loaded K/V before the forward")
+    b.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write loaded K/V layer by layer behind the forward (--no-pipeline: before it; "
+        "default: EngineConfig's per-device choice)",
+    )
     b.add_argument(
         "--compile-prefill",
         action=argparse.BooleanOptionalAction,
