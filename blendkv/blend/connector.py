@@ -146,7 +146,7 @@ class BlendConnector(KVConnectorBase):
 
     # ---- worker side --------------------------------------------------------------------
     def start_load_kv(self, inputs: ForwardInputs) -> None:
-        from blendkv.blend.layer_load import LayerwiseLoad
+        from blendkv.blend.layer_load import LayerwiseLoad, resolve_pipelined
 
         meta = self._metadata
         self._step = []
@@ -155,6 +155,8 @@ class BlendConnector(KVConnectorBase):
         self.manager  # noqa: B018  (the store and loader exist from here on)
         writes = []
         block_size = inputs.kv_caches[0].shape[2]
+        device = inputs.kv_caches[0].device
+        overlapped = resolve_pipelined(self.pipelined, device, self.context.attn_backend)
         for f in meta.fused:
             plan = self._plans[f.request_id]
             blend, chunk_writes = self._loader.load(
@@ -164,11 +166,11 @@ class BlendConnector(KVConnectorBase):
                 f.num_new_tokens,
                 f.block_table,
                 block_size,
+                overlapped,
             )
             self._step.append(blend)
             writes.extend(chunk_writes)
         ctx = self.context
-        device = inputs.kv_caches[0].device
         if device.type == "cuda" and self._load_stream is None:
             import torch
 
@@ -223,7 +225,10 @@ class BlendConnector(KVConnectorBase):
             stats.write_seconds += w.seconds
             stats.load_hidden_seconds += w.seconds * hidden_share
             if tier != "computed":
-                self.controller.record_load(tier, w.nbytes, w.seconds + w.fetch_seconds)
+                layerwise = w.seconds if load.pipelined else 0.0
+                self.controller.record_load(
+                    tier, w.nbytes, w.seconds + w.fetch_seconds, layerwise_seconds=layerwise
+                )
         if self._row_plan is not None and load.device.type == "cpu":
             # CUDA runs asynchronously: host time says nothing about the compute there.
             row_layers = self._row_plan.row_layers(self.context.info.num_layers)

@@ -12,9 +12,13 @@ hides behind the per-layer load, but never less than the quality floor the user 
 
 Both rates are running estimates (exponential moving averages) of what the loader and the
 fused prefills actually measured on this machine, one bandwidth per storage tier; before the
-first measurement the controller answers with the floor. A chunk stored in several tiers (the
-memory tier and LMDB, say) is read from the tier with the best measured bandwidth (the memory
-tier until the others are measured faster).
+first measurement the controller answers with the floor. Only the part of loading that runs
+layer by layer behind the forward counts as "load" there (``layerwise``: the writes into the
+blocks, with the host-to-device copies on CUDA); a read made before the forward (a Redis get,
+an LMDB value brought in from disk) adds to the TTFT whatever the ratio, and a step loaded
+serially hides nothing, so both leave the ratio at the floor. A chunk stored in several tiers
+(the memory tier and LMDB, say) is read from the tier with the best measured bandwidth over
+the whole load, read and writes (the memory tier until the others are measured faster).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class RateEstimate:
 class LoadingController:
     alpha: float = 0.3
     bandwidth: dict[str, RateEstimate] = field(default_factory=dict)  # tier -> bytes/s
+    # tier -> bytes/s of the part loaded layer by layer behind the forward
+    layerwise: dict[str, RateEstimate] = field(default_factory=dict)
     compute: RateEstimate | None = None  # row-layers per second of fused prefills
 
     def __post_init__(self) -> None:
@@ -50,8 +56,17 @@ class LoadingController:
             self.compute = RateEstimate(self.alpha)
 
     # ---- measurements -------------------------------------------------------------------
-    def record_load(self, tier: str, num_bytes: int, seconds: float) -> None:
+    def record_load(
+        self, tier: str, num_bytes: int, seconds: float, layerwise_seconds: float | None = None
+    ) -> None:
+        """``num_bytes`` from ``tier`` took ``seconds`` in all, of which ``layerwise_seconds``
+        (default: all of them; 0: none, a serial step) were spent layer by layer behind the
+        forward."""
         self.bandwidth.setdefault(tier, RateEstimate(self.alpha)).update(num_bytes, seconds)
+        if layerwise_seconds is None:
+            layerwise_seconds = seconds
+        estimate = self.layerwise.setdefault(tier, RateEstimate(self.alpha))
+        estimate.update(num_bytes, layerwise_seconds)
 
     def record_compute(self, row_layers: int, seconds: float) -> None:
         self.compute.update(row_layers, seconds)
@@ -72,6 +87,7 @@ class LoadingController:
         reused_tokens: int,
         other_tokens: int,
         layer_bytes_by_tier: dict[str, int],
+        overlapped: bool = True,
     ) -> float:
         """The recompute ratio for one request.
 
@@ -80,8 +96,10 @@ class LoadingController:
             reused_tokens: chunk tokens whose K/V is loaded; other_tokens: tokens always
                 computed (template, query).
             layer_bytes_by_tier: bytes of ONE layer of K/V this request loads from each tier.
+            overlapped: whether this step's loading runs behind the forward (pipelined); if
+                not, no recompute hides behind it and the answer is the floor.
         """
-        if reused_tokens == 0:
+        if reused_tokens == 0 or not overlapped:
             return floor
         rows_per_second = self.compute.value
         if rows_per_second is None:
@@ -90,9 +108,10 @@ class LoadingController:
         for tier, num_bytes in layer_bytes_by_tier.items():
             if num_bytes == 0:
                 continue
-            if not self._measured(tier):
+            estimate = self.layerwise.get(tier)
+            if estimate is None or estimate.value is None:
                 return floor
-            load_seconds += num_bytes / self.bandwidth[tier].value
+            load_seconds += num_bytes / estimate.value
         hidden_rows = load_seconds * rows_per_second - other_tokens
         return min(ceiling, max(floor, hidden_rows / reused_tokens))
 

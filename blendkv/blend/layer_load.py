@@ -43,6 +43,17 @@ def spare_cpu_core() -> bool:
     return torch.get_num_threads() < cores
 
 
+def resolve_pipelined(setting: bool | None, device: torch.device, backend) -> bool:
+    """Whether a step's writes run behind the forward: ``setting``
+    (``EngineConfig.pipeline_kv_load``; None picks: CUDA, or a spare CPU core), and on the CPU
+    only with a backend that allows a second thread."""
+    if device.type == "cuda":
+        return setting is not False
+    if setting is None:
+        setting = spare_cpu_core()
+    return setting and backend.thread_safe
+
+
 def load_stages(num_layers: int) -> list[tuple[int, int]]:
     """Layer ranges loaded together on CUDA: 1, 2, 4, 8, ... layers. Each stage's copy is about
     as long as the compute of all the layers before it, so loading stays ahead of the forward,
@@ -97,11 +108,7 @@ class LayerwiseLoad:
         self.cos, self.sin = rotary_tables
         self.writes = writes
         self.device = kv_caches[0].device
-        # On the CPU the writes run in a second thread: only with a backend that allows it.
-        concurrent = self.device.type == "cuda" or backend.thread_safe
-        if pipelined is None:
-            pipelined = self.device.type == "cuda" or spare_cpu_core()
-        self.pipelined = pipelined and concurrent and bool(writes)
+        self.pipelined = resolve_pipelined(pipelined, self.device, backend) and bool(writes)
         self.num_layers = len(kv_caches)
         self.busy = 0.0
         self.waited = 0.0

@@ -47,11 +47,19 @@ class ChunkLoader:
         self.zero_copy_reads = True
 
     def load(
-        self, index: int, plan: BlendPlan, start: int, num_new: int, block_table, block_size: int
+        self,
+        index: int,
+        plan: BlendPlan,
+        start: int,
+        num_new: int,
+        block_table,
+        block_size: int,
+        overlapped: bool = True,
     ) -> tuple[SeqBlend, list[ChunkWrite]]:
         """Find the K/V of the chunks of ``plan`` past position ``start`` (the prefix-cache
         hit) for the blocks of ``block_table``; returns the sequence's part of the step's row
-        plan and the writes into its blocks."""
+        plan and the writes into its blocks. ``overlapped``: whether the writes will run
+        behind the forward (the loading controller raises an "auto" ratio only then)."""
         t0 = time.perf_counter()
         stats = plan.stats
         precompute_before = stats.precompute_seconds
@@ -108,6 +116,7 @@ class ChunkLoader:
                 stats.tokens_reused,
                 num_new - stats.tokens_reused,
                 layer_bytes,
+                overlapped,
             )
             config = dataclasses.replace(config, recompute_ratio=ratio)
             stats.chosen_recompute_ratio = ratio

@@ -71,3 +71,23 @@ def test_tier_choice():
     c.record_load("lmdb", 8 * MB, 1.0)
     assert c.choose_tier(["lmdb", "memory"]) == "lmdb"  # measured faster
     assert c.choose_tier(["redis"]) == "redis"
+
+
+def test_load_that_does_not_overlap_compute_leaves_the_floor():
+    """Recompute hides only behind what loads layer by layer during the forward: a serial step
+    (``overlapped=False``) or a slow read made before the forward (``layerwise_seconds`` small)
+    keeps the floor, while the tier choice still sees the whole load."""
+    slow = controller({"redis": 0.3e9}, 1e6)
+    assert slow.choose_ratio(0.15, 0.6, 5000, 100, {"redis": 4 * MB}, overlapped=False) == 0.15
+    c = LoadingController()
+    # 1 GB read from Redis in 3 s before the forward, written in 0.1 s behind it.
+    c.record_load("redis", 1 << 30, 3.1, layerwise_seconds=0.1)
+    c.record_load("memory", 1 << 30, 0.2, layerwise_seconds=0.1)
+    c.record_compute(10**6, 1.0)
+    assert ratio(c, "redis") == 0.15  # 4 MB at ~10.7 GB/s layer by layer hides ~390 rows
+    assert c.choose_tier(["memory", "redis"]) == "memory"
+    serial = LoadingController()
+    serial.record_load("lmdb", 1 << 20, 1.0, layerwise_seconds=0.0)  # a serial step
+    serial.record_compute(10**6, 1.0)
+    assert ratio(serial, "lmdb") == 0.15  # nothing measured layer by layer yet
+    assert serial.choose_tier(["lmdb"]) == "lmdb"

@@ -121,6 +121,9 @@ def test_auto_ratio_follows_the_controller(tiny_llama_dir, tmp_path):
     second = llm.generate([PROMPT], ONE, blend=auto)[0].blend_stats
     assert second.chosen_recompute_ratio == 0.8  # the cap: recompute hides behind loading
     assert second.recompute_fraction == pytest.approx(0.8, abs=0.02)
+    conn.pipelined = False  # written before the forward: nothing hides the recompute
+    third = llm.generate([PROMPT], ONE, blend=auto)[0].blend_stats
+    assert third.chosen_recompute_ratio == 0.1
     llm.close()
 
 
