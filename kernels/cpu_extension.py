@@ -1,13 +1,13 @@
 """Building and loading blendkv's C++ CPU kernels (``torch.ops.blendkv_cpu``).
 
-The sources (``kernels/cpu/decode_attention.cpp``, ``rows_attention.cpp``, ``rope_write.cpp``) are
-compiled into one library on first use with the machine's C++ compiler (``$CXX``, else ``c++``
-/ ``g++`` / ``clang++``) against the installed torch, for this CPU (``-march=native``), into
-``<cache>/extensions/`` (``$BLENDKV_CACHE``, else ``~/.cache/blendkv``); later processes load
-the cached library. The file name hashes the sources,
-the torch version, the compiler, the flags and the CPU's model and feature flags, so a changed
-source, torch or machine builds afresh and a home directory shared by two kinds of CPU never
-loads code built for the other. One compiler call (~10-30 s on 2 cores), no ninja.
+The sources (``kernels/cpu/decode_attention.cpp``, ``rows_attention.cpp``, ``rope_write.cpp``,
+``chunk_shift.cpp``) are compiled into one library on first use with the machine's C++ compiler
+(``$CXX``, else ``c++`` / ``g++`` / ``clang++``) against the installed torch, for this CPU
+(``-march=native``), into ``<cache>/extensions/`` (``$BLENDKV_CACHE``, else
+``~/.cache/blendkv``); later processes load the cached library. The file name hashes the
+sources, the torch version, the compiler, the flags and the CPU's model and feature flags, so a
+changed source, torch or machine builds afresh and a home directory shared by two kinds of CPU
+never loads code built for the other. One compiler call (~10-30 s on 2 cores), no ninja.
 
 ``torch.utils.cpp_extension.load`` is not used: it needs ninja, which blendkv does not depend
 on. The include and library paths still come from ``torch.utils.cpp_extension``.
@@ -29,9 +29,13 @@ logger = logging.getLogger(__name__)
 
 _CPU_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = tuple(
-    _CPU_DIR / name for name in ("decode_attention.cpp", "rows_attention.cpp", "rope_write.cpp")
+    _CPU_DIR / name
+    for name in ("decode_attention.cpp", "rows_attention.cpp", "rope_write.cpp", "chunk_shift.cpp")
 )
-HEADERS = (_CPU_DIR / "tasks.h",)  # included by the sources: part of the cache key
+HEADERS = (
+    _CPU_DIR / "tasks.h",
+    _CPU_DIR / "bf16.h",
+)  # included by the sources: part of the cache key
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 
 

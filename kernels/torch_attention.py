@@ -240,8 +240,42 @@ class TorchAttentionBackend(AttentionBackend):
         return k, v
 
     # Whether shift_kept_rows runs a blended layer's K/V correction in kernels (else the torch
-    # code of blendkv.blend.correction does).
-    fused_chunk_shift = False
+    # code of blendkv.blend.correction does): the C++ one, with the prefill kernels on.
+    @property
+    def fused_chunk_shift(self) -> bool:
+        return self.compiled_prefill is not None
+
+    def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
+                        sin, attention_scaling) -> bool:  # fmt: skip
+        """A blended layer's K/V correction in one C++ call (``kernels/cpu/chunk_shift.cpp``,
+        float32 or bfloat16); False if it does not apply (the caller then runs the torch
+        code)."""
+        if (
+            self.compiled_prefill is None
+            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+            or not kv_cache.is_contiguous()
+            or k.dtype != kv_cache.dtype
+            or v.dtype != kv_cache.dtype
+            or k.stride(-1) != 1
+            or v.stride(-1) != 1
+        ):
+            return False
+        rows = (recomputed.rows, recomputed.slots, recomputed.positions, recomputed.chunk_ids,
+                kept.slots, kept.positions, kept.chunk_ids)  # fmt: skip
+        self.compiled_prefill.ops.shift_kept_rows(
+            kv_cache,
+            {"k": 1, "v": 2, "kv": 3}[which],
+            shrink,
+            k,
+            v,
+            *(r.long().contiguous() for r in rows),
+            num_chunks,
+            cos.contiguous(),
+            sin.contiguous(),
+            float(attention_scaling),
+        )
+        return True
+
     scores_in_attention = True
 
     def add_query_mass(self, scores, q, q_positions, kv_cache, slots, visible_prefix=0) -> None:
