@@ -141,6 +141,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
   for (int64_t t = queue.next++; t < queue.size; t = queue.next++) {
     const int64_t task = queue.order[t], h = task / blocks, r0 = (task % blocks) * BR;
     const int64_t r1 = std::min(a.num_rows, r0 + BR), rows = (r1 - r0) * G;
+    const int64_t mrows = (rows + RI - 1) / RI * RI;  // this task's rows (a last block is short)
     std::fill(qf.begin(), qf.end(), 0.f);
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < G; ++g) {
@@ -156,9 +157,9 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
     const float* kt = a.kt + h * D * a.ldk;
     for (int64_t k0 = 0; k0 < end; k0 += BK) {
       const int64_t nk = std::min(BK, end - k0), kpad = (nk + KJ - 1) / KJ * KJ;
-      scores_block(qf.data(), kt + k0, a.ldk, s.data(), mpad, kpad, D);
+      scores_block(qf.data(), kt + k0, a.ldk, s.data(), mrows, kpad, D);
       const bool masked = k0 + nk - 1 > first;
-      for (int64_t i = 0; i < mpad; ++i) {
+      for (int64_t i = 0; i < mrows; ++i) {
         float* si = s.data() + i * BK;
         int64_t n = i < rows ? nk : 0;
         if (masked && i < rows) n = std::clamp<int64_t>(pos[r0 + i / G] - k0 + 1, 0, nk);
@@ -182,7 +183,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) oi[d] *= alpha;
       }
-      values_block(s.data(), a.values + k0 * a.ldv + h * D, a.ldv, o.data(), mpad, nk, D);
+      values_block(s.data(), a.values + k0 * a.ldv + h * D, a.ldv, o.data(), mrows, nk, D);
     }
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < G; ++g) {
@@ -234,7 +235,10 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   // last one, so a block's last register block reads zeros), and bfloat16 values as float32:
   // once per call, not once per task.
   const int64_t Hkv = keys.size(1), D = q.size(2), used = pp[n - 1] + 1;
-  const int64_t ldk = (used + KJ - 1) / KJ * KJ;
+  // Rows ldk floats apart with ldk / 16 odd: an odd number of 64-byte lines, so the D rows a
+  // register block reads fall into different cache sets. With ldk a multiple of 1024 (6,114
+  // keys -> 6,144) they all fell into one set and the call ran 1.3-3x slower.
+  const int64_t ldk = (used + KJ - 1) / KJ * KJ + W;
   at::Tensor kt = at::zeros({Hkv, D, ldk}, q.options().dtype(at::kFloat));
   at::Tensor vf = dtype == at::kFloat ? values : values.narrow(0, 0, used).to(at::kFloat);
   float* ktp = kt.data_ptr<float>();
