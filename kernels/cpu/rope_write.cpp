@@ -16,10 +16,12 @@
 // K: out[:half] = k1 c1 - k2 s1 and out[half:] = k2 c2 + k1 s2, each product and the sum rounded
 // to the K/V dtype as torch's elementwise ops round them (the tables rounded to it first), so
 // the bits equal the reference's: this file is compiled without fast-math and without
-// contracting a product and a sum into one FMA. V: copied. Single-threaded on purpose: it runs in
-// the loading thread while the forward's threads compute, and it is bound by memory anyway.
+// contracting a product and a sum into one FMA. V: copied. A call for one layer (the loading
+// thread's, beside the forward's threads) runs in the caller's thread; a call for a chunk's
+// layers (everything loaded before the forward) splits them across torch's threads.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -109,17 +111,26 @@ void rope_write_kv(const at::Tensor& kv, at::TensorList pools, int64_t first_lay
     for (int64_t t = 0; t < T_; ++t) {
       TORCH_CHECK(sl[t] >= 0 && sl[t] < pool_slots, "rope_write_kv: slot out of the pool");
     }
-    const int64_t stride = T_ * H * D;  // kv[i, 0] and kv[i, 1]
-    if (dtype == at::kFloat) {
-      const float* src = kv.data_ptr<float>() + i * 2 * stride;
-      write_layer<float>(src, src + stride, pool.data_ptr<float>(), pool_slots, pos, sl,
-                         cos.data_ptr<float>(), sin.data_ptr<float>(), T_, H, D);
-    } else {
-      const auto* src = kv.data_ptr<c10::BFloat16>() + i * 2 * stride;
-      write_layer<c10::BFloat16>(src, src + stride, pool.data_ptr<c10::BFloat16>(), pool_slots,
-                                 pos, sl, cos.data_ptr<float>(), sin.data_ptr<float>(), T_, H, D);
-    }
   }
+  // Layers in parallel: one layer (the loading thread's calls) runs inline in the caller's
+  // thread; a chunk's layers all at once (loading before the forward) use torch's threads.
+  const int64_t stride = T_ * H * D;  // kv[i, 0] and kv[i, 1]
+  at::parallel_for(0, L, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const at::Tensor& pool = pools[first_layer + i];
+      const int64_t pool_slots = pool.size(1) * pool.size(2);
+      if (dtype == at::kFloat) {
+        const float* src = kv.data_ptr<float>() + i * 2 * stride;
+        write_layer<float>(src, src + stride, pool.data_ptr<float>(), pool_slots, pos, sl,
+                           cos.data_ptr<float>(), sin.data_ptr<float>(), T_, H, D);
+      } else {
+        const auto* src = kv.data_ptr<c10::BFloat16>() + i * 2 * stride;
+        write_layer<c10::BFloat16>(src, src + stride, pool.data_ptr<c10::BFloat16>(),
+                                   pool_slots, pos, sl, cos.data_ptr<float>(),
+                                   sin.data_ptr<float>(), T_, H, D);
+      }
+    }
+  });
 }
 
 }  // namespace
