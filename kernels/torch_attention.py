@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from blendkv.kernels import compiled_blend
 from blendkv.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -40,22 +41,6 @@ def write_kv_cache(
     width = num_kv_heads * head_dim
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype).reshape(-1, width).contiguous())
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype).reshape(-1, width).contiguous())
-
-
-def rope_write_applies(kv, kv_caches, first_layer, positions, slots, cos, sin) -> bool:
-    """Whether ``rope_write_kv`` takes these arguments (else the torch code runs)."""
-    layers = kv_caches[first_layer : first_layer + kv.shape[0]]
-    return (
-        kv.dtype in (torch.float32, torch.bfloat16)
-        and kv.is_contiguous()
-        and all(pool.is_contiguous() for pool in layers)
-        and kv.shape[-1] % 2 == 0
-        and kv.shape[-1] <= 512
-        and positions.dtype == slots.dtype == torch.int64
-        and cos.dtype == sin.dtype == torch.float32
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-    )
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -205,12 +190,9 @@ class TorchAttentionBackend(AttentionBackend):
         as it rounds them."""
         if self.device.type != "cpu" or kv.dtype != kv_caches[0].dtype:
             return super().load_rotated_kv(kv_caches, first_layer, kv, positions, slots, cos, sin)
-        if self.compiled_prefill is not None and rope_write_applies(
-            kv, kv_caches, first_layer, positions, slots, cos, sin
-        ):
-            self.compiled_prefill.ops.rope_write_kv(
-                kv, kv_caches, first_layer, positions, slots, cos, sin
-            )
+        kernel = self.compiled_prefill
+        args = (kv, kv_caches, first_layer, positions, slots, cos, sin)
+        if kernel is not None and compiled_blend.rope_write(kernel.ops, *args):
             return
         num_kv_heads, head_dim = kv.shape[-2:]
         half = head_dim // 2
@@ -248,34 +230,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
                         sin, attention_scaling) -> bool:  # fmt: skip
-        """A blended layer's K/V correction in one C++ call (``kernels/cpu/chunk_shift.cpp``,
-        float32 or bfloat16); False if it does not apply (the caller then runs the torch
-        code)."""
-        if (
-            self.compiled_prefill is None
-            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
-            or not kv_cache.is_contiguous()
-            or k.dtype != kv_cache.dtype
-            or v.dtype != kv_cache.dtype
-            or k.stride(-1) != 1
-            or v.stride(-1) != 1
-        ):
+        """A blended layer's K/V correction in one C++ call (:mod:`compiled_blend`); False if it
+        does not apply (the caller then runs the torch code)."""
+        if self.compiled_prefill is None:
             return False
-        rows = (recomputed.rows, recomputed.slots, recomputed.positions, recomputed.chunk_ids,
-                kept.slots, kept.positions, kept.chunk_ids)  # fmt: skip
-        self.compiled_prefill.ops.shift_kept_rows(
-            kv_cache,
-            {"k": 1, "v": 2, "kv": 3}[which],
-            shrink,
-            k,
-            v,
-            *(r.long().contiguous() for r in rows),
-            num_chunks,
-            cos.contiguous(),
-            sin.contiguous(),
-            float(attention_scaling),
-        )
-        return True
+        args = (kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
+                attention_scaling)  # fmt: skip
+        return compiled_blend.shift_kept_rows(self.compiled_prefill.ops, *args)
 
     scores_in_attention = True
 

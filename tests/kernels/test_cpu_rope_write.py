@@ -9,7 +9,8 @@ import torch
 from helpers import needs_cpp_compiler
 
 from blendkv.kernels.attention import AttentionBackend
-from blendkv.kernels.torch_attention import TorchAttentionBackend, rope_write_applies
+from blendkv.kernels.compiled_blend import rope_write_applies
+from blendkv.kernels.torch_attention import TorchAttentionBackend
 
 pytestmark = needs_cpp_compiler
 
@@ -55,7 +56,7 @@ def test_rope_write_kv_writes_the_reference_bits(ops, dtype, heads, head_dim):
 def test_backend_loads_through_the_kernel_when_compiled_prefill_is_on(ops, monkeypatch):
     """``load_rotated_kv`` takes the kernel with ``enable_compiled_prefill`` (and writes the
     same bits as without it); arguments the kernel does not take (a float16 pool) still load."""
-    import blendkv.kernels.torch_attention as torch_attention
+    import blendkv.kernels.compiled_blend as compiled_blend
 
     pool, kv, positions, slots, (cos, sin) = _case(torch.float32, seed=3)
     backend = TorchAttentionBackend("cpu")
@@ -64,7 +65,7 @@ def test_backend_loads_through_the_kernel_when_compiled_prefill_is_on(ops, monke
     backend.enable_compiled_prefill()
     calls = []
     monkeypatch.setattr(
-        torch_attention, "rope_write_applies", lambda *a: calls.append(a) or rope_write_applies(*a)
+        compiled_blend, "rope_write_applies", lambda *a: calls.append(a) or rope_write_applies(*a)
     )
     actual = [p.clone() for p in pool]
     backend.load_rotated_kv(actual, 1, kv, positions, slots, cos, sin)

@@ -15,11 +15,11 @@ import statistics
 
 from ab_common import setup
 
-import blendkv.kernels.torch_attention as torch_attention
+import blendkv.kernels.compiled_blend as compiled_blend
 
 args, llm, manager, cfg, one, prompts = setup(repeats=3)
 assert llm.engine.attn_backend.compiled_prefill is not None, "the C++ kernels did not build"
-applies = torch_attention.rope_write_applies
+applies = compiled_blend.rope_write_applies
 connector = llm.engine.kv_connector
 modes = {
     "cpp_pipe": (applies, True),
@@ -36,7 +36,7 @@ for i, p in enumerate(prompts):
     logits = {}
     for _ in range(args.repeats):
         for mode, (fn, pipelined) in modes.items():
-            torch_attention.rope_write_applies = fn
+            compiled_blend.rope_write_applies = fn
             connector.pipelined = pipelined
             out = llm.generate([p], one, blend=cfg, logits_from=n - 1)[0]
             ttft[mode].append(out.metrics.ttft)
@@ -44,7 +44,7 @@ for i, p in enumerate(prompts):
             load[mode].append(stats.write_seconds)
             hidden[mode].append(stats.load_hidden_seconds)
             logits[mode] = out.extra["prompt_logits"]
-    torch_attention.rope_write_applies = applies
+    compiled_blend.rope_write_applies = applies
     connector.pipelined = True
     ref = logits["torch_serial"]
     row = {"example": i, "tokens": n}

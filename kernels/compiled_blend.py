@@ -1,0 +1,66 @@
+"""The blend's C++ element-wise ops on the CPU, built with the prefill kernels and on with
+``EngineConfig.compile_prefill``: a loaded chunk's K/V rotated into the pool
+(``kernels/cpu/rope_write.cpp``) and a blended layer's K/V correction
+(``kernels/cpu/chunk_shift.cpp``). Each returns whether it took its arguments; if not, the
+torch backend runs its torch code, which is also the reference the tests hold them to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rope_write_applies(kv, kv_caches, first_layer, positions, slots, cos, sin) -> bool:
+    """Whether ``rope_write_kv`` takes these arguments."""
+    pools = kv_caches[first_layer : first_layer + kv.shape[0]]
+    return (
+        kv.dtype in _DTYPES
+        and kv.is_contiguous()
+        and all(p.is_contiguous() for p in pools)
+        and kv.shape[-1] % 2 == 0
+        and kv.shape[-1] <= 512
+        and positions.dtype == slots.dtype == torch.int64
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )
+
+
+def rope_write(ops, kv, kv_caches, first_layer, positions, slots, cos, sin) -> bool:
+    """Layers ``first_layer ..`` of a chunk's K (rotated to ``positions``) and V into the pools
+    at ``slots``, as ``AttentionBackend.load_rotated_kv`` writes them (the same bits)."""
+    if not rope_write_applies(kv, kv_caches, first_layer, positions, slots, cos, sin):
+        return False
+    ops.rope_write_kv(kv, kv_caches, first_layer, positions, slots, cos, sin)
+    return True
+
+
+def shift_kept_rows(ops, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
+                    attention_scaling) -> bool:  # fmt: skip
+    """``blendkv.blend.correction.correct_kept_rows`` in one call (float32 or bfloat16)."""
+    if (
+        kv_cache.dtype not in _DTYPES
+        or not kv_cache.is_contiguous()
+        or k.dtype != kv_cache.dtype
+        or v.dtype != kv_cache.dtype
+        or k.stride(-1) != 1
+        or v.stride(-1) != 1
+    ):
+        return False
+    rows = (recomputed.rows, recomputed.slots, recomputed.positions, recomputed.chunk_ids,
+            kept.slots, kept.positions, kept.chunk_ids)  # fmt: skip
+    ops.shift_kept_rows(
+        kv_cache,
+        {"k": 1, "v": 2, "kv": 3}[which],
+        shrink,
+        k,
+        v,
+        *(r.long().contiguous() for r in rows),
+        num_chunks,
+        cos.contiguous(),
+        sin.contiguous(),
+        float(attention_scaling),
+    )
+    return True
