@@ -180,10 +180,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def load_rotated_kv(self, kv_caches, first_layer, kv, positions, slots, cos, sin) -> None:
         """On the CPU: K is rotated straight into the pool and V copied, with the prefill
-        kernels on by one C++ pass (``kernels/cpu/rope_write.cpp``: one layer in the calling
-        thread, as the loading thread beside the forward's calls it, several layers across
-        torch's threads; 6,300 tokens of SmolLM2 a layer in 0.56 ms on one thread against
-        1.50 ms for the torch code below on two threads), else run by run of
+        kernels on by one C++ pass (:mod:`compiled_blend`; 6,300 SmolLM2 tokens a layer in
+        0.56 ms on one thread against 1.50 ms for the torch code below on two), else run by run of
         consecutive slots in torch (no rotated copy of K and no ``index_copy_``: 12.8 against
         26.5 ms for the reference for 30 layers x 600 tokens, one thread). Both write the
         reference's bits: each half of the rotation is its two products and one sum, rounded
@@ -222,21 +220,19 @@ class TorchAttentionBackend(AttentionBackend):
         v = flat[1].index_select(0, slot_mapping).view(-1, num_kv_heads, head_dim)
         return k, v
 
-    # Whether shift_kept_rows runs a blended layer's K/V correction in kernels (else the torch
-    # code of blendkv.blend.correction does): the C++ one, with the prefill kernels on.
     @property
     def fused_chunk_shift(self) -> bool:
+        """Whether shift_kept_rows does the K/V correction (in C++: with the prefill kernels)."""
         return self.compiled_prefill is not None
 
     def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
                         sin, attention_scaling) -> bool:  # fmt: skip
         """A blended layer's K/V correction in one C++ call (:mod:`compiled_blend`); False if it
         does not apply (the caller then runs the torch code)."""
-        if self.compiled_prefill is None:
-            return False
-        args = (kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
-                attention_scaling)  # fmt: skip
-        return compiled_blend.shift_kept_rows(self.compiled_prefill.ops, *args)
+        kernel = self.compiled_prefill
+        return kernel is not None and compiled_blend.shift_kept_rows(
+            kernel.ops, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
+            attention_scaling)  # fmt: skip
 
     scores_in_attention = True
 

@@ -1,7 +1,16 @@
-// Float to a K/V dtype (float32 or bfloat16) and back, for the CPU kernels that must write
-// torch's bits: bfloat16 as raw bits with torch's rounding (to nearest even; NaN kept a quiet
-// NaN), written out so that the loops around them vectorize.
+// For the CPU kernels that must write torch's bits: include it LAST. From here to the end of
+// the including file, fast-math is off and no product is contracted with a sum into an FMA
+// (each rounds as torch's element-wise ops round it). The helpers below are defined after that
+// pragma on purpose: GCC does not inline a function compiled under other options, and a call
+// per element made a kernel 15x slower. Float to a K/V dtype (float32 or bfloat16) and back:
+// bfloat16 as raw bits with torch's rounding (to nearest even; NaN kept a quiet NaN), written
+// out so that the loops around them vectorize.
 #pragma once
+
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+#ifdef __clang__
+#pragma clang fp contract(off) reassociate(off)
+#endif
 
 #include <c10/util/BFloat16.h>
 

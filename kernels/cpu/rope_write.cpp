@@ -27,14 +27,7 @@
 
 #include <cstring>
 
-// After the includes: for this file's functions only.
-#pragma GCC optimize("no-fast-math", "fp-contract=off")
-#ifdef __clang__
-#pragma clang fp contract(off) reassociate(off)
-#endif
-
-// Inlined only when defined under the same options: after the pragma.
-#include "bf16.h"
+#include "bf16.h"  // last: fast-math off from here on
 
 namespace {
 
