@@ -75,6 +75,30 @@ def enable_packed_gemm_rows(model, rows: int | None, dtype: torch.dtype, device:
     return rows
 
 
+# glibc maps allocations above its mmap threshold (raised as mapped blocks are freed, to at
+# most 32 MiB on 64-bit) fresh from the kernel and unmaps them on free, so every use of a
+# larger buffer page-faults all of it in again. An MLP pass whose gate/up output stays under
+# this reuses freed heap memory instead.
+MLP_PASS_BYTES = 24 << 20
+
+
+def setup_mlp_rows(model, rows: int | None, dtype: torch.dtype, device: str) -> int:
+    """``EngineConfig.mlp_rows_per_pass`` -> rows per MLP pass set on every GatedMLP of
+    ``model``; returns it (0: all rows at once)."""
+    from blendkv.layers.mlp import GatedMLP
+
+    mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
+    if rows is None:
+        if device != "cpu" or not mlps:
+            return 0
+        widest = max(m.gate_proj.weight.shape[0] for m in mlps)
+        row_bytes = 2 * widest * torch.empty((), dtype=dtype).element_size()
+        rows = max(64, MLP_PASS_BYTES // row_bytes)
+    for m in mlps:
+        m.rows_per_pass = rows or None
+    return rows
+
+
 def setup_compiled_decode(
     attn_backend, wanted: bool | None, dtype: torch.dtype, device: str
 ) -> bool:

@@ -21,6 +21,7 @@ from blendkv.engine.cpu_speedups import (
     setup_compiled_decode,
     setup_compiled_prefill,
     setup_cpu_gemm,
+    setup_mlp_rows,
 )
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
@@ -106,6 +107,9 @@ class LLMEngine:
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
         self.cpu_gemm, self.packed_gemm_rows = setup_cpu_gemm(
             self.model, config.cpu_gemm, config.packed_gemm_rows, self.torch_dtype, self.device
+        )
+        self.mlp_rows_per_pass = setup_mlp_rows(
+            self.model, config.mlp_rows_per_pass, self.torch_dtype, self.device
         )
         self.compile_decode = setup_compiled_decode(
             self.attn_backend, config.compile_decode, self.torch_dtype, self.device

@@ -23,6 +23,9 @@ class GatedMLP(nn.Module):
         # ``act(gate) * up`` of the fused gate/up output in one launch (GPUs, SiLU only; set by
         # blendkv.layers.fused_kernels); None = torch ops.
         self.act_and_mul = None
+        # Rows per pass through the MLP (set by blendkv.engine.cpu_speedups on the CPU); more
+        # rows than this run in slices of it. None = all rows at once.
+        self.rows_per_pass: int | None = None
 
     def fuse(self) -> None:
         """One GEMM for gate/up from now on (parameters become views; names unchanged)."""
@@ -31,6 +34,19 @@ class GatedMLP(nn.Module):
         self.fused_gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.rows_per_pass
+        if rows is None or x.shape[0] <= rows:
+            return self._forward(x)
+        # Rows are independent; slices of equal size (no tail of a few rows, which GEMM
+        # libraries hand to other kernels) change at most the rounding.
+        n = x.shape[0]
+        step = -(-n // -(-n // rows))
+        out = x.new_empty(n, self.down_proj.weight.shape[0])
+        for start in range(0, n, step):
+            out[start : start + step] = self._forward(x[start : start + step])
+        return out
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_gate_up
         if fused is not None and self.act_and_mul is not None:
             return self.down_proj(self.act_and_mul(fused.gemm(x, fused.weight, fused.bias)))
