@@ -15,7 +15,8 @@
 // it folds the G = Hq / Hkv query heads of its rows into one block of G * rows query rows (each
 // key is read once for all of them), walks the keys up to its last row's position in blocks of
 // BK, and keeps an online softmax per query row in float32. Only key blocks past the task's
-// first row's position are masked; a row stops at its own position. Scores (RI rows x KJ keys)
+// first row's position are masked: there each block of RI rows goes up to its last row's key
+// and a row stops at its own position. Scores (RI rows x KJ keys)
 // and P.V (RI rows x 64 dims) are register-blocked loops over GCC vector types.
 
 #include <ATen/ATen.h>
@@ -127,6 +128,30 @@ inline void values_block(const float* p, const float* v, int64_t ldv, float* o, 
   }
 }
 
+// One row of a block's scores: online-softmax update over its first n of nk keys (the rest
+// zeroed, as values_block reads all nk); the row's running max m, sum l and output o rescaled.
+inline void softmax_row(float* si, int64_t n, int64_t nk, float& m, float& l, float* o,
+                        int64_t D) {
+  if (n == 0) {
+    std::fill(si, si + nk, 0.f);
+    return;
+  }
+  float mx = m;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
+  const float alpha = std::exp(m - mx);  // 0 for the first block (m = -inf)
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < n; ++j) {
+    si[j] = std::exp(si[j] - mx);
+    total += si[j];
+  }
+  std::fill(si + n, si + nk, 0.f);
+  l = l * alpha + total;
+  m = mx;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+}
+
 // GT, DT: the group size and head dim as constants (0 = read them from args).
 template <typename scalar_t, int64_t GT, int64_t DT>
 void run_rows(const RowsArgs& a, RowsQueue& queue) {
@@ -156,34 +181,32 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
     const int64_t first = pos[r0], end = pos[r1 - 1] + 1;
     const float* kt = a.kt + h * D * a.ldk;
     for (int64_t k0 = 0; k0 < end; k0 += BK) {
-      const int64_t nk = std::min(BK, end - k0), kpad = (nk + KJ - 1) / KJ * KJ;
-      scores_block(qf.data(), kt + k0, a.ldk, s.data(), mrows, kpad, D);
-      const bool masked = k0 + nk - 1 > first;
-      for (int64_t i = 0; i < mrows; ++i) {
-        float* si = s.data() + i * BK;
-        int64_t n = i < rows ? nk : 0;
-        if (masked && i < rows) n = std::clamp<int64_t>(pos[r0 + i / G] - k0 + 1, 0, nk);
-        if (n == 0) {
-          std::fill(si, si + nk, 0.f);
-          continue;
+      const int64_t nk = std::min(BK, end - k0);
+      if (k0 + nk - 1 <= first) {  // every row sees every key of the block
+        const int64_t kpad = (nk + KJ - 1) / KJ * KJ;
+        scores_block(qf.data(), kt + k0, a.ldk, s.data(), mrows, kpad, D);
+        for (int64_t i = 0; i < mrows; ++i) {
+          softmax_row(s.data() + i * BK, i < rows ? nk : 0, nk, m[i], l[i], o.data() + i * D, D);
         }
-        float mx = m[i];
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
-        const float alpha = std::exp(m[i] - mx);  // 0 for the first block (m = -inf)
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < n; ++j) {
-          si[j] = std::exp(si[j] - mx);
-          total += si[j];
-        }
-        std::fill(si + n, si + nk, 0.f);
-        l[i] = l[i] * alpha + total;
-        m[i] = mx;
-        float* oi = o.data() + i * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) oi[d] *= alpha;
+        values_block(s.data(), a.values + k0 * a.ldv + h * D, a.ldv, o.data(), mrows, nk, D);
+        continue;
       }
-      values_block(s.data(), a.values + k0 * a.ldv + h * D, a.ldv, o.data(), mrows, nk, D);
+      // Masked: each register block of RI rows goes up to its last row's key only (rows
+      // ascend, so blocks of rows that see none of these keys are skipped).
+      for (int64_t i0 = 0; i0 < mrows; i0 += RI) {
+        const int64_t last = std::min(i0 + RI, rows) - 1;  // its last real row
+        const int64_t nki = std::clamp<int64_t>(pos[r0 + last / G] - k0 + 1, 0, nk);
+        if (nki == 0) continue;
+        const int64_t kpad = (nki + KJ - 1) / KJ * KJ;
+        float* si = s.data() + i0 * BK;
+        scores_block(qf.data() + i0 * D, kt + k0, a.ldk, si, RI, kpad, D);
+        for (int64_t i = i0; i < i0 + RI; ++i) {
+          const int64_t n =
+              i < rows ? std::clamp<int64_t>(pos[r0 + i / G] - k0 + 1, 0, nki) : 0;
+          softmax_row(s.data() + i * BK, n, nki, m[i], l[i], o.data() + i * D, D);
+        }
+        values_block(si, a.values + k0 * a.ldv + h * D, a.ldv, o.data() + i0 * D, RI, nki, D);
+      }
     }
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < G; ++g) {
