@@ -20,6 +20,7 @@ resizing and the store's own bookkeeping (memory tier, LRU touches) are not thre
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -182,23 +183,14 @@ class KVStore(StoreTransactions, StoreQueries):
         new_bytes = sum(len(v) for v in encoded)
         if self.max_bytes is not None and new_bytes > self.max_bytes:
             raise StoreError(f"batch of {new_bytes} bytes exceeds max_bytes={self.max_bytes}")
-        now = time.time()
-
-        def write(txn, counters):
-            results, batch_keys = [], set()
-            for chunk, value in zip(chunks, encoded, strict=True):
-                batch_keys.add(chunk.key)
-                raw = txn.get(chunk.key, db=self._dbs["chunks"])
-                if raw is not None:
-                    txn_ops.touch(txn, self._dbs, counters, chunk.key, now)
-                    results.append(PutResult(ChunkMeta.from_json(raw).chunk_id, False, ()))
-                    continue
-                cid = txn_ops.insert(txn, self._dbs, counters, chunk, value, now)
-                results.append(PutResult(cid, True, ()))
-            evicted = txn_ops.evict(txn, self._dbs, counters, self.max_bytes, batch_keys)
-            return results, evicted
-
+        # Corrupt values a snapshot saw are deleted when it closes: a good copy replaces them
+        # now, or that delete would drop it (the lock keeps snapshots from closing meanwhile).
+        replace = {c.key for c in chunks} & self._deferred_deletes
+        write = functools.partial(self._put_txn, chunks, encoded, replace, time.time())
         results, evicted = self._write(write)
+        self._deferred_deletes -= replace
+        for key in replace:
+            self._verified.discard(key)
         for key, _ in evicted:
             self.memory_tier.discard(key)
             self._verified.discard(key)
@@ -206,6 +198,25 @@ class KVStore(StoreTransactions, StoreQueries):
             ids = tuple(cid for _, cid in evicted)
             results = [r._replace(evicted=ids) if i == 0 else r for i, r in enumerate(results)]
         return results
+
+    def _put_txn(self, chunks, encoded, replace: set[bytes], now: float, txn, counters):
+        """``put_many``'s transaction: insert new keys, touch stored ones (replace those in
+        ``replace``), evict past ``max_bytes``; returns (results, evicted)."""
+        results, batch_keys = [], set()
+        for chunk, value in zip(chunks, encoded, strict=True):
+            batch_keys.add(chunk.key)
+            raw = txn.get(chunk.key, db=self._dbs["chunks"])
+            if raw is not None and chunk.key in replace:
+                txn_ops.delete(txn, self._dbs, counters, chunk.key)
+                raw = None
+            if raw is not None:
+                txn_ops.touch(txn, self._dbs, counters, chunk.key, now)
+                results.append(PutResult(ChunkMeta.from_json(raw).chunk_id, False, ()))
+                continue
+            cid = txn_ops.insert(txn, self._dbs, counters, chunk, value, now)
+            results.append(PutResult(cid, True, ()))
+        evicted = txn_ops.evict(txn, self._dbs, counters, self.max_bytes, batch_keys)
+        return results, evicted
 
     @locked
     def delete(self, keys: Sequence[bytes]) -> list[int]:

@@ -66,6 +66,23 @@ def test_a_corrupt_value_seen_through_a_snapshot_is_dropped_when_it_closes(store
         assert key_of(0) not in s
 
 
+def test_a_good_copy_written_under_the_snapshot_replaces_the_corrupt_value(store_path, fp):
+    """A write-back of the chunk (the engine recomputes it) while the snapshot that saw it
+    corrupt is open replaces the value, and closing the snapshot keeps the good copy."""
+    with KVStore(store_path, fp) as s:
+        s.put(key_of(0), make_kv(0))
+    _raw_edit(store_path, b"values", key_of(0), _flip(fmt.HEADER_SIZE + 5))
+    with KVStore(store_path, fp) as s:
+        with s.snapshot() as snap:
+            assert snap.view(key_of(0)) is None
+            writer = threading.Thread(target=s.put, args=(key_of(0), make_kv(0)))
+            writer.start()
+            writer.join()
+        assert key_of(0) in s
+        assert same_bits(s.get(key_of(0)).kv, make_kv(0))
+        assert s.verify().ok
+
+
 def test_snapshot_views_follow_verify_reads_and_count_hits(store_path, fp):
     kv = make_kv(3, 16, dtype=torch.float32)
     with KVStore(store_path, fp, verify_reads=True) as s:
