@@ -5,8 +5,8 @@ each layer's start (its input norm), its attention and its MLP block (``finish``
 plan's selection and K/V correction, the final norm, logits and sampling. The step runs
 synchronously on the CPU, so the pieces add up; what no timer covers is Python and scheduling
 overhead. Loading comes
-from the request's :class:`~blendkv.blend.plan.BlendStats` (reads before the forward, layer
-writes behind it).
+from the request's :class:`~blendkv.blend.plan.BlendStats`: the reads and writes not hidden
+behind compute count in the TTFT's parts, the hidden ones are printed apart.
 
 The **compute floor** of a request is what its recompute would cost at full prefill's speed:
 ``full TTFT x computed row-layers / all row-layers`` (the row plan counts the row-layers it
@@ -148,8 +148,9 @@ def profile_request(llm, prompt, blend, params, full_ttft: float, attn_share: fl
     row_layers = parts.pop("_row_layers", num_tokens * num_layers)
     all_keys = num_tokens * (num_tokens + 1) // 2 + num_tokens * stats.prefix_cached_tokens
     key_row_layers = parts.pop("_key_row_layers", all_keys * num_layers)
-    exposed_writes = stats.write_seconds - stats.load_hidden_seconds
-    parts["store reads"] = stats.read_seconds
+    writes_hidden = stats.load_hidden_seconds - stats.read_hidden_seconds
+    exposed_writes = stats.write_seconds - writes_hidden
+    parts["store reads"] = stats.read_seconds - stats.read_hidden_seconds  # not hidden
     parts["RoPE + block writes (not hidden)"] = exposed_writes
     parts["selection"] = parts.get("selection", 0.0)  # between projection and attention
     parts["K/V correction"] = parts.get("K/V correction", 0.0)  # before attention
@@ -172,7 +173,8 @@ def profile_request(llm, prompt, blend, params, full_ttft: float, attn_share: fl
         "key_row_layers_fraction": keys_share,
         "key_floor": key_floor,
         "key_floor_fraction": key_floor / ttft,
-        "writes_hidden_s": stats.load_hidden_seconds,
+        "writes_hidden_s": writes_hidden,
+        "reads_hidden_s": stats.read_hidden_seconds,
         "parts": dict(sorted(parts.items())),
     }
 
@@ -195,3 +197,4 @@ def print_profile(p: dict) -> None:
     for name, seconds in p["parts"].items():
         print(f"    {name:40} {seconds:8.3f} s  {100 * seconds / p['ttft']:5.1f}%")
     print(f"    {'(writes hidden behind compute)':40} {p['writes_hidden_s']:8.3f} s")
+    print(f"    {'(store reads hidden behind compute)':40} {p.get('reads_hidden_s', 0.0):8.3f} s")

@@ -87,6 +87,7 @@ class BlendConnector(KVConnectorBase):
                 (info.num_layers, info.num_kv_heads, info.head_dim),
                 info.device,
                 self.controller,
+                ctx.model.model.embed_tokens.weight.dtype,
             )
         return self._manager
 
@@ -218,12 +219,16 @@ class BlendConnector(KVConnectorBase):
         forward_seconds = time.perf_counter() - self._forward_start
         load.finish()
         hidden_share = load.hidden / load.busy if load.busy > 0 else 0.0
+        read_share = load.read_hidden / load.read_busy if load.read_busy > 0 else 0.0
         for w in load.writes:
             stats, tier = w.owner
-            stats.load_seconds += w.seconds
+            # a deferred read's time is in no pre-forward load time (the loader's) yet
+            read_hidden = w.fetch_seconds * read_share if w.fetch is not None else 0.0
+            stats.load_seconds += w.seconds + (w.fetch_seconds if w.fetch is not None else 0.0)
             stats.read_seconds += w.fetch_seconds
+            stats.read_hidden_seconds += read_hidden
             stats.write_seconds += w.seconds
-            stats.load_hidden_seconds += w.seconds * hidden_share
+            stats.load_hidden_seconds += w.seconds * hidden_share + read_hidden
             if tier != "computed":
                 layerwise = w.seconds if load.pipelined else 0.0
                 self.controller.record_load(

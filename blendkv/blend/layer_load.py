@@ -13,6 +13,13 @@ writing K/V into the request's blocks, is done here, one layer at a time:
 - **serial** (``pipelined=False``): everything is written before the forward, one backend call
   per chunk covering all its layers.
 
+**Deferred reads** (CPU, chunks viewed in LMDB's map): the loader hands such a chunk over
+unread (``ChunkWrite.fetch``), since reading a value faults all its pages in, from the disk when
+the page cache lost them. A reader thread (the loading thread when pipelined) fetches them
+while the layers before the first that reads stored K/V compute (the full layer); the forward
+joins it there (``wait``). A chunk the fetch finds evicted or corrupt is computed then, in the
+forward's thread (``ChunkWrite.recover``), and written with the serial writes.
+
 ``pipelined=None`` (``EngineConfig.pipeline_kv_load``'s default) picks: pipelined on CUDA, and
 on the CPU only when the forward's threads leave a core free (:func:`spare_cpu_core`): with
 every core computing, the loading thread only takes time from them (measured 1-3 % slower on
@@ -29,6 +36,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,19 +83,24 @@ def _timing_event(stream):
 @dataclass
 class ChunkWrite:
     """One chunk's K/V to write: ``kv`` [L', 2, T, kv_heads, head_dim] holds layers
-    ``first_layer ..`` (K before RoPE), on the device or (CUDA) in host memory."""
+    ``first_layer ..`` (K before RoPE), on the device or (CUDA) in host memory; None until a
+    deferred read (``fetch``) ran."""
 
-    kv: torch.Tensor
+    kv: torch.Tensor | None
     first_layer: int
     positions: torch.Tensor  # [T] int64 on the device
     slots: torch.Tensor  # [T] int64 on the device
     owner: object = None  # (the request's stats, the tier it came from), for accounting
-    fetch_seconds: float = 0.0  # time spent finding it (store read) before the forward
+    fetch_seconds: float = 0.0  # time spent finding it (store read)
     seconds: float = 0.0  # time spent writing it (CPU modes)
+    # A deferred read (CPU, LMDB): returns ``kv`` or None (evicted or corrupt since the lookup);
+    # then ``recover`` computes it, in the forward's thread.
+    fetch: Callable[[], torch.Tensor | None] | None = None
+    recover: Callable[[], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
 
 
 class LayerwiseLoad:
@@ -112,6 +125,17 @@ class LayerwiseLoad:
         self.num_layers = len(kv_caches)
         self.busy = 0.0
         self.waited = 0.0
+        # Deferred reads: fetched by a thread while the layers before ``_deferred_from`` run.
+        self._deferred = [w for w in writes if w.fetch is not None]
+        assert not self._deferred or self.device.type == "cpu", "deferred reads are CPU-only"
+        self._deferred_from = min((w.first_layer for w in self._deferred), default=0)
+        self._settled = not self._deferred
+        self._fetched = threading.Event()
+        self._fetch_error: BaseException | None = None
+        self._reader: threading.Thread | None = None
+        self.read_busy = 0.0  # the deferred reads' seconds (in the thread)
+        self.read_waited = 0.0  # of which the forward waited for
+        self._forward_busy = 0.0  # pipelined: writes the forward's thread did (recovered chunks)
         self._ready = [threading.Event() for _ in range(self.num_layers)]
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -134,12 +158,10 @@ class LayerwiseLoad:
             self._span = (first, _timing_event(stream))
             return
         if not self.pipelined:
-            t0 = time.perf_counter()
-            for w in self.writes:
-                t = time.perf_counter()
-                self._write(w, w.first_layer, len(w.kv))
-                w.seconds += time.perf_counter() - t
-            self.busy = time.perf_counter() - t0
+            if self._deferred:
+                self._reader = threading.Thread(target=self._fetch_all, name="blendkv-kv-read")
+                self._reader.start()
+            self.busy += self._write_serially([w for w in self.writes if w.fetch is None])
             return
         if self.device.type == "cuda":
             self._start_cuda()
@@ -147,12 +169,39 @@ class LayerwiseLoad:
         self._thread = threading.Thread(target=self._run_thread, name="blendkv-kv-load")
         self._thread.start()
 
+    def _write_serially(self, writes: list[ChunkWrite]) -> float:
+        """All layers of ``writes``, one backend call each; returns the seconds."""
+        t0 = time.perf_counter()
+        for w in writes:
+            t = time.perf_counter()
+            self._write(w, w.first_layer, len(w.kv))
+            w.seconds += time.perf_counter() - t
+        return time.perf_counter() - t0
+
+    def _fetch_all(self) -> None:
+        """The deferred reads (in a thread); a chunk found missing keeps ``kv`` None."""
+        t0 = time.perf_counter()
+        try:
+            for w in self._deferred:
+                t = time.perf_counter()
+                w.kv = w.fetch()
+                w.fetch_seconds += time.perf_counter() - t
+        except BaseException as exc:  # re-raised in the forward's thread by wait()
+            self._fetch_error = exc
+        finally:
+            self.read_busy = time.perf_counter() - t0
+            self._fetched.set()
+
     def _run_thread(self) -> None:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
+                if self._deferred:
+                    self._fetch_all()
+                # a chunk the reads found missing is the forward's (wait() recovers it)
+                writes = [w for w in self.writes if w.kv is not None]
                 for layer in range(self.num_layers):
-                    for w in self.writes:
+                    for w in writes:
                         if layer >= w.first_layer:
                             t = time.perf_counter()
                             self._write(w, layer, 1)
@@ -163,7 +212,7 @@ class LayerwiseLoad:
             for event in self._ready:
                 event.set()
         finally:
-            self.busy = time.perf_counter() - t0
+            self.busy = time.perf_counter() - t0 - self.read_busy
 
     def _start_cuda(self) -> None:
         self._stream = self._side_stream or torch.cuda.Stream(device=self.device)
@@ -192,6 +241,8 @@ class LayerwiseLoad:
     # ---- the forward's side -------------------------------------------------------------
     def wait(self, layer: int) -> None:
         """Block until ``layer``'s K/V is in the pool (CUDA: order the compute stream)."""
+        if not self._settled and layer >= self._deferred_from:
+            self._settle()
         if not self.pipelined:
             return
         if self._stream is not None:
@@ -211,11 +262,37 @@ class LayerwiseLoad:
         if self._error is not None:
             raise self._error
 
+    def _settle(self) -> None:
+        """The forward reached the first layer of a deferred read: join the reads, compute the
+        chunks they found missing, and write what the loading thread will not."""
+        self._settled = True
+        t0 = time.perf_counter()
+        self._fetched.wait()
+        self.read_waited = time.perf_counter() - t0
+        if self._reader is not None:
+            self._reader.join()
+            self._reader = None
+        if self._fetch_error is not None:
+            raise self._fetch_error
+        lost = [w for w in self._deferred if w.kv is None]
+        for w in lost:
+            w.kv = w.recover()
+            w.owner = (w.owner[0], "computed")
+        if self.pipelined:  # behind the thread's layers: not hidden (added in finish())
+            self._forward_busy = self._write_serially(lost)
+        else:
+            self.busy += self._write_serially(self._deferred)
+
     def finish(self) -> None:
         """After the forward: every write is done (and its sources may be freed)."""
+        if self._reader is not None:  # the forward failed before joining the reads
+            self._reader.join()
+            self._reader = None
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self.busy += self._forward_busy
+            self.waited += self._forward_busy
             if self._error is not None:
                 raise self._error
         if self._stream is not None:
@@ -248,3 +325,8 @@ class LayerwiseLoad:
     def hidden(self) -> float:
         """Seconds of writing that overlapped compute."""
         return max(0.0, self.busy - self.waited) if self.pipelined else 0.0
+
+    @property
+    def read_hidden(self) -> float:
+        """Seconds of deferred reading that overlapped compute."""
+        return max(0.0, self.read_busy - self.read_waited)

@@ -6,11 +6,15 @@ several), or, if it is missing, computed now (one forward behind the anchor, use
 handed to the background writer: the step never waits on a disk write). Sources are used in
 place: no copy from the memory tier, and on the CPU none from LMDB either (zero-copy views of
 its memory map through one read snapshot per step, :meth:`KVStore.snapshot`; the OS page cache
-is the hot tier there). Reading them, rotating K to the fused positions and writing K/V into the
-request's blocks happens layer by layer behind the forward (:mod:`blendkv.blend.layer_load`);
-before the forward only the value's header is checked (and its checksum on the first read of
-the process, ``verify_reads="once"``). Call :meth:`ChunkLoader.end_step` once the step's
-writes are done.
+is the hot tier there). Rotating K to the fused positions and writing K/V into the request's
+blocks happens layer by layer behind the forward, or all before it
+(:mod:`blendkv.blend.layer_load`). Reading an LMDB value faults all its pages in (py-lmdb
+touches every page before handing a value over), from the disk when they are cold, so on the
+CPU those reads are deferred too: a thread fetches them (header checked, and the checksum on
+the first read of the process, ``verify_reads="once"``) while the full layer computes, and a
+value found evicted or corrupt then is computed in the forward's thread before the first layer
+reads it.
+Call :meth:`ChunkLoader.end_step` once the step's writes are done.
 With ``recompute_ratio="auto"`` the controller picks the request's ratio here, from the bytes
 it loads per layer. The request's TTFT includes all of it.
 """
@@ -18,7 +22,9 @@ it loads per layer. The request's TTFT includes all of it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,15 +42,20 @@ class ChunkLoader:
         kv_shape: tuple[int, int, int],
         device: torch.device | str = "cpu",
         controller: LoadingController | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        """``kv_shape``: (num_layers, num_kv_heads, head_dim) of a stored chunk."""
+        """``kv_shape``: (num_layers, num_kv_heads, head_dim) of a stored chunk; ``dtype``: the
+        model's (the stored K/V's)."""
         self.manager = manager
         self.kv_shape = kv_shape
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.device = torch.device(device)
         self.controller = controller or LoadingController()
         self._snapshot = None  # this step's LMDB read snapshot (CPU), opened on first use
-        # Benchmarks switch it off to time copying reads (``store.get``) on the same engine.
+        # Benchmarks switch these off to time copying reads (``store.get``) / LMDB reads before
+        # the forward on the same engine.
         self.zero_copy_reads = True
+        self.defer_reads = True
 
     def load(
         self,
@@ -77,20 +88,27 @@ class ChunkLoader:
         layer_bytes: dict[str, int] = {}
         chunk_ids = torch.full((num_new,), -1, dtype=torch.long)
         chunk_offsets = torch.full((num_new,), -1, dtype=torch.long)
+        num_layers, kv_heads, head_dim = self.kv_shape
         for i in todo:
             s, e = spans[i]
-            kv, tier = computed.get(i), "computed"
+            lo = max(s, start)
+            keep = (slice(first, None), slice(None), slice(lo - s, None))  # layers, positions
+            kv, tier, fetch, recover = computed.get(i), "computed", None, None
             t_fetch = time.perf_counter()
             if kv is None:
                 found = self._fetch(plan.chunk_keys[i])
-                if found is not None:
+                if found is None:  # evicted or corrupt since the lookup: compute it after all
+                    kv = self._compute(plan, [i])[i]
+                else:
                     kv, tier = found
                     stats.chunks_hit += 1
-                else:  # evicted or corrupt since the lookup: compute it after all
-                    kv = self._compute(plan, [i])[i]
-            lo = max(s, start)
+                    if callable(kv):  # read later, in the loading thread
+                        view, kv = kv, None
+                        fetch = _deferred_fetch(view, keep)
+                        recover = _recovery(self, plan, i, keep, stats)
             positions = torch.arange(lo, e)
-            kv = kv[first:, :, lo - s :]  # layers that read reused K/V; positions not cached
+            if kv is not None:
+                kv = kv[keep]
             slots = table[positions // block_size] * block_size + positions % block_size
             writes.append(
                 ChunkWrite(
@@ -100,14 +118,17 @@ class ChunkLoader:
                     slots.to(self.device, non_blocking=True),
                     owner=(stats, tier),
                     fetch_seconds=time.perf_counter() - t_fetch,
+                    fetch=fetch,
+                    recover=recover,
                 )
             )
             reused[lo - start : e - start] = True
             chunk_ids[lo - start : e - start] = i
             chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
-            stats.kv_bytes_loaded += kv.numel() * kv.element_size()
-            if tier != "computed" and len(kv):
-                layer_bytes[tier] = layer_bytes.get(tier, 0) + kv[0].numel() * kv.element_size()
+            layer_nbytes = 2 * (e - lo) * kv_heads * head_dim * self.itemsize
+            stats.kv_bytes_loaded += (num_layers - first) * layer_nbytes
+            if tier != "computed" and num_layers > first:
+                layer_bytes[tier] = layer_bytes.get(tier, 0) + layer_nbytes
         stats.tokens_reused = int(reused.sum())
         if config.auto_ratio:
             ratio = self.controller.choose_ratio(
@@ -138,8 +159,9 @@ class ChunkLoader:
         )
         return blend, writes
 
-    def _fetch(self, key: bytes) -> tuple[torch.Tensor, str] | None:
-        """A stored chunk's K/V (read-only, shared with the memory tier) and its tier."""
+    def _fetch(self, key: bytes) -> tuple[torch.Tensor | Callable, str] | None:
+        """A stored chunk's K/V (read-only, shared with the memory tier) and its tier; for an
+        LMDB view read later (``defer_reads``), a function that reads it instead."""
         tensor = self.manager.pending(key)
         if tensor is not None:
             return tensor, "memory"
@@ -151,6 +173,8 @@ class ChunkLoader:
             if self._snapshot is None:
                 self._snapshot = store.snapshot()
             if self._snapshot is not None:
+                if self.defer_reads:
+                    return functools.partial(self._snapshot.view, key), tier
                 chunk = self._snapshot.view(key)
                 return None if chunk is None else (chunk.kv, tier)
         chunk = store.get(key, skip_memory_tier=tier != "memory")
@@ -179,3 +203,23 @@ class ChunkLoader:
         plan.stats.precompute_seconds += time.perf_counter() - t0
         plan.stats.chunks_missed += len(misses)
         return dict(zip(misses, kvs, strict=True))
+
+
+def _deferred_fetch(view: Callable, keep: tuple) -> Callable[[], torch.Tensor | None]:
+    """Reads a chunk viewed later: its kept layers and positions, or None if it is gone."""
+
+    def fetch() -> torch.Tensor | None:
+        chunk = view()
+        return None if chunk is None else chunk.kv[keep]
+
+    return fetch
+
+
+def _recovery(loader: ChunkLoader, plan: BlendPlan, i: int, keep: tuple, stats):
+    """Computes chunk ``i`` when its deferred read finds it evicted or corrupt."""
+
+    def recover() -> torch.Tensor:
+        stats.chunks_hit -= 1
+        return loader._compute(plan, [i])[i][keep]
+
+    return recover

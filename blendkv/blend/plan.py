@@ -44,6 +44,7 @@ class BlendStats:
     read_seconds: float = 0.0  # of which finding chunks (store reads, memory tier)
     write_seconds: float = 0.0  # of which RoPE + writes into the blocks
     load_hidden_seconds: float = 0.0  # of which ran behind the forward (pipelined loading)
+    read_hidden_seconds: float = 0.0  # of the reads, those behind the forward (deferred, CPU)
     chosen_recompute_ratio: float | None = None  # picked by the loading controller ("auto")
     precompute_seconds: float = 0.0  # computing missed chunks
     store_errors: int = 0  # store calls that failed (e.g. Redis unreachable): chunks recomputed

@@ -46,7 +46,9 @@ def test_pipelined_equals_serial_bit_for_bit(tiny_llama_dir, tmp_path, ratio):
     assert torch.equal(runs[True][1], runs[False][1])
     stats = runs[True][2]
     assert 0.0 <= stats.load_hidden_seconds <= stats.load_seconds
-    assert runs[False][2].load_hidden_seconds == 0.0
+    serial = runs[False][2]  # its writes run before the forward; its LMDB reads behind it
+    assert serial.load_hidden_seconds == serial.read_hidden_seconds
+    assert 0.0 <= serial.read_hidden_seconds <= serial.read_seconds
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
