@@ -43,9 +43,15 @@ class CompiledPrefill:
         positions: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        mass: torch.Tensor | None = None,
     ) -> None:
         """``out`` [n, Hq, D] = attention of ``q`` [n, Hq, D] (rows at strictly ascending
-        ``positions`` [n]) over ``keys``/``values`` [S, Hkv, D] at positions 0..S-1."""
+        ``positions`` [n]) over ``keys``/``values`` [S, Hkv, D] at positions 0..S-1.
+
+        ``mass`` [S] float32 (contiguous): adds the softmax probability the rows pay each key,
+        summed over rows and query heads (ProphetKV's score,
+        :func:`~blendkv.kernels.attention_mass.query_attention_mass`), from a second pass over
+        the scores (no P.V): the query rows' attention and their score in one call."""
         dst = out if out.is_contiguous() else torch.empty_like(q)
         self.ops.rows_attention(
             q.contiguous(),
@@ -55,6 +61,7 @@ class CompiledPrefill:
             scale,
             BLOCK_ROWS,
             dst,
+            mass,
         )
         if dst is not out:
             out.copy_(dst)

@@ -22,7 +22,7 @@ from blendkv.kernels.attention import (
     StepPlanMemo,
     split_by_kind,
 )
-from blendkv.kernels.attention_mass import attention_with_mass, query_attention_mass
+from blendkv.kernels.attention_mass import query_attention_mass, query_rows_attention
 from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, plan_dense_decode
 from blendkv.kernels.compiled_prefill import CompiledPrefill
 from blendkv.kernels.paged_decode import DecodePlan, block_runs, decode_attention, plan_decode
@@ -343,11 +343,10 @@ class TorchAttentionBackend(AttentionBackend):
                 out[lo:mid] = split_masked_attention(
                     q[lo:mid], keys, values, positions, scale, groups
                 )
-            if mid < hi:  # ProphetKV's query rows: their output and their score, one product
-                request = md.query_mass[i]
-                out[mid:hi], mass = attention_with_mass(
-                    q[mid:hi], keys, values, md.positions[mid:hi], request.visible_prefix
-                )
+            if mid < hi:  # ProphetKV's query rows: their output and their score, one call
+                request, qp = md.query_mass[i], md.positions[mid:hi]
+                args = (q[mid:hi], keys, values, qp, request.visible_prefix, out[mid:hi])
+                mass = query_rows_attention(self.compiled_prefill, *args)
                 request.scores.add_(mass)
         if plan.decode is not None:
             decode_attention(q, kv_cache, plan.decode, out, scale)

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "tasks.h"
@@ -62,6 +63,7 @@ struct RowsArgs {
   void* out;
   int64_t num_rows, num_kv_heads, num_q_heads, group, head_dim, block_rows;
   float scale;
+  float* lse = nullptr;  // [n, Hq]: each row's log-sum-exp of its scaled scores (mass pass)
 };
 
 // s[i][j] = sum_d qf[i][d] * kt[d * ldk + j] for i < mpad (a multiple of RI), j < kpad (of KJ):
@@ -214,6 +216,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
         const float inv = 1.f / l[i];
         scalar_t* dst = out + (r * Hq + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[i * D + d] * inv);
+        if (a.lse != nullptr) a.lse[r * Hq + h * G + g] = m[i] + std::log(l[i]);
       }
     }
   }
@@ -228,9 +231,45 @@ void dispatch_rows(const RowsArgs& a, RowsQueue& queue) {
   run_rows<scalar_t, 0, 0>(a, queue);
 }
 
+
+// The mass pass (rows_attention's optional `mass`): mass[j] += sum over rows and query heads of
+// each row's softmax probability of key j, exp(score - lse). One task per block of BK keys
+// (no two tasks add to the same key); the scores are recomputed with scores_block on the same
+// scaled float32 q as the attention pass, so they are the bits its softmax saw.
+void add_mass(const RowsArgs& a, const float* qs, int64_t used, float* mass) {
+  const int64_t G = a.group, D = a.head_dim, Hq = a.num_q_heads, n = a.num_rows;
+  const int64_t rows = n * G, mrows = (rows + RI - 1) / RI * RI;
+  at::parallel_for(0, (used + BK - 1) / BK, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(RI * BK), acc(BK);
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t k0 = b * BK, nk = std::min(BK, used - k0);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+        const float* qh = qs + h * mrows * D;
+        for (int64_t i0 = 0; i0 < mrows; i0 += RI) {
+          const int64_t last = std::min(i0 + RI, rows) - 1;  // rows ascend: skip unseeing ones
+          const int64_t nki = std::clamp<int64_t>(a.positions[last / G] - k0 + 1, 0, nk);
+          if (nki == 0) continue;
+          scores_block(qh + i0 * D, a.kt + h * D * a.ldk + k0, a.ldk, s.data(), RI,
+                       (nki + KJ - 1) / KJ * KJ, D);
+          for (int64_t i = i0; i <= last; ++i) {
+            const int64_t r = i / G, g = i % G;
+            const int64_t ni = std::clamp<int64_t>(a.positions[r] - k0 + 1, 0, nki);
+            const float lse = a.lse[r * Hq + h * G + g];
+            const float* si = s.data() + (i - i0) * BK;
+#pragma omp simd
+            for (int64_t j = 0; j < ni; ++j) acc[j] += std::exp(si[j] - lse);
+          }
+        }
+      }
+      for (int64_t j = 0; j < nk; ++j) mass[k0 + j] += acc[j];
+    }
+  });
+}
+
 void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                     const at::Tensor& positions, double scale, int64_t block_rows,
-                    at::Tensor out) {
+                    at::Tensor out, const std::optional<at::Tensor>& mass) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(),
               "rows_attention: q [n, Hq, D], keys/values [S, Hkv, D]");
   TORCH_CHECK(out.sizes() == q.sizes(), "rows_attention: out must have q's shape");
@@ -244,6 +283,9 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
                   positions.is_cpu() && positions.dim() == 1 && positions.size(0) == q.size(0),
               "rows_attention: positions: [n] contiguous int64 CPU tensor");
   TORCH_CHECK(block_rows >= 1, "rows_attention: block_rows >= 1");
+  TORCH_CHECK(!mass || (mass->is_contiguous() && mass->scalar_type() == at::kFloat &&
+                        mass->is_cpu() && mass->dim() == 1 && mass->size(0) == keys.size(0)),
+              "rows_attention: mass: [S] contiguous float32 CPU tensor");
   const int64_t n = q.size(0);
   if (n == 0) return;
   const int64_t* pp = positions.data_ptr<int64_t>();
@@ -282,6 +324,11 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   });
   RowsArgs a{q.data_ptr(), ktp, vf.data_ptr<float>(), ldk, Hkv * D, pp, out.data_ptr(), n, Hkv,
              q.size(1), q.size(1) / Hkv, D, block_rows, static_cast<float>(scale)};
+  at::Tensor lse;
+  if (mass) {
+    lse = at::empty({n, q.size(1)}, q.options().dtype(at::kFloat));
+    a.lse = lse.data_ptr<float>();
+  }
   const int64_t blocks = (n + block_rows - 1) / block_rows, num_tasks = blocks * a.num_kv_heads;
   // Longest context first: a task's cost grows with its last row's position.
   std::vector<int64_t> order(num_tasks);
@@ -300,6 +347,16 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
       dispatch_rows<c10::BFloat16>(a, queue);
     }
   });
+  if (!mass) return;
+  // q scaled to float32 per kv head, its G heads' rows r-major ([Hkv, rows padded to RI, D]),
+  // as the attention pass's tasks build it.
+  const int64_t G = a.group, mrows = (n * G + RI - 1) / RI * RI;
+  at::Tensor qs = (q.to(at::kFloat) * static_cast<float>(scale))
+                      .view({n, Hkv, G, D})
+                      .permute({1, 0, 2, 3})
+                      .reshape({Hkv, n * G, D});
+  qs = at::constant_pad_nd(qs, {0, 0, 0, mrows - n * G}).contiguous();
+  add_mass(a, qs.data_ptr<float>(), used, mass->data_ptr<float>());
 }
 
 }  // namespace
@@ -307,6 +364,6 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(blendkv_cpu, m) {
   m.def(
       "rows_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale, "
-      "int block_rows, Tensor(a!) out) -> ()");
+      "int block_rows, Tensor(a!) out, Tensor(b!)? mass=None) -> ()");
   m.impl("rows_attention", c10::DispatchKey::CPU, TORCH_FN(rows_attention));
 }

@@ -48,6 +48,69 @@ def test_rows_attention_equals_the_oracle(heads, dtype, layout):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
 
 
+def _mass_oracle(q, k, positions, scale) -> torch.Tensor:
+    """float64: the softmax probability each key gets, summed over rows and query heads."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(group, dim=1)  # [S, Hq, D]
+    scores = torch.einsum("nhd,shd->hns", q.double(), kk) * scale
+    hidden = torch.arange(k.shape[0])[None, :] > positions[:, None]  # [n, S]
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    return probs.sum(dim=(0, 1))
+
+
+@pytest.mark.parametrize("layout", ["scattered", "causal", "chunk", "edges"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads", [(3, 3, 64), (2, 7, 64), (2, 5, 16)], ids=lambda h: "x".join(map(str, h))
+)
+def test_rows_attention_adds_the_mass_the_rows_pay_each_key(heads, dtype, layout):
+    """``mass``: ProphetKV's score (a second pass over the scores) next to the same output;
+    added to what the tensor holds; zero past the last row's position."""
+    hkv, g, d = heads
+    gen = torch.Generator().manual_seed(hkv * 100 + g * 10 + d + 1)
+    n_keys = 601
+    positions = _positions(layout, n_keys - 30, gen)  # the last 30 keys: seen by no row
+    q = torch.randn(len(positions), hkv * g, d, generator=gen).to(dtype)
+    k = (2 * torch.randn(n_keys, hkv, d, generator=gen)).to(dtype)
+    v = torch.randn(n_keys, hkv, d, generator=gen).to(dtype)
+    out, alone = torch.empty_like(q), torch.empty_like(q)
+    mass = torch.full((n_keys,), 0.5)
+    CompiledPrefill()(q, k, v, positions, d**-0.5, out, mass)
+    CompiledPrefill()(q, k, v, positions, d**-0.5, alone)
+    assert torch.equal(out, alone)
+    want = _mass_oracle(q, k, positions, d**-0.5) + 0.5
+    torch.testing.assert_close(mass.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(mass[-30:], torch.full((30,), 0.5))
+
+
+def test_query_rows_attention_matches_the_torch_product():
+    """The backend's ProphetKV call: the C++ kernel's output and mass against
+    ``attention_with_mass`` (the eager path)."""
+    from blendkv.kernels.attention_mass import query_rows_attention
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (
+        torch.randn(40, 9, 64, generator=gen),
+        torch.randn(700, 3, 64, generator=gen),
+        torch.randn(700, 3, 64, generator=gen),
+    )
+    positions = torch.arange(660, 700)
+    outs, masses = [], []
+    for compiled in (CompiledPrefill(), None):
+        out = torch.empty_like(q)
+        masses.append(query_rows_attention(compiled, q, k, v, positions, 660, out))
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(masses[0], masses[1], atol=1e-5, rtol=1e-5)
+
+
+def test_rows_attention_refuses_a_bad_mass():
+    q, k = torch.randn(2, 2, 16), torch.randn(20, 1, 16)
+    for bad in (torch.zeros(19), torch.zeros(20, dtype=torch.float64), torch.zeros(40)[::2]):
+        with pytest.raises(RuntimeError, match="mass"):
+            CompiledPrefill()(q, k, k, torch.tensor([0, 1]), 0.25, torch.empty_like(q), bad)
+
+
 def test_rows_attention_writes_a_strided_out_and_reads_strided_inputs():
     """Views (a slice of a fused QKV output, a non-contiguous destination) are handled."""
     gen = torch.Generator().manual_seed(0)
