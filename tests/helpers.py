@@ -68,6 +68,21 @@ BLEND_DOCS = [
 BLEND_QUERY = "Which city is the capital of France?"
 
 
+def blend_llm(path, store, pipelined: bool | None):
+    """An engine on ``path``'s tiny model for the loading tests: float32, blocks of 4, no
+    prefix cache, its chunk store in ``store``."""
+    from blendkv import LLM
+
+    return LLM(
+        str(path),
+        dtype="float32",
+        block_size=4,
+        enable_prefix_caching=False,
+        kv_store_dir=str(store),
+        pipeline_kv_load=pipelined,
+    )
+
+
 def standalone_chunk_kv(hf, anchor, chunk):
     """Pre-RoPE K and V of ``chunk`` prefilled behind ``anchor``, captured from transformers."""
     captured = {}

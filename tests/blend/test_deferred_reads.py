@@ -10,25 +10,15 @@ import pytest
 import torch
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
+from helpers import blend_llm
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.store.reader import ReadSnapshot
 
 PROMPT = {"documents": DOCS, "query": QUERY}
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 BLEND = BlendConfig(recompute_ratio=0.3)
-
-
-def _llm(path, store, pipelined: bool):
-    return LLM(
-        str(path),
-        dtype="float32",
-        block_size=4,
-        enable_prefix_caching=False,
-        kv_store_dir=str(store),
-        pipeline_kv_load=pipelined,
-    )
 
 
 def _warm(llm):
@@ -59,7 +49,7 @@ def view_threads(monkeypatch):
 def test_deferred_reads_equal_reads_before_the_forward(
     tiny_llama_dir, tmp_path, view_threads, pipelined
 ):
-    llm = _llm(tiny_llama_dir, tmp_path, pipelined)
+    llm = blend_llm(tiny_llama_dir, tmp_path, pipelined)
     manager, _, n = _warm(llm)
     loader = llm.engine.kv_connector._loader
     runs = {}
@@ -90,7 +80,7 @@ def test_a_value_corrupted_after_the_lookup_is_computed_in_the_forward(
     """The index still lists the chunk, so the loader defers its read; the thread finds the
     header broken, and the forward computes the chunk before the first layer reads it: the
     same logits as from the intact store (precompute is deterministic), one chunk missed."""
-    llm = _llm(tiny_llama_dir, tmp_path, pipelined)
+    llm = blend_llm(tiny_llama_dir, tmp_path, pipelined)
     manager, plan, n = _warm(llm)
     intact = llm.generate([PROMPT], ONE, blend=BLEND, logits_from=n - 3)[0]
     store = manager.store

@@ -6,25 +6,15 @@ import pytest
 import torch
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
+from helpers import blend_llm
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.blend.controller import LoadingController
 from blendkv.errors import ConfigError
 
 PROMPT = {"documents": DOCS, "query": QUERY}
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-def make_llm(path, store, pipelined: bool):
-    return LLM(
-        str(path),
-        dtype="float32",
-        block_size=4,
-        enable_prefix_caching=False,
-        kv_store_dir=str(store),
-        pipeline_kv_load=pipelined,
-    )
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.3])
@@ -34,7 +24,7 @@ def test_pipelined_equals_serial_bit_for_bit(tiny_llama_dir, tmp_path, ratio):
     blend = BlendConfig(recompute_ratio=ratio)
     runs = {}
     for pipelined in (False, True):
-        llm = make_llm(tiny_llama_dir, tmp_path / str(pipelined), pipelined)
+        llm = blend_llm(tiny_llama_dir, tmp_path / str(pipelined), pipelined)
         llm.generate([PROMPT], ONE, blend=blend)  # warm the store
         n = len(llm.blend_manager().prepare(PROMPT, blend).prompt.token_ids)
         out = llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
@@ -57,7 +47,7 @@ def test_lmdb_chunks_are_viewed_through_a_step_snapshot(tiny_llama_dir, tmp_path
     each layer there): the same logits as from memory-tier copies, nothing copied into the
     memory tier, and the snapshot closed when the step ends."""
     blend = BlendConfig(recompute_ratio=0.3)
-    llm = make_llm(tiny_llama_dir, tmp_path, pipelined)
+    llm = blend_llm(tiny_llama_dir, tmp_path, pipelined)
     llm.generate([PROMPT], ONE, blend=blend)  # computes the chunks and writes them back
     manager = llm.blend_manager()
     manager.flush()
@@ -84,7 +74,7 @@ def test_lmdb_chunks_are_viewed_through_a_step_snapshot(tiny_llama_dir, tmp_path
 
 
 def test_a_failing_layer_write_fails_the_step_and_the_engine_recovers(tiny_llama_dir, tmp_path):
-    llm = make_llm(tiny_llama_dir, tmp_path, pipelined=True)
+    llm = blend_llm(tiny_llama_dir, tmp_path, pipelined=True)
     blend = BlendConfig(recompute_ratio=0.3)
     expected = llm.generate([PROMPT], ONE, blend=blend)[0].outputs[0].token_ids
     backend = llm.engine.attn_backend
@@ -105,7 +95,7 @@ def test_a_failing_layer_write_fails_the_step_and_the_engine_recovers(tiny_llama
 
 
 def test_auto_ratio_follows_the_controller(tiny_llama_dir, tmp_path):
-    llm = make_llm(tiny_llama_dir, tmp_path, pipelined=True)
+    llm = blend_llm(tiny_llama_dir, tmp_path, pipelined=True)
     auto = BlendConfig(recompute_ratio="auto", min_recompute_ratio=0.1, max_recompute_ratio=0.8)
     llm.generate([PROMPT], ONE, blend=auto)  # warm the store
     conn = llm.engine.kv_connector

@@ -54,10 +54,14 @@ def test_growing_the_map_waits_for_open_snapshots(store_path, fp):
         assert done.is_set() and same_bits(s.get(key_of(1)).kv, big)
 
 
-def test_a_corrupt_value_seen_through_a_snapshot_is_dropped_when_it_closes(store_path, fp):
+def _store_with_a_corrupt_value(store_path, fp) -> None:
     with KVStore(store_path, fp) as s:
         s.put(key_of(0), make_kv(0))
     _raw_edit(store_path, b"values", key_of(0), _flip(fmt.HEADER_SIZE + 5))
+
+
+def test_a_corrupt_value_seen_through_a_snapshot_is_dropped_when_it_closes(store_path, fp):
+    _store_with_a_corrupt_value(store_path, fp)
     with KVStore(store_path, fp) as s:
         with s.snapshot() as snap:
             assert snap.view(key_of(0)) is None
@@ -69,9 +73,7 @@ def test_a_corrupt_value_seen_through_a_snapshot_is_dropped_when_it_closes(store
 def test_a_good_copy_written_under_the_snapshot_replaces_the_corrupt_value(store_path, fp):
     """A write-back of the chunk (the engine recomputes it) while the snapshot that saw it
     corrupt is open replaces the value, and closing the snapshot keeps the good copy."""
-    with KVStore(store_path, fp) as s:
-        s.put(key_of(0), make_kv(0))
-    _raw_edit(store_path, b"values", key_of(0), _flip(fmt.HEADER_SIZE + 5))
+    _store_with_a_corrupt_value(store_path, fp)
     with KVStore(store_path, fp) as s:
         with s.snapshot() as snap:
             assert snap.view(key_of(0)) is None
