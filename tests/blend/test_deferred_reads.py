@@ -14,20 +14,26 @@ from helpers import blend_llm
 
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
+from blendkv.blend.layer_load import LayerwiseLoad
 from blendkv.store.reader import ReadSnapshot
 
 PROMPT = {"documents": DOCS, "query": QUERY}
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
-BLEND = BlendConfig(recompute_ratio=0.3)
+# ProphetKV (the default: its query pass reads layer 0's K/V, so the reads are joined at once)
+# and CacheBlend (a full layer 0 first: the reads run behind it)
+BLENDS = {
+    "prophet": BlendConfig(recompute_ratio=0.3),
+    "cacheblend": BlendConfig(selection="v_deviation", recompute_ratio=0.3),
+}
 
 
-def _warm(llm):
+def _warm(llm, blend):
     """Compute and store every chunk, and read each once (its checksum checked)."""
-    llm.generate([PROMPT], ONE, blend=BLEND)
+    llm.generate([PROMPT], ONE, blend=blend)
     manager = llm.blend_manager()
     manager.flush()
-    llm.generate([PROMPT], ONE, blend=BLEND)
-    plan = manager.prepare(PROMPT, BLEND)
+    llm.generate([PROMPT], ONE, blend=blend)
+    plan = manager.prepare(PROMPT, blend)
     return manager, plan, len(plan.prompt.token_ids)
 
 
@@ -45,24 +51,36 @@ def view_threads(monkeypatch):
     return names
 
 
+@pytest.mark.parametrize("selection", list(BLENDS))
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_deferred_reads_equal_reads_before_the_forward(
-    tiny_llama_dir, tmp_path, view_threads, pipelined
+    tiny_llama_dir, tmp_path, view_threads, monkeypatch, pipelined, selection
 ):
+    blend = BLENDS[selection]
     llm = blend_llm(tiny_llama_dir, tmp_path, pipelined)
-    manager, _, n = _warm(llm)
+    manager, _, n = _warm(llm, blend)
     loader = llm.engine.kv_connector._loader
+    joined_at = []  # the layer whose wait joined the reads
+    original_wait = LayerwiseLoad.wait
+
+    def wait(self, layer):
+        if not self._settled and layer >= self._deferred_from:
+            joined_at.append(layer)
+        return original_wait(self, layer)
+
+    monkeypatch.setattr(LayerwiseLoad, "wait", wait)
     runs = {}
     for defer in (False, True):
         loader.defer_reads = defer
         view_threads.clear()
-        out = llm.generate([PROMPT], ONE, blend=BLEND, logits_from=n - 3)[0]
+        out = llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
         assert out.blend_stats.chunks_hit == len(DOCS) and out.blend_stats.chunks_missed == 0
         reader = "blendkv-kv-load" if pipelined else "blendkv-kv-read"
         expected = reader if defer else threading.current_thread().name
         assert view_threads == [expected] * len(DOCS)
         pool = torch.stack(llm.engine.runner.kv_caches).clone()
         runs[defer] = (out.extra["prompt_logits"], pool, out.blend_stats)
+    assert joined_at == [0 if selection == "prophet" else 1]  # after the full layer 0
     assert torch.equal(runs[True][0], runs[False][0])
     assert torch.equal(runs[True][1], runs[False][1])
     deferred, before = runs[True][2], runs[False][2]
@@ -73,16 +91,18 @@ def test_deferred_reads_equal_reads_before_the_forward(
     llm.close()
 
 
+@pytest.mark.parametrize("selection", list(BLENDS))
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_value_corrupted_after_the_lookup_is_computed_in_the_forward(
-    tiny_llama_dir, tmp_path, view_threads, pipelined
+    tiny_llama_dir, tmp_path, view_threads, pipelined, selection
 ):
     """The index still lists the chunk, so the loader defers its read; the thread finds the
     header broken, and the forward computes the chunk before the first layer reads it: the
     same logits as from the intact store (precompute is deterministic), one chunk missed."""
+    blend = BLENDS[selection]
     llm = blend_llm(tiny_llama_dir, tmp_path, pipelined)
-    manager, plan, n = _warm(llm)
-    intact = llm.generate([PROMPT], ONE, blend=BLEND, logits_from=n - 3)[0]
+    manager, plan, n = _warm(llm, blend)
+    intact = llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
     store = manager.store
     key = plan.chunk_keys[1]
     with store._env.begin(write=True, db=store._dbs["values"]) as txn:  # behind its back
@@ -90,14 +110,14 @@ def test_a_value_corrupted_after_the_lookup_is_computed_in_the_forward(
         value[0] ^= 0x01  # the magic
         txn.put(key, bytes(value))
     view_threads.clear()
-    out = llm.generate([PROMPT], ONE, blend=BLEND, logits_from=n - 3)[0]
+    out = llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
     assert view_threads and threading.current_thread().name not in view_threads
     stats = out.blend_stats
     assert stats.chunks_missed == 1 and stats.chunks_hit == len(DOCS) - 1
     assert torch.equal(out.extra["prompt_logits"], intact.extra["prompt_logits"])
     assert store.corrupt >= 1 and store._snapshots == []
     manager.flush()  # the written-back copy replaces the corrupt value
-    again = llm.generate([PROMPT], ONE, blend=BLEND, logits_from=n - 3)[0]
+    again = llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
     assert again.blend_stats.chunks_hit == len(DOCS)
     assert torch.equal(again.extra["prompt_logits"], intact.extra["prompt_logits"])
     llm.close()
