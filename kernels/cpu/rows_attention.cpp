@@ -18,6 +18,11 @@
 // first row's position are masked: there each block of RI rows goes up to its last row's key
 // and a row stops at its own position. Scores (RI rows x KJ keys)
 // and P.V (RI rows x 64 dims) are register-blocked loops over GCC vector types.
+//
+// With `mass` [S] (ProphetKV's query rows) the attention pass also keeps each row's log-sum-exp,
+// and a second pass over the scores alone (add_mass, one task per key block) adds the
+// probability every row and query head pays each key: the rows' output and their score in one
+// call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
