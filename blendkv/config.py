@@ -81,6 +81,11 @@ class EngineConfig:
     # faster in slices, SmolLM2's on 6,300 rows 1.28x); elsewhere all rows at once. 0 = all
     # rows at once.
     mlp_rows_per_pass: int | None = None
+    # The last layer runs attention, o_proj and the MLP only for the rows a step reads (the
+    # last prompt token it samples from, rows of requested prompt logits, decode rows); every
+    # row's K/V is still written. Saves about one layer in L of a long prefill (llama.cpp does
+    # the same). False runs every row through every layer.
+    prune_last_layer: bool = True
     # CPU GEMMs (blendkv.layers.linear): "onednn" = every GEMM through oneDNN on weights packed
     # once (float32, bfloat16); "mkl" = torch's own (float32: MKL's sgemm, packed for decode
     # batches per packed_gemm_rows);

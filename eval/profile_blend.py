@@ -11,7 +11,10 @@ behind compute count in the TTFT's parts, the hidden ones are printed apart.
 The **compute floor** of a request is what its recompute would cost at full prefill's speed:
 ``full TTFT x computed row-layers / all row-layers`` (the row plan counts the row-layers it
 computed, ProphetKV's query pass included: its rows run every layer too);
-``floor fraction = floor / blend TTFT`` says how close blending gets to it.
+``floor fraction = floor / blend TTFT`` says how close blending gets to it. With
+``EngineConfig.prune_last_layer`` (the default) the last layer runs only Q/K/V for every row but
+the sampled one, in full prefill and in the blend: there each side counts one full row and its
+other rows at the Q/K/V share of a row (no attention pairs).
 
 That floor prices every row alike, but causal attention costs a row at position p in
 proportion to its p + 1 keys, and the rows a blend recomputes (the query, high-deviation
@@ -32,17 +35,22 @@ from contextlib import contextmanager
 class _Timer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.depth = 0  # timed calls in progress: a call inside another counts in the outer one
 
     def wrap(self, obj, name: str, key, restore: list) -> None:
         """Time ``obj.name`` into ``key(args)`` (instance attribute; restored afterwards)."""
         original = getattr(obj, name)
 
         def timed(*args, **kwargs):
+            if self.depth:
+                return original(*args, **kwargs)
+            self.depth += 1
             t0 = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 self.seconds[key(args)] += time.perf_counter() - t0
+                self.depth -= 1
 
         setattr(obj, name, timed)
         restore.append((obj, name))
@@ -89,7 +97,9 @@ def profiled(llm, check_layer: int):
         return "check layer" if i == check_layer else "recomputed layers"
 
     for i, layer in enumerate(layers):
-        timer.wrap(layer.self_attn, "attend", lambda a, i=i: f"{phase(i)}: attention", restore)
+        # (attend calls attend_rotated; the pruned last layer calls the other two)
+        for name in ("attend", "attend_rotated", "rotate_and_write"):
+            timer.wrap(layer.self_attn, name, lambda a, i=i: f"{phase(i)}: attention", restore)
         timer.wrap(layer, "finish", lambda a, i=i: f"{phase(i)}: MLP", restore)
         timer.wrap(layer, "input_norm", lambda a, i=i: f"{phase(i)}: norms+QKV", restore)
         timer.wrap(layer.self_attn, "project", lambda a, i=i: f"{phase(i)}: norms+QKV", restore)
@@ -123,8 +133,13 @@ def profiled(llm, check_layer: int):
             delattr(obj, name)
         out.update(timer.seconds)
         if rows_plan:
-            out["_row_layers"] = rows_plan[-1].row_layers(len(layers))
-            out["_key_row_layers"] = rows_plan[-1].key_row_layers(len(layers))
+            plan = rows_plan[-1]
+            out["_row_layers"] = plan.row_layers(len(layers))
+            out["_key_row_layers"] = plan.key_row_layers(len(layers))
+            # rows (and their keys) computed at the last layer, and the Q/K/V share of a row
+            out["_last_rows"] = plan._row_counts[-1][1]
+            out["_last_keys"] = plan._key_counts[-1][1]
+            out["_qkv_share"] = plan.qkv_share
 
 
 def attention_share(llm, token_ids, params) -> float:
@@ -148,6 +163,18 @@ def profile_request(llm, prompt, blend, params, full_ttft: float, attn_share: fl
     row_layers = parts.pop("_row_layers", num_tokens * num_layers)
     all_keys = num_tokens * (num_tokens + 1) // 2 + num_tokens * stats.prefix_cached_tokens
     key_row_layers = parts.pop("_key_row_layers", all_keys * num_layers)
+    all_row_layers, all_key_row_layers = num_tokens * num_layers, all_keys * num_layers
+    last_rows, last_keys = parts.pop("_last_rows", None), parts.pop("_last_keys", None)
+    qkv_share = parts.pop("_qkv_share", 0.0)
+    if llm.engine.config.prune_last_layer and last_rows is not None:
+        # The last layer runs only Q/K/V for all rows but the sampled one, in the blend and
+        # in full prefill alike: count what each computes there.
+        skipped = 1 - qkv_share
+        prompt_len = stats.num_prompt_tokens  # keys of the sampled (last) row
+        row_layers -= (last_rows - 1) * skipped
+        all_row_layers -= (num_tokens - 1) * skipped
+        key_row_layers -= last_keys - prompt_len
+        all_key_row_layers -= all_keys - prompt_len
     writes_hidden = stats.load_hidden_seconds - stats.read_hidden_seconds
     exposed_writes = stats.write_seconds - writes_hidden
     parts["store reads"] = stats.read_seconds - stats.read_hidden_seconds  # not hidden
@@ -157,10 +184,10 @@ def profile_request(llm, prompt, blend, params, full_ttft: float, attn_share: fl
     covered = sum(v for k, v in parts.items())
     ttft = out.metrics.ttft
     parts["python + scheduling"] = max(0.0, ttft - covered)
-    rows_share = row_layers / (num_tokens * num_layers)
+    rows_share = row_layers / all_row_layers
     floor = full_ttft * rows_share
     a = attn_share
-    keys_share = key_row_layers / (all_keys * num_layers)
+    keys_share = key_row_layers / all_key_row_layers
     key_floor = full_ttft * (a * keys_share + (1 - a) * rows_share)
     return {
         "ttft": ttft,
@@ -168,7 +195,7 @@ def profile_request(llm, prompt, blend, params, full_ttft: float, attn_share: fl
         "floor": floor,
         "floor_fraction": floor / ttft,
         "row_layers": row_layers,
-        "all_row_layers": num_tokens * num_layers,
+        "all_row_layers": all_row_layers,
         "attention_share": a,
         "key_row_layers_fraction": keys_share,
         "key_floor": key_floor,
@@ -182,7 +209,7 @@ def profile_request(llm, prompt, blend, params, full_ttft: float, attn_share: fl
 def print_profile(p: dict) -> None:
     print(
         f"  TTFT {p['ttft']:.3f} s; full prefill {p['full_ttft']:.3f} s; compute floor "
-        f"{p['floor']:.3f} s ({p['row_layers']:,} of {p['all_row_layers']:,} row-layers) -> "
+        f"{p['floor']:.3f} s ({p['row_layers']:,.0f} of {p['all_row_layers']:,.0f} row-layers) -> "
         f"blend reaches {100 * p['floor_fraction']:.0f}% of its floor"
     )
     if "key_floor" in p:

@@ -153,6 +153,7 @@ class LLMEngine:
             spec,
             Sampler(self.info.eos_token_ids),
             connector=self.kv_connector,
+            prune_last_layer=config.prune_last_layer,
         )
         if (
             self.device.startswith("cuda")

@@ -14,6 +14,7 @@ import torch
 
 from blendkv.engine.kv_connector import ForwardInputs
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
+from blendkv.models.hooks import output_row_order
 
 if TYPE_CHECKING:
     from blendkv.engine.kv_connector import KVConnectorBase
@@ -30,6 +31,16 @@ class ModelInputs:
     sample_seqs: list[Sequence]
     # Rows whose logits a request asked for (Sequence.logits_from): request_id -> row indices.
     logits_rows: dict[str, list[int]]
+
+    def output_rows(self) -> torch.Tensor | None:
+        """Ascending CPU indices of the rows whose final hidden states the step reads (sampled
+        or returned as logits); None when that is every row (decode-only steps)."""
+        rows = set(self.sample_indices)
+        for idx in self.logits_rows.values():
+            rows.update(idx)
+        if len(rows) == len(self.input_ids):
+            return None
+        return torch.tensor(sorted(rows), dtype=torch.long)
 
 
 @dataclass
@@ -57,8 +68,12 @@ class ModelRunner:
         kv_cache_spec: KVCacheSpec,
         sampler: Sampler,
         connector: KVConnectorBase,
+        prune_last_layer: bool = True,
     ) -> None:
+        """``prune_last_layer``: the last layer attends and runs its MLP only for the rows the
+        step reads (``EngineConfig.prune_last_layer``)."""
         self.model = model
+        self.prune_last_layer = prune_last_layer
         self.attn_backend = attn_backend
         self.spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
@@ -118,18 +133,27 @@ class ModelRunner:
             fwd = ForwardInputs(inputs.input_ids, md, self.kv_caches)
             conn.start_load_kv(fwd)
             plan = conn.row_plan(fwd)
+            outputs = inputs.output_rows() if self.prune_last_layer else None
             if plan is None and self._use_graphs(md):
                 hidden = self.decode_graphs.run(inputs.input_ids, md)
+                outputs = None
             else:
                 hidden = self.model(
-                    inputs.input_ids, md.positions, self.kv_caches, md, row_plan=plan, hooks=conn
+                    inputs.input_ids,
+                    md.positions,
+                    self.kv_caches,
+                    md,
+                    row_plan=plan,
+                    hooks=conn,
+                    output_rows=outputs,
                 )
             conn.wait_for_save()
         finally:
             conn.clear_connector_metadata()
         remap = _identity
-        if plan is not None:
-            where = {r: i for i, r in enumerate(plan.rows.tolist())}
+        if plan is not None or outputs is not None:
+            rows = output_row_order(plan, outputs, len(inputs.input_ids))
+            where = {r: i for i, r in enumerate(rows.tolist())}
             remap = lambda idx: [where[i] for i in idx]  # noqa: E731
         # Prompt logits are user-facing output: handed back on the CPU.
         logits = {

@@ -82,8 +82,35 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """RoPE at ``positions`` [T], backend attention (writes K/V to the cache), ``o_proj``."""
         q, k = self.rotary_emb.apply_rotary(positions, q, k)
+        return self.attend_rotated(q, k, v, kv_cache, attn_metadata)
+
+    def attend_rotated(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """:meth:`attend` on q/k already rotated."""
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scaling)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
+    def rotate_and_write(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q/k and every row's K/V written into the cache, without attending (rows
+        whose K/V later tokens need but whose own output nobody reads); -> rotated q, k, for
+        :meth:`attend_rotated` on the rows that do attend."""
+        q, k = self.rotary_emb.apply_rotary(positions, q, k)
+        self.attn_backend.write_kv(kv_cache, k, v, attn_metadata.slot_mapping)
+        return q, k
 
     def forward(
         self,

@@ -11,7 +11,9 @@ a blended prefill and a chunk precompute plugs in here, never by attributes set 
         attention (writes fresh K/V), MLP
         hooks.save_kv_layer(l, k, v, ...)     K/V of layer l computed this step, to save
 
-Without a plan every row runs every layer; without hooks nothing waits or saves.
+Without a plan every row runs every layer; without hooks nothing waits or saves. With
+``output_rows`` the last layer writes every row's K/V and attends (and runs the MLP) only for
+the rows the caller reads (:func:`output_keep`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from blendkv.kernels.attention import AttentionMetadata
     from blendkv.layers.attention import Attention
 
@@ -85,3 +87,26 @@ class LayerHooks:
     ) -> None:
         """Fresh K (pre-RoPE) and V of the rows computed at ``layer_idx``; ``kv_cache`` (if any)
         already holds them (post-RoPE K) at ``attn_metadata.slot_mapping``."""
+
+
+def output_keep(
+    row_plan: RowPlan | None, output_rows: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Of the ``num_rows`` rows computed at the last layer (``row_plan.rows``, or all the
+    step's rows), those in ``output_rows``: (CPU bool mask, their ascending indices); None when
+    that is all of them. (No ``nonzero``: on a device it would be a host sync.)"""
+    rows = row_plan.rows if row_plan is not None else torch.arange(num_rows)
+    keep = torch.isin(rows, output_rows)
+    if bool(keep.all()):
+        return None
+    return keep, torch.searchsorted(rows, output_rows[torch.isin(output_rows, rows)])
+
+
+def output_row_order(
+    row_plan: RowPlan | None, output_rows: torch.Tensor | None, num_rows: int
+) -> torch.Tensor:
+    """The step rows whose final hidden states ``LlamaModel.forward`` returned, in order."""
+    rows = row_plan.rows if row_plan is not None else torch.arange(num_rows)
+    if output_rows is None:
+        return rows
+    return rows[torch.isin(rows, output_rows)]

@@ -37,7 +37,7 @@ from blendkv.layers.linear import Linear
 from blendkv.layers.mlp import GatedMLP
 from blendkv.layers.norm import RMSNorm
 from blendkv.layers.rotary import RotaryEmbedding
-from blendkv.models.hooks import LayerHooks, RowPlan
+from blendkv.models.hooks import LayerHooks, RowPlan, output_keep
 
 # Checkpoint entries that are not parameters (old transformers saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -101,11 +101,19 @@ class LlamaModel(nn.Module):
         row_plan: RowPlan | None = None,
         hooks: LayerHooks | None = None,
         kv_only: bool = False,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The one layer loop; see :mod:`blendkv.models.hooks` for the seams.
 
         ``kv_only``: the caller wants only the K/V the hooks save (chunk precompute): the last
         layer stops after its projections and None is returned.
+
+        ``output_rows``: ascending CPU indices (into the step's rows) of the rows whose final
+        hidden states the caller reads (those it samples from or returns logits of); None = all.
+        With a KV pool, the last layer writes every row's K/V but runs attention, ``o_proj``
+        and the MLP for those rows only (llama.cpp skips them too): nothing reads the others'
+        last-layer outputs. The rows returned are then the output rows among the rows the
+        forward computes (``row_plan.rows``, or all), in order.
         """
         if kv_caches is not None and attn_metadata is None:
             raise ValueError("kv_caches need attn_metadata")
@@ -135,9 +143,24 @@ class LlamaModel(nn.Module):
                 if hooks is not None:
                     hooks.save_kv_layer(i, k, v, kv_cache, md)
                 return None
-            out = attn.attend(positions, q, k, v, kv_cache, md)
-            if hooks is not None:
-                hooks.save_kv_layer(i, k, v, kv_cache, md)
+            pruned = None
+            if i == last and output_rows is not None and kv_cache is not None:
+                pruned = output_keep(row_plan, output_rows, q.shape[0])
+            if pruned is not None:  # the rows nobody reads: K/V only
+                q_rot, k_rot = attn.rotate_and_write(positions, q, k, v, kv_cache, md)
+                if hooks is not None:
+                    hooks.save_kv_layer(i, k, v, kv_cache, md)
+                keep, idx = pruned
+                if len(idx) == 0:
+                    return hidden_states.new_empty(0, hidden_states.shape[1])
+                md = md.subset(keep)
+                idx = idx.to(q.device)
+                q, k, v, residual = (t.index_select(0, idx) for t in (q_rot, k_rot, v, residual))
+                out = attn.attend_rotated(q, k, v, kv_cache, md)
+            else:
+                out = attn.attend(positions, q, k, v, kv_cache, md)
+                if hooks is not None:
+                    hooks.save_kv_layer(i, k, v, kv_cache, md)
             hidden_states, residual = layer.finish(out, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -179,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
         row_plan: RowPlan | None = None,
         hooks: LayerHooks | None = None,
         kv_only: bool = False,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size].
 
@@ -186,9 +210,12 @@ class LlamaForCausalLM(nn.Module):
         at positions 0..T-1 (``attn_metadata=None``) or over each sequence of a dense metadata
         (:meth:`AttentionBackend.dense_metadata`); otherwise one cache ``[2, num_blocks,
         block_size, kv_heads, head_dim]`` per layer and the step's metadata. With a
-        ``row_plan`` the rows returned are ``row_plan.rows``.
+        ``row_plan`` the rows returned are ``row_plan.rows``; with ``output_rows`` only those of
+        them (:func:`blendkv.models.hooks.output_row_order`).
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata, row_plan, hooks, kv_only)
+        return self.model(
+            input_ids, positions, kv_caches, attn_metadata, row_plan, hooks, kv_only, output_rows
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 logits [N, vocab_size]."""

@@ -74,8 +74,9 @@ def capture(
 
 def golden_llm(model: str | None = None):
     """The engine the goldens are captured with: float32, 2 threads, no prefix cache, MKL's
-    GEMMs and the flash attention calls (as when they were recorded); blocks of 4 tokens for the
-    tiny models, 16 for the embedded one (``model=None``)."""
+    GEMMs and the flash attention calls, every row through the last layer (as when they were
+    recorded; the pruned last layer is held to this path in tests/models/test_prune_last_layer);
+    blocks of 4 tokens for the tiny models, 16 for the embedded one (``model=None``)."""
     from blendkv import LLM
 
     return LLM(
@@ -87,6 +88,7 @@ def golden_llm(model: str | None = None):
         cpu_gemm="mkl",
         compile_decode=False,
         compile_prefill=False,
+        prune_last_layer=False,
     )
 
 
