@@ -56,6 +56,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="CPU, float32/bfloat16: prefill attention through one C++ kernel call per "
         "sequence and layer (default: on where it applies)",
     )
+    p.add_argument(
+        "--prune-last-layer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="attention and MLP of the last layer only for the rows a step reads",
+    )
     add_device_args(p)
 
 
@@ -84,6 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "cpu_gemm": args.cpu_gemm,
         "compile_decode": args.compile_decode,
         "compile_prefill": args.compile_prefill,
+        "prune_last_layer": args.prune_last_layer,
     }
 
 

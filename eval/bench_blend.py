@@ -85,6 +85,7 @@ def main(args) -> int:
         kv_store_memory_bytes=4 << 30,
         pipeline_kv_load=getattr(args, "pipeline", None),
         compile_prefill=getattr(args, "compile_prefill", None),
+        prune_last_layer=getattr(args, "prune_last_layer", True),
     )
     manager = llm.blend_manager()
     one = SamplingParams(temperature=0.0, max_tokens=1)

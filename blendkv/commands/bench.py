@@ -60,6 +60,12 @@ def register(sub) -> None:
         default=None,
         help="EngineConfig.compile_prefill (CPU; default: on where it applies)",
     )
+    b.add_argument(
+        "--prune-last-layer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EngineConfig.prune_last_layer (default: on)",
+    )
     b.add_argument("--json", default=None)
     b.set_defaults(func=_blend)
     g = bench.add_parser(
