@@ -54,7 +54,12 @@ class SeqBlend:
     query_scores: torch.Tensor | None = None
     extra_row_layers: float = 0.0  # row-layers run for this seq before the fused forward
     extra_key_row_layers: int = 0  # and the (row, key) pairs x layers they attended to
-    _events: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, in, kept)
+    # (layer, rows in, rows kept, whether the dropped ones ran the Q/K/V projections)
+    _events: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+
+# Selection scores that need no fresh q/k/v of the layer they pick at.
+_SCORES_WITHOUT_QKV = ("prophet", "random", "heads")
 
 
 class BlendRowPlan(RowPlan):
@@ -100,6 +105,19 @@ class BlendRowPlan(RowPlan):
     def selects_at(self, layer_idx: int) -> bool:
         return layer_idx in self.layers
 
+    def selects_before_projection(self, layer_idx: int) -> bool:
+        """Every sequence picking here scores without this layer's q/k/v (ProphetKV's query
+        pass, random, chunk heads) and writes nothing for the rows it drops (no correction
+        past layer 0): at ProphetKV's layer 0 the ~90 % of rows dropped skip norm and QKV."""
+        for sb, schedule in zip(self.blends, self.schedules, strict=True):
+            if layer_idx not in schedule:
+                continue
+            if sb.config.score_at(layer_idx) not in _SCORES_WITHOUT_QKV:
+                return False
+            if sb.config.correction != "none" and layer_idx > 0:
+                return False
+        return True
+
     def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
         keep = torch.ones(len(self.rows), dtype=torch.bool)
         self._exact = {}
@@ -110,7 +128,8 @@ class BlendRowPlan(RowPlan):
                 self._select(attn, sb, layer_idx, schedule[layer_idx], attn_metadata, q, k, v,
                              kv_cache, keep)  # fmt: skip
                 n_in = int((self.seq_ids == sb.index).sum())
-                sb._events.append((layer_idx, n_in, n_in - (before - int(keep.sum()))))
+                kept = n_in - (before - int(keep.sum()))
+                sb._events.append((layer_idx, n_in, kept, q is not None))
         if not keep.all():
             self.rows, self.seq_ids, self.reused, self.positions = (
                 t[keep] for t in (self.rows, self.seq_ids, self.reused, self.positions)
@@ -130,7 +149,7 @@ class BlendRowPlan(RowPlan):
         if count == 0:  # full reuse: no scores needed
             keep[cand] = False
             return
-        device = q.device
+        device = md.positions.device
         cand_d = cand.to(device)
         positions = md.positions
         local = self.rows[cand] - self.starts[sb.index]  # candidates' rows within the seq
@@ -138,12 +157,16 @@ class BlendRowPlan(RowPlan):
         cached_k = cached_v = None
         if strategy in ("v_deviation", "k_deviation", "attention"):
             cached_k, cached_v = self.backend.read_kv(kv_cache, md.slot_mapping[cand_d])
+        fresh_k = fresh_v = None  # (no q/k/v when selecting before the projections)
+        if k is not None:
+            fresh_k = k[cand_d]
+            if strategy == "k_deviation":
+                fresh_k = attn.rotary_emb.rotate_k(positions[cand_d], fresh_k)
+            fresh_v = v[cand_d]
         inputs = SelectionInputs(
             cand=cand,
-            fresh_k=attn.rotary_emb.rotate_k(positions[cand_d], k[cand_d])
-            if strategy == "k_deviation"
-            else k[cand_d],
-            fresh_v=v[cand_d],
+            fresh_k=fresh_k,
+            fresh_v=fresh_v,
             cached_k=cached_k,
             cached_v=cached_v,
         )
@@ -250,8 +273,9 @@ class BlendRowPlan(RowPlan):
             sb.stats.tokens_recomputed = len(mine)
             sb.stats.reused_tokens_recomputed = int(sb.reused[mine].sum())
             cost, prev, count = sb.extra_row_layers, 0, hi - lo
-            for layer, n_in, n_out in sb._events:
-                cost += count * (layer - prev) + n_out + (n_in - n_out) * self.qkv_share
+            for layer, n_in, n_out, projected in sb._events:
+                dropped = (n_in - n_out) * self.qkv_share if projected else 0.0
+                cost += count * (layer - prev) + n_out + dropped
                 prev, count = layer + 1, n_out
             cost += count * (self.num_layers - prev)
             sb.stats.row_layers = cost

@@ -5,6 +5,7 @@ a blended prefill and a chunk precompute plugs in here, never by attributes set 
 
     for each layer l:
         hooks.wait_for_layer_load(l)          K/V of layer l brought from outside is in place
+        row_plan.select(l, None x 3, ...)     if it selects_before_projection(l)
         norm, project -> q, k, v (pre-RoPE)
         row_plan.select(l, ...)               rows that stop being computed from layer l on
         row_plan.before_attention(l, ...)     last look at the pool before attention writes
@@ -40,6 +41,12 @@ class RowPlan(ABC):
     @abstractmethod
     def selects_at(self, layer_idx: int) -> bool:
         """True when :meth:`select` must be called at this layer."""
+
+    def selects_before_projection(self, layer_idx: int) -> bool:
+        """True when this layer's :meth:`select` needs no fresh q/k/v (scores known before the
+        layer, and nothing written for the rows it drops): it is then called before the input
+        norm with ``q = k = v = None``, and the rows it drops skip the projections too."""
+        return False
 
     @abstractmethod
     def select(

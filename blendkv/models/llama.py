@@ -127,10 +127,20 @@ class LlamaModel(nn.Module):
             kv_cache = None if kv_caches is None else kv_caches[i]
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
-            normed, residual = layer.input_norm(hidden_states, residual)
             attn = layer.self_attn
+            early = row_plan is not None and row_plan.selects_at(i)
+            early = early and row_plan.selects_before_projection(i)
+            if early:  # rows dropped here need not even be projected
+                keep = row_plan.select(i, attn, None, None, None, kv_cache, md)
+                if keep is not None:
+                    md = md.subset(keep)
+                    positions = md.positions
+                    keep = keep.to(hidden_states.device)
+                    hidden_states = hidden_states[keep]
+                    residual = None if residual is None else residual[keep]
+            normed, residual = layer.input_norm(hidden_states, residual)
             q, k, v = attn.project(normed)
-            if row_plan is not None and row_plan.selects_at(i):
+            if row_plan is not None and row_plan.selects_at(i) and not early:
                 keep = row_plan.select(i, attn, q, k, v, kv_cache, md)
                 if keep is not None:  # a CPU bool mask over the current rows
                     md = md.subset(keep)

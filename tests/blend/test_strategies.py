@@ -118,7 +118,7 @@ def test_budget_respected(llm, name, plans):
     sb = plans[-1].blends[0]
     others = len(sb.reused) - sb.total_reused
     per_layer = [0.0] * NUM_LAYERS
-    for layer, _, kept in sb._events:
+    for layer, _, kept, _ in sb._events:
         per_layer[layer:] = [(kept - others) / sb.total_reused] * (NUM_LAYERS - layer)
     first = config.first_selection_layer
     assert sum(per_layer[first:]) / (NUM_LAYERS - first) <= ratio + 1 / sb.total_reused
@@ -127,7 +127,8 @@ def test_budget_respected(llm, name, plans):
 
 def test_cost_counts_selection(llm, plans):
     """V deviation: layer 0 in full, Q/K/V of every row at the check layer, then the picked
-    rows; prophet: its query pass, Q/K/V of every row at layer 0, then the picked rows."""
+    rows; prophet: its query pass, then the picked rows from layer 0 on (it picks before the
+    projections: the dropped rows never run them)."""
     for selection in ("v_deviation", "prophet"):
         out, _ = prompt_logits(llm, PROMPT, BlendConfig(recompute_ratio=0.3, selection=selection))
         plan = plans[-1]
@@ -139,7 +140,7 @@ def test_cost_counts_selection(llm, plans):
         if selection == "v_deviation":
             expected = n + kept + (n - kept) * share + kept * (NUM_LAYERS - 2)
         else:
-            expected = others * NUM_LAYERS + kept + (n - kept) * share + kept * (NUM_LAYERS - 1)
+            expected = others * NUM_LAYERS + kept * NUM_LAYERS
         assert out.blend_stats.row_layers == pytest.approx(expected)
         assert out.blend_stats.full_row_layers == n * NUM_LAYERS
 
@@ -392,3 +393,33 @@ def test_row_layers_count_the_prophet_query_pass(llm, plans):
     fused_keys = _layers_sum(plan._key_counts, NUM_LAYERS)
     assert plan.key_row_layers(NUM_LAYERS) == fused_keys + sb.extra_key_row_layers
     assert plan.row_layers(NUM_LAYERS) > sb.extra_row_layers > 0
+
+
+def test_rows_prophet_drops_skip_layer_0s_projections(llm, monkeypatch):
+    """ProphetKV's picks are known before layer 0 (its query pass): the dropped rows never run
+    the input norm and Q/K/V. V deviation needs every row's fresh V at its check layer."""
+    for selection in ("prophet", "v_deviation"):  # the chunks computed and stored first
+        llm.generate([PROMPT], GREEDY, blend=BlendConfig(selection=selection))
+    llm.blend_manager().flush()
+    layers = llm.engine.model.model.layers
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for i in seen:
+        original = layers[i].self_attn.project
+
+        def project(normed, i=i, original=original):
+            seen[i].append(normed.shape[0])
+            return original(normed)
+
+        monkeypatch.setattr(layers[i].self_attn, "project", project)
+    n = len(llm.blend_manager().prepare(PROMPT, BlendConfig()).prompt.token_ids)
+    out = llm.generate([PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=0.3))[0]
+    kept = out.blend_stats.tokens_recomputed
+    assert 0 < kept < n
+    # the query pass's rows first, then the fused forward's (the kept rows only, at layer 0),
+    # then the decode steps'
+    assert seen[0][1] == kept and seen[1][1] == kept
+    for i in seen:
+        seen[i].clear()
+    out = llm.generate([PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=0.3,
+                                                           selection="v_deviation"))[0]  # fmt: skip
+    assert seen[0][0] == seen[1][0] == n  # layer 0 in full; every row's Q/K/V at layer 1
