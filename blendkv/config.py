@@ -70,6 +70,11 @@ class EngineConfig:
     # None = on CUDA, and on the CPU only with a core the forward's threads leave free (on a
     # CPU whose cores all compute, the thread measured 1-3 % slower than writing first).
     pipeline_kv_load: bool | None = None
+    # Read a queued blended request's chunks in a background thread before its step (LMDB on
+    # the CPU: into the page cache, checksum checked; Redis, or LMDB on CUDA: held in memory,
+    # at most this many bytes at once); the scheduler lets a request whose reads are under way
+    # wait while other work runs. 0 = off (chunks are read in the step that prefills them).
+    prefetch_kv_bytes: int = 1 << 30
     # CPU float32 with MKL: GEMMs of (rows/2, rows] rows (decode batches) use weights packed once
     # for ``rows`` rows (blendkv.layers.linear; one more copy of the weights in memory).
     # None = 32 where MKL's packed sgemm runs (float32 on the CPU), else off; 0 = off.
@@ -149,6 +154,9 @@ class EngineConfig:
             _positive("packed_gemm_rows", self.packed_gemm_rows)
         if self.mlp_rows_per_pass is not None and self.mlp_rows_per_pass != 0:
             _positive("mlp_rows_per_pass", self.mlp_rows_per_pass)
+        n = self.prefetch_kv_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"prefetch_kv_bytes must be an integer >= 0, got {n!r}")
         if self.pipeline_kv_load not in (None, True, False):
             raise ConfigError(
                 f"pipeline_kv_load must be None, True or False, got {self.pipeline_kv_load!r}"

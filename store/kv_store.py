@@ -280,6 +280,17 @@ class KVStore(StoreTransactions, StoreQueries):
         self._record_use(key)
         return ChunkKV(key, tensor)
 
+    def warm(self, key: bytes) -> bool:
+        """Bring ``key``'s value into the OS page cache ahead of its use, without holding the
+        store's lock while the disk reads (:meth:`ReadSnapshot.warm`); False on a miss."""
+        snapshot = self.snapshot()
+        if snapshot is None:  # the map must be remapped first: leave it to the read
+            return False
+        try:
+            return snapshot.warm(key)
+        finally:
+            snapshot.close()
+
     @locked
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = False) -> bool:
         """Copy the chunk's K/V straight from the memory map into ``out`` (any device).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 from . import format as fmt
-from .errors import StoreError
+from .errors import CorruptValueError, StoreError
 from .records import ChunkKV
 
 
@@ -80,6 +80,26 @@ class ReadSnapshot:
                 return None
             store._record_use(key, flush=False)
             return chunk
+
+    def warm(self, key: bytes) -> bool:
+        """Fault ``key``'s value into the OS page cache (py-lmdb's get touches every page of a
+        value) and check its checksum if this store has not yet (``verify_reads="once"``), so
+        that a later read finds it in memory, checked. The store's lock is not held while the
+        disk reads. False on a miss or a corrupt value (left to the read that uses it)."""
+        store = self._store
+        if self.closed:
+            raise StoreError("the read snapshot is closed")
+        buf = self.txn.get(key, db=store._dbs["values"])
+        if buf is None:
+            return False
+        if store.verify_reads == "once" and key not in store._verified:
+            try:
+                fmt.check_value(buf, verify_checksum=True)
+            except CorruptValueError:
+                return False
+            with store._lock:
+                store._verified.add(key)
+        return True
 
     def close(self) -> None:
         self._store._close_snapshot(self)

@@ -55,6 +55,9 @@ class BlendConnector(KVConnectorBase):
         # benchmarks switch it between requests to time both paths on the same engine.
         self.pipelined = context.config.pipeline_kv_load
         self._load_stream = None  # CUDA: the side stream of pipelined loads, made once
+        self._prefetcher = None  # reads queued requests' chunks ahead (prefetch_kv_bytes > 0)
+        # Benchmarks switch it between requests to time both ways on the same engine.
+        self.prefetch = context.config.prefetch_kv_bytes > 0
 
     @property
     def manager(self):
@@ -91,6 +94,27 @@ class BlendConnector(KVConnectorBase):
             )
         return self._manager
 
+    @property
+    def prefetcher(self):
+        """The :class:`ChunkPrefetcher` of the manager's current store (None when off)."""
+        budget = self.context.config.prefetch_kv_bytes
+        store = self.manager.store
+        if not self.prefetch:
+            return None
+        if self._prefetcher is not None and self._prefetcher.store is not store:
+            self._prefetcher.close()  # the manager switched stores (BlendManager.use_store)
+            self._prefetcher = None
+        if self._prefetcher is None:
+            from blendkv.blend.prefetch import ChunkPrefetcher
+
+            # LMDB on the CPU is read in place from its memory map: warming the page cache is
+            # the read. Elsewhere the value is read into memory and held until its step.
+            in_place = self.context.info.device == "cpu" and hasattr(store, "warm")
+            budget = budget or 1 << 30  # switched on although the config had it off
+            self._prefetcher = ChunkPrefetcher(store, hold=not in_place, max_bytes=budget)
+        self._loader.prefetcher = self._prefetcher
+        return self._prefetcher
+
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: dict, options) -> ConnectorPrompt:
         plan = self.manager.prepare(prompt, options)
@@ -105,6 +129,20 @@ class BlendConnector(KVConnectorBase):
     def add_request(self, request_id: str, kv_transfer_params) -> None:
         if isinstance(kv_transfer_params, BlendPlan):
             self._plans[request_id] = kv_transfer_params
+            prefetcher = self.prefetcher
+            if prefetcher is not None and kv_transfer_params.chunk_keys:
+                prefetcher.submit(request_id, self._to_read(kv_transfer_params.chunk_keys))
+
+    def _to_read(self, keys: list[bytes]) -> list[bytes]:
+        """The keys a prefetch reads: stored (a miss is computed in the step), not waiting in
+        the background writer, nor (when values are held) in the memory tier already."""
+        manager, prefetcher = self.manager, self._prefetcher
+        tier = manager.store.memory_tier
+        return [
+            k
+            for k in keys
+            if manager.pending(k) is None and not (prefetcher.hold and k in tier) and manager.has(k)
+        ]
 
     def request_stats(self, seq) -> BlendStats | None:
         plan = self._plans.get(seq.request_id)
@@ -120,13 +158,22 @@ class BlendConnector(KVConnectorBase):
 
     def request_finished(self, request_id: str) -> None:
         self._plans.pop(request_id, None)
+        if self._prefetcher is not None:
+            self._prefetcher.release(request_id)
 
     def close(self) -> None:
+        if self._prefetcher is not None:  # before the store it reads closes
+            self._prefetcher.close()
+            self._prefetcher = None
         if self._manager is not None:
             self._manager.close()
             self._manager = self._loader = None
 
     # ---- scheduler side -----------------------------------------------------------------
+    def kv_ready(self, seq) -> bool:
+        prefetcher = self._prefetcher
+        return prefetcher is None or prefetcher.ready(seq.request_id)
+
     def fused_prefill_cost(self, seq, num_computed_tokens: int, num_new_tokens: int):
         plan = self._plans.get(seq.request_id)
         if plan is None or not plan.needs_fusion(num_computed_tokens):
@@ -240,6 +287,7 @@ class BlendConnector(KVConnectorBase):
             self.controller.record_compute(row_layers, forward_seconds - load.waited)
 
     def clear_connector_metadata(self) -> None:
+        meta = self._metadata
         super().clear_connector_metadata()
         if self._layer_load is not None:  # the forward failed: let the writer thread end
             try:
@@ -248,6 +296,9 @@ class BlendConnector(KVConnectorBase):
                 pass
         if self._loader is not None:  # after the writes: they may read from the snapshot
             self._loader.end_step()
+        if self._prefetcher is not None and meta is not None:
+            for f in meta.fused:  # loaded: what was held for them may go
+                self._prefetcher.release(f.request_id)
         self._step = []
         self._layer_load = None
         self._row_plan = None

@@ -56,6 +56,8 @@ class ChunkLoader:
         # the forward on the same engine.
         self.zero_copy_reads = True
         self.defer_reads = True
+        # Reads made while the request was queued (:mod:`blendkv.blend.prefetch`), or None.
+        self.prefetcher = None
 
     def load(
         self,
@@ -96,7 +98,7 @@ class ChunkLoader:
             kv, tier, fetch, recover = computed.get(i), "computed", None, None
             t_fetch = time.perf_counter()
             if kv is None:
-                found = self._fetch(plan.chunk_keys[i])
+                found = self._fetch(plan.chunk_keys[i], stats)
                 if found is None:  # evicted or corrupt since the lookup: compute it after all
                     kv = self._compute(plan, [i])[i]
                 else:
@@ -159,12 +161,18 @@ class ChunkLoader:
         )
         return blend, writes
 
-    def _fetch(self, key: bytes) -> tuple[torch.Tensor | Callable, str] | None:
+    def _fetch(self, key: bytes, stats) -> tuple[torch.Tensor | Callable, str] | None:
         """A stored chunk's K/V (read-only, shared with the memory tier) and its tier; for an
         LMDB view read later (``defer_reads``), a function that reads it instead."""
         tensor = self.manager.pending(key)
         if tensor is not None:
             return tensor, "memory"
+        got = self.prefetcher.take(key) if self.prefetcher is not None else None
+        if got is not None:
+            stats.chunks_prefetched += 1
+            stats.prefetch_seconds += got.seconds
+            if got.kv is not None:  # held: read while the request waited
+                return self._placed(got.kv), "memory"
         store = self.manager.store
         tiers = ["memory", store.tier] if key in store.memory_tier else [store.tier]
         tier = self.controller.choose_tier(tiers)
@@ -180,10 +188,14 @@ class ChunkLoader:
         chunk = store.get(key, skip_memory_tier=tier != "memory")
         if chunk is None:
             return None
-        kv = chunk.kv
+        return self._placed(chunk.kv), tier
+
+    def _placed(self, kv: torch.Tensor) -> torch.Tensor:
+        """A host tensor where the writes take it from: as it is on the CPU or when pinned (the
+        side stream copies it), else copied to the device now."""
         if self.device.type == "cpu" or kv.is_pinned():
-            return kv, tier
-        return kv.to(self.device, non_blocking=True), tier
+            return kv
+        return kv.to(self.device, non_blocking=True)
 
     def end_step(self) -> None:
         """The step's writes are done: release its read snapshot (views into it die)."""

@@ -6,7 +6,8 @@ implementation, a test's dict-backed connector another. Configured with
 ``EngineConfig(kv_connector=...)``.
 
     request in ──prepare_prompt / add_request──▶ connector keeps per-request state
-    scheduler ──get_num_new_matched_tokens──▶ tokens whose K/V comes from outside (skipped)
+    scheduler ──kv_ready───────────────────▶ False: its K/V is still being read (it may wait)
+              ──get_num_new_matched_tokens──▶ tokens whose K/V comes from outside (skipped)
               ──fused_prefill_cost─────────▶ prefills that must run whole, and their cost
               ──update_state_after_alloc───▶ blocks are allocated: remember what to load
               ──build_connector_meta───────▶ KVConnectorMetadata, carried on SchedulerOutput
@@ -105,6 +106,12 @@ class KVConnectorBase(LayerHooks, ABC):
         """Flush what is pending and release resources (the engine is shutting down)."""
 
     # ---- scheduler side -----------------------------------------------------------------
+    def kv_ready(self, seq: Sequence) -> bool:
+        """False while the connector is still reading a waiting request's K/V ahead of its
+        step (asynchronous loading): the scheduler then lets it wait while other work runs,
+        and schedules it anyway when nothing else would run."""
+        return True
+
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
         """How many tokens past ``num_computed_tokens`` (the prefix-cache hit) the connector
         can supply K/V for; the scheduler counts them as computed. Must be side-effect free."""

@@ -8,7 +8,9 @@ Every step it fills one token budget (``max_num_batched_tokens``) with, in order
 2. waiting sequences (new or preempted), first-come first-served, while budget, blocks and
    ``max_num_seqs`` allow, after taking their prefix-cache hits and the tokens a KV connector
    supplies (``get_num_new_matched_tokens``). A prefill the connector must run whole (a fused
-   blended prefill, ``fused_prefill_cost``) is never chunked.
+   blended prefill, ``fused_prefill_cost``) is never chunked. A request whose K/V the
+   connector is still reading (``kv_ready``) lets the requests behind it pass, unless nothing
+   else would run.
 
 Prefill and decode tokens share one flattened batch; the runner receives a
 :class:`SchedulerOutput` and nothing else.
@@ -121,44 +123,60 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bm, conn = self.block_manager, self.connector
+        conn = self.connector
+        reading = []  # waiting requests whose K/V the connector is still reading
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            computed_blocks, num_cached = bm.get_computed_blocks(seq)
-            num_external = 0
-            if conn is not None:
-                # At least one token is computed: its logits are sampled.
-                room = seq.num_tokens - num_cached - 1
-                num_external = min(conn.get_num_new_matched_tokens(seq, num_cached), room)
-            num_new = seq.num_tokens - num_cached - num_external
-            cost = num_new
-            fused_cost = None
-            if conn is not None:
-                fused_cost = conn.fused_prefill_cost(seq, num_cached + num_external, num_new)
-            if fused_cost is not None:
-                # A fused prefill runs whole. It waits for budget unless it could never fit,
-                # then it goes alone among this step's prefills so it cannot starve.
-                cost = fused_cost
-                prefills_scheduled = any(n > 1 for _, n in out.scheduled)
-                if cost > budget and (cost <= self.max_num_batched_tokens or prefills_scheduled):
-                    break
-            elif num_new > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                num_new = cost = budget
-            if not bm.allocate_slots(seq, num_external + num_new, computed_blocks):
+            if conn is not None and not conn.kv_ready(seq):
+                reading.append(self.waiting.popleft())
+                continue
+            budget = self._admit(seq, out, budget)
+            if budget is None:
                 break
-            self.waiting.popleft()
-            seq.num_computed_tokens = num_cached + num_external
-            seq.status = SequenceStatus.RUNNING
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.perf_counter()
-                seq.metrics.num_cached_tokens = num_cached
-            if conn is not None:
-                conn.update_state_after_alloc(seq, num_external)
-            self.running.append(seq)
-            out.scheduled.append((seq, num_new))
-            budget -= min(cost, budget)
+        self.waiting.extendleft(reversed(reading))
+        if reading and not out.scheduled and not self.running:
+            # Nothing else would run: waiting for the reads would only idle the engine.
+            self._admit(self.waiting[0], out, budget)
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Schedule ``seq``, the head of the waiting queue: the budget left, or None if it did
+        not fit (no budget or blocks; it stays at the head)."""
+        bm, conn = self.block_manager, self.connector
+        computed_blocks, num_cached = bm.get_computed_blocks(seq)
+        num_external = 0
+        if conn is not None:
+            # At least one token is computed: its logits are sampled.
+            room = seq.num_tokens - num_cached - 1
+            num_external = min(conn.get_num_new_matched_tokens(seq, num_cached), room)
+        num_new = seq.num_tokens - num_cached - num_external
+        cost = num_new
+        fused_cost = None
+        if conn is not None:
+            fused_cost = conn.fused_prefill_cost(seq, num_cached + num_external, num_new)
+        if fused_cost is not None:
+            # A fused prefill runs whole. It waits for budget unless it could never fit,
+            # then it goes alone among this step's prefills so it cannot starve.
+            cost = fused_cost
+            prefills_scheduled = any(n > 1 for _, n in out.scheduled)
+            if cost > budget and (cost <= self.max_num_batched_tokens or prefills_scheduled):
+                return None
+        elif num_new > budget:
+            if not self.enable_chunked_prefill:
+                return None
+            num_new = cost = budget
+        if not bm.allocate_slots(seq, num_external + num_new, computed_blocks):
+            return None
+        self.waiting.popleft()
+        seq.num_computed_tokens = num_cached + num_external
+        seq.status = SequenceStatus.RUNNING
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.perf_counter()
+            seq.metrics.num_cached_tokens = num_cached
+        if conn is not None:
+            conn.update_state_after_alloc(seq, num_external)
+        self.running.append(seq)
+        out.scheduled.append((seq, num_new))
+        return budget - min(cost, budget)
 
     # --------------------------------------------------------- after a step
     def update_from_output(self, out: SchedulerOutput) -> list[Sequence]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from blendkv.engine.block_manager import BlockManager
+from blendkv.engine.kv_connector import KVConnectorBase
 from blendkv.engine.scheduler import Scheduler
 from blendkv.engine.sequence import Sequence, SequenceStatus
 from blendkv.sampling_params import SamplingParams
@@ -40,6 +41,50 @@ def test_prefill_and_decode_share_a_step():
     # a decodes one token while b prefills in the same flattened batch.
     assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 6)]
     assert ready == [a, b]
+
+
+class ReadingConnector(KVConnectorBase):
+    """A connector still reading the K/V of the requests in ``reading``."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.reading: set[str] = set()
+
+    def kv_ready(self, seq) -> bool:
+        return seq.request_id not in self.reading
+
+
+def test_requests_being_read_let_others_pass_while_work_runs():
+    conn = ReadingConnector()
+    sched = Scheduler(
+        BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=64, connector=conn
+    )
+    a, b, c = make("a", 5), make("b", 6, start=100), make("c", 4, start=200)
+    sched.add(a)
+    step(sched)  # a runs
+    conn.reading = {"b"}
+    sched.add(b)
+    sched.add(c)
+    out, _ = step(sched)
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("c", 4)]
+    assert list(sched.waiting) == [b] and b.status == SequenceStatus.WAITING
+    conn.reading = set()
+    out, _ = step(sched)
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("c", 1), ("b", 6)]
+
+
+def test_a_request_being_read_runs_when_nothing_else_would():
+    conn = ReadingConnector()
+    sched = Scheduler(
+        BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=64, connector=conn
+    )
+    a, b = make("a", 5), make("b", 6, start=100)
+    conn.reading = {"a", "b"}
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched)  # the head goes; b waits behind the now running a
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 5)]
+    assert list(sched.waiting) == [b]
 
 
 def test_chunked_prefill_respects_token_budget():

@@ -1,0 +1,190 @@
+"""Reading queued requests' chunks ahead of their step (asynchronous loading).
+
+A blended request's chunk K/V is read from the store when its step runs, and until then the
+request only waits in the queue. :class:`ChunkPrefetcher` uses that wait: when a request is
+queued its chunk keys go to one background thread, which reads them in arrival order while the
+engine computes other requests; the scheduler lets a request whose reads are still running wait
+while other work runs (vLLM's requests waiting for remote K/V, LMCache's asynchronous loading),
+so the reads leave the step that prefills it. Two ways of reading, by store and device:
+
+* ``hold=False`` (LMDB on the CPU, read through its memory map): the value's pages are faulted
+  into the OS page cache and its checksum checked (:meth:`KVStore.warm`); nothing is held here.
+* ``hold=True`` (Redis; LMDB on CUDA, into pinned memory): the value is read with
+  ``store.get`` and held until the request's step has loaded it or the request ends, within
+  ``max_bytes`` (the thread pauses when that much is held).
+
+A key is read once however many queued requests use it. When a step needs a key the thread has
+not started on, :meth:`take` withdraws it and the loader reads it itself; a held value being
+read is waited for, a page-cache warm-up under way is read beside. Failures are logged and leave the key to the loader, which handles misses, corrupt
+values and lost connections as it always does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_QUEUED, _READING, _DONE = "queued", "reading", "done"
+
+
+@dataclass
+class Prefetched:
+    """What :meth:`ChunkPrefetcher.take` hands the loader: the held K/V (None when the value was
+    only warmed in the page cache, or was not found) and the seconds its read took."""
+
+    kv: Any
+    seconds: float
+
+
+@dataclass
+class _Entry:
+    status: str = _QUEUED
+    read: bool = False  # False: withdrawn before the thread started on it
+    requests: set[str] = field(default_factory=set)
+    kv: Any = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class ChunkPrefetcher:
+    def __init__(self, store, *, hold: bool, max_bytes: int) -> None:
+        """``store``: the manager's chunk store (``warm`` when ``hold`` is False, else ``get``);
+        ``max_bytes``: the most held K/V at once (``hold`` only)."""
+        self.store = store
+        self.hold = hold
+        self.max_bytes = max_bytes
+        self.num_read = 0
+        self.num_failed = 0
+        self._cond = threading.Condition()
+        self._queue: deque[bytes] = deque()
+        self._entries: dict[bytes, _Entry] = {}
+        self._keys: dict[str, list[bytes]] = {}  # request -> its keys
+        self._outstanding: dict[str, int] = {}  # request -> its keys not done
+        self._held_bytes = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="blendkv-kv-prefetch", daemon=True)
+        self._thread.start()
+
+    # ---- the engine's side ------------------------------------------------------------------
+    def submit(self, request_id: str, keys: list[bytes]) -> None:
+        """Queue the reads of a newly queued request's chunks."""
+        with self._cond:
+            if self._closed or request_id in self._keys:
+                return
+            keys = list(dict.fromkeys(keys))
+            self._keys[request_id] = keys
+            waiting = 0
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._entries[key] = _Entry()
+                    self._queue.append(key)
+                entry.requests.add(request_id)
+                waiting += entry.status != _DONE
+            self._outstanding[request_id] = waiting
+            self._cond.notify_all()
+
+    def ready(self, request_id: str) -> bool:
+        """Whether every read of the request's chunks is done (True for unknown requests)."""
+        with self._cond:
+            return self._outstanding.get(request_id, 0) == 0
+
+    def take(self, key: bytes) -> Prefetched | None:
+        """The prefetched read of ``key``; None if it was never submitted, or not started
+        (withdrawn then: the caller reads it). One under way is waited for when values are held
+        (reading it again would fetch it twice); a page-cache warm-up is not (the caller's own
+        read of the same pages goes beside it, and the kernel reads each page once)."""
+        with self._cond:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if entry.status == _QUEUED:
+                self._finish(entry)
+                return None
+            if entry.status == _READING and not self.hold:
+                return None
+            while entry.status == _READING:
+                self._cond.wait()
+            return Prefetched(entry.kv, entry.seconds) if entry.read else None
+
+    def release(self, request_id: str) -> None:
+        """The request's step loaded its chunks, or it ended: drop what is held for it alone."""
+        with self._cond:
+            self._outstanding.pop(request_id, None)
+            for key in self._keys.pop(request_id, ()):
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                entry.requests.discard(request_id)
+                if not entry.requests and entry.status != _READING:
+                    del self._entries[key]  # a queued key is skipped by the thread
+                    self._held_bytes -= entry.nbytes
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        with self._cond:
+            self._entries.clear()
+            self._keys.clear()
+            self._outstanding.clear()
+            self._held_bytes = 0
+
+    # ---- the thread ---------------------------------------------------------------------
+    def _next(self) -> tuple[bytes, _Entry] | None:
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                room = not self.hold or self._held_bytes < self.max_bytes
+                while room and self._queue:
+                    key = self._queue.popleft()
+                    entry = self._entries.get(key)
+                    if entry is not None and entry.status == _QUEUED:
+                        entry.status = _READING
+                        return key, entry
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while (job := self._next()) is not None:
+            key, entry = job
+            t0 = time.perf_counter()
+            kv, ok = None, False
+            try:
+                if self.hold:
+                    chunk = self.store.get(key)
+                    kv = None if chunk is None else chunk.kv
+                else:
+                    self.store.warm(key)
+                ok = True
+                self.num_read += 1
+            except Exception:  # noqa: BLE001  (the loader reads it again and reports)
+                self.num_failed += 1
+                logger.warning("prefetching chunk %s failed", key.hex(), exc_info=True)
+            with self._cond:
+                entry.seconds = time.perf_counter() - t0
+                entry.read = ok
+                if kv is not None:
+                    entry.kv = kv
+                    entry.nbytes = kv.numel() * kv.element_size()
+                    self._held_bytes += entry.nbytes
+                self._finish(entry)
+                if not entry.requests:  # released while it was read
+                    self._entries.pop(key, None)
+                    self._held_bytes -= entry.nbytes
+
+    def _finish(self, entry: _Entry) -> None:
+        """Mark ``entry`` done (lock held) and wake who waits for it."""
+        entry.status = _DONE
+        for request_id in entry.requests:
+            if request_id in self._outstanding:
+                self._outstanding[request_id] -= 1
+        self._cond.notify_all()
