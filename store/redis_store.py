@@ -40,6 +40,7 @@ from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
 from .redis_queries import RedisQueries
+from .redis_wire import bulk_reader_for
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class RedisKVStore(RedisQueries):
         self.client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
+        # Values are read into one buffer per chunk over connections of its own (per thread).
+        self._bulk = bulk_reader_for(self.client, socket_timeout)
         try:
             self.fingerprint = self._open(fingerprint, create)
         except self._redis_errors as e:
@@ -131,24 +134,32 @@ class RedisKVStore(RedisQueries):
             )
         return stored
 
-    def _call(self, fn, on_error):
-        """Run ``fn()`` under the lock; a lost connection counts, logs and returns ``on_error``
-        (or raises StoreError when ``on_error`` is an exception class)."""
-        with self._lock:
-            try:
-                if self._recheck:
-                    self._open(self._given, create=not self.readonly)
-                    self._recheck = False
+    def _call(self, fn, on_error, *, locked: bool = True):
+        """Run ``fn()`` under the lock (``locked``; a value read runs beside other threads'
+        calls); a lost connection counts, logs and returns ``on_error`` (or raises StoreError
+        when ``on_error`` is an exception class)."""
+        try:
+            if self._recheck:
+                with self._lock:
+                    if self._recheck:
+                        self._open(self._given, create=not self.readonly)
+                        self._recheck = False
+            if not locked:
                 return fn()
-            except self._redis_errors as e:
+            with self._lock:
+                return fn()
+        except self._redis_errors as e:
+            with self._lock:
                 self.connection_errors += 1
                 self._recheck = True
-                logger.warning("Redis store %s unreachable: %s", self.url, e)
-                if isinstance(on_error, type) and issubclass(on_error, Exception):
-                    raise on_error(f"Redis store {self.url} unreachable: {e}") from e
-                return on_error
+            logger.warning("Redis store %s unreachable: %s", self.url, e)
+            if isinstance(on_error, type) and issubclass(on_error, Exception):
+                raise on_error(f"Redis store {self.url} unreachable: {e}") from e
+            return on_error
 
     def close(self) -> None:
+        if self._bulk is not None:
+            self._bulk.close()
         self.client.close()
 
     def flush(self) -> None:
@@ -269,19 +280,19 @@ class RedisKVStore(RedisQueries):
         if raw is None:
             return None
         record = json.loads(raw)
-        parts = self.client.mget([self._chunk(key, f"p:{i}") for i in range(record["parts"])])
-        if any(p is None for p in parts):  # evicted under maxmemory: a miss
+        names = [self._chunk(key, f"p:{i}") for i in range(record["parts"])]
+        if self._bulk is not None and "nbytes" in record:
+            value = self._bulk.read(names, record["nbytes"])
+        else:
+            value = _joined(self.client.mget(names))
+        if value is None:  # evicted under maxmemory (or cut short): a miss
             self._delete_one(key)
             return None
-        value = bytearray(sum(len(p) for p in parts))  # one copy, writable for frombuffer
-        pos = 0
-        for part in parts:
-            value[pos : pos + len(part)] = part
-            pos += len(part)
         try:
             fmt.check_value(value, verify_checksum=True)
         except CorruptValueError as e:
-            self.corrupt += 1
+            with self._lock:
+                self.corrupt += 1
             logger.warning("corrupt value for chunk %s in %s: %s", key.hex(), self.url, e)
             if not self.readonly:
                 self._delete_one(key)
@@ -292,9 +303,10 @@ class RedisKVStore(RedisQueries):
         use_tier = self.memory_tier.max_bytes and not skip_memory_tier
         tensor = self.memory_tier.get(key) if use_tier else None
         if tensor is None:
-            value = self._call(lambda: self._fetch(key), None)
+            value = self._call(lambda: self._fetch(key), None, locked=False)
             if value is None:
-                self.misses += 1
+                with self._lock:
+                    self.misses += 1
                 return None
             header = fmt.decode_header(value)
             payload = torch.frombuffer(value, dtype=torch.uint8, offset=fmt.HEADER_SIZE)
@@ -302,7 +314,8 @@ class RedisKVStore(RedisQueries):
             if self.pin_memory:
                 tensor = tensor.pin_memory()
             self.memory_tier.put(key, tensor)
-        self.hits += 1
+        with self._lock:
+            self.hits += 1
         return tensor
 
     tier = "redis"
@@ -362,3 +375,15 @@ class RedisKVStore(RedisQueries):
     def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
         members = self._call(lambda: self.client.smembers(self._k("doc", doc_id)), set())
         return sorted(self._metas(members), key=lambda m: m.position)
+
+
+def _joined(parts: list[bytes | None]) -> bytearray | None:
+    """Parts read through redis-py joined into one writable buffer; None if one is missing."""
+    if any(p is None for p in parts):
+        return None
+    value = bytearray(sum(len(p) for p in parts))
+    pos = 0
+    for part in parts:
+        value[pos : pos + len(part)] = part
+        pos += len(part)
+    return value
