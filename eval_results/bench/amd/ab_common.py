@@ -3,8 +3,6 @@
 each run once first so every chunk is in the store."""
 
 import argparse
-import ctypes
-import mmap
 
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
@@ -30,35 +28,4 @@ def setup(repeats: int):
 
 
 # Cold pages (cold_load_ab.py, deferred_reads_ab.py): chunk values paged out of LMDB's map.
-MADV_PAGEOUT = 21
-PAGE = mmap.PAGESIZE
-libc = ctypes.CDLL(None, use_errno=True)
-libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
-def page_range(tensor):
-    start = tensor.data_ptr() // PAGE * PAGE
-    end = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE) * PAGE
-    return start, end - start
-
-
-def resident(ranges) -> float:
-    """Share of the ranges' pages in memory."""
-    total = hit = 0
-    for start, length in ranges:
-        n = length // PAGE
-        vec = (ctypes.c_ubyte * n)()
-        assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
-        hit += sum(b & 1 for b in vec)
-        total += n
-    return hit / total
-
-
-def page_out(store, keys) -> float:
-    """Page out the values of ``keys``; the share of their pages still resident after."""
-    with store.reader() as reader:
-        ranges = [page_range(reader.view(k).kv) for k in keys]
-        for start, length in ranges:
-            assert libc.madvise(start, length, MADV_PAGEOUT) == 0, ctypes.get_errno()
-        return resident(ranges)
+from blendkv.eval.page_cache import page_out  # noqa: E402, F401

@@ -1,0 +1,228 @@
+"""A/B of reading queued requests' chunks ahead of their step (``EngineConfig.prefetch_kv_bytes``)
+against reading them in the step that prefills them, in one process, alternating.
+
+    python -m blendkv.eval.bench_prefetch [--model PATH] [--limit 3] [--rounds 2]
+        [--store lmdb|redis|redis://HOST:PORT/DB] [--dtype float32] [--json PATH]
+
+Every read is cold: before each run the prompts' chunk values are paged out of LMDB's map
+(``--store lmdb``: ``madvise(MADV_PAGEOUT)``, a server whose page cache lost them) or dropped
+from the memory tier (Redis: every value comes over the socket; ``--store redis`` starts a
+``redis-server`` from PATH on a free port). Two scenarios, default ``BlendConfig()``:
+
+- **burst**: the ``--limit`` MuSiQue prompts arrive at once (one token each). Off, each
+  request's reads run in its step; on, the thread reads request i+1's chunks while request i
+  computes. Reported: the burst's wall time and the median TTFT.
+- **beside a decode**: one request decodes; a blended request arrives. Off, its reads stall the
+  decode inside the prefill step; on, the decode goes on while they run. Reported: the
+  blended request's TTFT and the decode's longest gap between two tokens meanwhile.
+- **alone**: one blended request on an idle engine (nothing to hide the reads behind; the
+  prefetch thread and the step read side by side). Reported: its TTFT.
+
+One fused prefill runs per step (the step budget is below its cost), so both modes batch alike.
+Correctness first: each prompt's next-token logits must be bit-identical in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _redis_server():
+    """A private redis-server on a free loopback port: (url, process)."""
+    import shutil
+    import socket
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="blendkv-bench-redis-")
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    return f"redis://127.0.0.1:{port}/0", proc
+
+
+def main(argv: list[str] | None = None) -> int:
+    from blendkv.eval.bench_blend import _blended, musique_setup
+    from blendkv.eval.page_cache import page_out
+
+    p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_prefetch")
+    p.add_argument("--model", default=None)
+    p.add_argument("--data", default=None)
+    p.add_argument("--limit", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--store", default="lmdb", help="lmdb, redis, or a redis:// URL")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    server = None
+    store_dir = None
+    if args.store == "redis":
+        store_dir, server = _redis_server()
+    elif args.store.startswith("redis://"):
+        store_dir = args.store
+    elif args.store != "lmdb":
+        p.error(f"--store must be lmdb, redis or a redis:// URL, got {args.store!r}")
+    # One fused prefill per step (each costs more than the budget, so each goes alone): both
+    # modes then batch alike, whatever the order the reads finish in.
+    examples, spec, llm = musique_setup(args, kv_store_dir=store_dir, max_num_batched_tokens=512)
+    try:
+        return _run(args, llm, [_blended(ex, spec) for ex in examples], page_out)
+    finally:
+        llm.close()
+        if server is not None:
+            server.kill()
+
+
+def _run(args, llm, prompts, page_out) -> int:
+    from blendkv import SamplingParams
+    from blendkv.blend.config import BlendConfig
+
+    engine, manager = llm.engine, llm.blend_manager()
+    connector = engine.kv_connector
+    store = manager.store
+    cfg = BlendConfig()
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    plans = [manager.prepare(prompt, cfg) for prompt in prompts]
+    lengths = [len(plan.prompt.token_ids) for plan in plans]
+    for prompt in prompts:  # every chunk in the store, read once (checksums checked)
+        llm.generate([prompt], one, blend=cfg)
+    manager.flush()
+    keys = [k for plan in plans for k in plan.chunk_keys]
+
+    def cold() -> None:
+        if store.tier == "lmdb":
+            page_out(store, keys)
+        store.memory_tier.clear()
+
+    def burst():
+        cold()
+        t0 = time.perf_counter()
+        ids = [
+            engine.add_request(prompt, one, blend=cfg, logits_from=n - 1)
+            for prompt, n in zip(prompts, lengths, strict=True)
+        ]
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out
+        wall = time.perf_counter() - t0
+        return wall, [outs[i] for i in ids]
+
+    def alone(i: int):
+        cold()
+        rid = engine.add_request(prompts[i], one, blend=cfg, logits_from=lengths[i] - 1)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid:
+                    done = out
+        return done
+
+    def beside_decode(i: int):
+        params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+        decode_id = engine.add_request("Count from one to a thousand: one, two,", params)
+        for _ in range(3):
+            engine.step()
+        cold()
+        blend_id = engine.add_request(prompts[i], one, blend=cfg, logits_from=lengths[i] - 1)
+        last, gap, blended = time.perf_counter(), 0.0, None
+        while blended is None:
+            for out in engine.step():
+                now = time.perf_counter()
+                if out.request_id == decode_id:
+                    gap, last = max(gap, now - last), now
+                elif out.request_id == blend_id:
+                    blended = out
+        gap = max(gap, time.perf_counter() - last)
+        engine.abort_request(decode_id)
+        return blended, gap
+
+    rows, identical = [], True
+    logits: dict[tuple, dict[str, torch.Tensor]] = {}
+    burst_runs = {"off": [], "on": []}
+    for _ in range(args.rounds):
+        for mode in ("off", "on"):
+            connector.prefetch = mode == "on"
+            wall, outs = burst()
+            burst_runs[mode].append((wall, [o.metrics.ttft for o in outs]))
+            for i, out in enumerate(outs):
+                logits.setdefault(("burst", i), {})[mode] = out.extra["prompt_logits"]
+    for i in range(len(prompts)):
+        runs = {"off": [], "on": []}
+        for _ in range(args.rounds):
+            for mode in ("off", "on"):
+                connector.prefetch = mode == "on"
+                out, gap = beside_decode(i)
+                single = alone(i)
+                stats = out.blend_stats
+                runs[mode].append((out.metrics.ttft, gap, stats.chunks_prefetched, single))
+                logits.setdefault(("decode", i), {})[mode] = out.extra["prompt_logits"]
+                logits.setdefault(("alone", i), {})[mode] = single.extra["prompt_logits"]
+        row = {"example": i, "tokens": lengths[i]}
+        for mode, vals in runs.items():
+            row[f"ttft_{mode}"] = statistics.median(v[0] for v in vals)
+            row[f"decode_gap_{mode}"] = statistics.median(v[1] for v in vals)
+            row[f"chunks_prefetched_{mode}"] = min(v[2] for v in vals)
+            row[f"ttft_alone_{mode}"] = statistics.median(v[3].metrics.ttft for v in vals)
+        row["ttft_on_over_off"] = row["ttft_on"] / row["ttft_off"]
+        row["gap_on_over_off"] = row["decode_gap_on"] / row["decode_gap_off"]
+        row["alone_on_over_off"] = row["ttft_alone_on"] / row["ttft_alone_off"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    connector.prefetch = True
+    for pair in logits.values():
+        identical &= torch.equal(pair["off"], pair["on"])
+    summary = {
+        "model": engine.info.model_name,
+        "store": store.tier,
+        "dtype": args.dtype,
+        "identical": identical,
+    }
+    for mode, vals in burst_runs.items():
+        summary[f"burst_wall_{mode}"] = statistics.median(v[0] for v in vals)
+        summary[f"burst_median_ttft_{mode}"] = statistics.median(
+            statistics.median(v[1]) for v in vals
+        )
+    summary["burst_wall_on_over_off"] = summary["burst_wall_on"] / summary["burst_wall_off"]
+    for key in ("ttft_on_over_off", "gap_on_over_off", "alone_on_over_off"):
+        summary[f"median_{key}"] = statistics.median(r[key] for r in rows)
+    print(f"\ncorrectness: logits bit-identical in both modes on every request: {identical}")
+    print(
+        f"burst of {len(prompts)}: wall {summary['burst_wall_off']:.3f} s -> "
+        f"{summary['burst_wall_on']:.3f} s ({summary['burst_wall_on_over_off']:.3f}x), median "
+        f"TTFT {summary['burst_median_ttft_off']:.3f} -> {summary['burst_median_ttft_on']:.3f} s"
+    )
+    print(
+        f"beside a decode: blended TTFT {summary['median_ttft_on_over_off']:.3f}x, the decode's "
+        f"longest gap {summary['median_gap_on_over_off']:.3f}x (prefetch on over off)"
+    )
+    print(f"alone (an idle engine): TTFT {summary['median_alone_on_over_off']:.3f}x")
+    print(json.dumps({"prefetch_bench": summary}))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
