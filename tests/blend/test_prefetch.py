@@ -283,3 +283,31 @@ def test_a_bad_prefetch_budget_is_refused(bad):
 
     with pytest.raises(ConfigError, match="prefetch_kv_bytes must be an integer >= 0"):
         EngineConfig(prefetch_kv_bytes=bad)
+
+
+def test_aborting_a_request_being_read_drops_what_was_read_for_it(store):
+    """An aborted request's reads are dropped: one under way when it lands, the queued ones at
+    once; a key another request still wants stays."""
+    gated = threading.Event()
+
+    class Gate:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def get(self, key):
+            assert gated.wait(timeout=60)
+            return self.inner.get(key)
+
+    p = ChunkPrefetcher(Gate(store), hold=True, max_bytes=1 << 20)
+    p.submit("a", [key(0), key(1), key(2)])
+    p.submit("b", [key(2)])
+    _until(lambda: p._entries[key(0)].status == "reading", "the first read")
+    p.release("a")  # aborted while key 0 is read
+    assert set(p._entries) == {key(0), key(2)}
+    gated.set()
+    _until(lambda: p.ready("b"), "b's read")
+    assert set(p._entries) == {key(2)} and p.take(key(2)) is not None
+    assert p.num_read == 2  # key 1 was never read
+    p.release("b")
+    assert p._held_bytes == 0 and not p._entries
+    p.close()
