@@ -63,11 +63,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="attention and MLP of the last layer only for the rows a step reads",
     )
     p.add_argument(
+        "--prefetch-kv",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read queued blended requests' chunks ahead of their step (default: on with CUDA "
+        "and for LMDB; a Redis store on the CPU only with a core torch leaves free)",
+    )
+    p.add_argument(
         "--prefetch-kv-bytes",
         type=int,
         default=1 << 30,
-        help="read queued blended requests' chunks ahead of their step, holding at most this "
-        "many bytes (Redis; LMDB on CUDA); 0 = off (default: 1 GiB)",
+        help="the most prefetched K/V held in memory at once (Redis; LMDB on CUDA; 1 GiB)",
     )
     add_device_args(p)
 
@@ -98,6 +104,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "compile_decode": args.compile_decode,
         "compile_prefill": args.compile_prefill,
         "prune_last_layer": args.prune_last_layer,
+        "prefetch_kv": args.prefetch_kv,
         "prefetch_kv_bytes": args.prefetch_kv_bytes,
     }
 

@@ -72,8 +72,12 @@ class EngineConfig:
     pipeline_kv_load: bool | None = None
     # Read a queued blended request's chunks in a background thread before its step (LMDB on
     # the CPU: into the page cache, checksum checked; Redis, or LMDB on CUDA: held in memory,
-    # at most this many bytes at once); the scheduler lets a request whose reads are under way
-    # wait while other work runs. 0 = off (chunks are read in the step that prefills them).
+    # at most prefetch_kv_bytes at once); the scheduler lets a request whose reads are under
+    # way wait while other work runs. None = on with CUDA and for LMDB on the CPU; a Redis
+    # store on the CPU only with a core torch's threads leave free (its reads are CPU work: on
+    # a CPU whose cores all compute they slowed the forward beside them by more than they
+    # saved). False = chunks are read in the step that prefills them.
+    prefetch_kv: bool | None = None
     prefetch_kv_bytes: int = 1 << 30
     # CPU float32 with MKL: GEMMs of (rows/2, rows] rows (decode batches) use weights packed once
     # for ``rows`` rows (blendkv.layers.linear; one more copy of the weights in memory).
@@ -155,8 +159,10 @@ class EngineConfig:
         if self.mlp_rows_per_pass is not None and self.mlp_rows_per_pass != 0:
             _positive("mlp_rows_per_pass", self.mlp_rows_per_pass)
         n = self.prefetch_kv_bytes
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"prefetch_kv_bytes must be an integer >= 0, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ConfigError(f"prefetch_kv_bytes must be an integer > 0, got {n!r}")
+        if self.prefetch_kv not in (None, True, False):
+            raise ConfigError(f"prefetch_kv must be None, True or False, got {self.prefetch_kv!r}")
         if self.pipeline_kv_load not in (None, True, False):
             raise ConfigError(
                 f"pipeline_kv_load must be None, True or False, got {self.pipeline_kv_load!r}"

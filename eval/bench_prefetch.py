@@ -190,7 +190,7 @@ def _run(args, llm, prompts, page_out) -> int:
         row["alone_on_over_off"] = row["ttft_alone_on"] / row["ttft_alone_off"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    connector.prefetch = True
+    connector.prefetch = None  # the engine's default again
     for pair in logits.values():
         identical &= torch.equal(pair["off"], pair["on"])
     summary = {

@@ -55,9 +55,9 @@ class BlendConnector(KVConnectorBase):
         # benchmarks switch it between requests to time both paths on the same engine.
         self.pipelined = context.config.pipeline_kv_load
         self._load_stream = None  # CUDA: the side stream of pipelined loads, made once
-        self._prefetcher = None  # reads queued requests' chunks ahead (prefetch_kv_bytes > 0)
-        # Benchmarks switch it between requests to time both ways on the same engine.
-        self.prefetch = context.config.prefetch_kv_bytes > 0
+        self._prefetcher = None  # reads queued requests' chunks ahead (EngineConfig.prefetch_kv)
+        # None picks per device and store; benchmarks switch it between requests.
+        self.prefetch = context.config.prefetch_kv
 
     @property
     def manager(self):
@@ -97,9 +97,16 @@ class BlendConnector(KVConnectorBase):
     @property
     def prefetcher(self):
         """The :class:`ChunkPrefetcher` of the manager's current store (None when off)."""
-        budget = self.context.config.prefetch_kv_bytes
         store = self.manager.store
-        if not self.prefetch:
+        # LMDB on the CPU is read in place from its memory map: warming the page cache is the
+        # read (mostly waiting on the disk). Elsewhere values are read into memory and held.
+        in_place = self.context.info.device == "cpu" and hasattr(store, "warm")
+        setting = self.prefetch
+        if setting is None:
+            from blendkv.blend.layer_load import spare_cpu_core
+
+            setting = self.context.info.device != "cpu" or in_place or spare_cpu_core()
+        if not setting:
             return None
         if self._prefetcher is not None and self._prefetcher.store is not store:
             self._prefetcher.close()  # the manager switched stores (BlendManager.use_store)
@@ -107,10 +114,7 @@ class BlendConnector(KVConnectorBase):
         if self._prefetcher is None:
             from blendkv.blend.prefetch import ChunkPrefetcher
 
-            # LMDB on the CPU is read in place from its memory map: warming the page cache is
-            # the read. Elsewhere the value is read into memory and held until its step.
-            in_place = self.context.info.device == "cpu" and hasattr(store, "warm")
-            budget = budget or 1 << 30  # switched on although the config had it off
+            budget = self.context.config.prefetch_kv_bytes
             self._prefetcher = ChunkPrefetcher(store, hold=not in_place, max_bytes=budget)
         self._loader.prefetcher = self._prefetcher
         return self._prefetcher

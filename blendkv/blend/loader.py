@@ -91,7 +91,9 @@ class ChunkLoader:
         chunk_ids = torch.full((num_new,), -1, dtype=torch.long)
         chunk_offsets = torch.full((num_new,), -1, dtype=torch.long)
         num_layers, kv_heads, head_dim = self.kv_shape
-        for i in todo:
+        # Last chunk first: a prefetch thread still reading this request's chunks goes from the
+        # first, so the two meet in the middle instead of queueing behind each other.
+        for i in reversed(todo):
             s, e = spans[i]
             lo = max(s, start)
             keep = (slice(first, None), slice(None), slice(lo - s, None))  # layers, positions

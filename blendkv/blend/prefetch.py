@@ -13,10 +13,11 @@ so the reads leave the step that prefills it. Two ways of reading, by store and 
   ``store.get`` and held until the request's step has loaded it or the request ends, within
   ``max_bytes`` (the thread pauses when that much is held).
 
-A key is read once however many queued requests use it. When a step needs a key the thread has
-not started on, :meth:`take` withdraws it and the loader reads it itself; a held value being
-read is waited for, a page-cache warm-up under way is read beside. Failures are logged and leave the key to the loader, which handles misses, corrupt
-values and lost connections as it always does.
+A key is read once however many queued requests use it. When a step needs a held value the
+thread has not started on, :meth:`take` withdraws it and the loader reads it itself (the loader
+goes from the last chunk, the thread from the first); one being read is waited for. Page-cache
+warm-ups go on beside the step's own reads. Failures are logged and leave the key to the
+loader, which handles misses, corrupt values and lost connections as it always does.
 """
 
 from __future__ import annotations
@@ -96,18 +97,19 @@ class ChunkPrefetcher:
             return self._outstanding.get(request_id, 0) == 0
 
     def take(self, key: bytes) -> Prefetched | None:
-        """The prefetched read of ``key``; None if it was never submitted, or not started
-        (withdrawn then: the caller reads it). One under way is waited for when values are held
-        (reading it again would fetch it twice); a page-cache warm-up is not (the caller's own
-        read of the same pages goes beside it, and the kernel reads each page once)."""
+        """The prefetched read of ``key``, or None. Held values: one not started is withdrawn
+        (the caller reads it), one under way is waited for (reading it again would fetch it
+        twice). Page-cache warm-ups are neither withdrawn nor waited for: the thread goes on
+        beside the caller's own reads of the same pages (the kernel reads each page once), so
+        the two share the work."""
         with self._cond:
             entry = self._entries.get(key)
             if entry is None:
                 return None
+            if not self.hold:  # warm-ups go on beside the caller's reads of the same pages
+                return Prefetched(None, entry.seconds) if entry.read else None
             if entry.status == _QUEUED:
                 self._finish(entry)
-                return None
-            if entry.status == _READING and not self.hold:
                 return None
             while entry.status == _READING:
                 self._cond.wait()

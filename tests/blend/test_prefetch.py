@@ -189,7 +189,7 @@ def test_prefetched_blends_equal_blends_read_in_their_step(
     else:
         location = str(tmp_path / "store")
     results = {}
-    for prefetch in (0, 1 << 30):
+    for prefetch in (False, True):
         llm = LLM(
             str(tiny_llama_dir),
             dtype="float32",
@@ -197,7 +197,7 @@ def test_prefetched_blends_equal_blends_read_in_their_step(
             enable_prefix_caching=False,
             kv_store_dir=location,
             kv_store_memory_bytes=1 << 20,  # Redis: the memory tier does not hold them all
-            prefetch_kv_bytes=prefetch,
+            prefetch_kv=prefetch,
         )
         if not results:  # store every chunk first
             llm.generate(_prompts(), GREEDY, blend=BLEND)
@@ -209,13 +209,30 @@ def test_prefetched_blends_equal_blends_read_in_their_step(
             assert conn._prefetcher.hold == (where == "redis")
             assert conn._prefetcher._held_bytes == 0 and not conn._prefetcher._entries
         llm.close()
-    for off, on in zip(results[0], results[1 << 30], strict=True):
+    for off, on in zip(results[False], results[True], strict=True):
         assert off.blend_stats.chunks_prefetched == 0
         n = on.blend_stats.num_chunks
         assert on.blend_stats.chunks_prefetched == on.blend_stats.chunks_hit == n
         assert on.blend_stats.chunks_missed == 0
         assert on.outputs[0].token_ids == off.outputs[0].token_ids
         assert torch.equal(on.extra["prompt_logits"], off.extra["prompt_logits"])
+
+
+@pytest.mark.parametrize("spare_core", [False, True])
+def test_by_default_lmdb_is_read_ahead_and_redis_with_a_spare_core(
+    tiny_llama_dir, tmp_path, redis_server, monkeypatch, spare_core
+):
+    """On the CPU, warming LMDB pages (mostly waiting on the disk) is on; Redis reads (CPU work
+    beside the forward) only where torch's threads leave a core free."""
+    import blendkv.blend.layer_load as layer_load
+
+    monkeypatch.setattr(layer_load, "spare_cpu_core", lambda: spare_core)
+    redis_server.flush()
+    for location, expected in ((str(tmp_path / "s"), True), (redis_server.url, spare_core)):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", kv_store_dir=location)
+        llm.blend_manager()
+        assert (llm.engine.kv_connector.prefetcher is not None) == expected
+        llm.close()
 
 
 def test_a_request_being_read_waits_while_a_decode_runs(tiny_llama_dir, tmp_path):
@@ -276,13 +293,15 @@ def test_nothing_else_to_run_schedules_a_request_being_read(tiny_llama_dir, tmp_
     llm.close()
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "1G"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1G"])
 def test_a_bad_prefetch_budget_is_refused(bad):
     from blendkv.config import EngineConfig
     from blendkv.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="prefetch_kv_bytes must be an integer >= 0"):
+    with pytest.raises(ConfigError, match="prefetch_kv_bytes must be an integer > 0"):
         EngineConfig(prefetch_kv_bytes=bad)
+    with pytest.raises(ConfigError, match="prefetch_kv must be None, True or False"):
+        EngineConfig(prefetch_kv="yes")
 
 
 def test_aborting_a_request_being_read_drops_what_was_read_for_it(store):

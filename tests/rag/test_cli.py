@@ -102,19 +102,21 @@ def test_missing_store_exits_2_without_a_model(tmp_path, capsys):
 
 
 def test_engine_options_reach_the_engine_config():
-    """--cpu-gemm, --compile-decode, --no-prune-last-layer and --prefetch-kv-bytes go into
+    """--cpu-gemm, --compile-decode, --no-prune-last-layer and the prefetch options go into
     every model command's engine kwargs."""
     from blendkv.cli import build_parser, engine_kwargs
     from blendkv.config import EngineConfig
 
     for command in (["generate", "hi"], ["ask", "q", "--store", "s"], ["serve"]):
         options = ["--cpu-gemm", "onednn", "--compile-decode", "--no-prune-last-layer"]
-        options += ["--prefetch-kv-bytes", "0"]
+        options += ["--no-prefetch-kv", "--prefetch-kv-bytes", "4096"]
         kwargs = engine_kwargs(build_parser().parse_args([*command, *options]))
         assert kwargs["cpu_gemm"] == "onednn" and kwargs["compile_decode"] is True
-        assert kwargs["prune_last_layer"] is False and kwargs["prefetch_kv_bytes"] == 0
+        assert kwargs["prune_last_layer"] is False and kwargs["prefetch_kv"] is False
+        assert kwargs["prefetch_kv_bytes"] == 4096
         EngineConfig(**kwargs)  # valid config fields
         defaults = engine_kwargs(build_parser().parse_args(command))
         assert defaults["cpu_gemm"] == "auto" and defaults["compile_decode"] is None
         assert defaults["prune_last_layer"] is True
+        assert defaults["prefetch_kv"] is None
         assert defaults["prefetch_kv_bytes"] == EngineConfig().prefetch_kv_bytes
