@@ -16,7 +16,8 @@ so the reads leave the step that prefills it. Two ways of reading, by store and 
 A key is read once however many queued requests use it. When a step needs a held value the
 thread has not started on, :meth:`take` withdraws it and the loader reads it itself (the loader
 goes from the last chunk, the thread from the first); one being read is waited for. Page-cache
-warm-ups go on beside the step's own reads. Failures are logged and leave the key to the
+warm-ups are withdrawn only while other requests wait behind them, else they go on beside the
+step's own reads. Failures are logged and leave the key to the
 loader, which handles misses, corrupt values and lost connections as it always does.
 """
 
@@ -99,14 +100,18 @@ class ChunkPrefetcher:
     def take(self, key: bytes) -> Prefetched | None:
         """The prefetched read of ``key``, or None. Held values: one not started is withdrawn
         (the caller reads it), one under way is waited for (reading it again would fetch it
-        twice). Page-cache warm-ups are neither withdrawn nor waited for: the thread goes on
-        beside the caller's own reads of the same pages (the kernel reads each page once), so
-        the two share the work."""
+        twice). Page-cache warm-ups are never waited for, and one not started is withdrawn only
+        while other requests' keys wait in the queue: else the thread goes on beside the
+        caller's own reads of the same pages (the kernel reads each page once), sharing them."""
         with self._cond:
             entry = self._entries.get(key)
             if entry is None:
                 return None
-            if not self.hold:  # warm-ups go on beside the caller's reads of the same pages
+            if not self.hold:
+                if entry.status == _QUEUED and self._others_queued(entry):
+                    self._finish(entry)  # the thread has other requests' pages to warm
+                    return None
+                # else it goes on beside the caller's reads of the same pages
                 return Prefetched(None, entry.seconds) if entry.read else None
             if entry.status == _QUEUED:
                 self._finish(entry)
@@ -182,6 +187,14 @@ class ChunkPrefetcher:
                 if not entry.requests:  # released while it was read
                     self._entries.pop(key, None)
                     self._held_bytes -= entry.nbytes
+
+    def _others_queued(self, entry: _Entry) -> bool:
+        """Whether keys of requests other than ``entry``'s wait in the queue (lock held)."""
+        for key in self._queue:
+            other = self._entries.get(key)
+            if other is not None and other.status == _QUEUED and other.requests - entry.requests:
+                return True
+        return False
 
     def _finish(self, entry: _Entry) -> None:
         """Mark ``entry`` done (lock held) and wake who waits for it."""

@@ -120,6 +120,27 @@ def test_the_loader_takes_a_key_not_started_and_waits_for_one_being_read(tmp_pat
     store.close()
 
 
+def test_warm_ups_are_shared_with_the_step_unless_others_wait(tmp_path):
+    """Page-cache warm-ups are never waited for; one not started stays with the thread (which
+    reads it beside the step) until another request's keys queue behind it."""
+    store = GatedStore(tmp_path / "g", FP, memory_tier_bytes=0)
+    for i in range(3):
+        store.put(key(i), torch.full((2, 2, 3, 1, 4), float(i)))
+    p = ChunkPrefetcher(store, hold=False, max_bytes=1)
+    p.submit("a", [key(0), key(1)])
+    _until(lambda: store.started == [key(0)], "the first warm-up")
+    assert p.take(key(0)) is None  # under way: not waited for
+    assert p.take(key(1)) is None and p._entries[key(1)].status == "queued"  # left to the thread
+    p.submit("b", [key(2)])
+    assert p.take(key(1)) is None and p._entries[key(1)].status == "done"  # withdrawn now
+    store.gate.set()
+    _until(lambda: p.ready("a") and p.ready("b"), "the warm-ups")
+    assert store.started == [key(0), key(2)]
+    assert p.take(key(0)) is not None and p.take(key(0)).kv is None  # nothing held
+    p.close()
+    store.close()
+
+
 def test_the_thread_pauses_at_its_byte_budget(store):
     p = ChunkPrefetcher(store, hold=True, max_bytes=1)  # one value fills it
     p.submit("a", [key(0)])
