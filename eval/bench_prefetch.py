@@ -1,4 +1,4 @@
-"""A/B of reading queued requests' chunks ahead of their step (``EngineConfig.prefetch_kv_bytes``)
+"""A/B of reading queued requests' chunks ahead of their step (``EngineConfig.prefetch_kv``)
 against reading them in the step that prefills them, in one process, alternating.
 
     python -m blendkv.eval.bench_prefetch [--model PATH] [--limit 3] [--rounds 2]
