@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -37,28 +36,10 @@ import torch
 
 def _redis_server():
     """A private redis-server on a free loopback port: (url, process)."""
-    import shutil
-    import socket
+    from blendkv.store.bench_scaling import _start_redis
 
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tempfile.mkdtemp(prefix="blendkv-bench-redis-")
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return f"redis://127.0.0.1:{port}/0", proc
+    proc, url = _start_redis(Path(tempfile.mkdtemp(prefix="blendkv-bench-redis-")))
+    return url, proc
 
 
 def main(argv: list[str] | None = None) -> int:

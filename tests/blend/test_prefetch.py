@@ -256,16 +256,23 @@ def test_by_default_lmdb_is_read_ahead_and_redis_with_a_spare_core(
         llm.close()
 
 
-def test_a_request_being_read_waits_while_a_decode_runs(tiny_llama_dir, tmp_path):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
+def _gated_engine(path, tmp_path):
+    """(engine on the tiny model, the first prompt, its reference output, the gated store
+    holding the prompt's chunks, now the engine's store)."""
+    llm = LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False)
     manager = llm.blend_manager()
     prompt = _prompts()[0]
-    llm.generate([prompt], GREEDY, blend=BLEND)  # computes and stores its chunks
+    ref = llm.generate([prompt], GREEDY, blend=BLEND)[0]  # computes and stores its chunks
     manager.flush()
     gated = GatedStore(tmp_path / "gated", manager.fingerprint)
     for key_ in manager.prepare(prompt, BLEND).chunk_keys:
         gated.put(key_, manager.store.get(key_).kv.clone())
     manager.use_store(gated)
+    return llm, prompt, ref, gated
+
+
+def test_a_request_being_read_waits_while_a_decode_runs(tiny_llama_dir, tmp_path):
+    llm, prompt, _, gated = _gated_engine(tiny_llama_dir, tmp_path)
     engine = llm.engine
     decode_id = engine.add_request(
         [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
@@ -291,15 +298,7 @@ def test_a_request_being_read_waits_while_a_decode_runs(tiny_llama_dir, tmp_path
 def test_nothing_else_to_run_schedules_a_request_being_read(tiny_llama_dir, tmp_path):
     """An idle engine does not wait for the reads. On the CPU the loader reads LMDB pages beside
     a warm-up under way and reads itself those the thread has not started on."""
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
-    manager = llm.blend_manager()
-    prompt = _prompts()[0]
-    ref = llm.generate([prompt], GREEDY, blend=BLEND)[0]
-    manager.flush()
-    gated = GatedStore(tmp_path / "gated", manager.fingerprint)
-    for key_ in manager.prepare(prompt, BLEND).chunk_keys:
-        gated.put(key_, manager.store.get(key_).kv.clone())
-    manager.use_store(gated)
+    llm, prompt, ref, gated = _gated_engine(tiny_llama_dir, tmp_path)
     engine = llm.engine
     engine.add_request(prompt, GREEDY, blend=BLEND)
     _until(lambda: len(gated.started) == 1, "the first read")
