@@ -9,8 +9,10 @@ connection (made on first use, with the client's host or Unix socket, credential
 database), so reads from the engine and the prefetch thread run side by side without a lock.
 
 Only replies to ``GET`` are parsed: a bulk string, a nil (the part was evicted: ``None``) or an
-error. A broken or timed-out connection is dropped and raised as redis-py's
-``ConnectionError`` / ``TimeoutError``, which the store already handles. TLS (``rediss://``) is
+error. A broken or timed-out connection is dropped; a read that failed on a connection made
+earlier (the server may have restarted since) is tried once more on a new one (reads are
+idempotent), as redis-py does; then the error is raised as redis-py's ``ConnectionError`` /
+``TimeoutError``, which the store already handles. TLS (``rediss://``) is
 not spoken here: :func:`bulk_reader_for` returns None and the store reads through redis-py.
 """
 
@@ -38,17 +40,20 @@ class BulkReader:
         ``nbytes``; None when a part is missing or the sizes do not add up."""
         import redis
 
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._connect()
-        try:
-            return conn.read_joined(names, nbytes)
-        except TimeoutError as e:
-            self._drop(conn)
-            raise redis.TimeoutError(f"reading from Redis timed out: {e}") from e
-        except (OSError, _ProtocolError) as e:
-            self._drop(conn)
-            raise redis.ConnectionError(f"reading from Redis failed: {e}") from e
+        while True:
+            conn = getattr(self._local, "conn", None)
+            fresh = conn is None
+            if fresh:
+                conn = self._connect()
+            try:
+                return conn.read_joined(names, nbytes)
+            except TimeoutError as e:
+                self._drop(conn)
+                raise redis.TimeoutError(f"reading from Redis timed out: {e}") from e
+            except (OSError, _ProtocolError) as e:
+                self._drop(conn)
+                if fresh:  # an older connection may have gone stale (a restarted server)
+                    raise redis.ConnectionError(f"reading from Redis failed: {e}") from e
 
     def close(self) -> None:
         with self._lock:

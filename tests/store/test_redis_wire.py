@@ -89,3 +89,22 @@ def test_threads_read_side_by_side(redis_url, fp):
         for t in threads:
             t.join(timeout=60)
         assert not wrong and len(s._bulk._open) == 3  # one connection per thread
+
+
+def test_a_restarted_server_is_read_from_again_at_once(tmp_path, fp):
+    """The connection a thread read through before the restart is stale: the read is tried
+    once more on a new one instead of failing (a miss and a recompute)."""
+    server = RedisServer(tmp_path).start()
+    try:
+        with KVStore.open(server.url, fp, memory_tier_bytes=0, socket_timeout=2.0) as s:
+            s.put_many([NewChunk(key_of(1), make_kv(1))])
+            assert same_bits(s.get(key_of(1)).kv, make_kv(1))  # its connection is made
+            stale = s._bulk._local.conn
+            server.kill()
+            server.start()  # empty
+            s.put_many([NewChunk(key_of(1), make_kv(1))])  # redis-py reconnects for writes
+            errors = s.connection_errors
+            assert same_bits(s.get(key_of(1)).kv, make_kv(1))
+            assert s.connection_errors == errors and s._bulk._local.conn is not stale
+    finally:
+        server.kill()
