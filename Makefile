@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-gpu lint bench bench-decode bench-gpu bench-store clean-venv
+.PHONY: demo test test-gpu lint docs bench bench-decode bench-gpu bench-store clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test-gpu: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# The documentation site (docs/, mkdocs.yml) into site/; --strict fails on broken links.
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/blendkv bench engine
