@@ -76,7 +76,7 @@ def build(cache_dir: Path | None = None) -> Path:
     """The path of the built library, compiling it unless a matching one is cached."""
     import torch
 
-    from blendkv.models.loader import default_cache_dir
+    from blendkv.paths import default_cache_dir
 
     compiler = find_compiler()
     if compiler is None:

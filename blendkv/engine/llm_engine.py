@@ -88,7 +88,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from blendkv.config import resolve_attention_backend, resolve_device, resolve_dtype
         from blendkv.engine.sampler import Sampler
-        from blendkv.kernels import KVCacheSpec, get_attention_backend
+        from blendkv.kernels.attention import KVCacheSpec
+        from blendkv.kernels.backends import get_attention_backend
         from blendkv.models.loader import load_model, load_tokenizer, resolve_model
 
         self.config = config

