@@ -6,111 +6,73 @@ Facts found at run time (how many KV blocks fit, the eos id, the model's shapes)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blendkv.errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_BACKENDS = ("auto", "torch", "triton")
-_CPU_GEMMS = ("auto", "onednn", "mkl")
+_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the user chooses when creating an :class:`~blendkv.LLM`.
+    """Everything the user chooses about the engine when creating an :class:`~blendkv.LLM`.
 
-    Sizes are in tokens unless the name says blocks or bytes.
+    Sizes are in tokens unless the name says blocks or bytes. A KV connector's own settings
+    (the blend connector's store, anchor and loading options) travel in
+    ``kv_connector_config``, which the engine hands to the connector unread.
+
+    Attributes:
+        model: a local HF directory (config.json + safetensors) or a GGUF file; None: the
+            embedded SmolLM2-135M-Instruct.
+        dtype: auto: the faster on the device (bfloat16 on CUDA; on the CPU bfloat16 only
+            with native bf16 dot products, else float32).
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks in the pool; overrides kv_cache_memory_bytes.
+        kv_cache_memory_bytes: bytes of the KV pool when num_kv_blocks is None.
+        max_num_seqs: the most requests in one batch.
+        max_num_batched_tokens: the most tokens one step computes.
+        max_model_len: the longest sequence; None: the model's max_position_embeddings.
+        enable_prefix_caching: reuse the KV blocks of a prompt prefix seen before.
+        enable_chunked_prefill: split long prompts over several steps.
+        attention_backend: auto: triton on CUDA, cpu (the C++ kernels) on the CPU; torch: the
+            plain-torch reference; triton on the CPU runs under TRITON_INTERPRET=1 (tests).
+        device: where the model, the KV pool and the step tensors live: auto (CUDA when
+            torch sees a GPU, else the CPU), cpu, cuda or cuda:N.
+        enforce_eager: CUDA only: run decode steps eagerly instead of replaying CUDA graphs.
+        kv_connector: the engine extension that brings K/V from outside
+            (blendkv.engine.kv_connector): a registered name ("blend", the default), a factory
+            ``context -> connector``, or None (dict prompts are then refused).
+        kv_connector_config: the connector's own config (for "blend" a
+            blendkv.blend.config.BlendConnectorConfig); None: the connector's defaults.
+        cache_dir: where downloaded and converted models are cached.
+        seed: the engine's random seed.
+        num_threads: torch intra-op threads; None leaves torch's default.
+        prune_last_layer: run attention and the MLP of the last layer only for the rows a
+            step reads (every row's K/V is still written); False runs every row through every
+            layer.
     """
 
-    model: str | None = None  # None = embedded SmolLM2-135M-Instruct
-    # "auto": the faster on the device (resolve_dtype): bfloat16 on CUDA; on the CPU bfloat16
-    # only with native bf16 dot products (AMX / AVX512-BF16), else float32.
-    dtype: str = "auto"
+    model: str | None = None
+    dtype: str = field(default="auto", metadata={"choices": _DTYPES})
     block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
+    num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # "auto": triton on CUDA, torch on the CPU. "triton" on the CPU runs the kernels under
-    # TRITON_INTERPRET=1 (slow; for tests).
-    attention_backend: str = "auto"
-    # Where the model, the KV pool and the step tensors live: "auto" (CUDA when available),
-    # "cpu", "cuda" or "cuda:N".
+    attention_backend: str = field(default="auto", metadata={"choices": _BACKENDS})
     device: str = "auto"
-    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
     enforce_eager: bool = False
-    # Engine extension that brings K/V from outside (blendkv.engine.kv_connector): a registered
-    # name ("blend": document K/V reuse, the default), a factory ``context -> connector``, or
-    # None (dict prompts are then refused).
     kv_connector: Any = "blend"
+    kv_connector_config: Any = None
     cache_dir: str | None = None
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # Blending: where chunk K/V lives (an LMDB directory, a redis://host:port/db URL shared by
-    # many processes, or None = a private temporary LMDB store for this process),
-    # its byte limits, and the anchor every chunk is precomputed behind (the chat template's
-    # prefix with this system prompt / instruction).
-    kv_store_dir: str | None = None
-    kv_store_max_bytes: int | None = None
-    # The in-RAM tier in front of the store: Redis stores and CUDA (pinned) reads fill it; on
-    # the CPU, LMDB chunks are read in place from the memory map (the page cache) instead.
-    kv_store_memory_bytes: int = 256 << 20
-    anchor_system: str | None = None
-    anchor_instruction: str | None = None
-    # Also precompute each chunk behind the last N tokens of the chunk before it in the prompt
-    # (0: behind the anchor alone). Its K/V is then reused only where the same chunk follows
-    # the same neighbour; measured in the README ("Anchors").
-    anchor_boundary_tokens: int = 0
-    # Write loaded chunk K/V into the blocks layer by layer behind the forward (a background
-    # thread on the CPU, a side stream on CUDA); False writes everything before the forward.
-    # None = on CUDA, and on the CPU only with a core the forward's threads leave free (on a
-    # CPU whose cores all compute, the thread measured 1-3 % slower than writing first).
-    pipeline_kv_load: bool | None = None
-    # Read a queued blended request's chunks in a background thread before its step (LMDB on
-    # the CPU: into the page cache, checksum checked; Redis, or LMDB on CUDA: held in memory,
-    # at most prefetch_kv_bytes at once); the scheduler lets a request whose reads are under
-    # way wait while other work runs. None = on with CUDA and for LMDB on the CPU; a Redis
-    # store on the CPU only with a core torch's threads leave free (its reads are CPU work: on
-    # a CPU whose cores all compute they slowed the forward beside them by more than they
-    # saved). False = chunks are read in the step that prefills them.
-    prefetch_kv: bool | None = None
-    prefetch_kv_bytes: int = 1 << 30
-    # CPU float32 with MKL: GEMMs of (rows/2, rows] rows (decode batches) use weights packed once
-    # for ``rows`` rows (blendkv.layers.linear; one more copy of the weights in memory).
-    # None = 32 where MKL's packed sgemm runs (float32 on the CPU), else off; 0 = off.
-    packed_gemm_rows: int | None = None
-    # The most rows one pass through an MLP takes; more run in equal slices. None =
-    # on the CPU, the rows whose gate/up output fits 24 MiB (2,048 for SmolLM2, 646 for Qwen2.5
-    # 0.5B in float32): glibc hands larger buffers back to the kernel when freed and every
-    # layer page-faults them in again (measured: Qwen2.5-0.5B's MLP on 2,048 rows 1.26x
-    # faster in slices, SmolLM2's on 6,300 rows 1.28x); elsewhere all rows at once. 0 = all
-    # rows at once.
-    mlp_rows_per_pass: int | None = None
-    # The last layer runs attention, o_proj and the MLP only for the rows a step reads (the
-    # last prompt token it samples from, rows of requested prompt logits, decode rows); every
-    # row's K/V is still written. Saves about one layer in L of a long prefill (llama.cpp does
-    # the same). False runs every row through every layer.
+    num_threads: int | None = None
     prune_last_layer: bool = True
-    # CPU GEMMs (blendkv.layers.linear): "onednn" = every GEMM through oneDNN on weights packed
-    # once (float32, bfloat16); "mkl" = torch's own (float32: MKL's sgemm, packed for decode
-    # batches per packed_gemm_rows);
-    # "auto" = oneDNN on CPUs not made by Intel (measured 1.2-4.8x faster than MKL on an AMD
-    # EPYC), MKL on Intel's. Either keeps a packed copy of the weights in memory.
-    cpu_gemm: str = "auto"
-    # CPU, torch attention backend, float32 or bfloat16: attend all decode rows of a step with
-    # one C++ kernel call per layer (blendkv.kernels.compiled_decode) instead of a flash call
-    # per row. Needs a C++ compiler: built for the machine on the first start (~10 s, then
-    # cached); if it can't be built, the log says why and decode runs the flash calls.
-    # None = on wherever it applies; True = on, an error where it cannot apply; False = off.
-    compile_decode: bool | None = None
-    # The same for prefill rows (fresh prompts, chunked-prefill chunks, CacheBlend's scattered
-    # recomputed rows): one C++ kernel call per sequence and layer
-    # (blendkv.kernels.compiled_prefill) instead of SDPA's flash calls. Same values and rules.
-    compile_prefill: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -123,11 +85,6 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("compile_decode", "compile_prefill"):
-            if getattr(self, name) not in (None, True, False):
-                raise ConfigError(
-                    f"{name} must be None, True or False, got {getattr(self, name)!r}"
-                )
         if not (self.kv_connector is None or isinstance(self.kv_connector, str)):
             if not callable(self.kv_connector):
                 raise ConfigError(
@@ -151,27 +108,8 @@ class EngineConfig:
                 )
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
-        if self.kv_store_max_bytes is not None:
-            _positive("kv_store_max_bytes", self.kv_store_max_bytes)
-        _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
-        if self.packed_gemm_rows is not None and self.packed_gemm_rows != 0:
-            _positive("packed_gemm_rows", self.packed_gemm_rows)
-        if self.mlp_rows_per_pass is not None and self.mlp_rows_per_pass != 0:
-            _positive("mlp_rows_per_pass", self.mlp_rows_per_pass)
-        n = self.prefetch_kv_bytes
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ConfigError(f"prefetch_kv_bytes must be an integer > 0, got {n!r}")
-        if self.prefetch_kv not in (None, True, False):
-            raise ConfigError(f"prefetch_kv must be None, True or False, got {self.prefetch_kv!r}")
-        if self.pipeline_kv_load not in (None, True, False):
-            raise ConfigError(
-                f"pipeline_kv_load must be None, True or False, got {self.pipeline_kv_load!r}"
-            )
-        if self.cpu_gemm not in _CPU_GEMMS:
-            raise ConfigError(f"cpu_gemm must be one of {_CPU_GEMMS}, got {self.cpu_gemm!r}")
-        n = self.anchor_boundary_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"anchor_boundary_tokens must be an integer >= 0, got {n!r}")
+        if self.kv_connector_config is not None and self.kv_connector is None:
+            raise ConfigError("kv_connector_config needs a kv_connector (it is None)")
 
 
 def _valid_device(device: object) -> bool:
@@ -225,9 +163,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
-    """``auto``: the Triton kernels on CUDA, the torch reference on the CPU."""
+    """``auto``: the Triton kernels on CUDA, the C++ kernels on the CPU."""
     if name == "auto":
-        return "triton" if device.startswith("cuda") else "torch"
+        return "triton" if device.startswith("cuda") else "cpu"
     return name
 
 

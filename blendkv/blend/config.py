@@ -183,6 +183,66 @@ class BlendConfig:
         return repr(base + extra).encode()
 
 
+@dataclass(frozen=True)
+class BlendConnectorConfig:
+    """The blend KV connector's own settings, passed as
+    ``EngineConfig(kv_connector="blend", kv_connector_config=BlendConnectorConfig(...))``
+    (the engine never reads them; ``None`` there means these defaults).
+
+    Attributes:
+        kv_store_dir: where chunk K/V lives: an LMDB directory, a redis://host:port/db URL
+            shared by many processes, or None for a private temporary LMDB store.
+        kv_store_max_bytes: the store's byte limit (None: no limit).
+        kv_store_memory_bytes: the in-RAM tier in front of the store (Redis stores and CUDA
+            reads fill it; on the CPU, LMDB chunks are read in place from the page cache).
+        anchor_system: the system prompt of the chat-template prefix every chunk is
+            precomputed behind.
+        anchor_instruction: the instruction of that prefix.
+        anchor_boundary_tokens: also precompute each chunk behind the last N tokens of the
+            chunk before it (0: behind the anchor alone); that K/V is reused only where the
+            same chunk follows the same neighbour.
+        pipeline_kv_load: write loaded chunk K/V into the blocks layer by layer behind the
+            forward (a thread on the CPU, a side stream on CUDA); False writes it all first.
+            None: on CUDA, and on the CPU only with a core the forward leaves free.
+        prefetch_kv: read a queued blended request's chunks in a background thread before its
+            step; False reads them in the step that prefills them. None: on with CUDA and for
+            LMDB on the CPU; a Redis store on the CPU only with a core torch leaves free.
+        prefetch_kv_bytes: the most prefetched K/V held in memory at once (Redis; LMDB on
+            CUDA).
+    """
+
+    kv_store_dir: str | None = None
+    kv_store_max_bytes: int | None = None
+    kv_store_memory_bytes: int = 256 << 20
+    anchor_system: str | None = None
+    anchor_instruction: str | None = None
+    anchor_boundary_tokens: int = 0
+    pipeline_kv_load: bool | None = None
+    prefetch_kv: bool | None = None
+    prefetch_kv_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.kv_store_max_bytes is not None:
+            _positive("kv_store_max_bytes", self.kv_store_max_bytes)
+        _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
+        n = self.prefetch_kv_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ConfigError(f"prefetch_kv_bytes must be an integer > 0, got {n!r}")
+        for name in ("prefetch_kv", "pipeline_kv_load"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(
+                    f"{name} must be None, True or False, got {getattr(self, name)!r}"
+                )
+        n = self.anchor_boundary_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"anchor_boundary_tokens must be an integer >= 0, got {n!r}")
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _check_ratio(name: str, value: object, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         extra = f" {alternative}" if alternative else ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from blendkv.blend.config import BlendConnectorConfig
 from blendkv.blend.controller import LoadingController
 from blendkv.blend.plan import BlendPlan, BlendStats
 from blendkv.engine.kv_connector import (
@@ -21,6 +22,7 @@ from blendkv.engine.kv_connector import (
     KVConnectorContext,
     KVConnectorMetadata,
 )
+from blendkv.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,18 @@ class BlendConnectorMetadata(KVConnectorMetadata):
     fused: list[FusedPrefill] = field(default_factory=list)
 
 
+def blend_connector_config(config: object) -> BlendConnectorConfig:
+    """The connector's settings from ``EngineConfig.kv_connector_config`` (None: defaults)."""
+    if config is None:
+        return BlendConnectorConfig()
+    if not isinstance(config, BlendConnectorConfig):
+        raise ConfigError(
+            "the blend KV connector takes kv_connector_config=BlendConnectorConfig(...) "
+            f"(blendkv.blend.config), got {type(config).__name__}: {config!r}"
+        )
+    return config
+
+
 class BlendConnector(KVConnectorBase):
     def __init__(self, context: KVConnectorContext) -> None:
         super().__init__(context)
@@ -51,13 +65,14 @@ class BlendConnector(KVConnectorBase):
         self._row_plan = None
         self._forward_start = 0.0
         self.controller = LoadingController()
-        # Layer-wise pipelined loading (EngineConfig.pipeline_kv_load: None picks per device);
-        # benchmarks switch it between requests to time both paths on the same engine.
-        self.pipelined = context.config.pipeline_kv_load
+        self.config = blend_connector_config(context.config.kv_connector_config)
+        # Layer-wise pipelined loading (pipeline_kv_load: None picks per device); benchmarks
+        # switch it between requests to time both paths on the same engine.
+        self.pipelined = self.config.pipeline_kv_load
         self._load_stream = None  # CUDA: the side stream of pipelined loads, made once
-        self._prefetcher = None  # reads queued requests' chunks ahead (EngineConfig.prefetch_kv)
+        self._prefetcher = None  # reads queued requests' chunks ahead (prefetch_kv)
         # None picks per device and store; benchmarks switch it between requests.
-        self.prefetch = context.config.prefetch_kv
+        self.prefetch = self.config.prefetch_kv
 
     @property
     def manager(self):
@@ -67,7 +82,7 @@ class BlendConnector(KVConnectorBase):
             from blendkv.blend.manager import BlendManager
             from blendkv.models.loader import weights_hash
 
-            ctx, conf = self.context, self.context.config
+            ctx, conf = self.context, self.config
             self._manager = BlendManager(
                 ctx.model,
                 ctx.tokenizer,
@@ -100,7 +115,7 @@ class BlendConnector(KVConnectorBase):
         store = self.manager.store
         # LMDB on the CPU is read in place from its memory map: warming the page cache is the
         # read (mostly waiting on the disk). Elsewhere values are read into memory and held.
-        in_place = self.context.info.device == "cpu" and hasattr(store, "warm")
+        in_place = self.context.info.device == "cpu" and store.reads_in_place
         setting = self.prefetch
         if setting is None:
             from blendkv.blend.layer_load import spare_cpu_core
@@ -114,7 +129,7 @@ class BlendConnector(KVConnectorBase):
         if self._prefetcher is None:
             from blendkv.blend.prefetch import ChunkPrefetcher
 
-            budget = self.context.config.prefetch_kv_bytes
+            budget = self.config.prefetch_kv_bytes
             self._prefetcher = ChunkPrefetcher(store, hold=not in_place, max_bytes=budget)
         self._loader.prefetcher = self._prefetcher
         return self._prefetcher

@@ -20,10 +20,10 @@ while the layers before the first that reads stored K/V compute (the full layer)
 joins it there (``wait``). A chunk the fetch finds evicted or corrupt is computed then, in the
 forward's thread (``ChunkWrite.recover``), and written with the serial writes.
 
-``pipelined=None`` (``EngineConfig.pipeline_kv_load``'s default) picks: pipelined on CUDA, and
-on the CPU only when the forward's threads leave a core free (:func:`spare_cpu_core`): with
-every core computing, the loading thread only takes time from them (measured 1-3 % slower on
-2 cores, ``eval_results/bench/amd/rope_write_ab.log``).
+``pipelined=None`` (``BlendConnectorConfig.pipeline_kv_load``'s default) picks: pipelined on
+CUDA, and on the CPU only when the forward's threads leave a core free
+(:func:`spare_cpu_core`): with every core computing, the loading thread only takes time from
+them (measured 1-3 % slower on 2 cores, ``eval_results/bench/amd/rope_write_ab.log``).
 
 The written bits are the same in every mode (RoPE is elementwise; a test checks the blocks and
 the logits). Timing: ``busy`` is the seconds the writes took, ``waited`` the seconds the forward
@@ -53,8 +53,8 @@ def spare_cpu_core() -> bool:
 
 def resolve_pipelined(setting: bool | None, device: torch.device, backend) -> bool:
     """Whether a step's writes run behind the forward: ``setting``
-    (``EngineConfig.pipeline_kv_load``; None picks: CUDA, or a spare CPU core), and on the CPU
-    only with a backend that allows a second thread."""
+    (``BlendConnectorConfig.pipeline_kv_load``; None picks: CUDA, or a spare CPU core), and on
+    the CPU only with a backend that allows a second thread."""
     if device.type == "cuda":
         return setting is not False
     if setting is None:

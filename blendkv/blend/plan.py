@@ -45,7 +45,7 @@ class BlendStats:
     write_seconds: float = 0.0  # of which RoPE + writes into the blocks
     load_hidden_seconds: float = 0.0  # of which ran behind the forward (pipelined loading)
     read_hidden_seconds: float = 0.0  # of the reads, those behind the forward (deferred, CPU)
-    chunks_prefetched: int = 0  # read while the request was queued (EngineConfig.prefetch_kv_bytes)
+    chunks_prefetched: int = 0  # read while the request was queued (prefetch_kv)
     prefetch_seconds: float = 0.0  # those reads' time (not in load_seconds nor the step)
     chosen_recompute_ratio: float | None = None  # picked by the loading controller ("auto")
     precompute_seconds: float = 0.0  # computing missed chunks

@@ -38,7 +38,8 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.cli import engine_kwargs
-    from blendkv.config import EngineConfig, resolve_device
+    from blendkv.config import resolve_device
+    from blendkv.engine_args import create_engine_config
     from blendkv.errors import ConfigError
 
     try:
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         "enable_prefix_caching": not args.no_prefix_caching,
     }
     # Bad options (and a GPU that is not there) fail here, before the server starts.
-    EngineConfig(model=args.model, **kwargs)
+    create_engine_config(model=args.model, **kwargs)
     resolve_device(args.device)
     try:
         config = ServeConfig(

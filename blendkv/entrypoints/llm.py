@@ -6,8 +6,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from blendkv.config import EngineConfig
 from blendkv.engine.llm_engine import LLMEngine
+from blendkv.engine_args import create_engine_config
 from blendkv.entrypoints.router import OutputRouter
 from blendkv.errors import InvalidRequestError
 from blendkv.outputs import RequestOutput
@@ -25,11 +25,13 @@ class LLM:
     directory (config.json + safetensors) or a GGUF file. Every keyword of
     :class:`~blendkv.config.EngineConfig` is accepted (``dtype``, ``block_size``,
     ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-    ``enable_prefix_caching``, ...).
+    ``enable_prefix_caching``, ...), and so is every one of the blend connector's
+    :class:`~blendkv.blend.config.BlendConnectorConfig` (``kv_store_dir``, ``prefetch_kv``, ...);
+    any other raises :class:`~blendkv.errors.ConfigError`.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = create_engine_config(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         # Every step's outputs go to their own request's consumer: interleaved streams (and a
         # generate call between two stream items) never lose each other's tokens.

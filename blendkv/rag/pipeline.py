@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from blendkv.engine_args import check_options
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.rag.catalog import open_catalog
 from blendkv.rag.consistency import DocumentAction, check_documents, document_action
@@ -44,6 +45,8 @@ class RAGPipeline:
         chunk_tokens: target chunk length in tokens (chunks are cut on token ids).
         create: create the store if missing; ``False`` raises ``StoreNotFoundError`` instead.
         instruction: text placed before the passages in every prompt.
+        **engine_options: ``LLM`` keywords (``dtype``, ``device``, ...) for the model the
+            pipeline loads when ``llm`` is None; an unknown one raises ``ConfigError``.
 
     A store built for another model, dtype or anchor raises ``FingerprintMismatchError``.
     """
@@ -56,14 +59,19 @@ class RAGPipeline:
         chunk_tokens: int = 256,
         create: bool = True,
         *,
-        dtype: str = "auto",
-        device: str = "auto",
         instruction: str | None = DEFAULT_INSTRUCTION,
+        **engine_options,
     ) -> None:
         from blendkv.store import ChunkStore, MiniLMEmbedder, StoreNotFoundError
 
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+        check_options(engine_options, "RAGPipeline")
+        if llm is not None and engine_options:
+            raise ConfigError(
+                f"{', '.join(sorted(engine_options))}: engine options apply only to the model "
+                "the pipeline loads (llm=None); this pipeline was given an llm"
+            )
         from blendkv.store.redis_store import is_redis_url
 
         shared = is_redis_url(store_dir)
@@ -79,7 +87,7 @@ class RAGPipeline:
         if llm is None:
             from blendkv import LLM
 
-            llm = LLM(dtype=dtype, device=device, enable_prefix_caching=False)
+            llm = LLM(**{"enable_prefix_caching": False, **engine_options})
         self.llm = llm
         self.store = None
         try:

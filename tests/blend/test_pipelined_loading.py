@@ -143,7 +143,7 @@ def test_default_pipelines_on_the_cpu_only_with_a_spare_core(monkeypatch):
     """``pipeline_kv_load=None``: the loading thread runs only when torch's threads leave a
     core free; True and False are kept as given; anything else is refused."""
     from blendkv.blend import layer_load
-    from blendkv.config import EngineConfig
+    from blendkv.blend.config import BlendConnectorConfig
     from blendkv.kernels.torch_attention import TorchAttentionBackend
 
     pool = [torch.zeros(2, 2, 4, 1, 8)]
@@ -160,6 +160,6 @@ def test_default_pipelines_on_the_cpu_only_with_a_spare_core(monkeypatch):
     assert resolved(None, threads=2, cores=4) is True
     assert resolved(True, threads=2, cores=2) is True
     assert resolved(False, threads=1, cores=4) is False
-    assert EngineConfig().pipeline_kv_load is None
+    assert BlendConnectorConfig().pipeline_kv_load is None
     with pytest.raises(ConfigError, match="pipeline_kv_load"):
-        EngineConfig(pipeline_kv_load="yes")
+        BlendConnectorConfig(pipeline_kv_load="yes")

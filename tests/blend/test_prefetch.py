@@ -315,13 +315,13 @@ def test_nothing_else_to_run_schedules_a_request_being_read(tiny_llama_dir, tmp_
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1G"])
 def test_a_bad_prefetch_budget_is_refused(bad):
-    from blendkv.config import EngineConfig
+    from blendkv.blend.config import BlendConnectorConfig
     from blendkv.errors import ConfigError
 
     with pytest.raises(ConfigError, match="prefetch_kv_bytes must be an integer > 0"):
-        EngineConfig(prefetch_kv_bytes=bad)
+        BlendConnectorConfig(prefetch_kv_bytes=bad)
     with pytest.raises(ConfigError, match="prefetch_kv must be None, True or False"):
-        EngineConfig(prefetch_kv="yes")
+        BlendConnectorConfig(prefetch_kv="yes")
 
 
 def test_aborting_a_request_being_read_drops_what_was_read_for_it(store):
