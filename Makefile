@@ -38,13 +38,13 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/blendkv bench engine
 
 bench-decode: $(VENV)/.installed
-	$(VENV)/bin/blendkv bench decode --json eval_results/bench/decode.json
+	$(VENV)/bin/blendkv bench decode --json bench_out/decode.json
 
 bench-gpu: $(VENV)/.installed
-	$(VENV)/bin/blendkv bench gpu --json eval_results/bench/gpu.json
+	$(VENV)/bin/blendkv bench gpu --json bench_out/gpu.json
 
 bench-store: $(VENV)/.installed
-	$(PY) -m blendkv.store.bench
+	$(VENV)/bin/blendkv bench store
 
 clean-venv:
 	rm -rf $(VENV)

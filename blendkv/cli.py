@@ -8,11 +8,15 @@ import sys
 
 from blendkv.errors import BlendKVError
 
-_COMMANDS = ("generate", "chat", "bench", "eval", "ingest", "ask", "store", "demo", "serve")
+_COMMANDS = ("generate", "chat", "ingest", "ask", "store", "demo", "serve")
+# Commands of other packages (``eval``, ``bench``: blendkv.eval), found by entry point so that
+# blendkv never imports them: ``[project.entry-points."blendkv.commands"]`` in pyproject.toml.
+_ENTRY_POINT_GROUP = "blendkv.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
     import importlib
+    from importlib.metadata import entry_points
 
     parser = argparse.ArgumentParser(
         prog="blendkv", description="RAG serving engine that reuses document K/V caches"
@@ -21,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _COMMANDS:
         importlib.import_module(f"blendkv.commands.{name}").register(sub)
+    for entry_point in sorted(entry_points(group=_ENTRY_POINT_GROUP), key=lambda e: e.name):
+        entry_point.load()(sub)
     return parser
 
 

@@ -10,4 +10,9 @@ One concern per module:
   method on one example, timed and teacher-forced.
 - :mod:`blendkv.eval.runner`: the loop (store warm-up, interleaved methods, aggregation).
 - :mod:`blendkv.eval.report`: results.json, per_example.jsonl, report.md and the plots.
+- :mod:`blendkv.eval.paired`: per-example pairing of runs against a baseline run.
+- :mod:`blendkv.eval.commands`: the ``blendkv eval`` command (found by entry point).
+- :mod:`blendkv.eval.bench`: the ``blendkv bench`` command and its benchmarks.
+
+The dependency runs one way: this package imports :mod:`blendkv`, never the reverse.
 """

@@ -28,6 +28,7 @@ import torch
 
 from blendkv.blend.config import SELECTIONS, BlendConfig
 from blendkv.errors import BlendKVError, ConfigError
+from blendkv.rag.fidelity import TeacherForced, generate_cold, teacher_forced_logits
 
 __all__ = ["Method", "MethodError", "MethodRun", "parse_method", "parse_methods", "run_method"]
 
@@ -163,18 +164,12 @@ class ExamplePrompt:
     reversed_token_ids: list[int]  # same documents in reversed order (the ``prefix`` warm-up)
 
 
-def _engine_run(llm, prompt, params, **kwargs):
-    """One request on an empty prefix cache; returns its RequestOutput."""
-    llm.engine.block_manager.reset_prefix_cache()
-    return llm.generate([prompt], params, **kwargs)[0]
-
-
 def run_method(llm, hf, method: Method, ex: ExamplePrompt, params) -> MethodRun:
     """Greedy generation of ``method`` on ``ex``; ``hf`` is an :class:`HFRunner` (or None)."""
     if method.kind == "hf":
         return hf.generate(ex.token_ids, params.max_tokens)
     if method.kind == "blend":
-        out = _engine_run(llm, ex.blended, params, blend=method.blend)
+        out = generate_cold(llm, ex.blended, params, blend=method.blend)
     elif method.kind == "prefix":
         from blendkv import SamplingParams
 
@@ -182,7 +177,7 @@ def run_method(llm, hf, method: Method, ex: ExamplePrompt, params) -> MethodRun:
         llm.generate([ex.reversed_token_ids], SamplingParams(max_tokens=1))
         out = llm.generate([ex.token_ids], params)[0]  # timed with the warm prefix cache
     else:
-        out = _engine_run(llm, ex.token_ids, params)
+        out = generate_cold(llm, ex.token_ids, params)
     stats = out.blend_stats.to_dict() if out.blend_stats is not None else None
     return MethodRun(
         list(out.outputs[0].token_ids),
@@ -191,11 +186,6 @@ def run_method(llm, hf, method: Method, ex: ExamplePrompt, params) -> MethodRun:
         int(out.metrics.num_cached_tokens),
         stats,
     )
-
-
-class TeacherForced(NamedTuple):
-    rows: torch.Tensor  # [len(answer) + 1, V] float32 next-token logits
-    num_cached_tokens: int  # prompt tokens the request took from the prefix cache
 
 
 def teacher_forced_rows(
@@ -211,23 +201,11 @@ def teacher_forced_rows(
     own, so it is rerun cold instead. ``prefix`` is scored like ``full``: its warm blocks hold
     the exact K/V of the same tokens at the same positions.
     """
-    from blendkv import SamplingParams
-
-    start = len(ex.token_ids) - 1
     if method.kind == "hf":
-        return TeacherForced(hf.prompt_logits(ex.token_ids + answer, start), 0)
-    params = SamplingParams(max_tokens=1)
+        return TeacherForced(hf.prompt_logits(ex.token_ids + answer, len(ex.token_ids) - 1), 0)
     if method.kind == "blend":
-        prompt = {**ex.blended, "continuation": list(answer)}
-        kwargs = dict(blend=method.blend, logits_from=start)
-        out = llm.generate([prompt], params, **kwargs)[0]
-        if out.blend_stats.tokens_reused:  # fused again: not the run's own K/V
-            out = _engine_run(llm, prompt, params, **kwargs)
-    else:  # full and prefix
-        out = llm.generate([ex.token_ids + answer], params, logits_from=start)[0]
-    rows = out.extra["prompt_logits"]
-    assert rows.shape[0] == len(answer) + 1, (tuple(rows.shape), len(answer))
-    return TeacherForced(rows, int(out.metrics.num_cached_tokens))
+        return teacher_forced_logits(llm, ex.token_ids, answer, ex.blended, method.blend)
+    return teacher_forced_logits(llm, ex.token_ids, answer)  # full and prefix
 
 
 class HFRunner:

@@ -7,7 +7,9 @@ answers. CacheBlend's reference script counts F1 over *model-tokenizer* tokens i
 words so scores do not depend on the model being evaluated. Rouge-L comes from ``rouge-score``.
 
 Fidelity metrics compare a method's logits with full prefill's logits for the same prompt
-(and, teacher-forced, along full prefill's answer tokens). All functions are deterministic.
+(and, teacher-forced, along full prefill's answer tokens); they live in
+:mod:`blendkv.rag.fidelity` (``ask --compare-full`` uses them too) and are re-exported here.
+All functions are deterministic.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import functools
 import re
 import string
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 import numpy as np
-import torch
+
+from blendkv.rag.fidelity import (
+    Fidelity,
+    first_token_agreement,
+    kl_divergence,
+    teacher_forced_fidelity,
+)
 
 __all__ = [
     "Fidelity",
@@ -102,69 +109,6 @@ def rouge_l(prediction: str, golds: str | Sequence[str], *, use_stemmer: bool = 
     """
     scorer = _rouge_scorer(use_stemmer)
     return max(scorer.score(g, prediction)["rougeL"].fmeasure for g in _golds(golds))
-
-
-# ----------------------------------------------------------------------------- fidelity
-
-
-def kl_divergence(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
-    """KL(P_ref || P_test) per row, in nats, as float64, from logits of shape ``[..., V]``.
-
-    Computed from ``log_softmax`` in float64 (no softmax-then-log underflow). Vocabulary entries
-    where ``P_ref`` is 0 (logit ``-inf``) contribute 0. Returns shape ``[...]``; rounding below
-    zero is clamped to 0 so identical logits give exactly 0.
-    """
-    if ref_logits.shape != test_logits.shape:
-        raise ValueError(
-            f"logit shapes differ: ref {tuple(ref_logits.shape)} vs test {tuple(test_logits.shape)}"
-        )
-    if ref_logits.dim() == 0:
-        raise ValueError("logits need a vocabulary dimension")
-    log_p = torch.log_softmax(ref_logits.detach().to(torch.float64), dim=-1)
-    log_q = torch.log_softmax(test_logits.detach().to(torch.float64), dim=-1)
-    p = log_p.exp()
-    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
-    return terms.sum(dim=-1).clamp_min(0.0)
-
-
-def first_token_agreement(ref_logits_row: torch.Tensor, test_logits_row: torch.Tensor) -> bool:
-    """Whether both ``[V]`` logit rows pick the same greedy token (ties: lowest id wins)."""
-    if ref_logits_row.dim() != 1 or ref_logits_row.shape != test_logits_row.shape:
-        raise ValueError(
-            "expected two [V] rows of equal size, got "
-            f"{tuple(ref_logits_row.shape)} and {tuple(test_logits_row.shape)}"
-        )
-    return bool(torch.argmax(ref_logits_row) == torch.argmax(test_logits_row))
-
-
-class Fidelity(NamedTuple):
-    mean_kl: float  # mean over scored positions of KL(P_full || P_method), nats
-    top1_agreement: float  # fraction of scored positions with equal argmax, in [0, 1]
-
-
-def teacher_forced_fidelity(
-    ref_logits: torch.Tensor, test_logits: torch.Tensor, max_tokens: int = 16
-) -> Fidelity:
-    """Fidelity along full prefill's answer, both ``[T, V]`` and teacher-forced on it.
-
-    Row ``t`` is the next-token distribution after the prompt plus the first ``t`` tokens of
-    full prefill's greedy answer. Only the first ``min(T, max_tokens)`` rows are scored (answers
-    open with a fixed phrase, so the first row alone says little; later rows trail off).
-    """
-    if ref_logits.dim() != 2 or ref_logits.shape != test_logits.shape:
-        raise ValueError(
-            "expected two [T, V] logit tensors of equal shape, got "
-            f"{tuple(ref_logits.shape)} and {tuple(test_logits.shape)}"
-        )
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    num_tokens = min(ref_logits.shape[0], max_tokens)
-    if num_tokens == 0:
-        raise ValueError("no positions to score (T == 0)")
-    ref, test = ref_logits[:num_tokens], test_logits[:num_tokens]
-    mean_kl = kl_divergence(ref, test).mean().item()
-    agree = (ref.argmax(dim=-1) == test.argmax(dim=-1)).to(torch.float64).mean().item()
-    return Fidelity(mean_kl, agree)
 
 
 # ----------------------------------------------------------------------------- aggregation

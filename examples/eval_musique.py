@@ -17,7 +17,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musiqu
 
 if __name__ == "__main__":
     data = sys.argv[1] if len(sys.argv) > 1 else str(DEFAULT_DATA)
-    out = sys.argv[2] if len(sys.argv) > 2 else "eval-musique"
+    out = sys.argv[2] if len(sys.argv) > 2 else "bench_out/eval-musique"
     sys.exit(
         main(
             [

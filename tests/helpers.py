@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from blendkv.eval import random_model
-from blendkv.eval.bench_engine import hf_greedy  # noqa: F401  (re-exported for tests)
+from blendkv.eval.bench.engine import hf_greedy  # noqa: F401  (re-exported for tests)
 
 TINY = dict(
     vocab_size=320,

@@ -7,17 +7,20 @@ it (each piece is tokenised on its own, so decoding a piece gives exactly its te
     | template | instruction | chunk 1 | ... | chunk k | query | template suffix |
      [0, a)      [a, b)       [b, ...)         [query_start, s)   [s, num_tokens)
 
-The comparison reuses the evaluation harness (:mod:`blendkv.eval.methods`,
-:func:`blendkv.eval.metrics.teacher_forced_fidelity`): full prefill and the blend each run from
-an empty prefix cache (timed), each followed by a teacher-forced request along full prefill's
-greedy answer; the answer KL is the mean KL(full || blend) of the next-token distributions
-along its first ``answer_tokens`` tokens, in nats.
+The comparison runs as ``blendkv eval`` scores a method (:mod:`blendkv.rag.fidelity`, which
+the evaluation harness shares): full prefill and the blend each run from an empty prefix cache
+(timed), each followed by a teacher-forced request along full prefill's greedy answer; the
+answer KL is the mean KL(full || blend) of the next-token distributions along its first
+``answer_tokens`` tokens, in nats.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from blendkv.rag.fidelity import generate_cold, teacher_forced_fidelity, teacher_forced_logits
+from blendkv.sampling_params import SamplingParams
 
 DEFAULT_ANSWER_TOKENS = 16
 
@@ -134,30 +137,23 @@ def compare_full(
     teacher-forced request reuses its run's own prompt K/V; without it, it recomputes them
     (slower, same numbers).
     """
-    from blendkv import SamplingParams
-    from blendkv.eval import metrics
-    from blendkv.eval.methods import ExamplePrompt, Method, run_method, teacher_forced_rows
-
     llm = rag.llm
     ids = list(rag.manager.prepare(prompt, blend).prompt.token_ids)
-    example = ExamplePrompt(blended=prompt, token_ids=ids, reversed_token_ids=ids)
-    full = Method("full", "full")
-    blended = Method(f"blend@{_ratio(blend.recompute_ratio)}", "blend", blend)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     # Full first: the blend is scored along full prefill's answer (as in blendkv eval).
-    full_run = run_method(llm, None, full, example, params)
-    answer = full_run.token_ids[:answer_tokens]
-    ref = teacher_forced_rows(llm, None, full, example, answer).rows
-    blend_run = run_method(llm, None, blended, example, params)
-    test = teacher_forced_rows(llm, None, blended, example, answer).rows
+    full_run = generate_cold(llm, ids, params)
+    answer = list(full_run.outputs[0].token_ids)[:answer_tokens]
+    ref = teacher_forced_logits(llm, ids, answer).rows
+    blend_run = generate_cold(llm, prompt, params, blend=blend)
+    test = teacher_forced_logits(llm, ids, answer, prompt, blend).rows
     k = len(answer)
-    fidelity = metrics.teacher_forced_fidelity(ref[:k], test[:k], answer_tokens)
+    fidelity = teacher_forced_fidelity(ref[:k], test[:k], answer_tokens)
     return FullComparison(
         num_prompt_tokens=len(ids),
         full_answer=full_run.text.strip(),
-        full_ttft=full_run.ttft,
+        full_ttft=float(full_run.metrics.ttft),
         blend_answer=blend_run.text.strip(),
-        blend_ttft=blend_run.ttft,
+        blend_ttft=float(blend_run.metrics.ttft),
         recompute_ratio=blend.recompute_ratio,
         answer_kl=fidelity.mean_kl,
         answer_agreement=fidelity.top1_agreement,

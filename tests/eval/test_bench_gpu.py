@@ -35,10 +35,9 @@ def test_bench_gpu_rejects_unknown_shapes(capsys):
 def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
     """The launch counter on a 2-layer model: a full prefill launches each Triton kernel of a
     layer once per layer (the final norm once more), and a blend launches more than a reuse."""
-    from blendkv.eval.count_launches import main as count
-
     out = tmp_path / "launches.json"
-    assert count(["--layers", "2", "--docs", "2", "--doc-words", "8", "--json", str(out)]) == 0
+    args = ["--layers", "2", "--docs", "2", "--doc-words", "8", "--json", str(out)]
+    assert main(["bench", "launches", *args]) == 0
     rows = json.loads(out.read_text())
     full = rows["full"]["triton"]
     assert full["_rms_norm_kernel"] == 2 * 2 + 1

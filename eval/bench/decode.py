@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from blendkv.eval.bench_engine import hf_greedy, make_prompts
+from blendkv.eval.bench.engine import hf_greedy, make_prompts
 
 
 @dataclass

@@ -186,7 +186,7 @@ def bench_shape(shape: str, args, device: str) -> dict:
         row.update(_copy_times(out.blend_stats.kv_bytes_loaded, device))
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
         if args.profile:
-            from blendkv.eval.profile_gpu import profile_requests
+            from blendkv.eval.bench.profile_gpu import profile_requests
 
             runs = _profile_runs(llm, prompt, full_ids, blend, one)
             path = Path(args.profile) / f"profile_{shape}.txt"

@@ -3,6 +3,9 @@
 Runs every method on every example (see ``blendkv.eval.runner``), writes results.json,
 per_example.jsonl, report.md and plots into ``--out`` and prints the report table. Finished
 examples go to ``--out`` as they finish; ``--resume`` continues an interrupted run there.
+
+The CLI finds this command through the ``blendkv.commands`` entry-point group (pyproject.toml),
+so the engine never imports the harness.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import argparse
 import sys
 from dataclasses import asdict
 
+from blendkv.cli import add_device_args
 
-def register(sub) -> None:
-    from blendkv.cli import add_device_args
 
+def register_eval(sub) -> None:
+    """Add the ``eval`` command to the CLI's subparsers ``sub``."""
     p = sub.add_parser(
         "eval", help="quality and TTFT of full prefill, prefix caching, reuse and blending"
     )

@@ -1,6 +1,6 @@
 """CPU GEMM libraries at a model's shapes: what ``EngineConfig.cpu_gemm`` chooses between.
 
-    python -m blendkv.eval.bench_gemm [--model PATH] [--rows 1,32,2048] [--threads 2]
+    blendkv bench gemm [--model PATH] [--rows 1,32,2048] [--threads 2]
 
 For each linear map of one decoder layer (fused q/k/v, o_proj, fused gate/up, down) and the
 lm_head, and each batch size, times ``F.linear`` (torch's own: MKL's sgemm in float32), MKL's
@@ -44,20 +44,13 @@ def shapes(config) -> dict[str, tuple[int, int]]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
     from blendkv.layers.linear import cpu_vendor, onednn_gemm_available, packed_gemm_available
     from blendkv.models.loader import load_config, resolve_model
 
-    p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_gemm")
-    p.add_argument("--model", default=None, help="default: the embedded model")
-    p.add_argument("--rows", default="1,32,2048")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = load_config(resolve_model(args.model))
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
@@ -104,7 +97,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"gemm_bench": results, "vendor": cpu_vendor()}, f, indent=2)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -127,7 +127,11 @@ def main(args) -> int:
             test = _teacher_forced(llm, p, answer, cfg, one)
             row[f"kl_{name}"] = teacher_forced_fidelity(ref, test, ANSWER_TOKENS).mean_kl
         if getattr(args, "profile", False):
-            from blendkv.eval.profile_blend import attention_share, print_profile, profile_request
+            from blendkv.eval.bench.profile_blend import (
+                attention_share,
+                print_profile,
+                profile_request,
+            )
 
             share = attention_share(llm, ids, one)
             prof = profile_request(llm, p, methods["blend"], one, row["ttft_full"], share)

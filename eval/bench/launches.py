@@ -1,6 +1,6 @@
 """Device kernels a request launches, counted without a GPU.
 
-    python -m blendkv.eval.count_launches [--layers 32] [--docs 10] [--ratio 0.15]
+    blendkv bench launches [--layers 32] [--docs 10] [--ratio 0.15]
 
 On a GPU a blended prefill computes few rows per layer, so its time is the host's: one launch
 per kernel, a few microseconds each. This counts those launches for one blended request, one
@@ -93,14 +93,7 @@ def _count(run) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3.1-8B: 32)")
-    ap.add_argument("--docs", type=int, default=10)
-    ap.add_argument("--doc-words", type=int, default=24)
-    ap.add_argument("--ratio", type=float, default=0.15)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -148,7 +141,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

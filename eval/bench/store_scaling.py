@@ -1,6 +1,6 @@
 """How the chunk store's costs grow with its size, LMDB against Redis, side by side in one run.
 
-``python -m blendkv.store.bench --backend lmdb,redis [--sizes 1000,10000,100000] [--out DIR]``
+``blendkv bench store --backend lmdb,redis [--sizes 1000,10000,100000] [--out DIR]``
 
 For each model shape (SmolLM2-135M and Llama-3.1-8B K/V, 256-token bf16 chunks: 5.9 MB and
 33.6 MB) and each store size N, the store is filled with N filler entries (1-token chunks of
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -29,10 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .fingerprint import ModelFingerprint
-from .keys import chunk_key
-from .kv_store import KVStore
-from .records import NewChunk
+from blendkv.eval.bench.redis_server import start_redis
+from blendkv.store.fingerprint import ModelFingerprint
+from blendkv.store.keys import chunk_key
+from blendkv.store.kv_store import KVStore
+from blendkv.store.records import NewChunk
 
 SHAPES = {"SmolLM2-135M": (30, 3, 64), "Llama-3.1-8B": (32, 8, 128)}
 CHUNK_TOKENS = 256
@@ -62,7 +62,7 @@ def _pcts(seconds: list[float], scale: float) -> tuple[float, float]:
 def _open(backend: str, root: Path, fp, redis_url: str | None, tag: str):
     if backend == "lmdb":
         return KVStore(root / tag, fp, memory_tier_bytes=0, sync=False, map_size=1 << 32)
-    from .redis_store import RedisKVStore
+    from blendkv.store.redis_store import RedisKVStore
 
     return RedisKVStore(redis_url, fp, memory_tier_bytes=0, namespace=f"bench-{tag}")
 
@@ -152,7 +152,7 @@ def _measure(store, fp, shape, real, backend, model, size, fill_s) -> dict:
 def bench_faiss(sizes) -> list[dict]:
     import faiss
 
-    from .index import ChunkIndex
+    from blendkv.store.index import ChunkIndex
 
     faiss.omp_set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -175,33 +175,6 @@ def bench_faiss(sizes) -> list[dict]:
                          "search_p50_ms": p50, "search_p99_ms": p99})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def _start_redis(root: Path) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    import redis
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server not found: apt-get install redis-server, or --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(root)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("redis-server did not start")
 
 
 def plot(results: dict, path: Path) -> None:
@@ -242,7 +215,7 @@ def run(backends: list[str], sizes: list[int], out: Path, redis_url: str | None)
     proc = None
     try:
         if "redis" in backends and redis_url is None:
-            proc, redis_url = _start_redis(root)
+            proc, redis_url = start_redis(root)
         results: dict = {"sizes": sizes, "stores": [], "faiss": []}
         for model in SHAPES:
             for backend in backends:  # side by side: each size of one model, both backends

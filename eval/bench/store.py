@@ -1,5 +1,5 @@
-"""Store benchmark: ``python -m blendkv.store.bench [--quick]``; with ``--backend lmdb,redis``
-the scaling benchmark of :mod:`blendkv.store.bench_scaling` (costs against store size) instead.
+"""Store benchmark: ``blendkv bench store [--quick]``; with ``--backend lmdb,redis`` the
+scaling benchmark of :mod:`blendkv.eval.bench.store_scaling` (costs against store size) instead.
 
 Side by side in one run (ratios matter; absolute times drift on shared machines):
 
@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .fingerprint import ModelFingerprint
-from .keys import chunk_key
-from .kv_store import KVStore
-from .records import NewChunk
+from blendkv.store.fingerprint import ModelFingerprint
+from blendkv.store.keys import chunk_key
+from blendkv.store.kv_store import KVStore
+from blendkv.store.records import NewChunk
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; 512-token chunks in bfloat16.
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS = 30, 3, 64, 512
@@ -139,7 +139,7 @@ def bench_lookup(root: Path, num_entries: int, probes: int = 2000) -> dict:
 def bench_faiss(num_vectors: int, queries: int = 200) -> dict:
     import faiss
 
-    from .index import ChunkIndex
+    from blendkv.store.index import ChunkIndex
 
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((num_vectors, 384)).astype(np.float32)
@@ -164,26 +164,12 @@ def bench_faiss(num_vectors: int, queries: int = 200) -> dict:
     return res
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (~1 minute)")
-    parser.add_argument("--chunks", type=int, default=None, help="chunks for the read bench")
-    parser.add_argument("--dir", default=None, help="parent of the temp data dir")
-    parser.add_argument(
-        "--backend", default=None, help="lmdb, redis or lmdb,redis: run the scaling benchmark"
-    )
-    parser.add_argument("--sizes", default="1000,10000,100000", help="store sizes (entries)")
-    parser.add_argument("--out", default="eval_results/store", help="scaling results folder")
-    parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> dict:
     if args.backend is not None:
-        from .bench_scaling import run
+        from blendkv.eval.bench.store_scaling import run
 
-        backends = args.backend.split(",")
-        if not set(backends) <= {"lmdb", "redis"}:
-            parser.error(f"--backend takes lmdb, redis or both, got {args.backend!r}")
         sizes = [int(x) for x in args.sizes.split(",")]
-        return run(backends, sizes, Path(args.out), args.redis_url)
+        return run(args.backend, sizes, Path(args.out), args.redis_url)
     num_chunks = args.chunks or (16 if args.quick else 128)
     root = Path(tempfile.mkdtemp(prefix="blendkv-bench-", dir=args.dir))
     free = shutil.disk_usage(root).free
@@ -227,7 +213,3 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:52s} {text:>15s}")
     print(json.dumps(results))
     return results
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """A/B of reading queued requests' chunks ahead of their step (``EngineConfig.prefetch_kv``)
 against reading them in the step that prefills them, in one process, alternating.
 
-    python -m blendkv.eval.bench_prefetch [--model PATH] [--limit 3] [--rounds 2]
+    blendkv bench prefetch [--model PATH] [--limit 3] [--rounds 2]
         [--store lmdb|redis|redis://HOST:PORT/DB] [--dtype float32] [--json PATH]
 
 Every read is cold: before each run the prompts' chunk values are paged out of LMDB's map
@@ -34,36 +34,17 @@ from pathlib import Path
 import torch
 
 
-def _redis_server():
-    """A private redis-server on a free loopback port: (url, process)."""
-    from blendkv.store.bench_scaling import _start_redis
-
-    proc, url = _start_redis(Path(tempfile.mkdtemp(prefix="blendkv-bench-redis-")))
-    return url, proc
-
-
-def main(argv: list[str] | None = None) -> int:
-    from blendkv.eval.bench_blend import _blended, musique_setup
-    from blendkv.eval.page_cache import page_out
-
-    p = argparse.ArgumentParser(prog="python -m blendkv.eval.bench_prefetch")
-    p.add_argument("--model", default=None)
-    p.add_argument("--data", default=None)
-    p.add_argument("--limit", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--store", default="lmdb", help="lmdb, redis, or a redis:// URL")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    from blendkv.eval.bench.blend import _blended, musique_setup
+    from blendkv.eval.bench.page_cache import page_out
+    from blendkv.eval.bench.redis_server import start_redis
 
     server = None
     store_dir = None
     if args.store == "redis":
-        store_dir, server = _redis_server()
+        server, store_dir = start_redis(Path(tempfile.mkdtemp(prefix="blendkv-bench-redis-")))
     elif args.store.startswith("redis://"):
         store_dir = args.store
-    elif args.store != "lmdb":
-        p.error(f"--store must be lmdb, redis or a redis:// URL, got {args.store!r}")
     # One fused prefill per step (each costs more than the budget, so each goes alone): both
     # modes then batch alike, whatever the order the reads finish in.
     examples, spec, llm = musique_setup(args, kv_store_dir=store_dir, max_num_batched_tokens=512)
@@ -203,7 +184,3 @@ def _run(args, llm, prompts, page_out) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
     return 0 if identical else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""``blendkv bench engine|decode|blend|gpu|gemm|launches|prefetch|store``: benchmarks,
+correctness first, ratios side by side.
+
+The CLI finds this command through the ``blendkv.commands`` entry-point group (pyproject.toml),
+so the engine never imports the harness. Each kind's module is imported only when it runs
+(``launches`` sets ``TRITON_INTERPRET`` on import; the others import torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+
+def register_bench(sub) -> None:
+    """Add the ``bench`` command and its kinds to the CLI's subparsers ``sub``."""
+    p = sub.add_parser("bench", help="run a benchmark")
+    bench = p.add_subparsers(dest="bench", required=True)
+    e = bench.add_parser("engine", help="batched throughput and prefill vs transformers")
+    e.add_argument("--model", default=None)
+    e.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    e.add_argument("--num-requests", type=int, default=32)
+    e.add_argument("--output-tokens", type=int, default=64)
+    e.add_argument("--prefill-tokens", type=int, default=2048)
+    e.add_argument("--repeats", type=int, default=3, help="prefill timings (best of N)")
+    e.add_argument("--json", default=None, help="also write the results to this file")
+    e.set_defaults(func=_run("engine"))
+    d = bench.add_parser("decode", help="batched decode vs transformers and llama.cpp (one stream)")
+    d.add_argument("--model", default=None)
+    d.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    d.add_argument("--num-requests", type=int, default=32)
+    d.add_argument("--output-tokens", type=int, default=64)
+    d.add_argument(
+        "--llama-requests",
+        type=int,
+        default=4,
+        help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
+    )
+    d.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "mkl"])
+    d.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="EngineConfig.compile_decode (CPU; default: on where it applies)",
+    )
+    d.add_argument("--json", default=None)
+    d.set_defaults(func=_run("decode"))
+    b = bench.add_parser("blend", help="TTFT of full prefill vs blend vs reuse on MuSiQue")
+    b.add_argument("--model", default=None)
+    b.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
+    b.add_argument("--limit", type=int, default=5)
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
+    b.add_argument("--selection", default=None, help="default: BlendConfig's")
+    b.add_argument(
+        "--profile", action="store_true", help="per request: where the time goes, the floor"
+    )
+    b.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write loaded K/V layer by layer behind the forward (--no-pipeline: before it; "
+        "default: EngineConfig's per-device choice)",
+    )
+    b.add_argument(
+        "--compile-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="EngineConfig.compile_prefill (CPU; default: on where it applies)",
+    )
+    b.add_argument(
+        "--prune-last-layer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EngineConfig.prune_last_layer (default: on)",
+    )
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=_run("blend"))
+    g = bench.add_parser(
+        "gpu", help="random-weight real shapes: prefill, blend and decode vs transformers"
+    )
+    g.add_argument("--shapes", default="llama8b,qwen05", help="llama8b, qwen05, tiny")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--prefill-tokens", type=int, default=6144)
+    g.add_argument("--docs", type=int, default=10, help="documents in the blended prompt")
+    g.add_argument("--doc-tokens", type=int, default=600, help="about this many tokens each")
+    g.add_argument("--ratio", type=float, default=0.15)
+    g.add_argument("--decode-tokens", type=int, default=64)
+    g.add_argument("--concurrency", type=int, default=32)
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--kv-cache-gb", type=int, default=8)
+    g.add_argument("--json", default=None)
+    g.add_argument(
+        "--profile", default=None, metavar="DIR", help="write host/device profiles of the requests"
+    )
+    _add_gemm(bench)
+    _add_launches(bench)
+    _add_prefetch(bench)
+    _add_store(bench)
+
+
+def _add_gemm(bench) -> None:
+    p = bench.add_parser("gemm", help="CPU GEMM libraries at a model's shapes (cpu_gemm)")
+    p.add_argument("--model", default=None, help="default: the embedded model")
+    p.add_argument("--rows", default="1,32,2048")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("gemm"))
+
+
+def _add_launches(bench) -> None:
+    p = bench.add_parser(
+        "launches", help="device kernels a blended request launches, counted without a GPU"
+    )
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3.1-8B: 32)")
+    p.add_argument("--docs", type=int, default=10)
+    p.add_argument("--doc-words", type=int, default=24)
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("launches"))
+
+
+def _store_arg(text: str) -> str:
+    if text not in ("lmdb", "redis") and not text.startswith("redis://"):
+        raise argparse.ArgumentTypeError(f"must be lmdb, redis or a redis:// URL, got {text!r}")
+    return text
+
+
+def _add_prefetch(bench) -> None:
+    p = bench.add_parser(
+        "prefetch", help="queued requests' chunks read ahead of their step vs in it (cold reads)"
+    )
+    p.add_argument("--model", default=None)
+    p.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
+    p.add_argument("--limit", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--store", type=_store_arg, default="lmdb", help="lmdb, redis, or a redis:// URL"
+    )
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("prefetch"))
+
+
+def _backends(text: str) -> list[str]:
+    backends = text.split(",")
+    if not set(backends) <= {"lmdb", "redis"}:
+        raise argparse.ArgumentTypeError(f"takes lmdb, redis or both, got {text!r}")
+    return backends
+
+
+def _add_store(bench) -> None:
+    p = bench.add_parser(
+        "store", help="chunk store reads, writes, lookups and FAISS search; --backend: scaling"
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes (~1 minute)")
+    p.add_argument("--chunks", type=int, default=None, help="chunks for the read bench")
+    p.add_argument("--dir", default=None, help="parent of the temp data dir")
+    p.add_argument(
+        "--backend", type=_backends, default=None,
+        help="lmdb, redis or lmdb,redis: run the scaling benchmark",
+    )  # fmt: skip
+    p.add_argument("--sizes", default="1000,10000,100000", help="store sizes (entries)")
+    p.add_argument("--out", default="bench_out/store", help="scaling results folder")
+    p.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    p.set_defaults(func=_run("store"))
+
+
+def _run(kind: str):
+    """The ``func`` of a kind: import ``blendkv.eval.bench.<kind>`` and run its ``main``."""
+
+    def run(args: argparse.Namespace) -> int:
+        if getattr(args, "json", None):  # e.g. bench_out/decode.json on a fresh checkout
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        result = importlib.import_module(f"blendkv.eval.bench.{kind}").main(args)
+        return result if isinstance(result, int) else 0  # the store bench returns its results
+
+    return run
