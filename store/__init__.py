@@ -1,12 +1,15 @@
 """blendkv.store: persistent chunk K/V (LMDB), a memory tier, and the FAISS chunk index.
 
-Entry points: :class:`KVStore` (K/V only), :class:`ChunkStore` (K/V + index kept in step),
-:func:`chunk_key`, :class:`ModelFingerprint`, :func:`chunk_token_ids`. Heavy modules (FAISS,
-transformers) are imported only by the classes that need them at use time.
+Entry points: :func:`open_kv_store` (an LMDB or Redis :class:`ChunkKVStore`, K/V only),
+:class:`ChunkStore` (K/V + index kept in step), :func:`chunk_key`, :class:`ModelFingerprint`,
+:func:`chunk_token_ids`. Heavy modules (FAISS, transformers) are imported only by the classes
+that need them at use time.
 """
 
 from __future__ import annotations
 
+from .backends import open_kv_store
+from .base import ChunkKVStore, StoreSnapshot
 from .chunking import TextChunk, chunk_token_ids
 from .errors import (
     CorruptValueError,
@@ -25,6 +28,7 @@ from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, Verify
 
 __all__ = [
     "ChunkKV",
+    "ChunkKVStore",
     "ChunkMeta",
     "ChunkStore",
     "ChunkIndex",
@@ -41,11 +45,13 @@ __all__ = [
     "StoreFormatError",
     "StoreNotFoundError",
     "StoreReadOnlyError",
+    "StoreSnapshot",
     "StoreStats",
     "TextChunk",
     "VerifyReport",
     "chunk_key",
     "chunk_token_ids",
+    "open_kv_store",
 ]
 
 

@@ -1,21 +1,40 @@
-"""The chunk-K/V store interface the blend manager and the RAG pipeline use.
+"""The chunk-K/V store protocol: what the blend loader, the prefetcher and the RAG pipeline call.
 
-Two backends serve it: :class:`~blendkv.store.KVStore` (LMDB, the embedded default) and
+Two backends implement it: :class:`~blendkv.store.KVStore` (LMDB, the embedded default) and
 :class:`~blendkv.store.redis_store.RedisKVStore` (one store for many engine processes). Open
-either with ``KVStore.open(location, fingerprint)``. Values are the same bytes in both (64-byte
-header + raw tensor + xxh3 checksum); keys are content-addressed (``chunk_key``).
+either with :func:`~blendkv.store.backends.open_kv_store`. Values are the same bytes in both
+(64-byte header + raw tensor + xxh3 checksum); keys are content-addressed (``chunk_key``).
+
+Every backend has every method. What a backend cannot do it says through the protocol
+(:attr:`ChunkKVStore.reads_in_place`, a ``None`` or ``False`` result), so callers never probe
+for methods.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from .fingerprint import ModelFingerprint
+from .memory_tier import MemoryTier
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
+
+
+class StoreSnapshot(Protocol):
+    """A read transaction held open across threads until :meth:`close`: values viewed through
+    it stay valid (and are not written) until then, even if a concurrent write evicts them."""
+
+    def view(self, key: bytes) -> ChunkKV | None:
+        """The chunk's K/V as a zero-copy, read-only tensor; None on a miss or a corrupt
+        value."""
+
+    def warm(self, key: bytes) -> bool:
+        """Fault the value into memory ahead of its use; False on a miss or a corrupt value."""
+
+    def close(self) -> None:
+        """End the transaction; views taken through it must no longer be used."""
 
 
 @runtime_checkable
@@ -24,13 +43,29 @@ class ChunkKVStore(Protocol):
     connection_errors: int  # lost connections so far (LMDB: always 0)
     tier: str  # "lmdb" or "redis": where a read that misses the memory tier goes
     pin_memory: bool  # allocate values read from storage in pinned host memory (CUDA)
+    memory_tier: MemoryTier  # the in-RAM LRU of hot chunks in front of storage
+    # True when values are read in place from a memory map (LMDB): :meth:`snapshot` views them
+    # without a copy and :meth:`warm` faults them into the OS page cache. False (Redis): values
+    # are read whole by :meth:`get` / :meth:`read_into`, ``snapshot`` is None, ``warm`` a no-op.
+    reads_in_place: bool
 
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         """A chunk's K/V (read-only tensor), or None on a miss or a corrupt value.
         ``skip_memory_tier``: read from storage even if the memory tier holds it."""
 
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = False) -> bool:
-        """Copy a chunk's K/V into ``out``; False on a miss or a corrupt value."""
+        """Copy a chunk's K/V into ``out`` (the stored shape and dtype, any device); False on a
+        miss or a corrupt value. ``admit``: also keep a copy in the memory tier."""
+
+    def warm(self, key: bytes) -> bool:
+        """Bring a chunk's value closer ahead of its use (LMDB: into the OS page cache) without
+        holding the store's lock while storage reads. False on a miss, a corrupt value, or when
+        the store has nothing to warm (``reads_in_place`` is False)."""
+
+    def snapshot(self) -> StoreSnapshot | None:
+        """A read transaction to view values through, from any thread, until it is closed.
+        None when the store cannot view values in place (``reads_in_place`` is False) or cannot
+        right now (read with :meth:`get` then)."""
 
     def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
         """Store chunks; a reader never sees half a chunk."""
@@ -54,28 +89,3 @@ class ChunkKVStore(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-def open_kv_store(location, fingerprint: ModelFingerprint | None = None, **kwargs) -> ChunkKVStore:
-    """A chunk-K/V store at ``location``: a ``redis://host:port/db`` URL opens a
-    :class:`~blendkv.store.redis_store.RedisKVStore`, anything else an LMDB directory
-    (:class:`~blendkv.store.KVStore`). LMDB-only options are dropped for Redis."""
-    from .kv_store import KVStore
-    from .redis_store import RedisKVStore, is_redis_url
-
-    if is_redis_url(location):
-        for name in ("map_size", "verify_reads", "sync"):
-            kwargs.pop(name, None)
-        return RedisKVStore(location, fingerprint, **kwargs)
-    return KVStore(location, fingerprint, **kwargs)
-
-
-def locked(method):
-    """Run ``method`` holding ``self._lock`` (re-entrant: locked methods call each other)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper

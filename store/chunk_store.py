@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .backends import open_kv_store
 from .embedding import Embedder, MiniLMEmbedder
 from .fingerprint import ModelFingerprint
 from .index import ChunkIndex
-from .kv_store import KVStore
 from .records import ChunkMeta, NewChunk, PutResult, VerifyReport
 from .redis_store import is_redis_url
 
@@ -40,7 +40,7 @@ class SearchHit:
 class ChunkStore:
     """Chunk K/V (:attr:`kv`) plus their embedding index (:attr:`index`).
 
-    ``store_kwargs`` go to :class:`KVStore` (``max_bytes``, ``memory_tier_bytes``, ...).
+    ``store_kwargs`` go to the store's backend (:func:`~blendkv.store.backends.open_kv_store`).
     """
 
     def __init__(
@@ -54,7 +54,7 @@ class ChunkStore:
         **store_kwargs,
     ) -> None:
         self.embedder = embedder if embedder is not None else MiniLMEmbedder()
-        self.kv = KVStore.open(path, fingerprint, readonly=readonly, **store_kwargs)
+        self.kv = open_kv_store(path, fingerprint, readonly=readonly, **store_kwargs)
         self.shared = is_redis_url(path)  # embeddings in the store, no index file
         self.index_path = None if self.shared else self.kv.path / INDEX_FILE
         self._generation = None

@@ -34,9 +34,9 @@ import torch
 
 from . import format as fmt
 from . import opening, txn_ops
-from .base import locked
 from .errors import CorruptValueError, StoreError
 from .fingerprint import ModelFingerprint
+from .locking import locked
 from .memory_tier import MemoryTier
 from .queries import StoreQueries
 from .reader import ReadSnapshot, checked_value
@@ -117,13 +117,6 @@ class KVStore(StoreTransactions, StoreQueries):
             self.close()
             raise
         self.inspect_only = fingerprint is None
-
-    @staticmethod
-    def open(location, fingerprint: ModelFingerprint | None = None, **kwargs):
-        """LMDB directory or ``redis://`` URL: see :func:`blendkv.store.base.open_kv_store`."""
-        from .base import open_kv_store
-
-        return open_kv_store(location, fingerprint, **kwargs)
 
     @locked
     def close(self) -> None:
@@ -260,6 +253,7 @@ class KVStore(StoreTransactions, StoreQueries):
 
     tier = "lmdb"
     pin_memory = False
+    reads_in_place = True  # values are viewed in LMDB's memory map (snapshot, warm)
 
     @locked
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:

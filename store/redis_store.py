@@ -320,6 +320,7 @@ class RedisKVStore(RedisQueries):
 
     tier = "redis"
     pin_memory = False
+    reads_in_place = False  # values are read whole over the network (get, read_into)
 
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         self._check_servable()
@@ -337,6 +338,14 @@ class RedisKVStore(RedisQueries):
             )
         out.copy_(tensor)
         return True
+
+    def warm(self, key: bytes) -> bool:
+        """False: nothing to warm; a value is read whole by :meth:`get` (a prefetch holds it)."""
+        return False
+
+    def snapshot(self) -> None:
+        """None: Redis values cannot be viewed in place; read them with :meth:`get`."""
+        return None
 
     def __contains__(self, key: bytes) -> bool:
         if key in self.memory_tier:  # served locally even while Redis is unreachable

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 import lmdb
 
 from . import layout, txn_ops
-from .base import locked
 from .errors import StoreError, StoreReadOnlyError
+from .locking import locked
 from .reader import ReadSnapshot, ZeroCopyReader
 
 logger = logging.getLogger(__name__)

@@ -178,7 +178,7 @@ class ChunkLoader:
         store = self.manager.store
         tiers = ["memory", store.tier] if key in store.memory_tier else [store.tier]
         tier = self.controller.choose_tier(tiers)
-        viewable = self.device.type == "cpu" and hasattr(store, "snapshot")
+        viewable = self.device.type == "cpu" and store.reads_in_place
         if self.zero_copy_reads and viewable and tier != "memory":
             if self._snapshot is None:
                 self._snapshot = store.snapshot()

@@ -49,7 +49,7 @@ class BlendManager:
         anchor_boundary_tokens: int = 0,
     ) -> None:
         from blendkv.layers.rotary import rope_parameters
-        from blendkv.store import KVStore, ModelFingerprint
+        from blendkv.store import ModelFingerprint, open_kv_store
         from blendkv.store.writer import BackgroundWriter
 
         self.model = model
@@ -76,7 +76,7 @@ class BlendManager:
         if store_dir is None:  # no persistent store asked for: a private one for this process
             self._tmpdir = tempfile.TemporaryDirectory(prefix="blendkv-store-")
             store_dir = self._tmpdir.name
-        self.store = KVStore.open(
+        self.store = open_kv_store(
             store_dir,
             self.fingerprint,
             max_bytes=store_max_bytes,

@@ -12,7 +12,7 @@ import pytest
 from redis_server import RedisServer
 from store_helpers import key_of, make_kv, same_bits
 
-from blendkv.store import KVStore, NewChunk
+from blendkv.store import NewChunk, open_kv_store
 from blendkv.store.redis_store import _joined
 
 
@@ -33,7 +33,7 @@ def _parts(store, key):
 def test_bulk_reads_equal_redis_py_reads(redis_url, fp, part_bytes):
     sizes = [1, 300, 4096]  # tokens: 64 bytes to ~260 KB of K/V
     chunks = [NewChunk(key_of(i), make_kv(i, num_tokens=n)) for i, n in enumerate(sizes)]
-    with KVStore.open(redis_url, fp, memory_tier_bytes=0, part_bytes=part_bytes) as s:
+    with open_kv_store(redis_url, fp, memory_tier_bytes=0, part_bytes=part_bytes) as s:
         assert s._bulk is not None
         s.put_many(chunks)
         for c in chunks:
@@ -46,7 +46,7 @@ def test_bulk_reads_equal_redis_py_reads(redis_url, fp, part_bytes):
 
 
 def test_a_missing_part_is_a_miss_and_the_connection_stays_in_step(redis_url, fp):
-    with KVStore.open(redis_url, fp, memory_tier_bytes=0, part_bytes=1000) as s:
+    with open_kv_store(redis_url, fp, memory_tier_bytes=0, part_bytes=1000) as s:
         s.put_many([NewChunk(key_of(i), make_kv(i, num_tokens=64)) for i in range(2)])
         s.client.delete(s._chunk(key_of(0), "p:1"))  # evicted behind the store's back
         assert s.get(key_of(0)) is None and s.misses == 1
@@ -63,7 +63,7 @@ def test_a_database_and_a_password(tmp_path, fp):
 
         redis.Redis(port=server.port).config_set("requirepass", "sesame")
         url = f"redis://:sesame@127.0.0.1:{server.port}/3"
-        with KVStore.open(url, fp, memory_tier_bytes=0, part_bytes=999) as s:
+        with open_kv_store(url, fp, memory_tier_bytes=0, part_bytes=999) as s:
             s.put_many([NewChunk(key_of(5), make_kv(5, num_tokens=40))])
             assert same_bits(s.get(key_of(5)).kv, make_kv(5, num_tokens=40))
             client = redis.Redis(port=server.port, password="sesame", db=3)
@@ -73,7 +73,7 @@ def test_a_database_and_a_password(tmp_path, fp):
 
 
 def test_threads_read_side_by_side(redis_url, fp):
-    with KVStore.open(redis_url, fp, memory_tier_bytes=0, part_bytes=4096) as s:
+    with open_kv_store(redis_url, fp, memory_tier_bytes=0, part_bytes=4096) as s:
         s.put_many([NewChunk(key_of(i), make_kv(i, num_tokens=100)) for i in range(8)])
         wrong = []
 
@@ -96,7 +96,7 @@ def test_a_restarted_server_is_read_from_again_at_once(tmp_path, fp):
     once more on a new one instead of failing (a miss and a recompute)."""
     server = RedisServer(tmp_path).start()
     try:
-        with KVStore.open(server.url, fp, memory_tier_bytes=0, socket_timeout=2.0) as s:
+        with open_kv_store(server.url, fp, memory_tier_bytes=0, socket_timeout=2.0) as s:
             s.put_many([NewChunk(key_of(1), make_kv(1))])
             assert same_bits(s.get(key_of(1)).kv, make_kv(1))  # its connection is made
             stale = s._bulk._local.conn

@@ -7,7 +7,14 @@ import torch
 from redis_server import RedisServer
 from store_helpers import key_of, make_fingerprint, make_kv, same_bits
 
-from blendkv.store import FingerprintMismatchError, KVStore, NewChunk, StoreError
+from blendkv.store import (
+    ChunkKVStore,
+    FingerprintMismatchError,
+    KVStore,
+    NewChunk,
+    StoreError,
+    open_kv_store,
+)
 from blendkv.store import format as fmt
 from blendkv.store.redis_store import RedisKVStore
 
@@ -25,7 +32,10 @@ def test_round_trip_equals_lmdb_bit_for_bit(redis_url, tmp_path, fp):
         )
         for i in range(5)
     ]
-    with KVStore(tmp_path / "lmdb", fp) as lmdb, KVStore.open(redis_url, fp, part_bytes=100) as red:
+    with (
+        KVStore(tmp_path / "lmdb", fp) as lmdb,
+        open_kv_store(redis_url, fp, part_bytes=100) as red,
+    ):
         assert isinstance(red, RedisKVStore)
         assert [r.inserted for r in red.put_many(chunks)] == [True] * 5
         lmdb.put_many(chunks)
@@ -44,20 +54,51 @@ def test_round_trip_equals_lmdb_bit_for_bit(redis_url, tmp_path, fp):
         assert red.delete([chunks[0].key]) == [1] and chunks[0].key not in red
 
 
+def test_every_backend_class_defines_every_protocol_method():
+    """Runs without a redis-server: the classes themselves have every declared method."""
+    declared = [n for n, v in vars(ChunkKVStore).items() if callable(v) and not n.startswith("_")]
+    for backend in (KVStore, RedisKVStore):
+        missing = [n for n in declared if not callable(getattr(backend, n, None))]
+        assert not missing, f"{backend.__name__} lacks {missing}"
+        assert isinstance(backend.reads_in_place, bool)
+
+
+def test_both_backends_implement_the_store_protocol(redis_url, tmp_path, fp):
+    """Every method ``ChunkKVStore`` declares exists on both backends; what Redis cannot do
+    (view in place, warm a page cache) it says through the protocol, not by lacking it."""
+    declared = [n for n, v in vars(ChunkKVStore).items() if callable(v) and not n.startswith("_")]
+    assert {"get", "read_into", "warm", "snapshot"} <= set(declared)
+    chunk = NewChunk(key_of(1), make_kv(1))
+    with (
+        open_kv_store(tmp_path / "lmdb", fp, memory_tier_bytes=0) as lmdb,
+        open_kv_store(redis_url, fp, memory_tier_bytes=0) as red,
+    ):
+        for store in (lmdb, red):
+            assert isinstance(store, ChunkKVStore)
+            assert all(callable(getattr(store, name)) for name in declared)
+            store.put_many([chunk])
+        assert lmdb.reads_in_place and lmdb.warm(chunk.key) and not lmdb.warm(key_of(2))
+        snapshot = lmdb.snapshot()
+        assert same_bits(snapshot.view(chunk.key).kv, chunk.kv)
+        snapshot.close()
+        assert not red.reads_in_place
+        assert red.warm(chunk.key) is False and red.snapshot() is None
+
+
 def test_a_second_process_store_sees_the_same_chunks_and_refuses_other_models(redis_url, fp):
-    with KVStore.open(redis_url, fp, memory_tier_bytes=0) as a:
+    with open_kv_store(redis_url, fp, memory_tier_bytes=0) as a:
         a.put_many([NewChunk(key_of(1), make_kv(1), doc_id="d", position=0)])
-    with KVStore.open(redis_url, fp, memory_tier_bytes=0) as b:
+    with open_kv_store(redis_url, fp, memory_tier_bytes=0) as b:
         assert same_bits(b.get(key_of(1)).kv, make_kv(1))
         assert [m.key for m in b.document_chunks("d")] == [key_of(1)]
     other = make_fingerprint(weights_hash="x" * 8, head_dim=8)
     with pytest.raises(FingerprintMismatchError) as err:
-        KVStore.open(redis_url, other)
+        open_kv_store(redis_url, other)
     assert "weights_hash" in str(err.value) and "head_dim" in str(err.value)
 
 
 def test_corrupted_value_is_a_checksum_miss(redis_url, fp):
-    with KVStore.open(redis_url, fp, memory_tier_bytes=0) as s:
+    with open_kv_store(redis_url, fp, memory_tier_bytes=0) as s:
         s.put_many([NewChunk(key_of(2), make_kv(2))])
         part = s._chunk(key_of(2), "p:0")
         s.client.setrange(part, fmt.HEADER_SIZE + 5, b"\xff\xfe")
@@ -70,7 +111,7 @@ def test_corrupted_value_is_a_checksum_miss(redis_url, fp):
 def test_eviction_under_maxmemory_is_misses_not_errors(tmp_path, fp):
     server = RedisServer(tmp_path, maxmemory="3mb").start()
     try:
-        with KVStore.open(server.url, fp, memory_tier_bytes=0, part_bytes=4096) as s:
+        with open_kv_store(server.url, fp, memory_tier_bytes=0, part_bytes=4096) as s:
             n = 200  # 200 x 16 KiB = 3.2 MiB of values into 3 MiB: Redis must evict
             for i in range(n):
                 s.put_many([NewChunk(key_of(i), make_kv(i, num_tokens=512))])
@@ -85,7 +126,7 @@ def test_eviction_under_maxmemory_is_misses_not_errors(tmp_path, fp):
 
 def test_lost_connection_reads_miss_writes_fail_then_reconnects(tmp_path, fp):
     server = RedisServer(tmp_path).start()
-    s = KVStore.open(server.url, fp, memory_tier_bytes=0, socket_timeout=1.0)
+    s = open_kv_store(server.url, fp, memory_tier_bytes=0, socket_timeout=1.0)
     s.put_many([NewChunk(key_of(1), make_kv(1))])
     server.kill()
     assert s.get(key_of(1)) is None and key_of(1) not in s
@@ -97,6 +138,6 @@ def test_lost_connection_reads_miss_writes_fail_then_reconnects(tmp_path, fp):
     s.put_many([NewChunk(key_of(2), make_kv(2))])
     assert same_bits(s.get(key_of(2)).kv, make_kv(2))
     with pytest.raises(FingerprintMismatchError):
-        KVStore.open(server.url, make_fingerprint(dtype="float32"))
+        open_kv_store(server.url, make_fingerprint(dtype="float32"))
     s.close()
     server.kill()
