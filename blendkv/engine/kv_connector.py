@@ -22,18 +22,19 @@ Scheduler-side methods are pure Python (ids and ints); tensors appear only on th
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from blendkv.errors import InvalidRequestError
+from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.models.hooks import LayerHooks
 
 if TYPE_CHECKING:
     import torch
 
     from blendkv.config import EngineConfig
-    from blendkv.engine.scheduler import SchedulerOutput
+    from blendkv.engine.scheduler_output import SchedulerOutput
     from blendkv.engine.sequence import Sequence
     from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
     from blendkv.models.hooks import RowPlan
@@ -165,10 +166,6 @@ def create_kv_connector(spec: Any, context: KVConnectorContext) -> KVConnectorBa
     if spec is None:
         return KVConnectorBase(context)
     if isinstance(spec, str):
-        import importlib
-
-        from blendkv.errors import ConfigError
-
         target = KV_CONNECTORS.get(spec)
         if target is None:
             raise ConfigError(f"unknown kv_connector {spec!r}; registered: {sorted(KV_CONNECTORS)}")

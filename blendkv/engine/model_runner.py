@@ -19,7 +19,7 @@ from blendkv.models.hooks import output_row_order
 if TYPE_CHECKING:
     from blendkv.engine.kv_connector import KVConnectorBase
     from blendkv.engine.sampler import Sampler
-    from blendkv.engine.scheduler import SchedulerOutput
+    from blendkv.engine.scheduler_output import SchedulerOutput
     from blendkv.engine.sequence import Sequence
 
 

@@ -13,43 +13,21 @@ Every step it fills one token budget (``max_num_batched_tokens``) with, in order
    else would run.
 
 Prefill and decode tokens share one flattened batch; the runner receives a
-:class:`SchedulerOutput` and nothing else.
+:class:`~blendkv.engine.scheduler_output.SchedulerOutput` and nothing else.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from blendkv.engine.block_manager import BlockManager
+from blendkv.engine.scheduler_output import SchedulerOutput
 from blendkv.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from blendkv.engine.kv_connector import KVConnectorBase, KVConnectorMetadata
-
-
-@dataclass
-class SchedulerOutput:
-    """The contract between scheduler and model runner for one step.
-
-    ``scheduled`` lists (sequence, num_scheduled_tokens) in batch order; a sequence's tokens
-    this step are positions ``[num_computed_tokens, num_computed_tokens + n)``.
-    """
-
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    kv_connector_metadata: KVConnectorMetadata | None = None
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    from blendkv.engine.kv_connector import KVConnectorBase
 
 
 class Scheduler:

@@ -1,0 +1,36 @@
+"""What the scheduler hands the model runner for one step (and the KV connector reads).
+
+Its own module, as in vLLM (``v1/core/sched/output.py``): the runner and the connector depend on
+this contract, not on the scheduler that fills it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from blendkv.engine.kv_connector import KVConnectorMetadata
+    from blendkv.engine.sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """The contract between scheduler and model runner for one step.
+
+    ``scheduled`` lists (sequence, num_scheduled_tokens) in batch order; a sequence's tokens
+    this step are positions ``[num_computed_tokens, num_computed_tokens + n)``.
+    """
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
