@@ -6,6 +6,9 @@ import argparse
 import logging
 import sys
 
+from blendkv.blend.config import BlendConnectorConfig
+from blendkv.commands.config_args import add_config_args, config_kwargs
+from blendkv.config import EngineConfig
 from blendkv.errors import BlendKVError
 
 _COMMANDS = ("generate", "chat", "ingest", "ask", "store", "demo", "serve")
@@ -30,89 +33,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that loads a model."""
-    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: the faster on the device (float32 on CPUs without native bf16)",
-    )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--cpu-gemm",
-        default="auto",
-        choices=["auto", "onednn", "mkl"],
-        help="CPU GEMM library (auto: oneDNN except on Intel CPUs)",
-    )
-    p.add_argument(
-        "--compile-decode",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="CPU, float32/bfloat16: decode attention through one C++ kernel call per layer "
-        "(default: on where it applies; built on the first start, ~10 s, then cached)",
-    )
-    p.add_argument(
-        "--compile-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="CPU, float32/bfloat16: prefill attention through one C++ kernel call per "
-        "sequence and layer (default: on where it applies)",
-    )
-    p.add_argument(
-        "--prune-last-layer",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="attention and MLP of the last layer only for the rows a step reads",
-    )
-    p.add_argument(
-        "--prefetch-kv",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="read queued blended requests' chunks ahead of their step (default: on with CUDA "
-        "and for LMDB; a Redis store on the CPU only with a core torch leaves free)",
-    )
-    p.add_argument(
-        "--prefetch-kv-bytes",
-        type=int,
-        default=1 << 30,
-        help="the most prefetched K/V held in memory at once (Redis; LMDB on CUDA; 1 GiB)",
-    )
-    add_device_args(p)
+# The config fields every model-loading command takes as flags (flags generated from the
+# dataclasses by blendkv.commands.config_args; help text from their docstrings).
+ENGINE_FLAGS = (
+    "model",
+    "dtype",
+    "max_model_len",
+    "num_kv_blocks",
+    "kv_cache_memory_bytes",
+    "block_size",
+    "num_threads",
+    "enforce_eager",
+    "prune_last_layer",
+    "device",
+    "attention_backend",
+)
+CONNECTOR_FLAGS = ("kv_store_memory_bytes", "pipeline_kv_load", "prefetch_kv", "prefetch_kv_bytes")
+DEVICE_FLAGS = ("device", "attention_backend")
+# Older flag names that keep working beside the generated ones.
+FLAG_ALIASES = {"enable_prefix_caching": ("--prefix-caching",)}
 
 
-def add_device_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N",
-    )
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "torch", "triton"],
-        help="auto: triton on CUDA, torch on the CPU",
-    )
+def add_model_args(p: argparse.ArgumentParser, engine_fields: tuple[str, ...] = ()) -> None:
+    """Engine and blend connector options shared by every command that loads a model, plus
+    the command's own ``engine_fields``."""
+    engine = p.add_argument_group("engine (EngineConfig)")
+    add_config_args(engine, EngineConfig, ENGINE_FLAGS + engine_fields, aliases=FLAG_ALIASES)
+    connector = p.add_argument_group("blend connector (BlendConnectorConfig)")
+    add_config_args(connector, BlendConnectorConfig, CONNECTOR_FLAGS)
+    p.set_defaults(engine_fields=engine_fields)
+
+
+def add_device_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """``--device`` and ``--attention-backend`` (and ``--dtype`` when a default is given)."""
+    names = (("dtype",) if "dtype" in defaults else ()) + DEVICE_FLAGS
+    add_config_args(p, EngineConfig, names, defaults=defaults)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "num_kv_blocks": args.num_kv_blocks,
-        "block_size": args.block_size,
-        "device": args.device,
-        "attention_backend": args.attention_backend,
-        "cpu_gemm": args.cpu_gemm,
-        "compile_decode": args.compile_decode,
-        "compile_prefill": args.compile_prefill,
-        "prune_last_layer": args.prune_last_layer,
-        "prefetch_kv": args.prefetch_kv,
-        "prefetch_kv_bytes": args.prefetch_kv_bytes,
-    }
+    """The parsed engine and connector options (all but ``model``), as ``LLM`` keywords."""
+    names = ENGINE_FLAGS + getattr(args, "engine_fields", ()) + CONNECTOR_FLAGS
+    return config_kwargs(args, [n for n in names if n != "model"])
 
 
 def main(argv: list[str] | None = None) -> int:

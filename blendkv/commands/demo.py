@@ -27,11 +27,10 @@ def register(sub) -> None:
     from blendkv.cli import add_device_args
 
     p = sub.add_parser("demo", help="ingest bundled docs, ask 3 questions, compare TTFT")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
-    add_device_args(p)
+    add_device_args(p, dtype="float32")
     p.set_defaults(func=run)
 
 

@@ -24,15 +24,12 @@ def register(sub) -> None:
         "(default: $BLENDKV_API_KEY)",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)"
     )
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_model_args(p)
+    add_model_args(p, ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"))
     p.set_defaults(func=run)
 
 
@@ -50,12 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"blendkv serve needs the serve extra ({exc}); pip install 'blendkv[serve]'"
         ) from exc
-    kwargs = {
-        **engine_kwargs(args),
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enable_prefix_caching": not args.no_prefix_caching,
-    }
+    kwargs = engine_kwargs(args)
     # Bad options (and a GPU that is not there) fail here, before the server starts.
     create_engine_config(model=args.model, **kwargs)
     resolve_device(args.device)

@@ -102,22 +102,25 @@ def test_missing_store_exits_2_without_a_model(tmp_path, capsys):
 
 
 def test_engine_options_reach_the_engine_config():
-    """--cpu-gemm, --compile-decode, --no-prune-last-layer and the prefetch options go into
-    every model command's engine kwargs."""
+    """--num-threads, --no-prune-last-layer and the prefetch options go into every model
+    command's engine kwargs; serve's --no-prefix-caching (an alias) turns the prefix cache off."""
     from blendkv.blend.config import BlendConnectorConfig
     from blendkv.cli import build_parser, engine_kwargs
     from blendkv.engine_args import create_engine_config
 
     for command in (["generate", "hi"], ["ask", "q", "--store", "s"], ["serve"]):
-        options = ["--cpu-gemm", "onednn", "--compile-decode", "--no-prune-last-layer"]
+        options = ["--num-threads", "3", "--no-prune-last-layer"]
         options += ["--no-prefetch-kv", "--prefetch-kv-bytes", "4096"]
         kwargs = engine_kwargs(build_parser().parse_args([*command, *options]))
-        assert kwargs["cpu_gemm"] == "onednn" and kwargs["compile_decode"] is True
+        assert kwargs["num_threads"] == 3
         assert kwargs["prune_last_layer"] is False and kwargs["prefetch_kv"] is False
         assert kwargs["prefetch_kv_bytes"] == 4096
         create_engine_config(**kwargs)  # valid config fields
         defaults = engine_kwargs(build_parser().parse_args(command))
-        assert defaults["cpu_gemm"] == "auto" and defaults["compile_decode"] is None
+        assert defaults["num_threads"] is None
         assert defaults["prune_last_layer"] is True
         assert defaults["prefetch_kv"] is None
         assert defaults["prefetch_kv_bytes"] == BlendConnectorConfig().prefetch_kv_bytes
+    serve = engine_kwargs(build_parser().parse_args(["serve", "--no-prefix-caching"]))
+    assert serve["enable_prefix_caching"] is False
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["enable_prefix_caching"] is True
