@@ -203,6 +203,9 @@ class AttentionBackend(ABC):
     # Its forward honours ``AttentionMetadata.query_mass`` (the query pass needs no separate
     # scoring product per layer); else the pass calls :meth:`add_query_mass` before attention.
     scores_in_attention: bool = False
+    # Its :meth:`shift_kept_rows` takes the correction (the row plan then builds the
+    # recomputed rows' chunk segments it needs); else the blend runs the torch code.
+    fused_chunk_shift: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -318,3 +321,48 @@ class AttentionBackend(ABC):
         Returns:
             [num_tokens, num_heads, head_dim].
         """
+
+    # ---- the blend's ops ----------------------------------------------------------------
+    def add_query_mass(
+        self,
+        scores: torch.Tensor,
+        q: torch.Tensor,
+        q_positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        visible_prefix: int = 0,
+    ) -> None:
+        """``scores`` [S] float32 += the softmax attention ``q`` [Q, H, D] (RoPE applied, rows
+        at ``q_positions``) pays each key of positions ``0..S-1``, read from ``kv_cache`` at
+        ``slots`` [S] (the query rows' own K already written), summed over rows and heads.
+        ``visible_prefix``: how many leading keys every row sees (spares their masking).
+
+        ProphetKV's query pass calls it before each layer's attention on backends without
+        :attr:`scores_in_attention`. This is the reference (dense torch)."""
+        from blendkv.kernels.attention_mass import query_attention_mass
+
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads * head_dim)
+        keys = flat_k.index_select(0, slots).view(-1, num_kv_heads, head_dim)  # K only
+        key_positions = torch.arange(len(slots), device=slots.device)
+        scores += query_attention_mass(q, keys, q_positions, key_positions, visible_prefix)
+
+    def shift_kept_rows(
+        self,
+        kv_cache: torch.Tensor,
+        which: str,
+        shrink: float,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        recomputed: Any,
+        kept: Any,
+        num_chunks: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_scaling: float,
+    ) -> bool:
+        """A blended layer's K/V correction (``blendkv.blend.correction.correct_kept_rows``) in
+        this backend's kernels; returns whether it did it. Called only with
+        :attr:`fused_chunk_shift` (``recomputed.segments`` set). The reference is the blend's
+        torch code, which runs when this returns False: here, always."""
+        return False

@@ -81,24 +81,3 @@ def attention_with_mass(
         rows = hi - lo
         out[lo:hi] = o.view(num_kv, group, rows, dim).permute(2, 0, 1, 3).reshape(rows, -1, dim)
     return out, mass
-
-
-def query_rows_attention(
-    compiled,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    q_positions: torch.Tensor,
-    visible_prefix: int,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """Query rows' attention into ``out`` and their mass [S] float32 (scale ``D ** -0.5``):
-    one call of the C++ kernel when ``compiled`` (a
-    :class:`~blendkv.kernels.compiled_prefill.CompiledPrefill`) is given, else
-    :func:`attention_with_mass`."""
-    if compiled is None:
-        out[:], mass = attention_with_mass(q, keys, values, q_positions, visible_prefix)
-        return mass
-    mass = torch.zeros(keys.shape[0], dtype=torch.float32, device=keys.device)
-    compiled(q, keys, values, q_positions, q.shape[-1] ** -0.5, out, mass)
-    return mass

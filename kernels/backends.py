@@ -12,26 +12,33 @@ import torch
 
 from blendkv.kernels.attention import AttentionBackend
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
-    """Pick an attention backend by name; ``auto`` is Triton on CUDA and torch on the CPU.
+    """Pick an attention backend by name; ``auto`` is Triton on CUDA and ``cpu`` on the CPU.
+
+    ``torch`` is the plain-torch reference (any device); ``cpu`` is it with the C++ kernels in
+    its place where they apply (:mod:`blendkv.kernels.cpu_attention`).
 
     ``triton`` on the CPU needs ``TRITON_INTERPRET=1`` set before the kernels are first imported
     (the tests do that); it is the GPU path, run slowly on the CPU for verification.
     """
     if name == "auto":
-        name = "triton" if str(device).startswith("cuda") else "torch"
+        name = "triton" if str(device).startswith("cuda") else "cpu"
     if name == "torch":
         from blendkv.kernels.torch_attention import TorchAttentionBackend
 
         return TorchAttentionBackend(device)
+    if name == "cpu":
+        from blendkv.kernels.cpu_attention import CpuAttentionBackend
+
+        return CpuAttentionBackend(device)
     if name == "triton":
         if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "the triton attention backend runs on CUDA; on the CPU it needs "
-                "TRITON_INTERPRET=1 (slow, for verification) -- use attention_backend='torch'"
+                "TRITON_INTERPRET=1 (slow, for verification) -- use attention_backend='cpu'"
             )
         try:
             from blendkv.kernels.triton_attention import TritonAttentionBackend

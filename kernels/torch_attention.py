@@ -1,33 +1,37 @@
-"""Torch attention backend: the CPU path and the reference every other backend is tested against.
+"""Torch attention backend: the plain-torch reference every other backend is tested against
+(the forward goldens run it), and what runs on a CPU without a compiler.
 
 Keys are gathered from the paged cache through the block table and attended with
-``scaled_dot_product_attention`` under an explicit mask built from absolute positions. The
-shortcuts: a sequence whose query tokens are its whole context in order (a fresh prefill) is
-exactly the upper-left causal case, so it skips the gather and lets SDPA build the mask itself;
-and on the CPU a context held by one run of consecutive blocks (the block manager places them
-so) is read as a slice of the pool, not gathered. Decode rows: :mod:`paged_decode`.
+``scaled_dot_product_attention`` under an explicit mask built from absolute positions. A
+sequence whose query tokens are its whole context in order (a fresh prefill) is exactly the
+upper-left causal case: SDPA builds the mask itself. On the CPU, where SDPA's flash kernel
+returns its log-sum-exp, scattered rows go through :mod:`split_attention` and decode rows
+through :mod:`paged_decode`, and a context held by one run of consecutive blocks (the block
+manager places them so) is read as a slice of the pool, not gathered.
+
+Each kind of rows is one overridable method (``_causal``, ``_rows``, ``_query_rows``,
+``_plan_decode`` / ``_decode``): the ``cpu`` backend (:mod:`cpu_attention`) replaces them with
+its C++ kernels where those apply.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from blendkv.kernels import compiled_blend
 from blendkv.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
     StepPlanMemo,
     split_by_kind,
 )
-from blendkv.kernels.attention_mass import query_attention_mass, query_rows_attention
-from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, plan_dense_decode
-from blendkv.kernels.compiled_prefill import CompiledPrefill
-from blendkv.kernels.paged_decode import DecodePlan, block_runs, decode_attention, plan_decode
-from blendkv.kernels.split_attention import RowGroup, plan_row_groups, split_masked_attention
+from blendkv.kernels.attention_mass import attention_with_mass
+from blendkv.kernels.paged_decode import block_runs, decode_attention, plan_decode
 from blendkv.kernels.split_attention import available as split_available
+from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
 
 
 def write_kv_cache(
@@ -105,71 +109,24 @@ def position_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
     return key_positions[None, :] <= q_positions[:, None]
 
 
-# masked_attention: rows in up to this many groups of at least this many rows each.
-_MAX_ROW_GROUPS = 8
-_MIN_GROUP_ROWS = 64
-
-
 def masked_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Rows of one sequence at ascending (possibly scattered) ``positions`` over its keys.
-
-    With an explicit mask SDPA computes every (row, key) pair, masked ones included. The rows
-    are split into groups and each group only gets the keys up to its last row's position,
-    which skips most of the masked triangle (measured 1.3-1.5x faster for 1K scattered rows
-    over 6K keys on CPU). Needs ``positions`` ascending, as the runner lays rows out.
-    """
-    n = q.shape[0]
-    num_groups = max(1, min(_MAX_ROW_GROUPS, n // _MIN_GROUP_ROWS))
-    if num_groups == 1:
-        mask = position_mask(positions, keys.shape[0])
-        return _sdpa(q[None], keys[None], values[None], mask, scale)[0]
-    bounds = [round(g * n / num_groups) for g in range(num_groups + 1)]
-    last_positions = positions[[b - 1 for b in bounds[1:]]].tolist()
-    out = torch.empty_like(q)
-    for lo, hi, last in zip(bounds[:-1], bounds[1:], last_positions, strict=True):
-        end = last + 1
-        mask = position_mask(positions[lo:hi], end)
-        out[lo:hi] = _sdpa(q[None, lo:hi], keys[None, :end], values[None, :end], mask, scale)[0]
-    return out
+    """Rows of one sequence at ``positions`` over its keys: one SDPA call under the position
+    mask (devices without the CPU flash kernel; the CPU runs :mod:`split_attention`)."""
+    mask = position_mask(positions, keys.shape[0])
+    return _sdpa(q[None], keys[None], values[None], mask, scale)[0]
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    scores_in_attention = True
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         self._step_plans = StepPlanMemo()  # (metadata, pool blocks) -> _StepPlan
-        self._split_rows = split_available(self.device)  # scattered rows: split attention
-        self.prefers_block_runs = self._split_rows  # the CPU path reads runs as slices
-        self.compiled_decode: CompiledDecode | None = None  # enable_compiled_decode()
-        self.compiled_prefill: CompiledPrefill | None = None  # enable_compiled_prefill()
-
-    def enable_compiled_decode(self) -> None:
-        """Decode rows through one C++ kernel call per layer (:mod:`compiled_decode`): CPU,
-        float32 or bfloat16 pools (the engine checks the dtype). Builds the kernel on first
-        use; raises :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` if it can't."""
-        if self.device.type != "cpu":
-            raise ValueError(f"compiled decode attention runs on the CPU, not {self.device}")
-        self.compiled_decode = CompiledDecode()
-
-    def enable_compiled_prefill(self) -> None:
-        """Prefill rows (fresh, chunked, scattered) through one C++ kernel call per sequence
-        and layer (:mod:`compiled_prefill`), and a blend's loaded chunk K/V rotated into the
-        pool by one C++ call per chunk (:meth:`load_rotated_kv`): CPU, float32 or bfloat16 (the
-        engine checks the dtype). Builds the kernels on first use; raises
-        :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` if it can't."""
-        if self.device.type != "cpu":
-            raise ValueError(f"compiled prefill attention runs on the CPU, not {self.device}")
-        self.compiled_prefill = CompiledPrefill()
-
-    def _causal(self, q, k, v, scale, out) -> None:
-        """``out`` = causal attention of one fresh sequence (positions 0..n-1)."""
-        if self.compiled_prefill is not None:
-            self.compiled_prefill.causal(q, k, v, scale, out)
-        else:
-            out.copy_(dense_causal_attention(q, k, v, scale))
+        self._flash_cpu = split_available(self.device)  # split attention, decode in place
+        self.prefers_block_runs = self._flash_cpu  # the CPU path reads runs as slices
 
     def step_plans(self, md: AttentionMetadata) -> list:
         return self._step_plans.plans_for(md)
@@ -179,19 +136,12 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_cache(kv_cache, k, v, slot_mapping)
 
     def load_rotated_kv(self, kv_caches, first_layer, kv, positions, slots, cos, sin) -> None:
-        """On the CPU: K is rotated straight into the pool and V copied, with the prefill
-        kernels on by one C++ pass (:mod:`compiled_blend`; 6,300 SmolLM2 tokens a layer in
-        0.56 ms on one thread against 1.50 ms for the torch code below on two), else run by run of
-        consecutive slots in torch (no rotated copy of K and no ``index_copy_``: 12.8 against
-        26.5 ms for the reference for 30 layers x 600 tokens, one thread). Both write the
-        reference's bits: each half of the rotation is its two products and one sum, rounded
-        as it rounds them."""
+        """On the CPU: K is rotated straight into the pool and V copied, run by run of
+        consecutive slots (no rotated copy of K and no ``index_copy_``). It writes the base
+        class's bits: each half of the rotation is its two products and one sum, rounded as it
+        rounds them."""
         if self.device.type != "cpu" or kv.dtype != kv_caches[0].dtype:
             return super().load_rotated_kv(kv_caches, first_layer, kv, positions, slots, cos, sin)
-        kernel = self.compiled_prefill
-        args = (kv, kv_caches, first_layer, positions, slots, cos, sin)
-        if kernel is not None and compiled_blend.rope_write(kernel.ops, *args):
-            return
         num_kv_heads, head_dim = kv.shape[-2:]
         half = head_dim // 2
         c = cos.index_select(0, positions)[:, None, :].to(kv.dtype)  # [T, 1, D]
@@ -219,33 +169,6 @@ class TorchAttentionBackend(AttentionBackend):
         k = flat[0].index_select(0, slot_mapping).view(-1, num_kv_heads, head_dim)
         v = flat[1].index_select(0, slot_mapping).view(-1, num_kv_heads, head_dim)
         return k, v
-
-    @property
-    def fused_chunk_shift(self) -> bool:
-        """Whether shift_kept_rows does the K/V correction (in C++: with the prefill kernels)."""
-        return self.compiled_prefill is not None
-
-    def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
-                        sin, attention_scaling) -> bool:  # fmt: skip
-        """A blended layer's K/V correction in one C++ call (:mod:`compiled_blend`); False if it
-        does not apply (the caller then runs the torch code)."""
-        kernel = self.compiled_prefill
-        return kernel is not None and compiled_blend.shift_kept_rows(
-            kernel.ops, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
-            attention_scaling)  # fmt: skip
-
-    scores_in_attention = True
-
-    def add_query_mass(self, scores, q, q_positions, kv_cache, slots, visible_prefix=0) -> None:
-        """``scores`` [S] float32 += the softmax attention ``q`` [Q, H, D] (RoPE applied, rows
-        at ``q_positions``) pays each key of positions ``0..S-1``, read from ``kv_cache`` at
-        ``slots`` [S] (the query rows' own K already written), summed over rows and heads.
-        ``visible_prefix``: how many leading keys every row sees (spares their masking)."""
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads * head_dim)
-        keys = flat_k.index_select(0, slots).view(-1, num_kv_heads, head_dim)  # K only
-        key_positions = torch.arange(len(slots), device=slots.device)
-        scores += query_attention_mass(q, keys, q_positions, key_positions, visible_prefix)
 
     def copy_blocks(self, kv_caches, copies) -> None:
         if not copies:
@@ -308,10 +231,12 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, attn_metadata, scale):
         md: AttentionMetadata | None = attn_metadata
         if kv_cache is None:
-            if (md is None or md.num_seqs == 1) and self.compiled_prefill is None:
-                return dense_causal_attention(q, k, v, scale)
+            if md is None or md.num_seqs == 1:
+                out = torch.empty_like(q)
+                self._causal(q, k, v, scale, out)
+                return out
             out = torch.empty_like(q)
-            starts = [0, q.shape[0]] if md is None else md.query_start_loc_cpu
+            starts = md.query_start_loc_cpu
             for lo, hi in zip(starts, starts[1:], strict=False):
                 self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi])
             return out
@@ -334,25 +259,50 @@ class TorchAttentionBackend(AttentionBackend):
             else:  # the context is one run of consecutive blocks: a slice of the pool
                 flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
                 keys, values = flat[:, first : first + md.seq_lens_cpu[i]]
-            positions = md.positions[lo:mid]
-            if mid > lo and self.compiled_prefill is not None:
-                self.compiled_prefill(q[lo:mid], keys, values, positions, scale, out[lo:mid])
-            elif mid > lo and groups is None:
-                out[lo:mid] = masked_attention(q[lo:mid], keys, values, positions, scale)
-            elif mid > lo:
-                out[lo:mid] = split_masked_attention(
-                    q[lo:mid], keys, values, positions, scale, groups
-                )
+            if mid > lo:
+                positions = md.positions[lo:mid]
+                self._rows(q[lo:mid], keys, values, positions, scale, out[lo:mid], groups)
             if mid < hi:  # ProphetKV's query rows: their output and their score, one call
-                request, qp = md.query_mass[i], md.positions[mid:hi]
-                args = (q[mid:hi], keys, values, qp, request.visible_prefix, out[mid:hi])
-                mass = query_rows_attention(self.compiled_prefill, *args)
+                request = md.query_mass[i]
+                mass = self._query_rows(
+                    q[mid:hi], keys, values, md.positions[mid:hi], request.visible_prefix,
+                    out[mid:hi],
+                )  # fmt: skip
                 request.scores.add_(mass)
         if plan.decode is not None:
-            decode_attention(q, kv_cache, plan.decode, out, scale)
-        if plan.dense_decode is not None:
-            self.compiled_decode(q, kv_cache, plan.dense_decode, out, scale)
+            self._decode(q, kv_cache, plan.decode, out, scale)
         return out
+
+    # ---- one method per kind of rows (the cpu backend overrides them) -------------------
+    def _causal(self, q, k, v, scale, out) -> None:
+        """``out`` = causal attention of one fresh sequence (positions 0..n-1)."""
+        out.copy_(dense_causal_attention(q, k, v, scale))
+
+    def _plan_rows(self, positions: torch.Tensor, group: int, dtype: torch.dtype) -> Any:
+        """What :meth:`_rows` reuses across a step's layers for rows at ``positions``."""
+        return plan_row_groups(positions, group, dtype) if self._flash_cpu else None
+
+    def _rows(self, q, keys, values, positions, scale, out, plan) -> None:
+        """``out`` = rows of one sequence at ascending ``positions`` over ``keys``/``values``
+        (its context, positions 0..S-1); ``plan``: :meth:`_plan_rows` of the positions."""
+        if plan is None:
+            out.copy_(masked_attention(q, keys, values, positions, scale))
+        else:
+            out.copy_(split_masked_attention(q, keys, values, positions, scale, plan))
+
+    def _query_rows(self, q, keys, values, positions, visible_prefix, out) -> torch.Tensor:
+        """Query rows' attention into ``out`` and the mass [S] float32 they pay each key
+        (scale ``D ** -0.5``, :func:`~blendkv.kernels.attention_mass.attention_with_mass`)."""
+        out[:], mass = attention_with_mass(q, keys, values, positions, visible_prefix)
+        return mass
+
+    def _plan_decode(self, md: AttentionMetadata, seqs: list[int], cache_shape, q) -> Any:
+        """What :meth:`_decode` reuses across a step's layers for the decode rows ``seqs``."""
+        return plan_decode(md, seqs, cache_shape, self._flash_cpu)
+
+    def _decode(self, q, kv_cache, plan, out, scale) -> None:
+        """``out`` at the decode rows of ``plan`` (:meth:`_plan_decode`)."""
+        decode_attention(q, kv_cache, plan, out, scale)
 
     def _build_plan(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepPlan:
         fresh, decode, other = split_by_kind(md)
@@ -363,22 +313,18 @@ class TorchAttentionBackend(AttentionBackend):
             md.query_mass[i].first_row if md.query_mass and i in md.query_mass else starts[i + 1]
             for i in other
         ]
-        row_groups = [
-            plan_row_groups(md.positions[starts[i] : mid], group, q.dtype)
-            if self._split_rows and self.compiled_prefill is None and mid > starts[i]
+        row_plans = [
+            self._plan_rows(md.positions[starts[i] : mid], group, q.dtype)
+            if mid > starts[i]
             else None
             for i, mid in zip(other, scored_from, strict=True)
         ]
         slots = [None] * len(other)
-        if self._split_rows:
+        if self._flash_cpu:
             runs = [block_runs(md, i, cache_shape[2]) for i in other]
             slots = [r[0][0] if len(r) == 1 else None for r in runs]
-        decode_plan, dense = None, None
-        if decode and self.compiled_decode is not None:
-            dense = plan_dense_decode(md, decode, cache_shape[2])
-        elif decode:
-            decode_plan = plan_decode(md, decode, cache_shape, self._split_rows)
-        return _StepPlan(fresh, other, row_groups, decode_plan, slots, scored_from, dense)
+        decode_plan = self._plan_decode(md, decode, cache_shape, q) if decode else None
+        return _StepPlan(fresh, other, row_plans, decode_plan, slots, scored_from)
 
 
 @dataclass(frozen=True)
@@ -387,12 +333,10 @@ class _StepPlan:
 
     fresh_ranges: list[tuple[int, int]]
     other_seqs: list[int]
-    row_groups: list[list[RowGroup] | None]  # per other seq (None: masked SDPA, not the CPU)
-    decode: DecodePlan | None
+    row_groups: list[Any]  # per other seq: its _plan_rows (None: masked SDPA, not the CPU)
+    decode: Any  # _plan_decode of the decode rows, None without any
     # per other seq: its first pool slot when its context is one run of consecutive blocks
     # (read as a slice, not gathered; CPU), else None
     other_slots: list[int | None]
     # per other seq: the row where its query rows scored in attention begin (its end if none)
     scored_from: list[int]
-    # decode rows when compiled decode is on: all of them in one kernel call per layer
-    dense_decode: DenseDecode | None = None

@@ -17,12 +17,6 @@ import torch
 
 from blendkv.config import EngineConfig
 from blendkv.engine.block_manager import BlockManager
-from blendkv.engine.cpu_speedups import (
-    setup_compiled_decode,
-    setup_compiled_prefill,
-    setup_cpu_gemm,
-    setup_mlp_rows,
-)
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
 from blendkv.engine.request_state import RequestState
@@ -90,6 +84,7 @@ class LLMEngine:
         from blendkv.engine.sampler import Sampler
         from blendkv.kernels.attention import KVCacheSpec
         from blendkv.kernels.backends import get_attention_backend
+        from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning, gemm_override
         from blendkv.models.loader import load_model, load_tokenizer, resolve_model
 
         self.config = config
@@ -106,18 +101,11 @@ class LLMEngine:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
-        self.cpu_gemm, self.packed_gemm_rows = setup_cpu_gemm(
-            self.model, config.cpu_gemm, config.packed_gemm_rows, self.torch_dtype, self.device
+        # GEMM library, packed rows, MLP slices: platform decisions, made once here.
+        self.cpu_tuning = decide_cpu_tuning(
+            self.model, self.torch_dtype, self.device, gemm=gemm_override()
         )
-        self.mlp_rows_per_pass = setup_mlp_rows(
-            self.model, config.mlp_rows_per_pass, self.torch_dtype, self.device
-        )
-        self.compile_decode = setup_compiled_decode(
-            self.attn_backend, config.compile_decode, self.torch_dtype, self.device
-        )
-        self.compile_prefill = setup_compiled_prefill(
-            self.attn_backend, config.compile_prefill, self.torch_dtype, self.device
-        )
+        apply_cpu_tuning(self.model, self.cpu_tuning)
         self.hf_config = self.model.config
         self.info = self._runtime_info()
         self.kv_connector = create_kv_connector(

@@ -14,7 +14,7 @@ made on the first call that uses it, so projections never called (the q/k/v of a
 q/k/v, say) cost nothing. Results equal ``F.linear``'s to fp32 rounding; on the embedded
 model's shapes they are bit-identical.
 
-**oneDNN** (``EngineConfig.cpu_gemm="onednn"``, the default on CPUs not made by Intel): every
+**oneDNN** (the choice of :mod:`blendkv.layers.cpu_platform` on CPUs not made by Intel): every
 GEMM, any number of rows, through oneDNN's ``_linear_pointwise`` on a weight reordered once
 (``torch.ops.mkldnn._reorder_linear_weight``, inductor's CPU path). On an AMD EPYC (AVX-512,
 2 threads) MKL's sgemm ran 1.2x-4.8x slower than it at SmolLM2's shapes, from 1 row (lm_head
@@ -63,10 +63,14 @@ class PackedWeight:
 
 
 def onednn_gemm_available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether oneDNN's packed linear can run: float32 or bfloat16 on a CPU build with oneDNN."""
+    """Whether oneDNN's packed linear can run: float32, or bfloat16 on a CPU oneDNN has bf16
+    kernels for (AVX-512 or AVX-NE-CONVERT), on a CPU build with oneDNN."""
     return (
         torch.device(device).type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
+        and (
+            dtype == torch.float32
+            or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        )
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
@@ -136,29 +140,3 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.weight, self.bias)
-
-
-def small_batch_gemms(model: nn.Module) -> list[SmallBatchGemm]:
-    """The packing policy of every linear map of ``model``: its ``Linear`` modules and its
-    fused projections (:class:`~blendkv.layers.fused.FusedLinear`)."""
-    from blendkv.layers.fused import FusedLinear
-
-    gemms = [m.gemm for m in model.modules() if isinstance(m, Linear)]
-    for m in model.modules():
-        gemms += [f.gemm for f in vars(m).values() if isinstance(f, FusedLinear)]
-    return gemms
-
-
-def enable_packed_gemm(model: nn.Module, rows: int) -> None:
-    """Pack (lazily) every linear map of ``model`` for batches of ``rows // 2 + 1 .. rows``
-    rows; 0 switches packing off and frees the packed copies. The weights must not change
-    while packing is on."""
-    for gemm in small_batch_gemms(model):
-        gemm.enable(rows)
-
-
-def enable_onednn_gemm(model: nn.Module) -> None:
-    """Every 2-D GEMM of ``model`` through oneDNN on weights reordered once (lazily). The
-    weights must not change from then on."""
-    for gemm in small_batch_gemms(model):
-        gemm.enable_onednn()

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from blendkv.layers.fused import FusedLinear
 from blendkv.layers.linear import Linear
 
 
@@ -23,14 +24,12 @@ class GatedMLP(nn.Module):
         # ``act(gate) * up`` of the fused gate/up output in one launch (GPUs, SiLU only; set by
         # blendkv.layers.fused_kernels); None = torch ops.
         self.act_and_mul = None
-        # Rows per pass through the MLP (set by blendkv.engine.cpu_speedups on the CPU); more
+        # Rows per pass through the MLP (set by blendkv.layers.cpu_platform on the CPU); more
         # rows than this run in slices of it. None = all rows at once.
         self.rows_per_pass: int | None = None
 
     def fuse(self) -> None:
         """One GEMM for gate/up from now on (parameters become views; names unchanged)."""
-        from blendkv.layers.fused import FusedLinear
-
         self.fused_gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 // Paged decode attention on the CPU: every decode row of a step, one call per layer.
 //
-// Built and loaded at run time by blendkv/kernels/cpu_extension.py (EngineConfig.compile_decode);
-// the reference is dense_decode_attention in blendkv/kernels/compiled_decode.py.
+// Built and loaded at run time by blendkv/kernels/cpu_extension.py (the cpu attention backend);
+// the reference is dense_decode_attention in blendkv/kernels/cpu_decode.py.
 //
 //   q, out   [T, Hq, D]       the step's rows; rows[r] is the r-th decode row
 //   keys     [S, Hkv, D]      one layer's pool (pool slots x kv heads x head dim), values alike

@@ -1,6 +1,6 @@
 // Prefill rows at any ascending positions over one sequence's keys on the CPU, flash style, one
 // call per sequence and layer: fresh prompts, chunked-prefill chunks, prefix-hit tails and
-// CacheBlend's scattered recomputed rows (EngineConfig.compile_prefill).
+// CacheBlend's scattered recomputed rows (the cpu attention backend).
 //
 // Built with decode_attention.cpp by blendkv/kernels/cpu_extension.py; the eager paths it
 // replaces (SDPA's causal flash, blendkv.kernels.split_attention) and a float64 oracle are what

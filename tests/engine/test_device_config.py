@@ -24,7 +24,7 @@ def test_auto_picks_what_torch_sees():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto") == expected
     assert resolve_device("cpu") == "cpu"
-    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("auto", "cpu") == "cpu"
     assert resolve_attention_backend("auto", "cuda:1") == "triton"
     assert resolve_attention_backend("torch", "cuda") == "torch"
 
@@ -66,17 +66,15 @@ def test_the_store_fingerprint_records_the_resolved_dtype(tiny_llama_dir):
     llm.close()
 
 
-def test_compile_decode_needs_the_torch_backend_on_the_cpu_in_fp32_or_bf16(
-    tiny_llama_dir, monkeypatch
-):
-    from blendkv import LLM
+def test_the_cpu_backend_runs_other_dtypes_through_the_torch_reference(tiny_llama_dir):
+    from blendkv import LLM, SamplingParams
 
-    with pytest.raises(ConfigError, match="compile_decode needs dtype float32 or bfloat16"):
-        LLM(str(tiny_llama_dir), compile_decode=True, dtype="float16")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ConfigError, match="torch attention backend on the CPU"):
-        LLM(str(tiny_llama_dir), compile_decode=True, attention_backend="triton", device="cpu")
-    # None (the default) switches it on only where it applies, silently elsewhere
-    llm = LLM(str(tiny_llama_dir), attention_backend="triton", device="cpu")
-    assert llm.engine.compile_decode is False
+    llm = LLM(str(tiny_llama_dir), attention_backend="cpu", dtype="float16")
+    assert llm.engine.attn_backend.name == "cpu"
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
     llm.close()
+    from blendkv.kernels.backends import get_attention_backend
+
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        get_attention_backend("cpu", "cuda")

@@ -39,17 +39,17 @@ ENGINE_SETUPS = {
     "preemption": dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=64),
     "chunked": dict(max_num_batched_tokens=16, block_size=4),
     "no-prefix-cache": dict(enable_prefix_caching=False, block_size=8),
-    # decode steps of 6 rows and prefill chunks of 8 go through MKL-packed weights
-    "packed-gemm": dict(packed_gemm_rows=8, max_num_batched_tokens=8),
     # decode rows through the C++ kernel, next to prefill chunks in the same steps
-    "compiled-decode": dict(compile_decode=True, max_num_batched_tokens=16, block_size=4),
+    "cpu-kernels": dict(attention_backend="cpu", max_num_batched_tokens=16, block_size=4),
+    # the plain-torch reference attention
+    "torch-reference": dict(attention_backend="torch", max_num_batched_tokens=16, block_size=4),
 }
 
 
 @pytest.mark.parametrize(
     "setup",
     [
-        pytest.param(s, marks=needs_cpp_compiler) if s == "compiled-decode" else s
+        pytest.param(s, marks=needs_cpp_compiler) if s == "cpu-kernels" else s
         for s in sorted(ENGINE_SETUPS)
     ],
 )
@@ -60,8 +60,8 @@ def test_batch_matches_transformers(model_and_refs, setup):
     for out, ref in zip(outs, refs, strict=True):
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].finish_reason == "length"
-    if setup == "compiled-decode":
-        assert llm.engine.attn_backend.compiled_decode is not None
+    if setup == "cpu-kernels":
+        assert llm.engine.attn_backend.decode_kernel is not None
     preemptions = sum(o.metrics.num_preemptions for o in outs)
     if setup == "preemption":
         assert preemptions > 0, "the pool is meant to be too small for all six at once"

@@ -9,12 +9,14 @@ from helpers import needs_cpp_compiler
 
 from blendkv.kernels.attention import AttentionMetadata, QueryMassRequest
 from blendkv.kernels.attention_mass import attention_with_mass, query_attention_mass
+from blendkv.kernels.cpu_attention import CpuAttentionBackend
+from blendkv.kernels.cpu_decode import DenseDecode
 from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
 from blendkv.kernels.torch_attention import TorchAttentionBackend, masked_attention
 
 
 @pytest.mark.parametrize("num_rows", [5, 200, 700])
-def test_masked_attention_grouped_rows(num_rows):
+def test_masked_attention_rows(num_rows):
     gen = torch.Generator().manual_seed(num_rows)
     n_keys = 900
     q = torch.randn(num_rows, 6, 16, generator=gen)
@@ -199,15 +201,13 @@ def test_paged_backend_mixed_step(layout, scored, compiled):
             i: QueryMassRequest(starts[i] + r, torch.zeros(lens[i]), int(queries[i][r]) + 1)
             for i, r in scored_rows.items()
         }
-    backend = TorchAttentionBackend()
-    if compiled:
-        backend.enable_compiled_prefill()
+    backend = CpuAttentionBackend(prefill_kernel=True) if compiled else TorchAttentionBackend()
     d_scale = d**-0.5
     out = backend.forward(q, k_new, v_new, cache, md, d_scale)
     plan = backend._step_plans.get(md, cache.shape[1], None)
     sliced = [first is not None for first in plan.other_slots]
     assert sliced == ([True, True] if layout == "runs" else [False, False])
-    if layout == "runs":
+    if layout == "runs" and not compiled:  # (compiled: decode rows through the C++ kernel)
         assert len(plan.decode.in_place) == 2 and not plan.decode.groups
     for i in range(4):
         ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], d_scale)
@@ -269,13 +269,11 @@ def test_paged_backend_many_decodes_with_a_prefill(compiled):
     )
     k_new = torch.cat([full[i][0][queries[i]] for i in range(len(lens))])
     v_new = torch.cat([full[i][1][queries[i]] for i in range(len(lens))])
-    backend = TorchAttentionBackend()
-    if compiled:
-        backend.enable_compiled_decode()
+    backend = CpuAttentionBackend() if compiled else TorchAttentionBackend()
     for _layer in range(2):
         out = backend.forward(q, k_new, v_new, cache, md, 0.25)
         plan = backend._step_plans.get(md, cache.shape[1], None)
-        assert (plan.dense_decode is not None) == compiled and (plan.decode is None) == compiled
+        assert isinstance(plan.decode, DenseDecode) == compiled
         for i in range(len(lens)):
             ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
             got = out[starts[i] : starts[i + 1]].double()
@@ -369,7 +367,7 @@ def test_dense_decode_attention_equals_the_oracle():
     """The C++ kernel's reference: rows padded to the longest context, keys read through slots
     (two rows share blocks), GQA 3:1; padding slots point at other rows' keys and must not
     count."""
-    from blendkv.kernels.compiled_decode import dense_decode_attention
+    from blendkv.kernels.cpu_decode import dense_decode_attention
 
     gen = torch.Generator().manual_seed(7)
     hkv, g, d = 2, 3, 16

@@ -74,22 +74,32 @@ def capture(
 
 def golden_llm(model: str | None = None):
     """The engine the goldens are captured with: float32, 2 threads, no prefix cache, MKL's
-    GEMMs and the flash attention calls, every row through the last layer (as when they were
-    recorded; the pruned last layer is held to this path in tests/models/test_prune_last_layer);
-    blocks of 4 tokens for the tiny models, 16 for the embedded one (``model=None``)."""
-    from blendkv import LLM
+    GEMMs (``BLENDKV_CPU_GEMM=mkl``, read once while the engine is built) and the torch
+    reference attention, every row through the last layer (as when they were recorded; the
+    pruned last layer is held to this path in tests/models/test_prune_last_layer); blocks of 4
+    tokens for the tiny models, 16 for the embedded one (``model=None``)."""
+    import os
 
-    return LLM(
-        model,
-        dtype="float32",
-        block_size=16 if model is None else 4,
-        num_threads=2,
-        enable_prefix_caching=False,
-        cpu_gemm="mkl",
-        compile_decode=False,
-        compile_prefill=False,
-        prune_last_layer=False,
-    )
+    from blendkv import LLM
+    from blendkv.layers.cpu_platform import GEMM_ENV
+
+    before = os.environ.get(GEMM_ENV)
+    os.environ[GEMM_ENV] = "mkl"
+    try:
+        return LLM(
+            model,
+            dtype="float32",
+            block_size=16 if model is None else 4,
+            num_threads=2,
+            enable_prefix_caching=False,
+            attention_backend="torch",
+            prune_last_layer=False,
+        )
+    finally:
+        if before is None:
+            del os.environ[GEMM_ENV]
+        else:
+            os.environ[GEMM_ENV] = before
 
 
 def cpu_kind() -> str:

@@ -1,5 +1,5 @@
 """The C++ K/V correction (``torch.ops.blendkv_cpu.shift_kept_rows``, the CPU backend's
-``shift_kept_rows`` with the prefill kernels on) against the torch code of
+``shift_kept_rows``) against the torch code of
 ``correct_kept_rows``, which it replaces."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from helpers import needs_cpp_compiler
 
 from blendkv.blend.correction import Rows, correct_kept_rows
+from blendkv.kernels.cpu_attention import CpuAttentionBackend
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 from blendkv.layers.rotary import RotaryEmbedding
 
@@ -39,8 +40,7 @@ def _case(dtype, rope_scaling=None, seed=4):
     fused = torch.randn(25, 3 * kv_heads, dim, generator=g).to(dtype)
     k, v = fused[:, :kv_heads], fused[:, kv_heads : 2 * kv_heads]
     rows = torch.tensor([0, 2, 3, 6, 8, 11, 12, 15, 20, 24])
-    cpp = TorchAttentionBackend("cpu")
-    cpp.enable_compiled_prefill()
+    cpp = CpuAttentionBackend("cpu")
     return (
         rope,
         pool,
@@ -62,14 +62,14 @@ def test_cpp_correction_matches_the_torch_code(dtype, which):
     segments = torch.tensor([0, 4, 4, 7, 10], dtype=torch.int32)  # what the row plan passes
     rec = rec._replace(segments=segments)
     calls = []
-    original = cpp.compiled_prefill.ops
+    original = cpp.ops
 
     class Spy:  # the kernel must be the one that ran
         def __getattr__(self, name):
             calls.append(name)
             return getattr(original, name)
 
-    cpp.compiled_prefill.ops = Spy()
+    cpp.ops = Spy()
     correct_kept_rows(cpp, rope, actual, which, 8.0, rec, k, v, kept, 4)
     assert calls == ["shift_kept_rows"]
     assert not torch.equal(expected, pool)
@@ -101,12 +101,12 @@ def test_cpp_correction_rejects_bad_rows():
     cos, sin = rope.tables("cpu")
     bad = kept._replace(slots=kept.slots + 10_000)
     with pytest.raises(RuntimeError, match="slot out of the pool"):
-        cpp.compiled_prefill.ops.shift_kept_rows(
+        cpp.ops.shift_kept_rows(
             pool, 1, 8.0, k, v, rec.rows, rec.slots, rec.positions, rec.chunk_ids, bad.slots,
             bad.positions, bad.chunk_ids, 4, cos, sin, 1.0,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="chunk index"):
-        cpp.compiled_prefill.ops.shift_kept_rows(
+        cpp.ops.shift_kept_rows(
             pool, 1, 8.0, k, v, rec.rows, rec.slots, rec.positions, rec.chunk_ids, kept.slots,
             kept.positions, kept.chunk_ids, 2, cos, sin, 1.0,
         )  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 from helpers import needs_cpp_compiler
 
 from blendkv.kernels import cpu_extension
-from blendkv.kernels.compiled_decode import CompiledDecode, DenseDecode, dense_decode_attention
+from blendkv.kernels.cpu_decode import DecodeKernel, DenseDecode, dense_decode_attention
 
 pytestmark = needs_cpp_compiler
 
@@ -83,7 +83,7 @@ def test_kernel_with_many_rows_of_mixed_lengths():
     torch.testing.assert_close(out.double(), ref.reshape(len(lens), -1, d), atol=1e-5, rtol=0)
 
 
-def test_compiled_decode_reads_the_layer_pool_and_a_strided_q():
+def test_decode_kernel_reads_the_layer_pool_and_a_strided_q():
     """Through the backend's wrapper: a [2, blocks, block_size, Hkv, D] layer cache and a q
     sliced out of a wider tensor (not contiguous)."""
     hkv, g, d = 3, 3, 64
@@ -93,7 +93,7 @@ def test_compiled_decode_reads_the_layer_pool_and_a_strided_q():
     strided_q = wide[:, : hkv * g]
     assert not strided_q.is_contiguous()
     out = torch.zeros_like(q)
-    CompiledDecode()(strided_q, cache, plan, out, 0.125)
+    DecodeKernel()(strided_q, cache, plan, out, 0.125)
     ref = dense_decode_attention(
         q[plan.rows].view(-1, hkv, g, d), pool[0], pool[1], plan.slots, plan.lens, 0.125
     )
@@ -154,40 +154,47 @@ def test_the_build_is_cached_and_a_broken_cache_is_built_again(tmp_path):
     assert path.read_bytes()[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("what", ["decode", "prefill"])
-@pytest.mark.parametrize("wanted", [True, None], ids=["asked-for", "auto"])
-def test_the_engine_runs_eager_attention_when_the_kernel_cannot_be_built(
-    wanted, what, monkeypatch, caplog
-):
-    """Asked for (True): a warning; by default (None): an info line. Both run the flash calls."""
-    from blendkv.engine import cpu_speedups
-    from blendkv.kernels.torch_attention import TorchAttentionBackend
+def test_the_cpu_backend_runs_the_reference_when_the_kernels_cannot_be_built(monkeypatch, caplog):
+    """A warning says why; every op then runs the torch reference."""
+    from blendkv.kernels.cpu_attention import CpuAttentionBackend
 
     def fail():
         raise cpu_extension.CPUKernelBuildError("no C++ compiler found")
 
     monkeypatch.setattr(cpu_extension, "load_ops", fail)
-    backend = TorchAttentionBackend()
-    setup = getattr(cpu_speedups, f"setup_compiled_{what}")
-    with caplog.at_level(logging.INFO, logger="blendkv.engine.cpu_speedups"):
-        assert setup(backend, wanted, torch.float32, "cpu") is False
-    assert getattr(backend, f"compiled_{what}") is None
+    with caplog.at_level(logging.INFO, logger="blendkv.kernels.cpu_attention"):
+        backend = CpuAttentionBackend(prefill_kernel=True)
+    assert backend.ops is None and backend.decode_kernel is None and backend.rows_kernel is None
+    assert not backend.fused_chunk_shift
     (record,) = caplog.records
-    assert record.levelno == (logging.WARNING if wanted else logging.INFO)
-    assert f"{what} runs the eager flash calls: no C++ compiler found" in record.getMessage()
+    assert record.levelno == logging.WARNING
+    assert "attention runs torch: no C++ compiler found" in record.getMessage()
 
 
-def test_the_engine_builds_the_kernel_by_default_on_the_cpu(tiny_llama_dir):
+def test_the_engine_takes_the_cpu_backend_by_default_on_the_cpu(tiny_llama_dir):
     from blendkv import LLM
 
     for dtype in ("float32", "bfloat16"):
         llm = LLM(str(tiny_llama_dir), dtype=dtype)
-        assert llm.engine.compile_decode and llm.engine.attn_backend.compiled_decode is not None
-        assert llm.engine.compile_prefill and llm.engine.attn_backend.compiled_prefill is not None
+        assert llm.engine.attn_backend.name == "cpu"
+        assert llm.engine.attn_backend.decode_kernel is not None
         llm.close()
-    llm = LLM(str(tiny_llama_dir), dtype="float32", compile_prefill=False)
-    assert not llm.engine.compile_prefill and llm.engine.attn_backend.compiled_prefill is None
+    llm = LLM(str(tiny_llama_dir), dtype="float32", attention_backend="torch")
+    assert llm.engine.attn_backend.name == "torch"
+    assert not hasattr(llm.engine.attn_backend, "decode_kernel")
     llm.close()
-    llm = LLM(str(tiny_llama_dir), dtype="float32", compile_decode=False)
-    assert not llm.engine.compile_decode and llm.engine.attn_backend.compiled_decode is None
-    llm.close()
+
+
+def test_the_cpu_backend_runs_the_reference_for_other_dtypes(caplog):
+    """float16: the decode plan is the reference's, logged once."""
+    from blendkv.kernels.cpu_attention import CpuAttentionBackend
+    from blendkv.kernels.cpu_decode import DenseDecode as Dense
+
+    backend = CpuAttentionBackend()
+    cache = torch.zeros(2, 8, 4, 1, 16)
+    md = backend.build_metadata([5, 2], [1, 1], [[0, 1], [2]], 4)
+    with caplog.at_level(logging.INFO, logger="blendkv.kernels.cpu_attention"):
+        for dtype in (torch.float16, torch.float16, torch.float32):
+            plan = backend._plan_decode(md, [0, 1], cache.shape, torch.zeros(2, 2, 16, dtype=dtype))
+            assert isinstance(plan, Dense) == (dtype == torch.float32)
+    assert len(caplog.records) == 1 and "not torch.float16" in caplog.records[0].getMessage()

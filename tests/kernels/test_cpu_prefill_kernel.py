@@ -9,7 +9,7 @@ import torch
 from helpers import dense_attention_reference as dense_reference
 from helpers import needs_cpp_compiler
 
-from blendkv.kernels.compiled_prefill import BLOCK_ROWS, CompiledPrefill
+from blendkv.kernels.cpu_prefill import BLOCK_ROWS, RowsKernel
 
 pytestmark = needs_cpp_compiler
 
@@ -42,7 +42,7 @@ def test_rows_attention_equals_the_oracle(heads, dtype, layout):
     k = torch.randn(n_keys, hkv, d, generator=gen).to(dtype)
     v = torch.randn(n_keys, hkv, d, generator=gen).to(dtype)
     out = torch.full_like(q, float("nan"))
-    CompiledPrefill()(q, k, v, positions, d**-0.5, out)
+    RowsKernel()(q, k, v, positions, d**-0.5, out)
     ref = dense_reference(q, k, v, positions, d**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
@@ -75,8 +75,8 @@ def test_rows_attention_adds_the_mass_the_rows_pay_each_key(heads, dtype, layout
     v = torch.randn(n_keys, hkv, d, generator=gen).to(dtype)
     out, alone = torch.empty_like(q), torch.empty_like(q)
     mass = torch.full((n_keys,), 0.5)
-    CompiledPrefill()(q, k, v, positions, d**-0.5, out, mass)
-    CompiledPrefill()(q, k, v, positions, d**-0.5, alone)
+    RowsKernel()(q, k, v, positions, d**-0.5, out, mass)
+    RowsKernel()(q, k, v, positions, d**-0.5, alone)
     assert torch.equal(out, alone)
     want = _mass_oracle(q, k, positions, d**-0.5) + 0.5
     torch.testing.assert_close(mass.double(), want, atol=1e-5, rtol=1e-5)
@@ -84,9 +84,10 @@ def test_rows_attention_adds_the_mass_the_rows_pay_each_key(heads, dtype, layout
 
 
 def test_query_rows_attention_matches_the_torch_product():
-    """The backend's ProphetKV call: the C++ kernel's output and mass against
-    ``attention_with_mass`` (the eager path)."""
-    from blendkv.kernels.attention_mass import query_rows_attention
+    """The cpu backend's ProphetKV rows: the C++ kernel's output and mass against the torch
+    reference's ``attention_with_mass``."""
+    from blendkv.kernels.cpu_attention import CpuAttentionBackend
+    from blendkv.kernels.torch_attention import TorchAttentionBackend
 
     gen = torch.Generator().manual_seed(7)
     q, k, v = (
@@ -96,9 +97,11 @@ def test_query_rows_attention_matches_the_torch_product():
     )
     positions = torch.arange(660, 700)
     outs, masses = [], []
-    for compiled in (CompiledPrefill(), None):
+    cpu = CpuAttentionBackend(prefill_kernel=True)
+    assert cpu.rows_kernel is not None
+    for backend in (cpu, TorchAttentionBackend()):
         out = torch.empty_like(q)
-        masses.append(query_rows_attention(compiled, q, k, v, positions, 660, out))
+        masses.append(backend._query_rows(q, k, v, positions, 660, out))
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
     torch.testing.assert_close(masses[0], masses[1], atol=1e-5, rtol=1e-5)
@@ -108,7 +111,7 @@ def test_rows_attention_refuses_a_bad_mass():
     q, k = torch.randn(2, 2, 16), torch.randn(20, 1, 16)
     for bad in (torch.zeros(19), torch.zeros(20, dtype=torch.float64), torch.zeros(40)[::2]):
         with pytest.raises(RuntimeError, match="mass"):
-            CompiledPrefill()(q, k, k, torch.tensor([0, 1]), 0.25, torch.empty_like(q), bad)
+            RowsKernel()(q, k, k, torch.tensor([0, 1]), 0.25, torch.empty_like(q), bad)
 
 
 def test_rows_attention_writes_a_strided_out_and_reads_strided_inputs():
@@ -117,7 +120,7 @@ def test_rows_attention_writes_a_strided_out_and_reads_strided_inputs():
     fused = torch.randn(50, 9 + 3 + 3, 64, generator=gen)
     q, k, v = fused[:, :9], fused[:, 9:12], fused[:, 12:]
     out = torch.zeros(50, 2, 9, 64)[:, 1]
-    CompiledPrefill().causal(q, k, v, 0.125, out)
+    RowsKernel().causal(q, k, v, 0.125, out)
     ref = dense_reference(q, k, v, torch.arange(50), 0.125)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
@@ -129,22 +132,25 @@ def test_rows_attention_writes_a_strided_out_and_reads_strided_inputs():
 def test_rows_attention_refuses_bad_positions(positions, message):
     q, k = torch.randn(2, 2, 16), torch.randn(20, 1, 16)
     with pytest.raises(RuntimeError, match=message):
-        CompiledPrefill()(q, k, k, torch.tensor(positions), 0.25, torch.empty_like(q))
+        RowsKernel()(q, k, k, torch.tensor(positions), 0.25, torch.empty_like(q))
 
 
 def test_rows_attention_refuses_mixed_dtypes():
     q, k = torch.randn(2, 2, 16), torch.randn(20, 1, 16)
     with pytest.raises(RuntimeError, match="one dtype"):
-        CompiledPrefill()(q, k.bfloat16(), k, torch.tensor([0, 1]), 0.25, torch.empty_like(q))
+        RowsKernel()(q, k.bfloat16(), k, torch.tensor([0, 1]), 0.25, torch.empty_like(q))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_with_the_kernel_equals_the_engine_without(tiny_llama_dir, dtype):
+def test_engine_with_the_kernel_equals_the_engine_without(tiny_llama_dir, dtype, monkeypatch):
     """A chunked prefill (fresh first chunk, then chunks over cached keys), a shared prefix and
     decode: the same greedy tokens as with SDPA, and logits as near the float32 SDPA engine's
     (float32: within 1e-4; bfloat16: no further than SDPA's own bfloat16 logits, up to a
     rounding step, as the kernel accumulates in float32)."""
+    import blendkv.kernels.cpu_attention as cpu_attention
     from blendkv import LLM, SamplingParams
+
+    monkeypatch.setattr(cpu_attention, "rows_kernel_wins", lambda: True)  # any CPU
 
     prompts = [list(range(5, 300)), list(range(5, 200)) + [7, 8, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=6)
@@ -157,11 +163,11 @@ def test_engine_with_the_kernel_equals_the_engine_without(tiny_llama_dir, dtype)
         llm = LLM(
             str(tiny_llama_dir),
             dtype=run_dtype,
-            compile_prefill=compiled,
+            attention_backend="cpu" if compiled else "torch",
             max_num_batched_tokens=128,
             block_size=16,
         )
-        assert llm.engine.compile_prefill is compiled
+        assert (getattr(llm.engine.attn_backend, "rows_kernel", None) is not None) is compiled
         got = llm.generate(prompts, params, logits_from=0)
         outs[name] = [(o.outputs[0].token_ids, o.extra["prompt_logits"].float()) for o in got]
         llm.close()
@@ -187,7 +193,7 @@ def test_bfloat16_output_is_the_oracle_rounded_once():
     v = torch.randn(n, 3, d, generator=gen).bfloat16()
     ref = dense_reference(q, k, v, torch.arange(n), d**-0.5)
     out = torch.empty_like(q)
-    CompiledPrefill().causal(q, k, v, d**-0.5, out)
+    RowsKernel().causal(q, k, v, d**-0.5, out)
     kernel_err = (out.double() - ref).abs().mean()
     sdpa_err = (dense_causal_attention(q, k, v, d**-0.5).double() - ref).abs().mean()
     rounding = (ref.bfloat16().double() - ref).abs().mean()

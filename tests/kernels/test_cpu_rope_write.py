@@ -9,7 +9,7 @@ import torch
 from helpers import needs_cpp_compiler
 
 from blendkv.kernels.attention import AttentionBackend
-from blendkv.kernels.compiled_blend import rope_write_applies
+from blendkv.kernels.cpu_blend import rope_write_applies
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 
 pytestmark = needs_cpp_compiler
@@ -53,19 +53,20 @@ def test_rope_write_kv_writes_the_reference_bits(ops, dtype, heads, head_dim):
     assert actual[0].abs().sum() == 0 and actual[1].abs().sum() > 0  # layers 1.. only
 
 
-def test_backend_loads_through_the_kernel_when_compiled_prefill_is_on(ops, monkeypatch):
-    """``load_rotated_kv`` takes the kernel with ``enable_compiled_prefill`` (and writes the
-    same bits as without it); arguments the kernel does not take (a float16 pool) still load."""
-    import blendkv.kernels.compiled_blend as compiled_blend
+def test_the_cpu_backend_loads_through_the_kernel(ops, monkeypatch):
+    """The cpu backend's ``load_rotated_kv`` takes the kernel (and writes the same bits as the
+    torch reference); arguments the kernel does not take (a float16 pool) still load."""
+    import blendkv.kernels.cpu_blend as cpu_blend
+    from blendkv.kernels.cpu_attention import CpuAttentionBackend
 
     pool, kv, positions, slots, (cos, sin) = _case(torch.float32, seed=3)
     backend = TorchAttentionBackend("cpu")
     reference = [p.clone() for p in pool]
     backend.load_rotated_kv(reference, 1, kv, positions, slots, cos, sin)
-    backend.enable_compiled_prefill()
+    backend = CpuAttentionBackend("cpu")
     calls = []
     monkeypatch.setattr(
-        compiled_blend, "rope_write_applies", lambda *a: calls.append(a) or rope_write_applies(*a)
+        cpu_blend, "rope_write_applies", lambda *a: calls.append(a) or rope_write_applies(*a)
     )
     actual = [p.clone() for p in pool]
     backend.load_rotated_kv(actual, 1, kv, positions, slots, cos, sin)

@@ -1,5 +1,5 @@
-"""MLP passes in row slices (``EngineConfig.mlp_rows_per_pass``, GatedMLP.rows_per_pass): equal
-slices of at most the limit, the rows' values of one pass, the engine's CPU default from the
+"""MLP passes in row slices (GatedMLP.rows_per_pass, set by
+:mod:`blendkv.layers.cpu_platform`): equal slices of at most the limit, the rows' values of one pass, the engine's CPU default from the
 byte budget and the same greedy tokens end to end."""
 
 from __future__ import annotations
@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from blendkv import LLM, SamplingParams
-from blendkv.engine.cpu_speedups import MLP_PASS_BYTES, setup_mlp_rows
-from blendkv.errors import ConfigError
+from blendkv.layers.cpu_platform import (
+    MLP_PASS_BYTES,
+    CpuTuning,
+    apply_cpu_tuning,
+    mlp_rows_per_pass,
+)
 from blendkv.layers.mlp import GatedMLP
 
 
@@ -38,26 +42,27 @@ def test_rows_run_in_equal_slices_with_one_pass_values(fused, n, slices):
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
 
 
-def test_setup_sizes_passes_from_the_byte_budget_on_the_cpu_only():
+def test_passes_are_sized_from_the_byte_budget_on_the_cpu_only():
     model = torch.nn.ModuleList([_mlp(False), _mlp(True)])
     row_bytes = 2 * 80 * 4
-    assert setup_mlp_rows(model, None, torch.float32, "cpu") == MLP_PASS_BYTES // row_bytes
-    assert all(m.rows_per_pass == MLP_PASS_BYTES // row_bytes for m in model)
-    assert setup_mlp_rows(model, None, torch.bfloat16, "cpu") == MLP_PASS_BYTES // (row_bytes // 2)
-    assert setup_mlp_rows(model, 0, torch.float32, "cpu") == 0
+    assert mlp_rows_per_pass(model, torch.float32, "cpu") == MLP_PASS_BYTES // row_bytes
+    assert mlp_rows_per_pass(model, torch.bfloat16, "cpu") == MLP_PASS_BYTES // (row_bytes // 2)
+    assert mlp_rows_per_pass(model, torch.float32, "cuda") == 0  # the caching allocator
+    apply_cpu_tuning(model, CpuTuning("torch", 0, 96))
+    assert all(m.rows_per_pass == 96 for m in model)
+    apply_cpu_tuning(model, CpuTuning("torch", 0, 0))
     assert all(m.rows_per_pass is None for m in model)
-    assert setup_mlp_rows(model, 96, torch.float32, "cuda") == 96  # asked for: set anywhere
-    assert setup_mlp_rows(model, None, torch.float32, "cuda") == 0  # the caching allocator
 
 
 def test_engine_slices_prefill_rows_with_the_same_greedy_tokens(tiny_llama_dir):
-    assert LLM(str(tiny_llama_dir), dtype="float32").engine.mlp_rows_per_pass > 0
+    assert LLM(str(tiny_llama_dir), dtype="float32").engine.cpu_tuning.mlp_rows_per_pass > 0
     prompts = [[3 + (7 * i) % 50 for i in range(90)], [5, 9, 11] * 20]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
     results = {}
     for rows in (0, 8):
-        llm = LLM(str(tiny_llama_dir), dtype="float32", mlp_rows_per_pass=rows)
-        assert llm.engine.mlp_rows_per_pass == rows
+        llm = LLM(str(tiny_llama_dir), dtype="float32")
+        tuning = llm.engine.cpu_tuning
+        apply_cpu_tuning(llm.engine.model, CpuTuning(tuning.gemm, tuning.packed_gemm_rows, rows))
         down = llm.engine.model.model.layers[0].mlp.down_proj
         seen = []
         down.register_forward_hook(lambda m, args, out, seen=seen: seen.append(args[0].shape[0]))
@@ -69,9 +74,3 @@ def test_engine_slices_prefill_rows_with_the_same_greedy_tokens(tiny_llama_dir):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             for tok in la:
                 assert la[tok] == pytest.approx(lb[tok], abs=1e-4)
-
-
-@pytest.mark.parametrize("rows", [-1, 1.5])
-def test_bad_rows_per_pass_is_a_config_error(tiny_llama_dir, rows):
-    with pytest.raises(ConfigError, match="mlp_rows_per_pass"):
-        LLM(str(tiny_llama_dir), mlp_rows_per_pass=rows)

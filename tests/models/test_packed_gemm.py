@@ -1,6 +1,6 @@
 """Packed GEMMs (blendkv.layers.linear): same results as ``F.linear``; MKL's used only for the
 batch sizes they were packed for, oneDNN's for every batch; packed lazily, and switched on by
-the engine only where they run (``EngineConfig.cpu_gemm``, ``packed_gemm_rows``)."""
+the engine only where they run (:mod:`blendkv.layers.cpu_platform`, ``$BLENDKV_CPU_GEMM``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,13 @@ import torch.nn.functional as F
 
 from blendkv import LLM, SamplingParams
 from blendkv.errors import ConfigError
+from blendkv.layers.cpu_platform import (
+    GEMM_ENV,
+    CpuTuning,
+    apply_cpu_tuning,
+    resolve_gemm,
+    small_batch_gemms,
+)
 from blendkv.layers.fused import FusedLinear
 from blendkv.layers.linear import (
     Linear,
@@ -19,7 +26,6 @@ from blendkv.layers.linear import (
     cpu_vendor,
     onednn_gemm_available,
     packed_gemm_available,
-    small_batch_gemms,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -70,13 +76,15 @@ def _modules_packed(llm) -> int:
     return sum(g.packed is not None for g in small_batch_gemms(llm.engine.model))
 
 
-def test_engine_decodes_through_packed_weights_with_the_same_tokens(tiny_qwen2_dir):
+def test_engine_decodes_through_packed_weights_with_the_same_tokens(tiny_qwen2_dir, monkeypatch):
     prompts = [[3 + i, 40 + 2 * i, 7, 90 + i] for i in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     results = {}
+    monkeypatch.setenv(GEMM_ENV, "mkl")
     for rows in (0, 16):
-        llm = LLM(str(tiny_qwen2_dir), dtype="float32", packed_gemm_rows=rows, cpu_gemm="mkl")
-        assert llm.engine.packed_gemm_rows == rows
+        llm = LLM(str(tiny_qwen2_dir), dtype="float32")
+        tuning = llm.engine.cpu_tuning
+        apply_cpu_tuning(llm.engine.model, CpuTuning("mkl", rows, tuning.mlp_rows_per_pass))
         results[rows] = llm.generate(prompts, params)
         # decode steps of 10 rows: fused q/k/v (biased), o, fused gate/up and down in each
         # layer, and lm_head; the unfused q/k/v/gate/up are never called, never packed
@@ -91,20 +99,17 @@ def test_engine_decodes_through_packed_weights_with_the_same_tokens(tiny_qwen2_d
                 assert la[tok] == pytest.approx(lb[tok], abs=1e-4)
 
 
-def test_engine_packs_by_default_on_the_cpu_in_float32_only(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", cpu_gemm="mkl")
-    assert llm.engine.packed_gemm_rows == 32
-    llm.close()
-    llm = LLM(str(tiny_llama_dir), dtype="float32", packed_gemm_rows=16)  # MKL's, tuned
-    assert (llm.engine.cpu_gemm, llm.engine.packed_gemm_rows) == ("mkl", 16)
+def test_engine_packs_by_default_on_the_cpu_in_float32_only(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv(GEMM_ENV, "mkl")
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    assert llm.engine.cpu_tuning.packed_gemm_rows == 32
     llm.close()
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16")
-    assert llm.engine.packed_gemm_rows == 0
+    assert llm.engine.cpu_tuning.packed_gemm_rows == 0
     llm.close()
-    with pytest.raises(ConfigError, match="packed_gemm_rows=32 needs float32"):
-        LLM(str(tiny_llama_dir), dtype="bfloat16", packed_gemm_rows=32)
-    with pytest.raises(ConfigError, match="packed_gemm_rows"):
-        LLM(str(tiny_llama_dir), packed_gemm_rows=-1)
+    monkeypatch.setenv(GEMM_ENV, "blas")
+    with pytest.raises(ConfigError, match="BLENDKV_CPU_GEMM must be one of"):
+        LLM(str(tiny_llama_dir))
 
 
 def test_small_batch_gemm_is_off_until_enabled():
@@ -117,10 +122,13 @@ def test_small_batch_gemm_is_off_until_enabled():
 onednn = pytest.mark.skipif(
     not onednn_gemm_available(torch.float32, "cpu"), reason="this torch build has no oneDNN"
 )
+onednn_bf16 = pytest.mark.skipif(
+    not onednn_gemm_available(torch.bfloat16, "cpu"), reason="no oneDNN bf16 kernels on this CPU"
+)
 
 
 @onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=onednn_bf16)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m", [1, 7, 32, 100])
 def test_onednn_weight_matches_linear_for_any_batch(dtype, bias, m):
@@ -152,18 +160,19 @@ def test_onednn_gemm_packs_lazily_and_serves_every_batch():
 
 
 @onednn
-def test_engine_with_onednn_gemms_decodes_the_same_tokens(tiny_qwen2_dir):
+def test_engine_with_onednn_gemms_decodes_the_same_tokens(tiny_qwen2_dir, monkeypatch):
     """Every linear map (the biased fused q/k/v too) through oneDNN, prefill and decode: the
     same greedy tokens as MKL's, logprobs within fp32 rounding."""
     prompts = [[3 + i, 40 + 2 * i, 7, 90 + i] for i in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     results = {}
     for gemm in ("mkl", "onednn"):
-        llm = LLM(str(tiny_qwen2_dir), dtype="float32", cpu_gemm=gemm)
-        assert llm.engine.cpu_gemm == gemm
+        monkeypatch.setenv(GEMM_ENV, gemm)
+        llm = LLM(str(tiny_qwen2_dir), dtype="float32")
+        assert llm.engine.cpu_tuning.gemm == gemm
         results[gemm] = llm.generate(prompts, params)
         if gemm == "onednn":
-            assert llm.engine.packed_gemm_rows == 0
+            assert llm.engine.cpu_tuning.packed_gemm_rows == 0
             assert _modules_packed(llm) == 4 * llm.engine.info.num_layers + 1
         llm.close()
     for a, b in zip(results["mkl"], results["onednn"], strict=True):
@@ -174,45 +183,41 @@ def test_engine_with_onednn_gemms_decodes_the_same_tokens(tiny_qwen2_dir):
 
 
 @onednn
-def test_cpu_gemm_choice_and_errors(tiny_llama_dir):
-    """auto: oneDNN except on Intel CPUs (where MKL's packed GEMMs were measured); bfloat16
+def test_cpu_gemm_choice_and_errors(tiny_llama_dir, monkeypatch):
+    """Unset: oneDNN except on Intel CPUs (where MKL's packed GEMMs were measured); bfloat16
     packs too; float16 does not run there."""
+    monkeypatch.delenv(GEMM_ENV, raising=False)
     llm = LLM(str(tiny_llama_dir), dtype="float32")
     want = "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
-    assert llm.engine.cpu_gemm == want
+    assert llm.engine.cpu_tuning.gemm == want
     llm.close()
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", cpu_gemm="onednn")
-    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
-    assert _modules_packed(llm) > 0
-    llm.close()
-    with pytest.raises(ConfigError, match="cpu_gemm='onednn' needs float32 or bfloat16"):
-        LLM(str(tiny_llama_dir), dtype="float16", cpu_gemm="onednn")
-    with pytest.raises(ConfigError, match="packed_gemm_rows sets MKL"):
-        LLM(str(tiny_llama_dir), dtype="float32", cpu_gemm="onednn", packed_gemm_rows=32)
-    with pytest.raises(ConfigError, match="cpu_gemm must be one of"):
-        LLM(str(tiny_llama_dir), cpu_gemm="blas")
+    monkeypatch.setenv(GEMM_ENV, "onednn")
+    if onednn_gemm_available(torch.bfloat16, "cpu"):
+        llm = LLM(str(tiny_llama_dir), dtype="bfloat16")
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert _modules_packed(llm) > 0
+        llm.close()
+    with pytest.raises(ConfigError, match="BLENDKV_CPU_GEMM=onednn needs float32, or bfloat16"):
+        LLM(str(tiny_llama_dir), dtype="float16")
 
 
 @pytest.mark.parametrize(
-    ("vendor", "packed_rows", "dtype", "device", "want"),
+    ("vendor", "dtype", "device", "want"),
     [
-        ("GenuineIntel", None, torch.float32, "cpu", "mkl"),
-        ("AuthenticAMD", None, torch.float32, "cpu", "onednn"),
-        ("AuthenticAMD", None, torch.bfloat16, "cpu", "onednn"),
-        ("unknown", None, torch.float32, "cpu", "onednn"),
-        ("AuthenticAMD", 16, torch.float32, "cpu", "mkl"),  # MKL's packing tuned by the caller
-        ("AuthenticAMD", None, torch.float16, "cpu", "mkl"),  # neither packs: F.linear
-        ("AuthenticAMD", None, torch.float32, "cuda", "mkl"),
+        ("GenuineIntel", torch.float32, "cpu", "mkl"),
+        ("AuthenticAMD", torch.float32, "cpu", "onednn"),
+        ("AuthenticAMD", torch.bfloat16, "cpu", "onednn"),
+        ("unknown", torch.float32, "cpu", "onednn"),
+        ("GenuineIntel", torch.bfloat16, "cpu", "torch"),  # neither packs: F.linear
+        ("AuthenticAMD", torch.float16, "cpu", "torch"),
+        ("AuthenticAMD", torch.float32, "cuda", "torch"),
     ],
 )
-def test_cpu_gemm_auto_picks_by_vendor_dtype_and_device(
-    monkeypatch, vendor, packed_rows, dtype, device, want
-):
-    import blendkv.layers.linear as linear
-    from blendkv.engine.cpu_speedups import resolve_cpu_gemm
+def test_cpu_gemm_is_picked_by_vendor_dtype_and_device(monkeypatch, vendor, dtype, device, want):
+    import blendkv.layers.cpu_platform as cpu_platform
 
-    if not torch.backends.mkldnn.is_available() and want == "onednn":
-        pytest.skip("this torch build has no oneDNN")
-    monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
-    assert resolve_cpu_gemm("auto", packed_rows, dtype, device) == want
-    assert resolve_cpu_gemm("mkl", packed_rows, dtype, device) == "mkl"
+    if want == "onednn" and not onednn_gemm_available(dtype, "cpu"):
+        pytest.skip("no oneDNN (or none of its bf16 kernels) here")
+    monkeypatch.setattr(cpu_platform, "cpu_vendor", lambda: vendor)
+    assert resolve_gemm(None, dtype, device) == want
+    assert resolve_gemm("mkl", dtype, device) == "mkl"

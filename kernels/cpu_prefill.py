@@ -1,39 +1,33 @@
-"""Prefill attention on the CPU through one C++ kernel call per sequence and layer
-(``EngineConfig.compile_prefill``): ``torch.ops.blendkv_cpu.rows_attention``
-(``kernels/cpu/rows_attention.cpp``, built for this machine with the decode kernel by
-:mod:`blendkv.kernels.cpu_extension`).
+"""Prefill rows on the CPU through one C++ kernel call per sequence and layer:
+``torch.ops.blendkv_cpu.rows_attention`` (``kernels/cpu/rows_attention.cpp``, built for this
+machine by :mod:`blendkv.kernels.cpu_extension`). The ``cpu`` attention backend's prefill.
 
 It takes rows at any ascending positions over the sequence's keys: CacheBlend's scattered
 recomputed rows, ProphetKV's pass rows, chunked-prefill chunks, prefix-hit tails and plain
 causal prefills alike, each row over exactly the keys up to its position (no masked pairs
-computed past a block's diagonal, no partial results to merge). The eager CPU paths it
-replaces (:func:`~blendkv.kernels.split_attention.split_masked_attention` for scattered rows,
-SDPA's causal flash kernel for fresh prefills) stay the reference the tests hold it to.
-
-Measured on the 2-core AMD EPYC (6,300 keys, two threads; ms a call, the eager path in
-brackets; ``eval_results/bench/amd/rows_kernel_micro.{py,log}``): SmolLM2's heads (9 on 3 KV
-heads, D 64), 720 scattered rows 35.4 (48.1), a causal 6,300-token prefill 260 (317);
-Qwen2.5-0.5B's (14 on 2) 51.6 (67.6) and 394 (476); bfloat16 1.38-1.46x faster than its eager
-paths.
+computed past a block's diagonal, no partial results to merge). The torch reference
+(:mod:`blendkv.kernels.torch_attention`: SDPA's causal flash kernel, split attention for
+scattered rows) is what the tests hold it to; timings are in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Consecutive rows per task: G * 32 query rows share each key block (32 measured best of
-# 8-64 above).
+# Consecutive rows per task: G * 32 query rows share each key block (measured best of 8-64).
 BLOCK_ROWS = 32
 
 
-class CompiledPrefill:
-    """The C++ kernel, built and loaded when made (raises
-    :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` when it cannot be)."""
+class RowsKernel:
+    """The C++ kernel. ``ops``: ``torch.ops.blendkv_cpu``; built and loaded here when None
+    (raises :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` when it cannot be)."""
 
-    def __init__(self) -> None:
-        from blendkv.kernels.cpu_extension import load_ops
+    def __init__(self, ops=None) -> None:
+        if ops is None:
+            from blendkv.kernels.cpu_extension import load_ops
 
-        self.ops = load_ops()
+            ops = load_ops()
+        self.ops = ops
 
     def __call__(
         self,

@@ -1,8 +1,7 @@
-"""The blend's C++ element-wise ops on the CPU, built with the prefill kernels and on with
-``EngineConfig.compile_prefill``: a loaded chunk's K/V rotated into the pool
-(``kernels/cpu/rope_write.cpp``) and a blended layer's K/V correction
-(``kernels/cpu/chunk_shift.cpp``). Each returns whether it took its arguments; if not, the
-torch backend runs its torch code, which is also the reference the tests hold them to.
+"""The blend's C++ element-wise ops on the CPU (the ``cpu`` backend's ``load_rotated_kv`` and
+``shift_kept_rows``): a loaded chunk's K/V rotated into the pool (``kernels/cpu/rope_write.cpp``)
+and a blended layer's K/V correction (``kernels/cpu/chunk_shift.cpp``). Each returns whether it
+took its arguments; if not, the backend runs the torch reference, which the tests hold them to.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Decode rows on the CPU through one C++ kernel call per layer (``EngineConfig.compile_decode``).
+"""Decode rows on the CPU through one C++ kernel call per layer: the ``cpu`` backend's decode.
 
-The eager CPU paths (:mod:`paged_decode`) attend each decode row with its own flash call: ~70-90
-us a call, 32 rows x 30 layers a step, for a few hundred thousand FLOPs each. Here every decode
-row of a step is attended by one call of ``torch.ops.blendkv_cpu.decode_attention``
+The torch reference (:mod:`paged_decode`) attends each decode row with its own flash call. Here
+every decode row of a step is attended by one call of ``torch.ops.blendkv_cpu.decode_attention``
 (``kernels/cpu/decode_attention.cpp``, built for this machine on first use by
 :mod:`blendkv.kernels.cpu_extension`): one task per (row, kv head) over torch's intra-op
 threads, each reading its keys and values once through their pool slots for the query heads
@@ -13,9 +12,7 @@ that share them, softmax over exactly the row's keys.
     q [T, Hq, D] (rows[r] = the r-th decode row) x keys [S, Hkv, D] -> out [T, Hq, D]
 
 Float32 and bfloat16 pools. :func:`dense_decode_attention` is the reference the tests hold the
-kernel to (with a dense float64 oracle); it took the kernel's place through ``torch.compile``
-before, at 1.3-1.7 ms a layer for 32 rows where the C++ kernel takes 0.45-0.55 ms (SmolLM2's
-heads, 32 rows of 1-576 keys, two threads).
+kernel to (with a dense float64 oracle).
 """
 
 from __future__ import annotations
@@ -49,7 +46,7 @@ def dense_decode_attention(
 
 @dataclass(frozen=True)
 class DenseDecode:
-    """A step's decode rows, attended together by :class:`CompiledDecode`."""
+    """A step's decode rows, attended together by :class:`DecodeKernel`."""
 
     rows: torch.Tensor  # [R] int64 token rows
     slots: torch.Tensor  # [R, L] int64, L = the longest context among them
@@ -69,14 +66,16 @@ def plan_dense_decode(md: AttentionMetadata, seqs: list[int], block_size: int) -
     return DenseDecode(rows, slots.contiguous(), md.seq_lens[idx].long().contiguous())
 
 
-class CompiledDecode:
-    """The C++ kernel, built and loaded when made (raises
-    :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` when it cannot be)."""
+class DecodeKernel:
+    """The C++ kernel. ``ops``: ``torch.ops.blendkv_cpu``; built and loaded here when None
+    (raises :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` when it cannot be)."""
 
-    def __init__(self) -> None:
-        from blendkv.kernels.cpu_extension import load_ops
+    def __init__(self, ops=None) -> None:
+        if ops is None:
+            from blendkv.kernels.cpu_extension import load_ops
 
-        self.ops = load_ops()
+            ops = load_ops()
+        self.ops = ops
 
     def __call__(self, q, kv_cache, plan: DenseDecode, out, scale) -> None:
         _, _, _, num_kv_heads, head_dim = kv_cache.shape

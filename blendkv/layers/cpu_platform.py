@@ -1,0 +1,124 @@
+"""CPU tuning decided from the platform, not configured: which GEMM library runs the model's
+linear maps, how many rows MKL's packed weights serve, how many rows one MLP pass takes.
+
+:func:`decide_cpu_tuning` picks them from the device, the dtype and the CPU's vendor; the engine
+calls it once at start-up and :func:`apply_cpu_tuning` sets the result on the model. One
+environment variable overrides the GEMM library, for tests and benchmarks that need one
+(the forward goldens were recorded with MKL's)::
+
+    BLENDKV_CPU_GEMM=mkl|onednn
+
+- **oneDNN**: every 2-D GEMM on a weight reordered once (float32, bfloat16), the choice on CPUs
+  not made by Intel (see ``docs/benchmarks.md`` for the measurements).
+- **MKL**: torch's own GEMMs, with MKL's packed sgemm for decode-sized batches (float32), the
+  choice on Intel CPUs.
+- **torch**: plain ``F.linear`` where neither runs (other devices, float16).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blendkv.errors import ConfigError
+from blendkv.layers.fused import FusedLinear
+from blendkv.layers.linear import (
+    Linear,
+    SmallBatchGemm,
+    cpu_vendor,
+    onednn_gemm_available,
+    packed_gemm_available,
+)
+from blendkv.layers.mlp import GatedMLP
+
+GEMM_ENV = "BLENDKV_CPU_GEMM"
+GEMMS = ("onednn", "mkl")
+# MKL's packed weights serve GEMMs of (rows/2, rows] rows: decode batches up to this size.
+PACKED_GEMM_ROWS = 32
+# glibc maps allocations above its mmap threshold (raised as mapped blocks are freed, to at
+# most 32 MiB on 64-bit) fresh from the kernel and unmaps them on free, so every use of a
+# larger buffer page-faults all of it in again. An MLP pass whose gate/up output stays under
+# this reuses freed heap memory instead.
+MLP_PASS_BYTES = 24 << 20
+
+
+@dataclass(frozen=True)
+class CpuTuning:
+    """What :func:`decide_cpu_tuning` chose. ``gemm``: ``"onednn"``, ``"mkl"`` or ``"torch"``;
+    ``packed_gemm_rows``: rows MKL's packed weights serve (0: off); ``mlp_rows_per_pass``: the
+    most rows one MLP pass takes (0: all at once)."""
+
+    gemm: str
+    packed_gemm_rows: int = 0
+    mlp_rows_per_pass: int = 0
+
+
+def gemm_override(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``$BLENDKV_CPU_GEMM`` (None when unset or empty); raises ConfigError on other values."""
+    value = environ.get(GEMM_ENV) or None
+    if value is not None and value not in GEMMS:
+        raise ConfigError(f"{GEMM_ENV} must be one of {GEMMS} or unset, got {value!r}")
+    return value
+
+
+def resolve_gemm(override: str | None, dtype: torch.dtype, device: str) -> str:
+    """The GEMM library: ``override`` where given (ConfigError where it cannot run), else
+    oneDNN on CPUs not made by Intel and MKL on Intel's; ``"torch"`` where neither runs."""
+    onednn = onednn_gemm_available(dtype, device)
+    if override == "onednn" and not onednn:
+        raise ConfigError(
+            f"{GEMM_ENV}=onednn needs float32, or bfloat16 on a CPU with oneDNN's bf16 kernels, "
+            f"on a CPU build of torch with oneDNN (got dtype {str(dtype).removeprefix('torch.')} "
+            f"on {device}); unset it"
+        )
+    if override is not None:
+        return override
+    if onednn and cpu_vendor() != "GenuineIntel":
+        return "onednn"
+    return "mkl" if torch.device(device).type == "cpu" and dtype == torch.float32 else "torch"
+
+
+def decide_cpu_tuning(
+    model: nn.Module, dtype: torch.dtype, device: str, gemm: str | None = None
+) -> CpuTuning:
+    """The tuning for ``model`` in ``dtype`` on ``device``; ``gemm``: :func:`gemm_override`."""
+    library = resolve_gemm(gemm, dtype, device)
+    packed = PACKED_GEMM_ROWS if library == "mkl" and packed_gemm_available(dtype, device) else 0
+    return CpuTuning(library, packed, mlp_rows_per_pass(model, dtype, device))
+
+
+def mlp_rows_per_pass(model: nn.Module, dtype: torch.dtype, device: str) -> int:
+    """On the CPU, the rows whose gate/up output fits :data:`MLP_PASS_BYTES`; elsewhere 0 (the
+    caching allocator keeps large buffers)."""
+    mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
+    if torch.device(device).type != "cpu" or not mlps:
+        return 0
+    widest = max(m.gate_proj.weight.shape[0] for m in mlps)
+    row_bytes = 2 * widest * torch.empty((), dtype=dtype).element_size()
+    return max(64, MLP_PASS_BYTES // row_bytes)
+
+
+def apply_cpu_tuning(model: nn.Module, tuning: CpuTuning) -> None:
+    """Set ``tuning`` on every linear map and MLP of ``model`` (weights are packed lazily, on
+    first use; they must not change from then on)."""
+    for gemm in small_batch_gemms(model):
+        if tuning.gemm == "onednn":
+            gemm.enable_onednn()
+        else:
+            gemm.enable(tuning.packed_gemm_rows)
+    for m in model.modules():
+        if isinstance(m, GatedMLP):
+            m.rows_per_pass = tuning.mlp_rows_per_pass or None
+
+
+def small_batch_gemms(model: nn.Module) -> list[SmallBatchGemm]:
+    """The packing policy of every linear map of ``model``: its ``Linear`` modules and its
+    fused projections (:class:`~blendkv.layers.fused.FusedLinear`)."""
+    gemms = [m.gemm for m in model.modules() if isinstance(m, Linear)]
+    for m in model.modules():
+        gemms += [f.gemm for f in vars(m).values() if isinstance(f, FusedLinear)]
+    return gemms
