@@ -84,7 +84,7 @@ def main(args) -> int:
         args,
         kv_store_memory_bytes=4 << 30,
         pipeline_kv_load=getattr(args, "pipeline", None),
-        compile_prefill=getattr(args, "compile_prefill", None),
+        attention_backend=getattr(args, "attention_backend", "auto"),
         prune_last_layer=getattr(args, "prune_last_layer", True),
     )
     manager = llm.blend_manager()

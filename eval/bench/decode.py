@@ -44,8 +44,8 @@ class DecodeBenchResult:
     llama_cpp_decode_tok_s: float | None
     llama_cpp_first_token_agreement: float | None
     llama_cpp_note: str
-    cpu_gemm: str = "mkl"  # the engine's resolved EngineConfig.cpu_gemm
-    compile_decode: bool = False  # whether the C++ decode kernel ran (EngineConfig.compile_decode)
+    cpu_gemm: str = "mkl"  # the engine's GEMM library (blendkv.layers.cpu_platform)
+    attention_backend: str = "cpu"  # the engine's attention backend ("cpu": the C++ kernels)
 
 
 def blendkv_run(llm, prompts, output_tokens):
@@ -144,8 +144,7 @@ def run(args) -> DecodeBenchResult:
         dtype=args.dtype,
         max_num_seqs=max(64, n),
         enable_prefix_caching=False,
-        cpu_gemm=getattr(args, "cpu_gemm", "auto"),
-        compile_decode=getattr(args, "compile_decode", None),
+        attention_backend=getattr(args, "attention_backend", "auto"),
     )
     threads = torch.get_num_threads()
     tok = llm.tokenizer
@@ -187,8 +186,8 @@ def run(args) -> DecodeBenchResult:
         if firsts is None
         else statistics.fmean(a == b[0] for a, b in zip(firsts, ours, strict=False)),
         llama_cpp_note=note,
-        cpu_gemm=llm.engine.cpu_gemm,
-        compile_decode=llm.engine.compile_decode,
+        cpu_gemm=llm.engine.cpu_tuning.gemm,
+        attention_backend=llm.engine.attn_backend.name,
     )
 
 
@@ -196,7 +195,7 @@ def print_result(r: DecodeBenchResult) -> None:
     print(
         f"{r.num_requests} greedy requests x {r.output_tokens} tokens, {r.dtype}, "
         f"{r.threads} threads, GEMMs {r.cpu_gemm}"
-        f"{', C++ decode attention' if r.compile_decode else ', flash decode attention'}; "
+        f", {'C++' if r.attention_backend == 'cpu' else 'flash'} decode attention; "
         f"blendkv matches transformers on {r.match_requests}/"
         f"{r.num_requests} requests"
     )
