@@ -9,7 +9,7 @@ from typing import Any
 from blendkv.engine.llm_engine import LLMEngine
 from blendkv.engine_args import create_engine_config
 from blendkv.entrypoints.router import OutputRouter
-from blendkv.errors import InvalidRequestError
+from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
 from blendkv.text import replace_lone_surrogates
@@ -44,8 +44,8 @@ class LLM:
     def blend_manager(self):
         """The chunk-KV store and blended-prompt machinery of the blend KV connector
         (:class:`~blendkv.blend.manager.BlendManager`), created on first use."""
+        # The connector is a plugin loaded by name: importing blendkv does not load it.
         from blendkv.blend.connector import BlendConnector
-        from blendkv.errors import ConfigError
 
         conn = self.engine.kv_connector
         if not isinstance(conn, BlendConnector):

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from blendkv.store.redis_store import is_redis_url
+
 CATALOG_FILE = "rag_documents.json"
 
 
@@ -110,8 +112,6 @@ class RedisDocumentCatalog(DocumentCatalog):
 
 def open_catalog(location: str | os.PathLike, kv) -> DocumentCatalog:
     """The catalog of the store at ``location``: a file beside LMDB, or a hash in Redis."""
-    from blendkv.store.redis_store import is_redis_url
-
     if is_redis_url(location):
         return RedisDocumentCatalog(kv)
     return DocumentCatalog(location)

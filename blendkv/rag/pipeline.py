@@ -18,13 +18,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from blendkv.blend.config import BlendConfig
 from blendkv.engine_args import check_options
+from blendkv.entrypoints.llm import LLM
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.rag.catalog import open_catalog
 from blendkv.rag.consistency import DocumentAction, check_documents, document_action
 from blendkv.rag.documents import SourceDocument, content_doc_id, load_documents
-from blendkv.rag.errors import DocumentError, EmptyDocumentError, NoChunksError
+from blendkv.rag.errors import DocumentError, EmptyDocumentError, NoChunksError, RAGError
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
+from blendkv.sampling_params import SamplingParams
+from blendkv.store import NewChunk, StoreNotFoundError, chunk_token_ids
+from blendkv.store.chunk_store import ChunkStore
+from blendkv.store.embedding import MiniLMEmbedder
+from blendkv.store.redis_store import is_redis_url
 from blendkv.text import replace_lone_surrogates
 
 DEFAULT_INSTRUCTION = "Answer the question using the passages below.\n\n"
@@ -62,8 +69,6 @@ class RAGPipeline:
         instruction: str | None = DEFAULT_INSTRUCTION,
         **engine_options,
     ) -> None:
-        from blendkv.store import ChunkStore, MiniLMEmbedder, StoreNotFoundError
-
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
         check_options(engine_options, "RAGPipeline")
@@ -72,8 +77,6 @@ class RAGPipeline:
                 f"{', '.join(sorted(engine_options))}: engine options apply only to the model "
                 "the pipeline loads (llm=None); this pipeline was given an llm"
             )
-        from blendkv.store.redis_store import is_redis_url
-
         shared = is_redis_url(store_dir)
         self.store_dir = store_dir if shared else Path(store_dir)
         if not shared and not create and not (self.store_dir / "data.mdb").exists():
@@ -85,8 +88,6 @@ class RAGPipeline:
         self.instruction = instruction
         self._owns_llm = llm is None
         if llm is None:
-            from blendkv import LLM
-
             llm = LLM(**{"enable_prefix_caching": False, **engine_options})
         self.llm = llm
         self.store = None
@@ -202,16 +203,12 @@ class RAGPipeline:
         )
 
     def _chunk(self, doc: SourceDocument, index: int):
-        from blendkv.store import chunk_token_ids
-
         token_ids = self.manager.builder.encode(doc.text)
         if not token_ids:
             raise EmptyDocumentError(f"document {doc.source or index} has no tokens")
         return chunk_token_ids(token_ids, self.llm.tokenizer, self.chunk_tokens)
 
     def _write_document(self, doc_id: str, chunks, bar) -> None:
-        from blendkv.store import NewChunk
-
         m = self.manager
         try:
             for start in range(0, len(chunks), _WRITE_BATCH):
@@ -343,9 +340,6 @@ class RAGPipeline:
         yield self._answer(last, sources, prompt)
 
     def _prepare(self, question, k, sampling_params, blend, system):
-        from blendkv import SamplingParams
-        from blendkv.blend.config import BlendConfig
-
         if isinstance(question, str):  # once here, not again in retrieve and the prompt
             question = replace_lone_surrogates(question, "question")
         sources = self.retrieve(question, k)
@@ -370,8 +364,6 @@ class RAGPipeline:
 
     def _check_open(self) -> None:
         if self.store is None:
-            from blendkv.rag.errors import RAGError
-
             raise RAGError("the pipeline is closed")
 
 

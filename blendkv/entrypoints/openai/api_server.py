@@ -40,6 +40,7 @@ from blendkv.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from blendkv.rag import RAGPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,6 @@ class ServerState:
         try:
             llm = self._llm = self.load()
             if self.config.store_dir is not None:
-                from blendkv.rag import RAGPipeline
-
                 rag = RAGPipeline(self.config.store_dir, llm=llm)
             # The HTTP side's own tokenizer (logprob token texts): the engine thread uses the
             # engine's, and a HF fast tokenizer used by two threads at once can fail

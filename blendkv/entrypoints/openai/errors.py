@@ -21,6 +21,7 @@ from blendkv.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from blendkv.rag.errors import RAGError
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,6 @@ def api_error(exc: BaseException, param_names: dict[str, str] | None = None) -> 
         return APIError(503, message, "server_error", code="engine_unavailable")
     if isinstance(exc, (InvalidRequestError, ConfigError)):
         return APIError(400, message)
-    from blendkv.rag.errors import RAGError
-
     if isinstance(exc, RAGError):  # e.g. retrieval over an empty store
         return APIError(400, message)
     if isinstance(exc, BlendKVError):

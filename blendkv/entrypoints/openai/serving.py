@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from blendkv.blend.config import BlendConfig
 from blendkv.entrypoints.async_llm import AsyncLLM, RequestStream
 from blendkv.entrypoints.openai.errors import APIError, api_error
 from blendkv.entrypoints.openai.protocol import (
@@ -203,9 +204,7 @@ def blended_turns(messages: list[ChatMessage]) -> tuple[str | None, str]:
     return system, messages[-1].text()
 
 
-def blend_config(req: ChatCompletionRequest):
-    from blendkv.blend.config import BlendConfig
-
+def blend_config(req: ChatCompletionRequest) -> BlendConfig:
     fields = req.blend.model_dump(exclude_none=True) if req.blend is not None else {}
     try:
         return BlendConfig(**fields)
