@@ -256,33 +256,56 @@ def test_no_module_cycles() -> None:
     assert not cycles, "import cycles (function-level imports count):\n" + "\n".join(report)
 
 
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def reaching(graph: dict[str, set[str]], sources: str, targets: str) -> list[str]:
+    """For each module of package ``sources`` that imports its way (transitively) into package
+    ``targets``: one such chain, ``a -> b -> c``."""
+    chains = []
+    for module in sorted(m for m in graph if _in(m, sources)):
+        previous = {module: module}
+        frontier = [module]
+        found = None
+        while frontier and found is None:
+            node = frontier.pop()
+            for target in sorted(graph[node]):
+                if target in previous:
+                    continue
+                previous[target] = node
+                if _in(target, targets):
+                    found = target
+                    break
+                frontier.append(target)
+        if found is not None:
+            path = [found]
+            while path[-1] != module:
+                path.append(previous[path[-1]])
+            chains.append(" -> ".join(reversed(path)))
+    return chains
+
+
+def test_reaching_finds_a_chain() -> None:
+    graph = {"a.x": {"b"}, "b": {"c.y"}, "c.y": set(), "ab": {"c.y"}}
+    assert reaching(graph, "a", "c") == ["a.x -> b -> c.y"]
+
+
 def test_engine_never_imports_blend() -> None:
     """No engine module reaches ``blendkv.blend`` through imports, function-level ones included.
 
     The blend connector plugs into the engine through ``KVConnectorBase``; the engine knows only
     that interface (``tests/engine/test_kv_connector.py`` checks the same at run time).
     """
-    graph, lines = graph_and_lines()
-    bad = []
-    for module in sorted(graph):
-        if not module.startswith("blendkv.engine"):
-            continue
-        seen = {module}
-        frontier = [module]
-        previous: dict[str, str] = {}
-        while frontier:
-            node = frontier.pop()
-            for target in sorted(graph[node]):
-                if target in seen:
-                    continue
-                seen.add(target)
-                previous[target] = node
-                if target == "blendkv.blend" or target.startswith("blendkv.blend."):
-                    path = [target]
-                    while path[-1] != module:
-                        path.append(previous[path[-1]])
-                    bad.append(" -> ".join(reversed(path)))
-                    frontier.clear()
-                    break
-                frontier.append(target)
+    graph, _ = graph_and_lines()
+    bad = reaching(graph, "blendkv.engine", "blendkv.blend")
     assert not bad, "the engine reaches blendkv.blend:\n" + "\n".join(bad)
+
+
+def test_rag_never_imports_the_server() -> None:
+    """The server depends on ``blendkv.rag`` (``--store``), never the reverse; rag drives the
+    model through ``blendkv.entrypoints.llm``."""
+    graph, _ = graph_and_lines()
+    bad = reaching(graph, "blendkv.rag", "blendkv.entrypoints.openai")
+    assert not bad, "blendkv.rag reaches the server:\n" + "\n".join(bad)
+    assert "blendkv.rag" in graph["blendkv.entrypoints.openai.api_server"]
