@@ -5,8 +5,8 @@ tier or the store (LMDB / Redis; the loading controller picks the tier when a ch
 several), or, if it is missing, computed now (one forward behind the anchor, used at once and
 handed to the background writer: the step never waits on a disk write). Sources are used in
 place: no copy from the memory tier, and on the CPU none from LMDB either (zero-copy views of
-its memory map through one read snapshot per step, :meth:`KVStore.snapshot`; the OS page cache
-is the hot tier there). Rotating K to the fused positions and writing K/V into the request's
+its memory map through one read snapshot per step, :meth:`ChunkKVStore.snapshot`; the OS page
+cache is the hot tier there). Rotating K to the fused positions and writing K/V into the request's
 blocks happens layer by layer behind the forward, or all before it
 (:mod:`blendkv.blend.layer_load`). Reading an LMDB value faults all its pages in (py-lmdb
 touches every page before handing a value over), from the disk when they are cold, so on the

@@ -8,7 +8,8 @@ while other work runs (vLLM's requests waiting for remote K/V, LMCache's asynchr
 so the reads leave the step that prefills it. Two ways of reading, by store and device:
 
 * ``hold=False`` (LMDB on the CPU, read through its memory map): the value's pages are faulted
-  into the OS page cache and its checksum checked (:meth:`KVStore.warm`); nothing is held here.
+  into the OS page cache and its checksum checked (:meth:`ChunkKVStore.warm`); nothing is held
+  here.
 * ``hold=True`` (Redis; LMDB on CUDA, into pinned memory): the value is read with
   ``store.get`` and held until the request's step has loaded it or the request ends, within
   ``max_bytes`` (the thread pauses when that much is held).
@@ -28,7 +29,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from blendkv.store.base import ChunkKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ class _Entry:
 
 
 class ChunkPrefetcher:
-    def __init__(self, store, *, hold: bool, max_bytes: int) -> None:
+    def __init__(self, store: ChunkKVStore, *, hold: bool, max_bytes: int) -> None:
         """``store``: the manager's chunk store (``warm`` when ``hold`` is False, else ``get``);
         ``max_bytes``: the most held K/V at once (``hold`` only)."""
         self.store = store
