@@ -3,7 +3,8 @@
 ``LLM(model, **kwargs)``, ``RAGPipeline(...)`` and the CLI take one flat set of names: the
 engine's own fields and the blend connector's (:class:`BlendConnectorConfig`). This module
 routes each name to its layer, so the engine config never names a connector's settings and a
-user never has to build the nested configs by hand.
+user never has to build the nested configs by hand. The blend package is a plugin loaded by
+name (importing blendkv does not load it), so its config class is imported when first needed.
 """
 
 from __future__ import annotations
@@ -11,21 +12,28 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from typing import Any
 
-from blendkv.blend.config import BlendConnectorConfig
 from blendkv.config import EngineConfig
 from blendkv.errors import ConfigError
 
 ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig))
-CONNECTOR_OPTIONS = tuple(f.name for f in fields(BlendConnectorConfig))
+
+
+def connector_options() -> tuple[str, ...]:
+    """The blend connector's option names (:class:`BlendConnectorConfig`'s fields)."""
+    from blendkv.blend.config import BlendConnectorConfig
+
+    return tuple(f.name for f in fields(BlendConnectorConfig))
 
 
 def check_options(options: dict[str, Any], what: str = "LLM") -> None:
     """Raise :class:`ConfigError` naming every key of ``options`` that is no option at all."""
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS) - set(CONNECTOR_OPTIONS))
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    if unknown:
+        unknown = sorted(set(unknown) - set(connector_options()))
     if unknown:
         raise ConfigError(
             f"unknown {what} option(s) {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(ENGINE_OPTIONS)} (engine) and {', '.join(CONNECTOR_OPTIONS)} "
+            f"{', '.join(ENGINE_OPTIONS)} (engine) and {', '.join(connector_options())} "
             "(blend connector)"
         )
 
@@ -40,8 +48,10 @@ def create_engine_config(**options: Any) -> EngineConfig:
     """
     check_options(options)
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
-    connector = {k: v for k, v in options.items() if k in CONNECTOR_OPTIONS}
+    connector = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     if connector:
+        from blendkv.blend.config import BlendConnectorConfig
+
         spec = engine.get("kv_connector", "blend")
         if spec is None or (isinstance(spec, str) and spec != "blend"):
             raise ConfigError(

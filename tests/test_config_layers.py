@@ -10,14 +10,14 @@ import pytest
 from blendkv.blend.config import BlendConnectorConfig
 from blendkv.blend.connector import blend_connector_config
 from blendkv.config import EngineConfig
-from blendkv.engine_args import CONNECTOR_OPTIONS, create_engine_config
+from blendkv.engine_args import connector_options, create_engine_config
 from blendkv.errors import ConfigError
 
 
 def test_engine_config_keeps_only_the_engines_fields():
     names = {f.name for f in fields(EngineConfig)}
     assert len(names) <= 20, sorted(names)
-    assert not names & set(CONNECTOR_OPTIONS)
+    assert not names & set(connector_options())
     assert {"kv_connector", "kv_connector_config"} <= names
     moved = {"kv_store_dir", "anchor_system", "pipeline_kv_load", "prefetch_kv"}
     assert moved <= {f.name for f in fields(BlendConnectorConfig)}
