@@ -1,0 +1,141 @@
+"""The CPU attention paths side by side: the torch reference's, the C++ kernels', and the eager
+paths removed from the torch backend (kept here only to be measured against).
+
+    python -m blendkv.eval.bench.cpu_attention [--threads 2] [--repeats 7]
+
+SmolLM2's heads (9 query heads on 3 KV heads, D 64), float32. Correctness first (every path
+against the reference, also the warm-up), then the calls take turns (machine noise hits all
+alike), median ms of ``--repeats`` each, one JSON line per case:
+
+- ``decode``: 32 decode rows of 300-982 keys in blocks of 16 whose block tables lie in 1, 4, 8
+  or 32 runs of consecutive ids: in place over pool slices, gathered padded SDPA (the reference
+  for rows in more than ``paged_decode.MAX_RUNS`` runs), the C++ decode kernel;
+- ``rows``: 656 scattered rows and a 64-token tail over 6,300 keys: split attention (the
+  reference), the removed grouped masked SDPA, the C++ rows kernel;
+- ``causal``: a fresh 2,048-token prefill: SDPA's causal flash kernel, the C++ rows kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from blendkv.eval.bench.gemm import _time_interleaved
+from blendkv.kernels import paged_decode
+from blendkv.kernels.attention import AttentionMetadata
+from blendkv.kernels.cpu_decode import DecodeKernel, plan_dense_decode
+from blendkv.kernels.cpu_prefill import RowsKernel
+from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
+from blendkv.kernels.torch_attention import dense_causal_attention, masked_attention
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+SCALE = D**-0.5
+
+
+def grouped_masked_attention(q, keys, values, positions, scale):
+    """The removed path: rows in up to 8 groups of >= 64, each over the keys up to its last."""
+    n = q.shape[0]
+    num_groups = max(1, min(8, n // 64))
+    bounds = [round(g * n / num_groups) for g in range(num_groups + 1)]
+    out = torch.empty_like(q)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        end = int(positions[hi - 1]) + 1
+        out[lo:hi] = masked_attention(q[lo:hi], keys[:end], values[:end], positions[lo:hi], scale)
+    return out
+
+
+def decode_case(runs: int) -> tuple[dict, torch.Tensor]:
+    lens = [300 + 22 * i for i in range(32)]
+    blocks = [-(-n // BS) for n in lens]
+    kv = torch.randn(2, 2 * sum(blocks) + 64, BS, HKV, D)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    nxt = 0
+    for i, n in enumerate(blocks):
+        per = max(1, -(-n // runs))
+        for j in range(n):
+            nxt += 1 if j and j % per == 0 else 0  # a gap: a new run
+            table[i, j] = nxt
+            nxt += 1
+    rows = len(lens)
+    md = AttentionMetadata(
+        positions=torch.tensor([n - 1 for n in lens]),
+        slot_mapping=torch.zeros(rows, dtype=torch.long),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=table,
+        block_size=BS,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_start_loc_cpu=list(range(rows + 1)),
+        seq_lens_cpu=lens,
+        is_contiguous_prefill=[True] * rows,
+    )
+    q, seqs, kernel = torch.randn(rows, HQ, D), list(range(rows)), DecodeKernel()
+    saved, paged_decode.MAX_RUNS = paged_decode.MAX_RUNS, 1 << 30
+    in_place = paged_decode.plan_decode(md, seqs, kv.shape, True)
+    paged_decode.MAX_RUNS = saved
+    gathered = paged_decode.plan_decode(md, seqs, kv.shape, False)
+    dense = plan_dense_decode(md, seqs, BS)
+    out = torch.empty_like(q)
+    calls = {
+        "in_place": lambda: paged_decode.decode_attention(q, kv, in_place, out, SCALE),
+        "gathered": lambda: paged_decode.decode_attention(q, kv, gathered, out, SCALE),
+        "cpp": lambda: kernel(q, kv, dense, out, SCALE),
+    }
+    return calls, out
+
+
+def check_and_time(case: str, calls: dict, out_of, repeats: int) -> dict:
+    results = []
+    for fn in calls.values():  # correctness first (and the warm-up)
+        results.append(out_of(fn).clone())
+    for got in results[1:]:
+        torch.testing.assert_close(got, results[0], atol=1e-4, rtol=1e-4)
+    ms = {k: v * 1e3 for k, v in _time_interleaved(calls, repeats).items()}
+    first = next(iter(ms))
+    ratios = {f"{k}/{first}": round(v / ms[first], 2) for k, v in ms.items() if k != first}
+    return {"case": case, "ms": {k: round(v, 2) for k, v in ms.items()}, **ratios}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    info = {"threads": args.threads, "cpu": torch.backends.cpu.get_cpu_capability()}
+    for runs in (1, 4, 8, 32):
+        calls, out = decode_case(runs)
+        row = check_and_time(f"decode32_runs{runs}", calls, lambda f, o=out: f() or o, args.repeats)
+        print(json.dumps({**info, **row}))
+    keys, values = torch.randn(6300, HKV, D), torch.randn(6300, HKV, D)
+    scattered = torch.randperm(6300 - 64)[:656].sort().values
+    positions = torch.cat([scattered, torch.arange(6300 - 64, 6300)])
+    q, rows = torch.randn(len(positions), HQ, D), RowsKernel()
+    groups = plan_row_groups(positions, HQ // HKV, q.dtype)
+    out = torch.empty_like(q)
+    calls = {
+        "split": lambda: split_masked_attention(q, keys, values, positions, SCALE, groups),
+        "grouped_masked": lambda: grouped_masked_attention(q, keys, values, positions, SCALE),
+        "cpp": lambda: rows(q, keys, values, positions, SCALE, out) or out,
+    }
+    print(
+        json.dumps(
+            {**info, **check_and_time("rows720_over6300", calls, lambda f: f(), args.repeats)}
+        )
+    )
+    n = 2048
+    q, k, v = torch.randn(n, HQ, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+    calls = {
+        "sdpa": lambda: dense_causal_attention(q, k, v, SCALE),
+        "cpp": lambda: rows.causal(q, k, v, SCALE, out2) or out2,
+    }
+    out2 = torch.empty_like(q)
+    print(json.dumps({**info, **check_and_time("causal2048", calls, lambda f: f(), args.repeats)}))
+
+
+if __name__ == "__main__":
+    main()
