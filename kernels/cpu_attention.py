@@ -59,6 +59,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.decode_kernel = None if ops is None else DecodeKernel(ops)
         wins = rows_kernel_wins() if prefill_kernel is None else prefill_kernel
         self.rows_kernel = None if ops is None or not wins else RowsKernel(ops)
+        if ops is not None and not wins:
+            logger.info(
+                "prefill rows run SDPA's flash kernel (the reference): on this CPU (%s) it "
+                "beats the C++ prefill kernel",
+                torch.backends.cpu.get_cpu_capability(),
+            )
         self.fused_chunk_shift = ops is not None
 
     def _takes(self, kernel: Any, what: str, dtype: torch.dtype) -> bool:

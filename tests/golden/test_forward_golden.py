@@ -6,8 +6,8 @@ kind (torch 2.13 CPU, 2 threads): MKL rounds differently on Intel and AMD CPUs o
 so each kind has its own folder (:func:`capture.cpu_kind`). On a CPU kind with no set, the tiny
 models are compared with another kind's set within fp32 rounding (1e-4), and the embedded
 model (stored as hashes only) is skipped with the reason. GEMMs run through MKL
-(``cpu_gemm="mkl"``), as when the goldens were recorded; oneDNN's are checked against
-transformers elsewhere.
+(``BLENDKV_CPU_GEMM=mkl``) with the torch reference attention, as when the goldens were
+recorded; oneDNN's are checked against transformers elsewhere.
 """
 
 from __future__ import annotations
