@@ -3,9 +3,10 @@
 ``LlamaModel.forward`` is the only place decoder layers run. What varies between a plain step,
 a blended prefill and a chunk precompute plugs in here, never by attributes set from outside:
 
-    for each layer l:
+    for each layer l:                         (LlamaModel.forward: the seam, then layer(...))
         hooks.wait_for_layer_load(l)          K/V of layer l brought from outside is in place
         row_plan.select(l, None x 3, ...)     if it selects_before_projection(l)
+      layer(...)                              (LlamaDecoderLayer.forward, through LayerSeam)
         norm, project -> q, k, v (pre-RoPE)
         row_plan.select(l, ...)               rows that stop being computed from layer l on
         row_plan.before_attention(l, ...)     last look at the pool before attention writes
@@ -20,6 +21,7 @@ the rows the caller reads (:func:`output_keep`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,3 +119,62 @@ def output_row_order(
     if output_rows is None:
         return rows
     return rows[torch.isin(rows, output_rows)]
+
+
+@dataclass(frozen=True)
+class LayerSeam:
+    """Layer ``layer_idx``'s share of one forward's row plan and hooks: what the model's layer
+    loop and the decoder layer call, each a no-op without a plan or hooks. ``kv_only`` and
+    ``output_rows`` are set on the last layer only (see ``LlamaModel.forward``)."""
+
+    layer_idx: int
+    row_plan: RowPlan | None = None
+    hooks: LayerHooks | None = None
+    kv_only: bool = False  # stop once this layer's K/V is saved (chunk precompute)
+    output_rows: torch.Tensor | None = None  # rows whose outputs are read (None: all)
+
+    def _selects(self, before_projection: bool) -> bool:
+        plan, i = self.row_plan, self.layer_idx
+        return (
+            plan is not None
+            and plan.selects_at(i)
+            and plan.selects_before_projection(i) == before_projection
+        )
+
+    def select_unprojected(
+        self, attn: Attention, kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Keep-mask of the rows computing this layer, when the plan selects before projection."""
+        if not self._selects(before_projection=True):
+            return None
+        return self.row_plan.select(self.layer_idx, attn, None, None, None, kv_cache, attn_metadata)
+
+    def select_projected(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Keep-mask of the rows computing this layer on from its fresh q/k/v (other plans)."""
+        if not self._selects(before_projection=False):
+            return None
+        return self.row_plan.select(self.layer_idx, attn, q, k, v, kv_cache, attn_metadata)
+
+    def before_attention(self, attn, q, k, v, kv_cache, attn_metadata) -> None:
+        """:meth:`RowPlan.before_attention` of this layer."""
+        if self.row_plan is not None:
+            self.row_plan.before_attention(self.layer_idx, attn, q, k, v, kv_cache, attn_metadata)
+
+    def save_kv(self, k, v, kv_cache, attn_metadata) -> None:
+        """:meth:`LayerHooks.save_kv_layer` of this layer."""
+        if self.hooks is not None:
+            self.hooks.save_kv_layer(self.layer_idx, k, v, kv_cache, attn_metadata)
+
+    def output_keep(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:func:`output_keep` of this layer's ``num_rows`` rows; None when all are read."""
+        if self.output_rows is None:
+            return None
+        return output_keep(self.row_plan, self.output_rows, num_rows)

@@ -26,6 +26,7 @@ sequence is no longer than the window, so the engine should cap ``max_model_len`
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -37,10 +38,23 @@ from blendkv.layers.linear import Linear
 from blendkv.layers.mlp import GatedMLP
 from blendkv.layers.norm import RMSNorm
 from blendkv.layers.rotary import RotaryEmbedding
-from blendkv.models.hooks import LayerHooks, RowPlan, output_keep
+from blendkv.models.hooks import LayerHooks, LayerSeam, RowPlan
 
 # Checkpoint entries that are not parameters (old transformers saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LayerRows(NamedTuple):
+    """The rows a layer computes: their positions and attention metadata (None: a dense pass
+    without a KV pool over one sequence)."""
+
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata | None
+
+    def subset(self, keep: torch.Tensor) -> LayerRows:
+        """The rows of the CPU bool mask ``keep``."""
+        md = self.attn_metadata.subset(keep)
+        return LayerRows(md.positions, md)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -77,6 +91,48 @@ class LlamaDecoderLayer(nn.Module):
         """Attention output -> (hidden, residual) leaving the layer (post-norm + MLP)."""
         hidden_states, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(hidden_states), residual
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        rows: LayerRows,
+        kv_cache: torch.Tensor | None,
+        seam: LayerSeam,
+    ) -> tuple[torch.Tensor, torch.Tensor, LayerRows] | None:
+        """Input norm, q/k/v, attention (writing the rows' K/V into ``kv_cache``), post-norm,
+        MLP -> (hidden, residual, rows computed). ``seam`` is this layer's share of the row plan
+        and hooks (:class:`~blendkv.models.hooks.LayerSeam`); None when it is ``kv_only``."""
+        attn = self.self_attn
+        normed, residual = self.input_norm(hidden_states, residual)
+        q, k, v = attn.project(normed)
+        keep = seam.select_projected(attn, q, k, v, kv_cache, rows.attn_metadata)
+        if keep is not None:  # a CPU bool mask over the current rows
+            rows = rows.subset(keep)
+            keep = keep.to(q.device)
+            residual, q, k, v = (t[keep] for t in (residual, q, k, v))
+        md = rows.attn_metadata
+        seam.before_attention(attn, q, k, v, kv_cache, md)
+        if seam.kv_only:
+            seam.save_kv(k, v, kv_cache, md)
+            return None
+        pruned = seam.output_keep(q.shape[0]) if kv_cache is not None else None
+        if pruned is None:
+            out = attn.attend(rows.positions, q, k, v, kv_cache, md)
+            seam.save_kv(k, v, kv_cache, md)
+            return (*self.finish(out, residual), rows)
+        # The rows nobody reads: K/V only.
+        q_rot, k_rot = attn.rotate_and_write(rows.positions, q, k, v, kv_cache, md)
+        seam.save_kv(k, v, kv_cache, md)
+        keep, idx = pruned
+        if len(idx) == 0:
+            empty = hidden_states.new_empty(0, hidden_states.shape[1])
+            return empty, empty, rows
+        rows = rows.subset(keep)
+        idx = idx.to(q.device)
+        q, k, v, residual = (t.index_select(0, idx) for t in (q_rot, k_rot, v, residual))
+        out = attn.attend_rotated(q, k, v, kv_cache, rows.attn_metadata)
+        return (*self.finish(out, residual), rows)
 
 
 class LlamaModel(nn.Module):
@@ -119,59 +175,30 @@ class LlamaModel(nn.Module):
             raise ValueError("kv_caches need attn_metadata")
         if kv_caches is not None and len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv_caches, got {len(kv_caches)}")
-        md = attn_metadata
+        rows = LayerRows(positions, attn_metadata)
         hidden_states = self.embed_tokens(input_ids)
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             kv_cache = None if kv_caches is None else kv_caches[i]
+            seam = LayerSeam(
+                i, row_plan, hooks, kv_only and i == last, output_rows if i == last else None
+            )
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
-            attn = layer.self_attn
-            early = row_plan is not None and row_plan.selects_at(i)
-            early = early and row_plan.selects_before_projection(i)
-            if early:  # rows dropped here need not even be projected
-                keep = row_plan.select(i, attn, None, None, None, kv_cache, md)
-                if keep is not None:
-                    md = md.subset(keep)
-                    positions = md.positions
-                    keep = keep.to(hidden_states.device)
-                    hidden_states = hidden_states[keep]
-                    residual = None if residual is None else residual[keep]
-            normed, residual = layer.input_norm(hidden_states, residual)
-            q, k, v = attn.project(normed)
-            if row_plan is not None and row_plan.selects_at(i) and not early:
-                keep = row_plan.select(i, attn, q, k, v, kv_cache, md)
-                if keep is not None:  # a CPU bool mask over the current rows
-                    md = md.subset(keep)
-                    positions = md.positions
-                    keep = keep.to(q.device)
-                    normed, residual, q, k, v = (t[keep] for t in (normed, residual, q, k, v))
-            if row_plan is not None:
-                row_plan.before_attention(i, attn, q, k, v, kv_cache, md)
-            if kv_only and i == last:
-                if hooks is not None:
-                    hooks.save_kv_layer(i, k, v, kv_cache, md)
+            # The row-plan seam: rows dropped before this layer are not even projected.
+            keep = seam.select_unprojected(layer.self_attn, kv_cache, rows.attn_metadata)
+            if keep is not None:
+                rows = rows.subset(keep)
+                keep = keep.to(hidden_states.device)
+                hidden_states = hidden_states[keep]
+                residual = None if residual is None else residual[keep]
+            out = layer(hidden_states, residual, rows, kv_cache, seam)
+            if out is None:  # kv_only: the hooks have the last layer's K/V
                 return None
-            pruned = None
-            if i == last and output_rows is not None and kv_cache is not None:
-                pruned = output_keep(row_plan, output_rows, q.shape[0])
-            if pruned is not None:  # the rows nobody reads: K/V only
-                q_rot, k_rot = attn.rotate_and_write(positions, q, k, v, kv_cache, md)
-                if hooks is not None:
-                    hooks.save_kv_layer(i, k, v, kv_cache, md)
-                keep, idx = pruned
-                if len(idx) == 0:
-                    return hidden_states.new_empty(0, hidden_states.shape[1])
-                md = md.subset(keep)
-                idx = idx.to(q.device)
-                q, k, v, residual = (t.index_select(0, idx) for t in (q_rot, k_rot, v, residual))
-                out = attn.attend_rotated(q, k, v, kv_cache, md)
-            else:
-                out = attn.attend(positions, q, k, v, kv_cache, md)
-                if hooks is not None:
-                    hooks.save_kv_layer(i, k, v, kv_cache, md)
-            hidden_states, residual = layer.finish(out, residual)
+            hidden_states, residual, rows = out
+        if hidden_states.shape[0] == 0:  # no output row among the rows computed
+            return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
