@@ -30,6 +30,7 @@ import xxhash
 from torch import nn
 
 from blendkv.errors import ModelLoadError
+from blendkv.layers.fused_kernels import enable_triton_elementwise
 from blendkv.models.registry import get_model_class
 from blendkv.paths import default_cache_dir
 
@@ -220,8 +221,6 @@ def load_model(
         if hasattr(module, "fuse") and callable(module.fuse):
             module.fuse()
     if getattr(attn_backend, "name", None) == "triton":
-        from blendkv.layers.fused_kernels import enable_triton_elementwise
-
         enable_triton_elementwise(model)
     return model.eval()
 
