@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -20,6 +21,9 @@ from blendkv.blend.precompute import compute_chunks_kv
 from blendkv.blend.prompt import BlendedPrompt, PromptBuilder
 from blendkv.errors import InvalidRequestError
 from blendkv.text import replace_in_blended_prompt
+
+if TYPE_CHECKING:
+    from blendkv.store.base import ChunkKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +99,12 @@ class BlendManager:
             self._tmpdir.cleanup()
             self._tmpdir = None
 
-    def use_store(self, store) -> None:
-        """Serve chunk K/V from ``store`` (a KVStore opened with :attr:`fingerprint`), e.g. the
+    def use_store(self, store: ChunkKVStore) -> None:
+        """Serve chunk K/V from ``store`` (opened with :attr:`fingerprint`), e.g. the
         one inside a ``ChunkStore``; the previous store is closed."""
         from blendkv.store import FingerprintMismatchError
 
-        theirs = getattr(store, "fingerprint", None)
+        theirs = store.fingerprint
         if theirs is not None and theirs != self.fingerprint:
             raise FingerprintMismatchError(
                 "the store was built for another model/anchor: "
