@@ -96,6 +96,7 @@ def register_bench(sub) -> None:
     g.add_argument(
         "--profile", default=None, metavar="DIR", help="write host/device profiles of the requests"
     )
+    g.set_defaults(func=_run("gpu"))
     _add_gemm(bench)
     _add_launches(bench)
     _add_prefetch(bench)
