@@ -1,8 +1,8 @@
 """Evaluation examples and the loaders that read them from disk.
 
-One in-memory shape for every dataset: an :class:`Example` is a question, its gold answers and
-the passages (documents) the engine will prefill as separate chunks. Loaders never tokenise;
-the prompt pieces come from :mod:`blendkv.eval.prompts`.
+One in-memory shape for every dataset: an :class:`~blendkv.eval.examples.Example` (re-exported
+here) is a question, its gold answers and the passages (documents) the engine will prefill as
+separate chunks. Loaders never tokenise; the prompt pieces come from :mod:`blendkv.eval.prompts`.
 
 Formats read here:
 
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from blendkv.errors import BlendKVError
+from blendkv.eval.examples import Example, Passage
 
 __all__ = [
     "DatasetError",
@@ -42,32 +42,6 @@ DEFAULT_SYNTHETIC_EXAMPLES = 50
 
 class DatasetError(BlendKVError, ValueError):
     """An evaluation data set is missing, of an unknown kind, or malformed."""
-
-
-@dataclass(frozen=True)
-class Passage:
-    """One retrieved document; the engine prefills each passage as its own chunk."""
-
-    title: str
-    text: str
-
-
-@dataclass(frozen=True)
-class Example:
-    """One question with its gold answers and passages (in prompt order)."""
-
-    id: str
-    question: str
-    answers: list[str]
-    passages: list[Passage]
-
-    def __post_init__(self) -> None:
-        if not self.question.strip():
-            raise ValueError(f"example {self.id!r}: empty question")
-        if not self.answers or not all(isinstance(a, str) for a in self.answers):
-            raise ValueError(f"example {self.id!r}: answers must be a non-empty list of str")
-        if not self.passages:
-            raise ValueError(f"example {self.id!r}: no passages")
 
 
 # ----------------------------------------------------------------------------- field checks

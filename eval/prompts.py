@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
-from blendkv.eval.datasets import Example, Passage
+from blendkv.eval.examples import Example, Passage
 
 __all__ = [
     "DEFAULT_PROMPTS",

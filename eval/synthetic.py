@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from blendkv.eval.datasets import Example, Passage
+from blendkv.eval.examples import Example, Passage
 
 __all__ = ["ATTRIBUTES", "ROLES", "Attribute", "Role", "make_synthetic"]
 
