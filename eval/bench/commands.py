@@ -37,12 +37,12 @@ def register_bench(sub) -> None:
         default=4,
         help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
     )
-    d.add_argument("--cpu-gemm", default="auto", choices=["auto", "onednn", "mkl"])
     d.add_argument(
-        "--compile-decode",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="EngineConfig.compile_decode (CPU; default: on where it applies)",
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="EngineConfig.attention_backend (cpu: the C++ kernels; torch: the reference); "
+        "GEMMs: set BLENDKV_CPU_GEMM=mkl|onednn",
     )
     d.add_argument("--json", default=None)
     d.set_defaults(func=_run("decode"))
@@ -64,10 +64,10 @@ def register_bench(sub) -> None:
         "default: EngineConfig's per-device choice)",
     )
     b.add_argument(
-        "--compile-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="EngineConfig.compile_prefill (CPU; default: on where it applies)",
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu", "triton"],
+        help="EngineConfig.attention_backend (default: auto)",
     )
     b.add_argument(
         "--prune-last-layer",
@@ -104,7 +104,7 @@ def register_bench(sub) -> None:
 
 
 def _add_gemm(bench) -> None:
-    p = bench.add_parser("gemm", help="CPU GEMM libraries at a model's shapes (cpu_gemm)")
+    p = bench.add_parser("gemm", help="CPU GEMM libraries at a model's shapes (BLENDKV_CPU_GEMM)")
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--rows", default="1,32,2048")
     p.add_argument("--threads", type=int, default=2)
