@@ -14,7 +14,9 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from blendkv.cli import add_device_args
+from blendkv.blend.config import BlendConnectorConfig
+from blendkv.commands.config_args import add_config_args
+from blendkv.config import EngineConfig
 
 
 def register_eval(sub) -> None:
@@ -31,9 +33,7 @@ def register_eval(sub) -> None:
         "heads; default prophet with the K correction)",
     )
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
-    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    add_device_args(p)
+    add_config_args(p, EngineConfig, ("model", "dtype", "device", "attention_backend"))
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data set")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer")
@@ -41,7 +41,7 @@ def register_eval(sub) -> None:
         "--answer-tokens", type=int, default=16,
         help="tokens of full prefill's answer the teacher-forced KL follows",
     )  # fmt: skip
-    p.add_argument("--max-model-len", type=int, default=None)
+    add_config_args(p, EngineConfig, ("max_model_len",))
     p.add_argument(
         "--anchor", default="prompt", choices=["prompt", "template", "generic"],
         help="what chunks are precomputed behind after the chat template's prefix: the "
@@ -51,7 +51,7 @@ def register_eval(sub) -> None:
         "--anchor-boundary", type=int, default=0, metavar="N",
         help="also precompute each chunk behind the last N tokens of the chunk before it",
     )  # fmt: skip
-    p.add_argument("--kv-store-dir", default=None, help="chunk store (default: a temporary one)")
+    add_config_args(p, BlendConnectorConfig, ("kv_store_dir",))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--resume", action="store_true",

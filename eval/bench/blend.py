@@ -83,7 +83,7 @@ def main(args) -> int:
     examples, spec, llm = musique_setup(
         args,
         kv_store_memory_bytes=4 << 30,
-        pipeline_kv_load=getattr(args, "pipeline", None),
+        pipeline_kv_load=getattr(args, "pipeline_kv_load", None),
         attention_backend=getattr(args, "attention_backend", "auto"),
         prune_last_layer=getattr(args, "prune_last_layer", True),
     )

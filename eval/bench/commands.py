@@ -12,6 +12,10 @@ import argparse
 import importlib
 from pathlib import Path
 
+from blendkv.blend.config import BlendConnectorConfig
+from blendkv.commands.config_args import add_config_args
+from blendkv.config import EngineConfig
+
 
 def register_bench(sub) -> None:
     """Add the ``bench`` command and its kinds to the CLI's subparsers ``sub``."""
@@ -27,8 +31,7 @@ def register_bench(sub) -> None:
     e.add_argument("--json", default=None, help="also write the results to this file")
     e.set_defaults(func=_run("engine"))
     d = bench.add_parser("decode", help="batched decode vs transformers and llama.cpp (one stream)")
-    d.add_argument("--model", default=None)
-    d.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    add_config_args(d, EngineConfig, ("model", "dtype"), defaults={"dtype": "float32"})
     d.add_argument("--num-requests", type=int, default=32)
     d.add_argument("--output-tokens", type=int, default=64)
     d.add_argument(
@@ -37,53 +40,35 @@ def register_bench(sub) -> None:
         default=4,
         help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
     )
-    d.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "torch", "cpu"],
-        help="EngineConfig.attention_backend (cpu: the C++ kernels; torch: the reference); "
-        "GEMMs: set BLENDKV_CPU_GEMM=mkl|onednn",
-    )
+    add_config_args(d, EngineConfig, ("attention_backend",))  # GEMMs: BLENDKV_CPU_GEMM
     d.add_argument("--json", default=None)
     d.set_defaults(func=_run("decode"))
     b = bench.add_parser("blend", help="TTFT of full prefill vs blend vs reuse on MuSiQue")
-    b.add_argument("--model", default=None)
+    add_config_args(b, EngineConfig, ("model",))
     b.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
     b.add_argument("--limit", type=int, default=5)
-    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_config_args(b, EngineConfig, ("dtype",), defaults={"dtype": "bfloat16"})
     b.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
     b.add_argument("--selection", default=None, help="default: BlendConfig's")
     b.add_argument(
         "--profile", action="store_true", help="per request: where the time goes, the floor"
     )
-    b.add_argument(
-        "--pipeline",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="write loaded K/V layer by layer behind the forward (--no-pipeline: before it; "
-        "default: EngineConfig's per-device choice)",
+    add_config_args(
+        b,
+        BlendConnectorConfig,
+        ("pipeline_kv_load",),
+        aliases={"pipeline_kv_load": ("--pipeline",)},
     )
-    b.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "torch", "cpu", "triton"],
-        help="EngineConfig.attention_backend (default: auto)",
-    )
-    b.add_argument(
-        "--prune-last-layer",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="EngineConfig.prune_last_layer (default: on)",
-    )
+    add_config_args(b, EngineConfig, ("attention_backend", "prune_last_layer"))
     b.add_argument("--json", default=None)
     b.set_defaults(func=_run("blend"))
     g = bench.add_parser(
         "gpu", help="random-weight real shapes: prefill, blend and decode vs transformers"
     )
     g.add_argument("--shapes", default="llama8b,qwen05", help="llama8b, qwen05, tiny")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    add_config_args(
+        g, EngineConfig, ("device", "attention_backend", "dtype"), defaults={"dtype": "bfloat16"}
+    )
     g.add_argument("--prefill-tokens", type=int, default=6144)
     g.add_argument("--docs", type=int, default=10, help="documents in the blended prompt")
     g.add_argument("--doc-tokens", type=int, default=600, help="about this many tokens each")
@@ -105,7 +90,7 @@ def register_bench(sub) -> None:
 
 def _add_gemm(bench) -> None:
     p = bench.add_parser("gemm", help="CPU GEMM libraries at a model's shapes (BLENDKV_CPU_GEMM)")
-    p.add_argument("--model", default=None, help="default: the embedded model")
+    add_config_args(p, EngineConfig, ("model",))
     p.add_argument("--rows", default="1,32,2048")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
@@ -135,14 +120,14 @@ def _add_prefetch(bench) -> None:
     p = bench.add_parser(
         "prefetch", help="queued requests' chunks read ahead of their step vs in it (cold reads)"
     )
-    p.add_argument("--model", default=None)
+    add_config_args(p, EngineConfig, ("model",))
     p.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
     p.add_argument("--limit", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
         "--store", type=_store_arg, default="lmdb", help="lmdb, redis, or a redis:// URL"
     )
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_config_args(p, EngineConfig, ("dtype",), defaults={"dtype": "float32"})
     p.add_argument("--json", default=None)
     p.set_defaults(func=_run("prefetch"))
 
