@@ -1,4 +1,4 @@
-"""``blendkv bench engine|decode|blend|gpu|gemm|launches|prefetch|store``: benchmarks,
+"""``blendkv bench engine|decode|blend|gpu|gemm|attention|launches|prefetch|store``: benchmarks,
 correctness first, ratios side by side.
 
 The CLI finds this command through the ``blendkv.commands`` entry-point group (pyproject.toml),
@@ -83,6 +83,7 @@ def register_bench(sub) -> None:
     )
     g.set_defaults(func=_run("gpu"))
     _add_gemm(bench)
+    _add_attention(bench)
     _add_launches(bench)
     _add_prefetch(bench)
     _add_store(bench)
@@ -96,6 +97,15 @@ def _add_gemm(bench) -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None)
     p.set_defaults(func=_run("gemm"))
+
+
+def _add_attention(bench) -> None:
+    p = bench.add_parser(
+        "attention", help="CPU attention: the torch reference, removed eager paths, C++ kernels"
+    )
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.set_defaults(func=_run("cpu_attention"))
 
 
 def _add_launches(bench) -> None:

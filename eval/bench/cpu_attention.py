@@ -1,7 +1,7 @@
 """The CPU attention paths side by side: the torch reference's, the C++ kernels', and the eager
 paths removed from the torch backend (kept here only to be measured against).
 
-    python -m blendkv.eval.bench.cpu_attention [--threads 2] [--repeats 7]
+    blendkv bench attention [--threads 2] [--repeats 7]
 
 SmolLM2's heads (9 query heads on 3 KV heads, D 64), float32. Correctness first (every path
 against the reference, also the warm-up), then the calls take turns (machine noise hits all
@@ -99,11 +99,7 @@ def check_and_time(case: str, calls: dict, out_of, repeats: int) -> dict:
     return {"case": case, "ms": {k: round(v, 2) for k, v in ms.items()}, **ratios}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=7)
-    args = p.parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     info = {"threads": args.threads, "cpu": torch.backends.cpu.get_cpu_capability()}
@@ -135,7 +131,3 @@ def main(argv: list[str] | None = None) -> None:
     }
     out2 = torch.empty_like(q)
     print(json.dumps({**info, **check_and_time("causal2048", calls, lambda f: f(), args.repeats)}))
-
-
-if __name__ == "__main__":
-    main()
