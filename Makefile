@@ -32,7 +32,7 @@ lint: $(VENV)/.installed
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on broken links.
 docs: $(VENV)/.installed
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/blendkv bench engine
