@@ -2,9 +2,11 @@
 
 A ``SamplingParams`` is frozen: the engine reads it and never mutates it. Every field is validated
 in ``__post_init__``; a bad value raises :class:`~blendkv.errors.InvalidSamplingParamsError`
-naming the parameter, the value and the allowed range. Two fields are normalised on the way in:
-``stop`` becomes a ``list[str]`` and ``stop_token_ids`` a ``list[int]`` (both empty when None),
-and ``top_k=-1`` becomes ``0`` (both mean "disabled").
+naming the parameter, the value and the allowed range. Some fields are normalised on the way in:
+``stop`` becomes a ``list[str]``, ``stop_token_ids`` a ``list[int]`` and ``logit_bias`` a
+``dict[int, float]`` (all empty when None), and ``top_k=-1`` becomes ``0`` (both mean
+"disabled"). Penalties and ``logit_bias`` follow vLLM (and the OpenAI API); token ids in
+``logit_bias`` are checked against the model's vocabulary when the request is added.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from blendkv.errors import InvalidSamplingParamsError
 _SAMPLING_EPS = 1e-5
 # Upper bound on ``logprobs`` (the number of top alternatives returned per token), as in vLLM.
 MAX_LOGPROBS = 20
+# OpenAI's (and vLLM's) ranges for the additive penalties and the logit bias.
+_MAX_PENALTY = 2.0
+_MAX_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -42,6 +47,10 @@ def _check_float(name: str, value: object, allowed: str, ok) -> float:
     if not math.isfinite(value) or not ok(value):
         raise _bad(name, value, allowed)
     return value
+
+
+def _within(bound: float):
+    return lambda v: -bound <= v <= bound
 
 
 def _check_int(name: str, value: object, allowed: str, ok) -> int:
@@ -67,6 +76,14 @@ class SamplingParams:
     top_p: nucleus sampling; keep the smallest set of tokens whose probability sums to >= top_p.
     top_k: keep the k most likely tokens; 0 or -1 disables.
     min_p: drop tokens whose probability is below ``min_p`` times the top token's probability.
+    presence_penalty: in [-2, 2]; subtracted from the logit of every token the request has
+        generated so far (output tokens only, as in OpenAI and vLLM).
+    frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the request
+        has generated it (output tokens only).
+    repetition_penalty: > 0; the logit of every token in the prompt or the output is divided
+        by it when positive and multiplied by it when negative (transformers' and vLLM's
+        ``repetition_penalty``); 1 disables.
+    logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to those tokens' logits.
     seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
     max_tokens: cap on output tokens; None means "until max_model_len".
     min_tokens: EOS, stop token ids and stop strings are ignored until this many tokens exist.
@@ -75,7 +92,11 @@ class SamplingParams:
     stop_token_ids: token ids that end the request like EOS (but also under ``ignore_eos``).
     ignore_eos: keep generating after the EOS token.
     logprobs: None returns no logprobs; n >= 0 returns the chosen token's logprob and the n most
-        likely tokens' logprobs, all from the unmodified model distribution.
+        likely tokens' logprobs, all from the unmodified model distribution (before
+        ``logit_bias``, penalties, temperature and the filters: vLLM's default).
+
+    The sampler applies ``logit_bias``, then the penalties, then temperature and the filters;
+    greedy requests get the bias and the penalties too.
     include_stop_str_in_output: keep the matched stop string (or stop token text) in the text.
     skip_special_tokens: leave special tokens out of the detokenized text.
     """
@@ -84,6 +105,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -107,6 +132,18 @@ class SamplingParams:
         top_k = _check_int("top_k", self.top_k, "an int >= -1 (0 or -1 disable)", lambda v: v >= -1)
         put("top_k", max(top_k, 0))
         put("min_p", _check_float("min_p", self.min_p, "a float in [0, 1]", lambda v: 0 <= v <= 1))
+        for name in ("presence_penalty", "frequency_penalty"):
+            allowed = f"a float in [-{_MAX_PENALTY:g}, {_MAX_PENALTY:g}]"
+            value = _check_float(name, getattr(self, name), allowed, _within(_MAX_PENALTY))
+            put(name, value)
+        put(
+            "repetition_penalty",
+            _check_float(
+                "repetition_penalty", self.repetition_penalty, "a finite float > 0 (1 disables)",
+                lambda v: v > 0,
+            ),
+        )  # fmt: skip
+        put("logit_bias", self._normalise_logit_bias(self.logit_bias))
         if self.seed is not None:
             put(
                 "seed",
@@ -162,6 +199,37 @@ class SamplingParams:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
                 raise _bad("stop_token_ids", ids, allowed)
         return [int(i) for i in ids]
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float]:
+        allowed = (
+            f"None or a dict of token id (an int >= 0) -> bias (a float in "
+            f"[-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}])"
+        )
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", bias, allowed)
+        out: dict[int, float] = {}
+        for token_id, value in bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+                raise _bad("logit_bias", bias, allowed)
+            if token_id < 0:
+                raise _bad("logit_bias", bias, allowed)
+            value_allowed = f"a float in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]"
+            out[int(token_id)] = _check_float(
+                f"logit_bias[{token_id}]", value, value_allowed, _within(_MAX_LOGIT_BIAS)
+            )
+        return out
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler needs this request's prompt and output token counts."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -190,9 +190,9 @@ def _warm_up(llm, hf, methods: list[Method], prompts: list[ExamplePrompt], progr
     manager = llm.blend_manager()
     chunks: dict[bytes, tuple[list[int], list[int]]] = {}  # key -> (chunk, context)
     for p in prompts:
-        plan = manager.prepare(p.blended, None)
+        state = manager.prepare(p.blended, None)
         for key, ids, ctx in zip(
-            plan.chunk_keys, plan.prompt.chunks, plan.chunk_contexts, strict=True
+            state.chunk_keys, state.prompt.chunks, state.chunk_contexts, strict=True
         ):
             chunks.setdefault(key, (ids, ctx))
     with tqdm(total=len(chunks), desc="warm-up store", disable=not progress) as bar:

@@ -146,7 +146,7 @@ def split_by_kind(md: AttentionMetadata) -> tuple[list[tuple[int, int]], list[in
     return fresh, decode, other
 
 
-class StepPlanMemo:
+class StepLayoutMemo:
     """What a backend derives from one metadata object, built by its first layer and reused by
     the other layers of the step.
 
@@ -160,15 +160,15 @@ class StepPlanMemo:
         self._entries: list[tuple[AttentionMetadata, Any, Any]] = []
 
     def get(self, md: AttentionMetadata, key: Any, build: Callable[[], Any]) -> Any:
-        for seen, seen_key, plan in self._entries:
+        for seen, seen_key, layout in self._entries:
             if seen is md and seen_key == key:
-                return plan
-        plan = build()
-        self._entries = [*self._entries[-(self.size - 1) :], (md, key, plan)]
-        return plan
+                return layout
+        layout = build()
+        self._entries = [*self._entries[-(self.size - 1) :], (md, key, layout)]
+        return layout
 
-    def plans_for(self, md: AttentionMetadata) -> list[Any]:
-        return [plan for seen, _, plan in self._entries if seen is md]
+    def layouts_for(self, md: AttentionMetadata) -> list[Any]:
+        return [layout for seen, _, layout in self._entries if seen is md]
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class AttentionBackend(ABC):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
-    def step_plans(self, md: AttentionMetadata) -> list[Any]:
+    def step_layouts(self, md: AttentionMetadata) -> list[Any]:
         """What this backend derived from ``md`` and still remembers (index tensors, tiles). A
         CUDA graph captured over ``md`` reads these tensors at replay without asking again:
         the capturer keeps them alive (the memo forgets them after a few other steps)."""

@@ -21,7 +21,7 @@ import torch
 
 from blendkv.kernels import cpu_blend, cpu_extension
 from blendkv.kernels.attention import AttentionMetadata
-from blendkv.kernels.cpu_decode import DecodeKernel, DenseDecode, plan_dense_decode
+from blendkv.kernels.cpu_decode import DecodeKernel, DenseDecode, dense_decode_layout
 from blendkv.kernels.cpu_prefill import RowsKernel
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 
@@ -98,16 +98,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             super()._causal(q, k, v, scale, out)
 
-    def _plan_rows(self, positions, group, dtype) -> Any:
+    def _rows_layout(self, positions, group, dtype) -> Any:
         if self._takes(self.rows_kernel, "prefill", dtype):
-            return None  # the kernel needs no plan
-        return super()._plan_rows(positions, group, dtype)
+            return None  # the kernel needs no layout
+        return super()._rows_layout(positions, group, dtype)
 
-    def _rows(self, q, keys, values, positions, scale, out, plan) -> None:
+    def _rows(self, q, keys, values, positions, scale, out, layout) -> None:
         if self._takes(self.rows_kernel, "prefill", q.dtype):
             self.rows_kernel(q, keys, values, positions, scale, out)
         else:
-            super()._rows(q, keys, values, positions, scale, out, plan)
+            super()._rows(q, keys, values, positions, scale, out, layout)
 
     def _query_rows(self, q, keys, values, positions, visible_prefix, out) -> torch.Tensor:
         if not self._takes(self.rows_kernel, "prefill", q.dtype):
@@ -116,13 +116,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.rows_kernel(q, keys, values, positions, q.shape[-1] ** -0.5, out, mass)
         return mass
 
-    def _plan_decode(self, md: AttentionMetadata, seqs, cache_shape, q) -> Any:
+    def _decode_layout(self, md: AttentionMetadata, seqs, cache_shape, q) -> Any:
         if self._takes(self.decode_kernel, "decode", q.dtype):
-            return plan_dense_decode(md, seqs, cache_shape[2])
-        return super()._plan_decode(md, seqs, cache_shape, q)
+            return dense_decode_layout(md, seqs, cache_shape[2])
+        return super()._decode_layout(md, seqs, cache_shape, q)
 
-    def _decode(self, q, kv_cache, plan, out, scale) -> None:
-        if isinstance(plan, DenseDecode):
-            self.decode_kernel(q, kv_cache, plan, out, scale)
+    def _decode(self, q, kv_cache, layout, out, scale) -> None:
+        if isinstance(layout, DenseDecode):
+            self.decode_kernel(q, kv_cache, layout, out, scale)
         else:
-            super()._decode(q, kv_cache, plan, out, scale)
+            super()._decode(q, kv_cache, layout, out, scale)

@@ -53,7 +53,7 @@ class DenseDecode:
     lens: torch.Tensor  # [R] int64
 
 
-def plan_dense_decode(md: AttentionMetadata, seqs: list[int], block_size: int) -> DenseDecode:
+def dense_decode_layout(md: AttentionMetadata, seqs: list[int], block_size: int) -> DenseDecode:
     """The slots of every key of the decode sequences ``seqs``, from their block tables."""
     dev = md.positions.device
     idx = torch.tensor(seqs, dtype=torch.long, device=dev)
@@ -77,11 +77,13 @@ class DecodeKernel:
             ops = load_ops()
         self.ops = ops
 
-    def __call__(self, q, kv_cache, plan: DenseDecode, out, scale) -> None:
+    def __call__(self, q, kv_cache, layout: DenseDecode, out, scale) -> None:
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         pool = kv_cache.view(2, -1, num_kv_heads, head_dim)
         q = q.contiguous()
         dst = out if out.is_contiguous() else torch.empty_like(q)
-        self.ops.decode_attention(q, pool[0], pool[1], plan.rows, plan.slots, plan.lens, scale, dst)
+        self.ops.decode_attention(
+            q, pool[0], pool[1], layout.rows, layout.slots, layout.lens, scale, dst
+        )
         if dst is not out:
-            out[plan.rows] = dst[plan.rows]
+            out[layout.rows] = dst[layout.rows]

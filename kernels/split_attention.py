@@ -15,7 +15,7 @@ causal prefill. This path cuts the masked work down:
 - A run of consecutive positions (a query tail, a chunked-prefill chunk, the rest of a prompt
   after a prefix hit) is its own group, and its band needs no mask at all: the run's rows are
   exactly the band's keys, the top-left causal case the flash kernel skips half of.
-- The groups and their masks depend on the positions only, so :func:`plan_row_groups` builds
+- The groups and their masks depend on the positions only, so :func:`build_row_groups` builds
   them once and every layer of a step reuses them.
 
 Same result as :func:`blendkv.kernels.torch_attention.masked_attention` up to fp32 rounding
@@ -57,7 +57,7 @@ class RowGroup:
     mask: torch.Tensor | None
 
 
-def plan_row_groups(positions: torch.Tensor, group: int, dtype: torch.dtype) -> list[RowGroup]:
+def build_row_groups(positions: torch.Tensor, group: int, dtype: torch.dtype) -> list[RowGroup]:
     """The groups for rows at ascending ``positions`` [n], ``group`` query heads per KV head."""
     pos = positions.tolist()
     n = len(pos)
@@ -102,12 +102,12 @@ def split_masked_attention(
 ) -> torch.Tensor:
     """``q`` [n, Hq, D] at ascending ``positions`` [n] over ``keys``/``values`` [T, Hkv, D].
 
-    ``groups``: :func:`plan_row_groups` of these positions (built here when None)."""
+    ``groups``: :func:`build_row_groups` of these positions (built here when None)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
     if groups is None:
-        groups = plan_row_groups(positions, group, q.dtype)
+        groups = build_row_groups(positions, group, q.dtype)
     k = keys.transpose(0, 1)[None]  # [1, Hkv, T, D]
     v = values.transpose(0, 1)[None]
     out = torch.empty_like(q)

@@ -10,7 +10,7 @@ through :mod:`paged_decode`, and a context held by one run of consecutive blocks
 manager places them so) is read as a slice of the pool, not gathered.
 
 Each kind of rows is one overridable method (``_causal``, ``_rows``, ``_query_rows``,
-``_plan_decode`` / ``_decode``): the ``cpu`` backend (:mod:`cpu_attention`) replaces them with
+``_decode_layout`` / ``_decode``): the ``cpu`` backend (:mod:`cpu_attention`) replaces them with
 its C++ kernels where those apply.
 """
 
@@ -25,13 +25,13 @@ import torch.nn.functional as F
 from blendkv.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
-    StepPlanMemo,
+    StepLayoutMemo,
     split_by_kind,
 )
 from blendkv.kernels.attention_mass import attention_with_mass
-from blendkv.kernels.paged_decode import block_runs, decode_attention, plan_decode
+from blendkv.kernels.paged_decode import block_runs, decode_attention, decode_layout
 from blendkv.kernels.split_attention import available as split_available
-from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
+from blendkv.kernels.split_attention import build_row_groups, split_masked_attention
 
 
 def write_kv_cache(
@@ -124,12 +124,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
-        self._step_plans = StepPlanMemo()  # (metadata, pool blocks) -> _StepPlan
+        self._step_layouts = StepLayoutMemo()  # (metadata, pool blocks) -> _StepLayout
         self._flash_cpu = split_available(self.device)  # split attention, decode in place
         self.prefers_block_runs = self._flash_cpu  # the CPU path reads runs as slices
 
-    def step_plans(self, md: AttentionMetadata) -> list:
-        return self._step_plans.plans_for(md)
+    def step_layouts(self, md: AttentionMetadata) -> list:
+        return self._step_layouts.layouts_for(md)
 
     # ---- the pool -----------------------------------------------------------------------
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
@@ -241,16 +241,20 @@ class TorchAttentionBackend(AttentionBackend):
                 self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi])
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
-        plan = self._step_plans.get(
-            md, kv_cache.shape[1], lambda: self._build_plan(md, kv_cache.shape, q)
+        layout = self._step_layouts.get(
+            md, kv_cache.shape[1], lambda: self._build_layout(md, kv_cache.shape, q)
         )
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
-        for lo, hi in plan.fresh_ranges:
+        for lo, hi in layout.fresh_ranges:
             # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
             self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi])
         others = zip(
-            plan.other_seqs, plan.row_groups, plan.other_slots, plan.scored_from, strict=True
+            layout.other_seqs,
+            layout.row_groups,
+            layout.other_slots,
+            layout.scored_from,
+            strict=True,
         )
         for i, groups, first, mid in others:
             lo, hi = starts[i], starts[i + 1]
@@ -269,8 +273,8 @@ class TorchAttentionBackend(AttentionBackend):
                     out[mid:hi],
                 )  # fmt: skip
                 request.scores.add_(mass)
-        if plan.decode is not None:
-            self._decode(q, kv_cache, plan.decode, out, scale)
+        if layout.decode is not None:
+            self._decode(q, kv_cache, layout.decode, out, scale)
         return out
 
     # ---- one method per kind of rows (the cpu backend overrides them) -------------------
@@ -278,17 +282,17 @@ class TorchAttentionBackend(AttentionBackend):
         """``out`` = causal attention of one fresh sequence (positions 0..n-1)."""
         out.copy_(dense_causal_attention(q, k, v, scale))
 
-    def _plan_rows(self, positions: torch.Tensor, group: int, dtype: torch.dtype) -> Any:
+    def _rows_layout(self, positions: torch.Tensor, group: int, dtype: torch.dtype) -> Any:
         """What :meth:`_rows` reuses across a step's layers for rows at ``positions``."""
-        return plan_row_groups(positions, group, dtype) if self._flash_cpu else None
+        return build_row_groups(positions, group, dtype) if self._flash_cpu else None
 
-    def _rows(self, q, keys, values, positions, scale, out, plan) -> None:
+    def _rows(self, q, keys, values, positions, scale, out, layout) -> None:
         """``out`` = rows of one sequence at ascending ``positions`` over ``keys``/``values``
-        (its context, positions 0..S-1); ``plan``: :meth:`_plan_rows` of the positions."""
-        if plan is None:
+        (its context, positions 0..S-1); ``layout``: :meth:`_rows_layout` of the positions."""
+        if layout is None:
             out.copy_(masked_attention(q, keys, values, positions, scale))
         else:
-            out.copy_(split_masked_attention(q, keys, values, positions, scale, plan))
+            out.copy_(split_masked_attention(q, keys, values, positions, scale, layout))
 
     def _query_rows(self, q, keys, values, positions, visible_prefix, out) -> torch.Tensor:
         """Query rows' attention into ``out`` and the mass [S] float32 they pay each key
@@ -296,15 +300,15 @@ class TorchAttentionBackend(AttentionBackend):
         out[:], mass = attention_with_mass(q, keys, values, positions, visible_prefix)
         return mass
 
-    def _plan_decode(self, md: AttentionMetadata, seqs: list[int], cache_shape, q) -> Any:
+    def _decode_layout(self, md: AttentionMetadata, seqs: list[int], cache_shape, q) -> Any:
         """What :meth:`_decode` reuses across a step's layers for the decode rows ``seqs``."""
-        return plan_decode(md, seqs, cache_shape, self._flash_cpu)
+        return decode_layout(md, seqs, cache_shape, self._flash_cpu)
 
-    def _decode(self, q, kv_cache, plan, out, scale) -> None:
-        """``out`` at the decode rows of ``plan`` (:meth:`_plan_decode`)."""
-        decode_attention(q, kv_cache, plan, out, scale)
+    def _decode(self, q, kv_cache, layout, out, scale) -> None:
+        """``out`` at the decode rows of ``layout`` (:meth:`_decode_layout`)."""
+        decode_attention(q, kv_cache, layout, out, scale)
 
-    def _build_plan(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepPlan:
+    def _build_layout(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepLayout:
         fresh, decode, other = split_by_kind(md)
         group = q.shape[1] // cache_shape[3]
         starts = md.query_start_loc_cpu
@@ -313,8 +317,8 @@ class TorchAttentionBackend(AttentionBackend):
             md.query_mass[i].first_row if md.query_mass and i in md.query_mass else starts[i + 1]
             for i in other
         ]
-        row_plans = [
-            self._plan_rows(md.positions[starts[i] : mid], group, q.dtype)
+        row_layouts = [
+            self._rows_layout(md.positions[starts[i] : mid], group, q.dtype)
             if mid > starts[i]
             else None
             for i, mid in zip(other, scored_from, strict=True)
@@ -323,18 +327,18 @@ class TorchAttentionBackend(AttentionBackend):
         if self._flash_cpu:
             runs = [block_runs(md, i, cache_shape[2]) for i in other]
             slots = [r[0][0] if len(r) == 1 else None for r in runs]
-        decode_plan = self._plan_decode(md, decode, cache_shape, q) if decode else None
-        return _StepPlan(fresh, other, row_plans, decode_plan, slots, scored_from)
+        decode_rows = self._decode_layout(md, decode, cache_shape, q) if decode else None
+        return _StepLayout(fresh, other, row_layouts, decode_rows, slots, scored_from)
 
 
 @dataclass(frozen=True)
-class _StepPlan:
+class _StepLayout:
     """How one metadata object's sequences are attended (built once, used by every layer)."""
 
     fresh_ranges: list[tuple[int, int]]
     other_seqs: list[int]
-    row_groups: list[Any]  # per other seq: its _plan_rows (None: masked SDPA, not the CPU)
-    decode: Any  # _plan_decode of the decode rows, None without any
+    row_groups: list[Any]  # per other seq: its _rows_layout (None: masked SDPA, not the CPU)
+    decode: Any  # _decode_layout of the decode rows, None without any
     # per other seq: its first pool slot when its context is one run of consecutive blocks
     # (read as a slice, not gathered; CPU), else None
     other_slots: list[int | None]

@@ -11,7 +11,7 @@ Per layer, with a KV pool::
 
 Which sequence goes where, and the tile tables of ``prefill_attention``, depend only on the
 metadata, so they are built once per metadata object from its Python mirrors (no device sync)
-and memoised for the other layers of the step (:class:`_StepPlan`). Triton and xFormers are
+and memoised for the other layers of the step (:class:`_StepLayout`). Triton and xFormers are
 imported when the backend is built, never at module import.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blendkv.kernels.attention import AttentionMetadata, StepPlanMemo, split_by_kind
+from blendkv.kernels.attention import AttentionMetadata, StepLayoutMemo, split_by_kind
 from blendkv.kernels.torch_attention import TorchAttentionBackend, dense_causal_attention
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ _PREFILL_BLOCK_M = 64
 
 
 @dataclass(frozen=True)
-class _StepPlan:
+class _StepLayout:
     """How one metadata object's rows are dispatched (host-built, device index tensors)."""
 
     fresh_ranges: list[tuple[int, int]]  # [lo, hi) rows of fresh prefills
@@ -47,7 +47,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
     """Torch backend's pool handling and metadata, Triton kernels for writes and attention."""
 
     name = "triton"
-    # Decode reads seq_lens on the device and sizes its grid from the Python mirrors; the plan
+    # Decode reads seq_lens on the device and sizes its grid from the Python mirrors; the layout
     # of a metadata object is built by its first forward, which DecodeGraphs runs before capture.
     supports_cuda_graphs = True
     # Triton's CPU interpreter keeps launch state in globals: one launching thread at a time.
@@ -63,13 +63,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 "(pip install 'blendkv[gpu]') or use --attention-backend torch"
             ) from e
         self._ops = ops
-        self._plans = StepPlanMemo()  # (metadata, num_heads / num_kv_heads) -> _StepPlan
+        self._layouts = StepLayoutMemo()  # (metadata, num_heads / num_kv_heads) -> _StepLayout
         self._xformers_checked = False
         self._kernel_ok: dict[str, bool] = {}  # blend kernels: ran on first use (else torch)
         self._xformers_attention = None
 
-    def step_plans(self, md: AttentionMetadata) -> list:
-        return [*super().step_plans(md), *self._plans.plans_for(md)]
+    def step_layouts(self, md: AttentionMetadata) -> list:
+        return [*super().step_layouts(md), *self._layouts.layouts_for(md)]
 
     # ---- the pool -----------------------------------------------------------------------
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
@@ -148,13 +148,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
             self._dense_prefill(q, k, v, list(zip(starts, starts[1:], strict=False)), out, scale)
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
-        plan = self._plan(md, q.shape[1] // kv_cache.shape[3])
-        if plan.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
+        layout = self._layout(md, q.shape[1] // kv_cache.shape[3])
+        if layout.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
             # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
             return dense_causal_attention(q, k, v, scale)
         out = torch.empty_like(q)
-        if plan.fresh_ranges:
-            self._dense_prefill(q, k, v, plan.fresh_ranges, out, scale)
+        if layout.fresh_ranges:
+            self._dense_prefill(q, k, v, layout.fresh_ranges, out, scale)
         self._ops.decode_attention(
             out,
             q,
@@ -162,9 +162,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
             md.block_table,
             md.seq_lens,
             md.query_start_loc,
-            plan.decode_seq_ids,
+            layout.decode_seq_ids,
             scale,
-            plan.num_splits,
+            layout.num_splits,
         )
         self._ops.prefill_attention(
             out,
@@ -174,18 +174,18 @@ class TritonAttentionBackend(TorchAttentionBackend):
             md.seq_lens,
             md.query_start_loc,
             md.positions,
-            plan.tile_seq_ids,
-            plan.tile_starts,
-            plan.block_q,
+            layout.tile_seq_ids,
+            layout.tile_starts,
+            layout.block_q,
             scale,
         )
         return out
 
-    # ---- per-step plan ------------------------------------------------------------------
-    def _plan(self, md: AttentionMetadata, group: int) -> _StepPlan:
-        return self._plans.get(md, group, lambda: self._build_plan(md, group))
+    # ---- per-step layout ------------------------------------------------------------------
+    def _layout(self, md: AttentionMetadata, group: int) -> _StepLayout:
+        return self._layouts.get(md, group, lambda: self._build_layout(md, group))
 
-    def _build_plan(self, md: AttentionMetadata, group: int) -> _StepPlan:
+    def _build_layout(self, md: AttentionMetadata, group: int) -> _StepLayout:
         from blendkv.kernels.triton.decode_attention import default_num_splits
         from blendkv.kernels.triton.prefill_attention import block_q_for, build_tiles
 
@@ -194,7 +194,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         block_q = block_q_for(group, _PREFILL_BLOCK_M)
         tile_seq_ids, tile_starts = build_tiles(starts, other, block_q, md.positions.device)
         max_decode_len = max((md.seq_lens_cpu[i] for i in decode), default=1)
-        return _StepPlan(
+        return _StepLayout(
             fresh_ranges=fresh,
             decode_seq_ids=_index_tensor(decode, md.positions.device),
             tile_seq_ids=tile_seq_ids,

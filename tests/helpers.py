@@ -113,13 +113,13 @@ def standalone_chunk_kv(hf, anchor, chunk):
     ]
 
 
-def reference_full_reuse_logits(hf, manager, plan, contexts=None):
+def reference_full_reuse_logits(hf, manager, state, contexts=None):
     """transformers: prefix normally, then the standalone chunk K/V (each behind
     ``contexts[i]``, default the anchor) with RoPE at the fused positions appended to its cache,
     then only the query/suffix rows."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    p = plan.prompt
+    p = state.prompt
     ids = p.token_ids
     cache = transformers.DynamicCache()
     with torch.no_grad():

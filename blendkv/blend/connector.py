@@ -1,8 +1,9 @@
 """Blending as a KV connector: stored chunk K/V in, a fused prefill that repairs it.
 
 Scheduler side: a blended request's prefill runs whole (never chunked) while some chunk token has
-no K/V in its blocks yet, and costs the budget what it computes (``BlendPlan.estimated_cost``);
-nothing counts as computed in advance, since every row runs the layers before the check layer.
+no K/V in its blocks yet, and costs the budget what it computes
+(``BlendRequestState.estimated_cost``); nothing counts as computed in advance, since every row
+runs the layers before the check layer.
 Worker side: before the forward, the chunks are loaded into the request's blocks
 (:mod:`blendkv.blend.loader`); the forward then follows :class:`BlendRowPlan`.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from blendkv.blend.config import BlendConnectorConfig
 from blendkv.blend.controller import LoadingController
-from blendkv.blend.plan import BlendPlan, BlendStats
+from blendkv.blend.request_state import BlendRequestState, BlendStats
 from blendkv.engine.kv_connector import (
     ConnectorPrompt,
     ForwardInputs,
@@ -58,7 +59,7 @@ class BlendConnector(KVConnectorBase):
         super().__init__(context)
         self._manager = None
         self._loader = None
-        self._plans: dict[str, BlendPlan] = {}
+        self._states: dict[str, BlendRequestState] = {}
         self._metadata: BlendConnectorMetadata | None = None
         self._step = []  # this step's SeqBlends
         self._layer_load = None  # this step's LayerwiseLoad
@@ -136,18 +137,18 @@ class BlendConnector(KVConnectorBase):
 
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: dict, options) -> ConnectorPrompt:
-        plan = self.manager.prepare(prompt, options)
+        state = self.manager.prepare(prompt, options)
         return ConnectorPrompt(
-            plan.prompt.token_ids,
-            cache_salt=plan.salt,
-            kv_transfer_params=plan,
+            state.prompt.token_ids,
+            cache_salt=state.salt,
+            kv_transfer_params=state,
             # Rows before the query may stop being computed after the check layer.
-            min_logits_position=plan.prompt.query_start if plan.prompt.chunks else 0,
+            min_logits_position=state.prompt.query_start if state.prompt.chunks else 0,
         )
 
     def add_request(self, request_id: str, kv_transfer_params) -> None:
-        if isinstance(kv_transfer_params, BlendPlan):
-            self._plans[request_id] = kv_transfer_params
+        if isinstance(kv_transfer_params, BlendRequestState):
+            self._states[request_id] = kv_transfer_params
             prefetcher = self.prefetcher
             if prefetcher is not None and kv_transfer_params.chunk_keys:
                 prefetcher.submit(request_id, self._to_read(kv_transfer_params.chunk_keys))
@@ -164,10 +165,10 @@ class BlendConnector(KVConnectorBase):
         ]
 
     def request_stats(self, seq) -> BlendStats | None:
-        plan = self._plans.get(seq.request_id)
-        if plan is None:
+        state = self._states.get(seq.request_id)
+        if state is None:
             return None
-        stats = plan.stats
+        stats = state.stats
         m = seq.metrics
         if m.first_token_time is not None:
             stats.ttft = m.first_token_time - m.arrival_time
@@ -176,7 +177,7 @@ class BlendConnector(KVConnectorBase):
         return stats
 
     def request_finished(self, request_id: str) -> None:
-        self._plans.pop(request_id, None)
+        self._states.pop(request_id, None)
         if self._prefetcher is not None:
             self._prefetcher.release(request_id)
 
@@ -194,16 +195,16 @@ class BlendConnector(KVConnectorBase):
         return prefetcher is None or prefetcher.ready(seq.request_id)
 
     def fused_prefill_cost(self, seq, num_computed_tokens: int, num_new_tokens: int):
-        plan = self._plans.get(seq.request_id)
-        if plan is None or not plan.needs_fusion(num_computed_tokens):
+        state = self._states.get(seq.request_id)
+        if state is None or not state.needs_fusion(num_computed_tokens):
             return None
-        return plan.estimated_cost(num_new_tokens, self.context.info.num_layers)
+        return state.estimated_cost(num_new_tokens, self.context.info.num_layers)
 
     def build_connector_meta(self, scheduler_output) -> BlendConnectorMetadata:
         meta = BlendConnectorMetadata()
         for i, (seq, num_new) in enumerate(scheduler_output.scheduled):
-            plan = self._plans.get(seq.request_id)
-            if plan is not None and plan.needs_fusion(seq.num_computed_tokens):
+            state = self._states.get(seq.request_id)
+            if state is not None and state.needs_fusion(seq.num_computed_tokens):
                 meta.fused.append(
                     FusedPrefill(
                         i, seq.request_id, seq.num_computed_tokens, num_new, tuple(seq.block_table)
@@ -225,10 +226,10 @@ class BlendConnector(KVConnectorBase):
         device = inputs.kv_caches[0].device
         overlapped = resolve_pipelined(self.pipelined, device, self.context.attn_backend)
         for f in meta.fused:
-            plan = self._plans[f.request_id]
+            state = self._states[f.request_id]
             blend, chunk_writes = self._loader.load(
                 f.index,
-                plan,
+                state,
                 f.num_computed_tokens,
                 f.num_new_tokens,
                 f.block_table,

@@ -31,7 +31,7 @@ import torch
 from blendkv.blend.controller import LoadingController
 from blendkv.blend.layer_load import ChunkWrite
 from blendkv.blend.manager import BlendManager
-from blendkv.blend.plan import BlendPlan
+from blendkv.blend.request_state import BlendRequestState
 from blendkv.blend.row_plan import SeqBlend
 
 
@@ -62,28 +62,28 @@ class ChunkLoader:
     def load(
         self,
         index: int,
-        plan: BlendPlan,
+        state: BlendRequestState,
         start: int,
         num_new: int,
         block_table,
         block_size: int,
         overlapped: bool = True,
     ) -> tuple[SeqBlend, list[ChunkWrite]]:
-        """Find the K/V of the chunks of ``plan`` past position ``start`` (the prefix-cache
+        """Find the K/V of the chunks of ``state`` past position ``start`` (the prefix-cache
         hit) for the blocks of ``block_table``; returns the sequence's part of the step's row
-        plan and the writes into its blocks. ``overlapped``: whether the writes will run
+        state and the writes into its blocks. ``overlapped``: whether the writes will run
         behind the forward (the loading controller raises an "auto" ratio only then)."""
         t0 = time.perf_counter()
-        stats = plan.stats
+        stats = state.stats
         precompute_before = stats.precompute_seconds
         errors_before = self.manager.store.connection_errors
         stats.prefix_cached_tokens = start
-        config = plan.config
+        config = state.config
         first = config.first_partial_layer
-        spans = plan.prompt.chunk_spans
+        spans = state.prompt.chunk_spans
         todo = [i for i, (_, e) in enumerate(spans) if e > start]
-        missing = [i for i in todo if not self.manager.has(plan.chunk_keys[i])]
-        computed = self._compute(plan, missing)
+        missing = [i for i in todo if not self.manager.has(state.chunk_keys[i])]
+        computed = self._compute(state, missing)
         table = torch.tensor(block_table, dtype=torch.long)
         reused = torch.zeros(num_new, dtype=torch.bool)
         writes: list[ChunkWrite] = []
@@ -100,16 +100,16 @@ class ChunkLoader:
             kv, tier, fetch, recover = computed.get(i), "computed", None, None
             t_fetch = time.perf_counter()
             if kv is None:
-                found = self._fetch(plan.chunk_keys[i], stats)
+                found = self._fetch(state.chunk_keys[i], stats)
                 if found is None:  # evicted or corrupt since the lookup: compute it after all
-                    kv = self._compute(plan, [i])[i]
+                    kv = self._compute(state, [i])[i]
                 else:
                     kv, tier = found
                     stats.chunks_hit += 1
                     if callable(kv):  # read later, in the loading thread
                         view, kv = kv, None
                         fetch = _deferred_fetch(view, keep)
-                        recover = _recovery(self, plan, i, keep, stats)
+                        recover = _recovery(self, state, i, keep, stats)
             positions = torch.arange(lo, e)
             if kv is not None:
                 kv = kv[keep]
@@ -153,7 +153,7 @@ class ChunkLoader:
             index,
             reused,
             config,
-            plan.prompt.query_start,
+            state.prompt.query_start,
             stats.tokens_reused,
             gen,
             stats,
@@ -205,17 +205,17 @@ class ChunkLoader:
             self._snapshot.close()
             self._snapshot = None
 
-    def _compute(self, plan: BlendPlan, misses: list[int]) -> dict[int, torch.Tensor]:
+    def _compute(self, state: BlendRequestState, misses: list[int]) -> dict[int, torch.Tensor]:
         """Compute the missed chunks (one forward each) and hand them to the background writer."""
         if not misses:
             return {}
         t0 = time.perf_counter()
-        chunks = [plan.prompt.chunks[i] for i in misses]
-        contexts = plan.chunk_contexts and [plan.chunk_contexts[i] for i in misses]
+        chunks = [state.prompt.chunks[i] for i in misses]
+        contexts = state.chunk_contexts and [state.chunk_contexts[i] for i in misses]
         kvs = self.manager.compute_kv(chunks, contexts)
-        self.manager.write_back([plan.chunk_keys[i] for i in misses], chunks, kvs)
-        plan.stats.precompute_seconds += time.perf_counter() - t0
-        plan.stats.chunks_missed += len(misses)
+        self.manager.write_back([state.chunk_keys[i] for i in misses], chunks, kvs)
+        state.stats.precompute_seconds += time.perf_counter() - t0
+        state.stats.chunks_missed += len(misses)
         return dict(zip(misses, kvs, strict=True))
 
 
@@ -229,11 +229,11 @@ def _deferred_fetch(view: Callable, keep: tuple) -> Callable[[], torch.Tensor | 
     return fetch
 
 
-def _recovery(loader: ChunkLoader, plan: BlendPlan, i: int, keep: tuple, stats):
+def _recovery(loader: ChunkLoader, state: BlendRequestState, i: int, keep: tuple, stats):
     """Computes chunk ``i`` when its deferred read finds it evicted or corrupt."""
 
     def recover() -> torch.Tensor:
         stats.chunks_hit -= 1
-        return loader._compute(plan, [i])[i][keep]
+        return loader._compute(state, [i])[i][keep]
 
     return recover

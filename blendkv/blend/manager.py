@@ -1,4 +1,4 @@
-"""Turns blended prompts into plans and owns the chunk K/V: store, background writer, precompute.
+"""Turns blended prompts into request states and owns the chunk K/V (store, writer, precompute).
 
 One manager per engine. It owns the chunk-KV store (LMDB with a memory tier in front), the
 background writer that stores chunks computed at query time, the prompt builder and the anchor
@@ -16,9 +16,9 @@ import torch
 import xxhash
 
 from blendkv.blend.config import BlendConfig
-from blendkv.blend.plan import BlendPlan
 from blendkv.blend.precompute import compute_chunks_kv
 from blendkv.blend.prompt import BlendedPrompt, PromptBuilder
+from blendkv.blend.request_state import BlendRequestState
 from blendkv.errors import InvalidRequestError
 from blendkv.text import replace_in_blended_prompt
 
@@ -133,8 +133,10 @@ class BlendManager:
             return [self.anchor_ids] * len(chunks)
         return [self.anchor_ids + (chunks[i - 1][-n:] if i else []) for i in range(len(chunks))]
 
-    def prepare(self, prompt: dict, config: BlendConfig | None) -> BlendPlan:
-        """Parse a blended prompt dict (see ``blendkv.blend``) into a plan; raises on bad input."""
+    def prepare(self, prompt: dict, config: BlendConfig | None) -> BlendRequestState:
+        """Parse a blended prompt dict (see ``blendkv.blend``) into its request state.
+
+        Raises on bad input."""
         config = config or BlendConfig()
         config.validate_for(self.num_layers)
         prompt = replace_in_blended_prompt(prompt)  # lone surrogates -> U+FFFD, with a warning
@@ -160,12 +162,12 @@ class BlendManager:
         contexts = self.chunk_contexts(chunks)
         keys = [self.chunk_key(c, ctx) for c, ctx in zip(chunks, contexts, strict=True)]
         salt = self._salt(built, keys, config)
-        plan = BlendPlan(
+        state = BlendRequestState(
             prompt=built, config=config, chunk_keys=keys, salt=salt, chunk_contexts=contexts
         )
-        plan.stats.num_chunks = len(chunks)
-        plan.stats.num_prompt_tokens = len(built.token_ids)
-        return plan
+        state.stats.num_chunks = len(chunks)
+        state.stats.num_prompt_tokens = len(built.token_ids)
+        return state
 
     def _chunks(self, prompt: dict) -> list[list[int]]:
         given = [k for k in ("documents", "chunks", "chunk_ids") if k in prompt]

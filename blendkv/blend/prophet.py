@@ -6,7 +6,7 @@ cheap. At each layer the attention the query rows (positions from ``query_start`
 position is summed over heads and rows, and over layers. The fused forward then recomputes the
 top-scored reused rows from layer 0 (``selection="prophet"``, :class:`BlendRowPlan`). The pass
 writes the non-reused rows' K/V at every layer; the fused forward computes and overwrites them.
-It runs through the model's one layer loop with :class:`QueryScorePlan` as its row plan.
+It runs through the model's one layer loop with :class:`QueryPassRowPlan` as its row plan.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def needs_query_pass(sb: SeqBlend) -> bool:
     return cfg.selection == "prophet" and 0.0 < cfg.recompute_ratio < 1.0 and sb.total_reused > 0
 
 
-class QueryScorePlan(RowPlan):
+class QueryPassRowPlan(RowPlan):
     """Keeps every row; at every layer adds the query rows' attention mass to each blended
     sequence's ``query_scores`` (indexed by absolute position).
 
@@ -112,7 +112,7 @@ def run_query_pass(
     for sb in prophets:
         keep[starts[sb.index] : starts[sb.index + 1]] = ~sb.reused
     sub = md.subset(keep)
-    plan = QueryScorePlan(sub, prophets, attn_backend)
+    plan = QueryPassRowPlan(sub, prophets, attn_backend)
     ids = input_ids[keep.to(input_ids.device)]
     # Scoring in attention needs the last layer's attention too (its MLP is wasted: ~1/30th
     # of the pass); scoring before attention can stop after the last layer's projections.

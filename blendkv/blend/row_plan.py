@@ -29,7 +29,7 @@ import torch
 
 from blendkv.blend.config import BlendConfig
 from blendkv.blend.correction import Rows, correct_kept_rows
-from blendkv.blend.plan import BlendStats
+from blendkv.blend.request_state import BlendStats
 from blendkv.blend.selection import SelectionInputs, score_rows, top_rows
 from blendkv.models.hooks import RowPlan
 

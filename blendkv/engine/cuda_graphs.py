@@ -12,7 +12,7 @@ What makes a forward capturable, and how it is kept so:
   sequence at ``max_model_len`` (the backend sizes its launch grid from them, and reads the real
   lengths from ``seq_lens`` on the device);
 - padded rows are inert: slot -1 (the KV write skips it), one key, position 0;
-- no tensors made during capture: the backend's per-metadata plan is built by the warm-up run
+- no tensors made during capture: the backend's per-metadata layout is built by the warm-up run
   on the same metadata object (and kept alive with the graph: replay reads its tensors), and
   the rotary table's memo is cleared before capture;
 - only backends that read sequence lengths on the device (``supports_cuda_graphs``) and KV
@@ -97,7 +97,7 @@ class DecodeGraphs:
         self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
-        # Per size, the backend's plans for its metadata: the graph reads their tensors at every
+        # Per size, the backend's layouts for its metadata: the graph reads their tensors at every
         # replay, so they live as long as the graph (a GPU run once crashed with an illegal
         # memory access after the backend's memo had dropped them).
         self.retained: dict[int, list] = {}
@@ -129,9 +129,9 @@ class DecodeGraphs:
                 self.model.model.rotary_emb.clear_memo()  # no stale cos/sin baked in
                 return self.model(ids, md.positions, self.kv_caches, md)
 
-            forward()  # warm-up: the backend builds its plan for this metadata object
+            forward()  # warm-up: the backend builds its layout for this metadata object
             self._graphs[size] = self.capture(forward)
-            self.retained[size] = self.attn_backend.step_plans(md)
+            self.retained[size] = self.attn_backend.step_layouts(md)
 
     def can_run(self, md: AttentionMetadata) -> bool:
         """A pure decode batch that fits a captured size (captures on first use; if capturing

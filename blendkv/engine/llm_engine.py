@@ -230,6 +230,12 @@ class LLMEngine:
             raise InvalidSamplingParamsError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
+        bad = sorted(t for t in params.logit_bias if t >= self.info.vocab_size)
+        if bad:
+            raise InvalidSamplingParamsError(
+                f"SamplingParams.logit_bias names token ids outside the vocabulary "
+                f"[0, {self.info.vocab_size}): {bad[:5]}"
+            )
         if not prompt_token_ids:
             raise EmptyPromptError("the prompt is empty (zero tokens)")
         if len(prompt_token_ids) >= self.info.max_model_len:

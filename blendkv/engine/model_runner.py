@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from blendkv.engine.kv_connector import ForwardInputs
+from blendkv.engine.penalties import TokenCounts
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
 from blendkv.models.hooks import output_row_order
 
@@ -82,6 +83,9 @@ class ModelRunner:
         self.connector = connector
         self.kv_caches = attn_backend.allocate_kv_cache(kv_cache_spec)
         self.generators: dict[str, torch.Generator] = {}
+        # Output-token counts of the requests with a penalty; made at the first such request
+        # (its vocabulary size is the logits').
+        self.token_counts: TokenCounts | None = None
         # Captured decode steps (blendkv.engine.cuda_graphs), set up by the engine on CUDA.
         self.decode_graphs = None
 
@@ -175,7 +179,12 @@ class ModelRunner:
         params = [seq.sampling_params for seq in seqs]
         generators = [self._generator(seq) for seq in seqs]
         num_output_tokens = [seq.num_output_tokens for seq in seqs]
-        return self.sampler.sample(logits, params, generators, num_output_tokens)
+        penalties = None
+        if any(p.has_penalties for p in params):
+            if self.token_counts is None:
+                self.token_counts = TokenCounts(logits.shape[-1], logits.device)
+            penalties = self.token_counts.inputs(seqs)
+        return self.sampler.sample(logits, params, generators, num_output_tokens, penalties)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.sampling_params.seed
@@ -190,6 +199,8 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.token_counts is not None:
+            self.token_counts.release(request_id)
 
 
 def _identity(idx: list[int]) -> list[int]:

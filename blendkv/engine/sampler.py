@@ -2,13 +2,18 @@
 
 Per row, in this order::
 
+    logit_bias:                     logits[token] += bias                   (greedy rows too)
     min_tokens not reached yet:     EOS and stop_token_ids logits -> -inf   (greedy rows too)
+    penalties:                      repetition, frequency, presence         (greedy rows too)
     greedy rows (temperature ~ 0):  token = logits.argmax(-1)          (ties -> lowest id)
     random rows:                    logits / temperature
                                     -> top-k   (keep the k largest)
                                     -> top-p   (smallest prefix of the sorted probs with sum >= p)
                                     -> min-p   (drop p_i < min_p * p_max)
                                     -> draw with the row's own torch.Generator
+
+The first three steps are vLLM's (and transformers') order; the penalties are defined in
+:mod:`blendkv.engine.penalties`, whose token counts the model runner keeps per request.
 
 Filtering is vectorised over the random rows in one sorted ``[num_random, vocab]`` tensor; only
 the draw loops over rows, so a seeded request draws from its own generator and gets the same
@@ -20,8 +25,9 @@ be *sampled* at all, whatever ``ignore_eos`` says; the stop checker alone would 
 generated and only refuse to stop on them.
 
 Logprobs are ``log_softmax`` of the *raw* logits (the unmodified model distribution, vLLM's
-default ``raw_logprobs``): neither the min-tokens mask nor temperature or the top-k/top-p/min-p
-filters change them, so a masked EOS still reports its true (finite) logprob in the top list.
+default ``raw_logprobs``): neither the bias, the min-tokens mask, the penalties nor temperature
+or the top-k/top-p/min-p filters change them, so a masked EOS still reports its true (finite)
+logprob in the top list.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from blendkv.engine.penalties import PenaltyInputs, apply_logit_bias, apply_penalties
 from blendkv.sampling_params import SamplingParams
 
 
@@ -65,12 +72,15 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         num_output_tokens: list[int],
+        penalties: PenaltyInputs | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[num_seqs, vocab]`` (any float dtype).
 
         ``generators[i]`` draws row i (it must live on ``logits.device``); None uses the global
         RNG of that device. Greedy rows never touch their generator. ``num_output_tokens[i]``
         is how many tokens row i's request has generated before this one (for ``min_tokens``).
+        ``penalties``: the token counts of the rows whose params have a penalty (required
+        when any has one; :class:`~blendkv.engine.penalties.TokenCounts` builds them).
         """
         assert logits.dim() == 2, f"logits must be [num_seqs, vocab], got {tuple(logits.shape)}"
         num_seqs = logits.shape[0]
@@ -81,7 +91,7 @@ class Sampler:
             len(num_output_tokens),
         )
         raw = logits.float()
-        logits = self._mask_stop_tokens(raw, params, num_output_tokens)
+        logits = self._processed_logits(raw, params, num_output_tokens, penalties)
         token_ids = logits.argmax(dim=-1)
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -96,15 +106,37 @@ class Sampler:
         logprobs, top_logprobs = self._gather_logprobs(raw, token_ids, params)
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
 
-    def _mask_stop_tokens(
-        self, logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
+    def _processed_logits(
+        self,
+        raw: torch.Tensor,
+        params: list[SamplingParams],
+        num_output_tokens: list[int],
+        penalties: PenaltyInputs | None,
     ) -> torch.Tensor:
-        """``logits`` with EOS and stop-token ids at -inf in rows still short of ``min_tokens``.
+        """``raw`` after logit_bias, the min-tokens mask and the penalties.
 
-        Returns ``logits`` itself when no row is masked, else a copy (the raw logits stay
+        Returns ``raw`` itself when no row needs any, else a copy (the raw logits stay
         untouched for the logprobs).
         """
-        vocab_size = logits.shape[-1]
+        stop_rows, stop_cols = self._stop_token_mask(raw.shape[-1], params, num_output_tokens)
+        has_bias = any(p.logit_bias for p in params)
+        if penalties is None:
+            assert not any(p.has_penalties for p in params), "penalised rows need their counts"
+        if not (stop_rows or has_bias or penalties is not None):
+            return raw
+        logits = raw.clone()
+        if has_bias:
+            apply_logit_bias(logits, params)
+        if stop_rows:
+            logits[stop_rows, stop_cols] = float("-inf")
+        if penalties is not None:
+            apply_penalties(logits, params, penalties)
+        return logits
+
+    def _stop_token_mask(
+        self, vocab_size: int, params: list[SamplingParams], num_output_tokens: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """(rows, cols) of the EOS and stop-token ids of rows still short of ``min_tokens``."""
         rows: list[int] = []
         cols: list[int] = []
         for i, (p, n) in enumerate(zip(params, num_output_tokens, strict=True)):
@@ -113,11 +145,7 @@ class Sampler:
                 ids = [t for t in ids if 0 <= t < vocab_size]
                 rows.extend([i] * len(ids))
                 cols.extend(ids)
-        if not rows:
-            return logits
-        masked = logits.clone()
-        masked[rows, cols] = float("-inf")
-        return masked
+        return rows, cols
 
     @staticmethod
     def _sample_random(

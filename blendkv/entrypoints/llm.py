@@ -1,9 +1,17 @@
-"""``LLM``: the offline, vLLM-shaped entry point (``generate``, ``chat``, ``stream``)."""
+"""``LLM``: the offline, vLLM-shaped entry point (``generate``, ``chat``, ``stream``).
+
+Thread-safe: the engine is single-threaded, so every engine call holds one lock, and callers
+waiting for outputs step the engine cooperatively (:meth:`LLM._wait_for`): one thread at a time
+runs a step for *every* queued request and routes each output to its own request's sink, the
+others wait for that step to end and then look at their sinks.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from blendkv.engine.llm_engine import LLMEngine
@@ -28,6 +36,9 @@ class LLM:
     ``enable_prefix_caching``, ...), and so is every one of the blend connector's
     :class:`~blendkv.blend.config.BlendConnectorConfig` (``kv_store_dir``, ``prefetch_kv``, ...);
     any other raises :class:`~blendkv.errors.ConfigError`.
+
+    One ``LLM`` may be shared by threads: ``generate``, ``stream`` and ``chat`` calls from
+    several threads are batched together in one engine loop, each getting its own outputs.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -36,6 +47,12 @@ class LLM:
         # Every step's outputs go to their own request's consumer: interleaved streams (and a
         # generate call between two stream items) never lose each other's tokens.
         self._router = OutputRouter()
+        # _engine_lock: held around every engine call (add, step, abort, close, a model call
+        # outside the loop). _step_done: guards _stepping, "some thread is running a step",
+        # and wakes the waiters when that step's outputs are routed.
+        self._engine_lock = threading.RLock()
+        self._step_done = threading.Condition()
+        self._stepping = False
 
     @property
     def tokenizer(self):
@@ -54,6 +71,13 @@ class LLM:
             )
         return conn.manager
 
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the engine between steps, for a model call outside the engine loop (the chunk
+        K/V an ingest computes): no step runs, and no request is added, until it exits."""
+        with self._engine_lock:
+            yield
+
     # ------------------------------------------------------------ generate
     def generate(
         self,
@@ -69,25 +93,23 @@ class LLM:
         """
         prompts = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        request_ids = self._add_all(prompts, params, **request_kwargs)
-        finished: dict[str, RequestOutput] = {}
-        bar = _progress(len(prompts), use_tqdm)
+        finished: dict[str, RequestOutput] = {}  # written by whichever thread steps
 
         def keep_final(out: RequestOutput) -> None:
             if out.finished:
                 finished[out.request_id] = out
-                bar.update(1)
 
-        for rid in request_ids:
-            self._router.register(rid, keep_final)
+        request_ids = self._add_all(prompts, params, keep_final, **request_kwargs)
+        bar = _progress(len(prompts), use_tqdm)
+
         try:
-            while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
-                self._router.route(self.engine.step())
+            while len(finished) < len(request_ids):
+                seen = len(finished)
+                if not self._wait_for(lambda seen=seen: len(finished) > seen):
+                    break  # aborted from outside
+                bar.update(len(finished) - seen)
         except BaseException:
-            for rid in request_ids:
-                if rid not in finished:
-                    self._router.unregister(rid)
-                    self.engine.abort_request(rid)
+            self._abort([rid for rid in request_ids if rid not in finished])
             raise
         finally:
             bar.close()
@@ -100,25 +122,22 @@ class LLM:
 
         Other queued requests keep running in the same batches, and their outputs are kept for
         their own consumers: several ``stream`` iterators (and ``generate`` calls) may be
-        interleaved on one thread. Closing the iterator early aborts the request.
+        interleaved on one thread, or consumed on several. Closing the iterator early aborts
+        the request.
         """
-        [request_id] = self._add_all([prompt], [sampling_params], **request_kwargs)
-        pending: deque[RequestOutput] = deque()
-        self._router.register(request_id, pending.append)
+        pending: deque[RequestOutput] = deque()  # appended by whichever thread steps
+        [request_id] = self._add_all([prompt], [sampling_params], pending.append, **request_kwargs)
         done = False
         try:
             while not done:
-                while not pending:
-                    if not self.engine.has_unfinished_requests():
-                        return  # aborted from outside
-                    self._router.route(self.engine.step())
+                if not pending and not self._wait_for(lambda: bool(pending)):
+                    return  # aborted from outside
                 out = pending.popleft()
                 done = out.finished
                 yield out
         finally:
             if not done:
-                self._router.unregister(request_id)
-                self.engine.abort_request(request_id)
+                self._abort([request_id])
 
     def chat(
         self,
@@ -152,7 +171,8 @@ class LLM:
     # -------------------------------------------------------------- helpers
     def close(self) -> None:
         """Release the chunk-KV store (a private temporary store is deleted)."""
-        self.engine.close()
+        with self._engine_lock:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -160,12 +180,53 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _add_all(self, prompts, params, **request_kwargs) -> list[str]:
+    def _add_all(self, prompts, params, sink, **request_kwargs) -> list[str]:
+        """Validate every request, then queue them all with ``sink`` as their consumer; a bad
+        request raises in its caller's thread before anything is queued."""
         engine = self.engine
-        prepared = []
-        for prompt, p in zip(prompts, params, strict=True):
-            prepared.append(engine.prepare_request(prompt, p, **request_kwargs))
-        return [engine.add_prepared(req) for req in prepared]
+        with self._engine_lock:
+            prepared = []
+            for prompt, p in zip(prompts, params, strict=True):
+                prepared.append(engine.prepare_request(prompt, p, **request_kwargs))
+            request_ids: list[str] = []
+            try:
+                for req in prepared:
+                    request_ids.append(rid := engine.add_prepared(req))
+                    self._router.register(rid, sink)  # no step runs before it is registered
+            except BaseException:
+                self._abort(request_ids)
+                raise
+            return request_ids
+
+    def _abort(self, request_ids: list[str]) -> None:
+        with self._engine_lock:
+            for rid in request_ids:
+                self._router.unregister(rid)
+                self.engine.abort_request(rid)
+
+    def _wait_for(self, ready: Callable[[], bool]) -> bool:
+        """Step the engine until ``ready()``; False if the engine ran out of requests first.
+
+        Cooperative stepping: while another thread runs a step, wait for it to end (its
+        outputs may be the ones awaited); otherwise run one step for every queued request
+        and route all outputs to their sinks.
+        """
+        while True:
+            with self._step_done:
+                while self._stepping and not ready():
+                    self._step_done.wait()
+                if ready():
+                    return True
+                self._stepping = True
+            try:
+                with self._engine_lock:
+                    if not self.engine.has_unfinished_requests():
+                        return ready()
+                    self._router.route(self.engine.step())
+            finally:
+                with self._step_done:
+                    self._stepping = False
+                    self._step_done.notify_all()
 
     @staticmethod
     def _as_list(prompts) -> list:

@@ -18,7 +18,9 @@ Sink = Callable[[RequestOutput], None]
 
 
 class OutputRouter:
-    """request id -> sink; not thread-safe (use it on the thread that steps the engine)."""
+    """request id -> sink; not locked itself: its owner uses it under the lock that orders
+    engine calls (``LLM``) or on the engine thread (``AsyncLLM``). A sink runs on the thread
+    that stepped, so it must be thread-safe (a deque append, a dict store)."""
 
     def __init__(self) -> None:
         self._sinks: dict[str, Sink] = {}

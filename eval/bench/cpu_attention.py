@@ -25,9 +25,9 @@ import torch
 from blendkv.eval.bench.gemm import _time_interleaved
 from blendkv.kernels import paged_decode
 from blendkv.kernels.attention import AttentionMetadata
-from blendkv.kernels.cpu_decode import DecodeKernel, plan_dense_decode
+from blendkv.kernels.cpu_decode import DecodeKernel, dense_decode_layout
 from blendkv.kernels.cpu_prefill import RowsKernel
-from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
+from blendkv.kernels.split_attention import build_row_groups, split_masked_attention
 from blendkv.kernels.torch_attention import dense_causal_attention, masked_attention
 
 HQ, HKV, D, BS = 9, 3, 64, 16
@@ -74,10 +74,10 @@ def decode_case(runs: int) -> tuple[dict, torch.Tensor]:
     )
     q, seqs, kernel = torch.randn(rows, HQ, D), list(range(rows)), DecodeKernel()
     saved, paged_decode.MAX_RUNS = paged_decode.MAX_RUNS, 1 << 30
-    in_place = paged_decode.plan_decode(md, seqs, kv.shape, True)
+    in_place = paged_decode.decode_layout(md, seqs, kv.shape, True)
     paged_decode.MAX_RUNS = saved
-    gathered = paged_decode.plan_decode(md, seqs, kv.shape, False)
-    dense = plan_dense_decode(md, seqs, BS)
+    gathered = paged_decode.decode_layout(md, seqs, kv.shape, False)
+    dense = dense_decode_layout(md, seqs, BS)
     out = torch.empty_like(q)
     calls = {
         "in_place": lambda: paged_decode.decode_attention(q, kv, in_place, out, SCALE),
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> None:
     scattered = torch.randperm(6300 - 64)[:656].sort().values
     positions = torch.cat([scattered, torch.arange(6300 - 64, 6300)])
     q, rows = torch.randn(len(positions), HQ, D), RowsKernel()
-    groups = plan_row_groups(positions, HQ // HKV, q.dtype)
+    groups = build_row_groups(positions, HQ // HKV, q.dtype)
     out = torch.empty_like(q)
     calls = {
         "split": lambda: split_masked_attention(q, keys, values, positions, SCALE, groups),

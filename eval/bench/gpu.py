@@ -155,9 +155,9 @@ def bench_shape(shape: str, args, device: str) -> dict:
         }
         manager = llm.blend_manager()
         blend = BlendConfig(recompute_ratio=args.ratio)
-        plan = manager.prepare(prompt, blend)
-        manager.precompute(plan.prompt.chunks)
-        full_ids = plan.prompt.token_ids
+        state = manager.prepare(prompt, blend)
+        manager.precompute(state.prompt.chunks)
+        full_ids = state.prompt.token_ids
         for cfg in (blend, BlendConfig(recompute_ratio=0.0)):
             llm.generate([prompt], one, blend=cfg)  # warm: checksums, memory tier
         connector = llm.engine.kv_connector

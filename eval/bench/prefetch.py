@@ -65,12 +65,12 @@ def _run(args, llm, prompts, page_out) -> int:
     store = manager.store
     cfg = BlendConfig()
     one = SamplingParams(temperature=0.0, max_tokens=1)
-    plans = [manager.prepare(prompt, cfg) for prompt in prompts]
-    lengths = [len(plan.prompt.token_ids) for plan in plans]
+    states = [manager.prepare(prompt, cfg) for prompt in prompts]
+    lengths = [len(state.prompt.token_ids) for state in states]
     for prompt in prompts:  # every chunk in the store, read once (checksums checked)
         llm.generate([prompt], one, blend=cfg)
     manager.flush()
-    keys = [k for plan in plans for k in plan.chunk_keys]
+    keys = [k for state in states for k in state.chunk_keys]
 
     def cold() -> None:
         if store.tier == "lmdb":

@@ -5,7 +5,7 @@ each layer's start (its input norm), its attention and its MLP block (``finish``
 plan's selection and K/V correction, the final norm, logits and sampling. The step runs
 synchronously on the CPU, so the pieces add up; what no timer covers is Python and scheduling
 overhead. Loading comes
-from the request's :class:`~blendkv.blend.plan.BlendStats`: the reads and writes not hidden
+from the request's :class:`~blendkv.blend.request_state.BlendStats`: the reads and writes not hidden
 behind compute count in the TTFT's parts, the hidden ones are printed apart.
 
 The **compute floor** of a request is what its recompute would cost at full prefill's speed:
@@ -111,7 +111,7 @@ def profiled(llm, check_layer: int):
     timer.wrap_class(BlendRowPlan, "before_attention", "K/V correction", patched)
     # Backends that score before attention (Triton); the torch one scores inside attention,
     # so on the CPU the scoring is part of "ProphetKV pass 1: attention".
-    timer.wrap_class(prophet.QueryScorePlan, "select", "ProphetKV pass 1: scoring", patched)
+    timer.wrap_class(prophet.QueryPassRowPlan, "select", "ProphetKV pass 1: scoring", patched)
     original_query_pass = prophet.run_query_pass
 
     def run_query_pass(*args, **kwargs):

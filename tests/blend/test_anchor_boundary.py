@@ -32,18 +32,18 @@ def boundary_llm(arch_dir):
 
 def test_contexts_and_keys(boundary_llm, blend_llm):
     m, plain = boundary_llm.blend_manager(), blend_llm.blend_manager()
-    plan = m.prepare(PROMPT, REUSE)
-    chunks = plan.prompt.chunks
+    state = m.prepare(PROMPT, REUSE)
+    chunks = state.prompt.chunks
     assert len(chunks) >= 3
-    assert plan.chunk_contexts[0] == m.anchor_ids
+    assert state.chunk_contexts[0] == m.anchor_ids
     for i in range(1, len(chunks)):
-        assert plan.chunk_contexts[i] == m.anchor_ids + chunks[i - 1][-N:]
+        assert state.chunk_contexts[i] == m.anchor_ids + chunks[i - 1][-N:]
     # the first chunk follows the anchor alone: the same key as without boundaries
-    assert plan.chunk_keys[0] == plain.prepare(PROMPT, REUSE).chunk_keys[0]
+    assert state.chunk_keys[0] == plain.prepare(PROMPT, REUSE).chunk_keys[0]
     # a chunk after another neighbour is another entry
     swapped = m.prepare({**PROMPT, "documents": [DOCS[1], DOCS[0], *DOCS[2:]]}, REUSE)
-    assert swapped.chunk_keys[2] != plan.chunk_keys[2]
-    assert swapped.chunk_keys[0] != plan.chunk_keys[1]  # DOCS[1] now follows the anchor
+    assert swapped.chunk_keys[2] != state.chunk_keys[2]
+    assert swapped.chunk_keys[0] != state.chunk_keys[1]  # DOCS[1] now follows the anchor
 
 
 def test_reuse_equals_reference_behind_each_boundary(boundary_llm, hf_model):
@@ -51,16 +51,16 @@ def test_reuse_equals_reference_behind_each_boundary(boundary_llm, hf_model):
     the anchor plus its neighbour's last N tokens, both when the chunks are computed at query
     time (missed) and when they are read back from the store."""
     m = boundary_llm.blend_manager()
-    plan = m.prepare(PROMPT, REUSE)
-    ref = reference_full_reuse_logits(hf_model, m, plan, contexts=plan.chunk_contexts)
-    plain = reference_full_reuse_logits(hf_model, m, plan)
+    state = m.prepare(PROMPT, REUSE)
+    ref = reference_full_reuse_logits(hf_model, m, state, contexts=state.chunk_contexts)
+    plain = reference_full_reuse_logits(hf_model, m, state)
     assert (ref - plain).abs().max() > 1e-3  # the boundary changes the chunks' K/V
-    start = plan.prompt.query_start
+    start = state.prompt.query_start
     missed = boundary_llm.generate([PROMPT], GREEDY, blend=REUSE, logits_from=start)[0]
     m.flush()
     hit = boundary_llm.generate([PROMPT], GREEDY, blend=REUSE, logits_from=start)[0]
-    assert missed.blend_stats.chunks_missed == len(plan.prompt.chunks)
-    assert hit.blend_stats.chunks_hit == len(plan.prompt.chunks)
+    assert missed.blend_stats.chunks_missed == len(state.prompt.chunks)
+    assert hit.blend_stats.chunks_hit == len(state.prompt.chunks)
     for out in (missed, hit):
         torch.testing.assert_close(out.extra["prompt_logits"], ref, atol=1e-4, rtol=0)
 
@@ -68,10 +68,10 @@ def test_reuse_equals_reference_behind_each_boundary(boundary_llm, hf_model):
 def test_precompute_with_contexts_is_what_a_request_reads(boundary_llm):
     m = boundary_llm.blend_manager()
     docs = [d + " (again)" for d in DOCS]
-    plan = m.prepare({**PROMPT, "documents": docs}, REUSE)
-    results = m.precompute(plan.prompt.chunks, contexts=plan.chunk_contexts)
+    state = m.prepare({**PROMPT, "documents": docs}, REUSE)
+    results = m.precompute(state.prompt.chunks, contexts=state.chunk_contexts)
     assert all(r is not None for r in results)
-    assert all(key in m.store for key in plan.chunk_keys)
+    assert all(key in m.store for key in state.chunk_keys)
     out = boundary_llm.generate([{**PROMPT, "documents": docs}], GREEDY, blend=REUSE)[0]
     assert out.blend_stats.chunks_missed == 0
 

@@ -45,7 +45,7 @@ def test_decode_keeps_stepping_while_writes_are_pending(tiny_llama_dir, tmp_path
     for _ in range(3):
         engine.step()
     prompt = {"documents": DOCS, "query": "Which river runs past the golf mill?"}
-    plan = manager.prepare(prompt, BlendConfig())
+    state = manager.prepare(prompt, BlendConfig())
     blend_id = engine.add_request(
         prompt, SamplingParams(temperature=0.0, max_tokens=2), blend=BlendConfig()
     )
@@ -64,7 +64,7 @@ def test_decode_keeps_stepping_while_writes_are_pending(tiny_llama_dir, tmp_path
     assert decode_steps_while_pending == 20
     slow.gate.set()
     manager.flush()
-    assert all(key in slow for key in plan.chunk_keys)
+    assert all(key in slow for key in state.chunk_keys)
     engine.abort_request(decode_id)
     llm.close()
 

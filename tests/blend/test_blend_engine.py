@@ -139,12 +139,12 @@ def test_bad_blended_prompts(tiny_llama_dir):
 
 def test_prompt_logits_of_reused_rows_are_refused(blend_llm):
     """Reused chunk rows stop being computed after the check layer: no logits exist for them."""
-    plan = blend_llm.blend_manager().prepare(PROMPT, BlendConfig())
-    start = plan.prompt.query_start
+    state = blend_llm.blend_manager().prepare(PROMPT, BlendConfig())
+    start = state.prompt.query_start
     with pytest.raises(InvalidRequestError, match=f"from position {start}"):
         blend_llm.generate([PROMPT], GREEDY, blend=BlendConfig(), logits_from=start - 1)
     out = blend_llm.generate([PROMPT], GREEDY, blend=BlendConfig(), logits_from=start)[0]
-    assert out.extra["prompt_logits"].shape[0] == len(plan.prompt.token_ids) - start
+    assert out.extra["prompt_logits"].shape[0] == len(state.prompt.token_ids) - start
 
 
 def test_precomputing_a_chunk_longer_than_the_model_is_a_clear_error(tiny_llama_dir):

@@ -16,33 +16,35 @@ PROMPT = {"documents": DOCS, "query": QUERY}
 
 
 def test_ratio_one_equals_full_prefill(blend_llm):
-    plan = blend_llm.blend_manager().prepare(PROMPT, BlendConfig(recompute_ratio=1.0))
-    start = plan.prompt.query_start
+    state = blend_llm.blend_manager().prepare(PROMPT, BlendConfig(recompute_ratio=1.0))
+    start = state.prompt.query_start
     blended = blend_llm.generate(
         [PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=1.0), logits_from=start
     )[0]
-    full = blend_llm.generate([plan.prompt.token_ids], GREEDY, logits_from=start)[0]
+    full = blend_llm.generate([state.prompt.token_ids], GREEDY, logits_from=start)[0]
     a, b = blended.extra["prompt_logits"], full.extra["prompt_logits"]
-    assert a.shape == b.shape == (len(plan.prompt.token_ids) - start, a.shape[1])
+    assert a.shape == b.shape == (len(state.prompt.token_ids) - start, a.shape[1])
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert blended.outputs[0].token_ids == full.outputs[0].token_ids
     stats = blended.blend_stats
-    assert stats.tokens_reused == plan.prompt.num_chunk_tokens
+    assert stats.tokens_reused == state.prompt.num_chunk_tokens
     assert stats.recompute_fraction == 1.0
 
 
 def test_ratio_zero_equals_independent_reference(blend_llm, hf_model):
     manager = blend_llm.blend_manager()
     config = BlendConfig(recompute_ratio=0.0)
-    plan = manager.prepare(PROMPT, config)
-    out = blend_llm.generate([PROMPT], GREEDY, blend=config, logits_from=plan.prompt.query_start)[0]
-    ref = reference_full_reuse_logits(hf_model, manager, plan)
+    state = manager.prepare(PROMPT, config)
+    out = blend_llm.generate([PROMPT], GREEDY, blend=config, logits_from=state.prompt.query_start)[
+        0
+    ]
+    ref = reference_full_reuse_logits(hf_model, manager, state)
     torch.testing.assert_close(out.extra["prompt_logits"], ref, atol=1e-4, rtol=0)
     assert out.blend_stats.reused_tokens_recomputed == 0
     # and it is not the same as full prefill (the check would be vacuous otherwise)
-    full = blend_llm.generate([plan.prompt.token_ids], GREEDY, logits_from=plan.prompt.query_start)[
-        0
-    ]
+    full = blend_llm.generate(
+        [state.prompt.token_ids], GREEDY, logits_from=state.prompt.query_start
+    )[0]
     assert (full.extra["prompt_logits"] - ref).abs().max() > 1e-2
 
 

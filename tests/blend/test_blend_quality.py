@@ -28,8 +28,8 @@ def teacher_forced_logits(llm, prompt, answer, blend):
         )
     else:
         prompt = {**prompt, "continuation": answer}
-        plan = llm.blend_manager().prepare(prompt, blend)
-        start = len(plan.prompt.token_ids) - len(answer) - 1
+        state = llm.blend_manager().prepare(prompt, blend)
+        start = len(state.prompt.token_ids) - len(answer) - 1
         out = llm.generate(
             [prompt], SamplingParams(temperature=0, max_tokens=1), blend=blend, logits_from=start
         )
@@ -46,8 +46,8 @@ def test_divergence_shrinks_with_recompute_ratio():
         ex = type(ex)(ex.id, ex.question, ex.answers, ex.passages[:NUM_PASSAGES])
         r = render_prompt(ex, spec)
         blended = {"documents": r.documents, "query": r.query, "system": r.system or None}
-        plan = llm.blend_manager().prepare(blended, BlendConfig(recompute_ratio=1.0))
-        full_ids = plan.prompt.token_ids
+        state = llm.blend_manager().prepare(blended, BlendConfig(recompute_ratio=1.0))
+        full_ids = state.prompt.token_ids
         answer = (
             llm.generate(
                 [full_ids], SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, ignore_eos=True)

@@ -62,8 +62,8 @@ def test_parts_add_up_with_and_without_the_prefix_cache(llm, ratio):
         [{"documents": DOCS, "query": "Where does the fox jump?"}], GREEDY, blend=blend
     )
     st, n = part.blend_stats, len(part.prompt_token_ids)
-    plan = llm.blend_manager().prepare({"documents": DOCS, "query": QUERY}, blend)
-    query_start = plan.prompt.query_start
+    state = llm.blend_manager().prepare({"documents": DOCS, "query": QUERY}, blend)
+    query_start = state.prompt.query_start
     assert 0 < st.prefix_cached_tokens == part.metrics.num_cached_tokens < query_start
     assert st.tokens_reused == query_start - st.prefix_cached_tokens > 0
     assert (

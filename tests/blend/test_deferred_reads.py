@@ -33,8 +33,8 @@ def _warm(llm, blend):
     manager = llm.blend_manager()
     manager.flush()
     llm.generate([PROMPT], ONE, blend=blend)
-    plan = manager.prepare(PROMPT, blend)
-    return manager, plan, len(plan.prompt.token_ids)
+    state = manager.prepare(PROMPT, blend)
+    return manager, state, len(state.prompt.token_ids)
 
 
 @pytest.fixture
@@ -101,10 +101,10 @@ def test_a_value_corrupted_after_the_lookup_is_computed_in_the_forward(
     same logits as from the intact store (precompute is deterministic), one chunk missed."""
     blend = BLENDS[selection]
     llm = blend_llm(tiny_llama_dir, tmp_path, pipelined)
-    manager, plan, n = _warm(llm, blend)
+    manager, state, n = _warm(llm, blend)
     intact = llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
     store = manager.store
-    key = plan.chunk_keys[1]
+    key = state.chunk_keys[1]
     with store._env.begin(write=True, db=store._dbs["values"]) as txn:  # behind its back
         value = bytearray(txn.get(key))
         value[0] ^= 0x01  # the magic

@@ -52,8 +52,8 @@ def test_lmdb_chunks_are_viewed_through_a_step_snapshot(tiny_llama_dir, tmp_path
     manager = llm.blend_manager()
     manager.flush()
     store = manager.store
-    plan = manager.prepare(PROMPT, blend)
-    n = len(plan.prompt.token_ids)
+    state = manager.prepare(PROMPT, blend)
+    n = len(state.prompt.token_ids)
 
     def run():
         return llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
@@ -63,7 +63,7 @@ def test_lmdb_chunks_are_viewed_through_a_step_snapshot(tiny_llama_dir, tmp_path
     assert from_lmdb.blend_stats.chunks_hit == len(DOCS)
     assert store.lmdb_hits - lmdb_hits == len(DOCS)
     assert len(store.memory_tier) == 0 and store._snapshots == []
-    for key in plan.chunk_keys:  # get() copies each chunk into the memory tier
+    for key in state.chunk_keys:  # get() copies each chunk into the memory tier
         store.get(key)
     memory_hits, lmdb_hits = store.memory_tier.hits, store.lmdb_hits
     from_memory = run()

@@ -70,10 +70,10 @@ def plans(monkeypatch):
 
 
 def prompt_logits(llm, prompt, config):
-    plan = llm.blend_manager().prepare(prompt, config)
-    start = plan.prompt.query_start
+    state = llm.blend_manager().prepare(prompt, config)
+    start = state.prompt.query_start
     out = llm.generate([prompt], GREEDY, blend=config, logits_from=start)[0]
-    return out, plan.prompt
+    return out, state.prompt
 
 
 def picked_positions(plan) -> set[int]:

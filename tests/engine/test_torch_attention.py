@@ -11,7 +11,7 @@ from blendkv.kernels.attention import AttentionMetadata, QueryMassRequest
 from blendkv.kernels.attention_mass import attention_with_mass, query_attention_mass
 from blendkv.kernels.cpu_attention import CpuAttentionBackend
 from blendkv.kernels.cpu_decode import DenseDecode
-from blendkv.kernels.split_attention import plan_row_groups, split_masked_attention
+from blendkv.kernels.split_attention import build_row_groups, split_masked_attention
 from blendkv.kernels.torch_attention import TorchAttentionBackend, masked_attention
 
 
@@ -105,7 +105,7 @@ def test_split_attention_causal_runs(layout):
     q = torch.randn(len(positions), 6, 16, generator=gen)
     k = torch.randn(700, 2, 16, generator=gen)
     v = torch.randn(700, 2, 16, generator=gen)
-    groups = plan_row_groups(positions, 3, q.dtype)
+    groups = build_row_groups(positions, 3, q.dtype)
     runs = [(positions[g.lo].item(), g.end) for g in groups if g.mask is None]
     want_runs = {
         "query_tail": [(600, 700)],
@@ -204,11 +204,11 @@ def test_paged_backend_mixed_step(layout, scored, compiled):
     backend = CpuAttentionBackend(prefill_kernel=True) if compiled else TorchAttentionBackend()
     d_scale = d**-0.5
     out = backend.forward(q, k_new, v_new, cache, md, d_scale)
-    plan = backend._step_plans.get(md, cache.shape[1], None)
-    sliced = [first is not None for first in plan.other_slots]
+    step = backend._step_layouts.get(md, cache.shape[1], None)
+    sliced = [first is not None for first in step.other_slots]
     assert sliced == ([True, True] if layout == "runs" else [False, False])
     if layout == "runs" and not compiled:  # (compiled: decode rows through the C++ kernel)
-        assert len(plan.decode.in_place) == 2 and not plan.decode.groups
+        assert len(step.decode.in_place) == 2 and not step.decode.groups
     for i in range(4):
         ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], d_scale)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]].double(), ref, atol=1e-5, rtol=0)
@@ -224,7 +224,7 @@ def test_paged_backend_mixed_step(layout, scored, compiled):
 )
 def test_paged_backend_many_decodes_with_a_prefill(compiled):
     """19 decode rows of mixed context lengths (three SDPA groups, rows out of length order)
-    around a fresh prefill; the step plan is built by the first layer and reused by the next.
+    around a fresh prefill; the step layout is built by the first layer and reused by the next.
     ``compiled``: the decode rows go through the C++ kernel (one call per layer)."""
     gen = torch.Generator().manual_seed(3)
     bs, hq, hkv, d = 4, 6, 2, 16
@@ -272,8 +272,8 @@ def test_paged_backend_many_decodes_with_a_prefill(compiled):
     backend = CpuAttentionBackend() if compiled else TorchAttentionBackend()
     for _layer in range(2):
         out = backend.forward(q, k_new, v_new, cache, md, 0.25)
-        plan = backend._step_plans.get(md, cache.shape[1], None)
-        assert isinstance(plan.decode, DenseDecode) == compiled
+        layout = backend._step_layouts.get(md, cache.shape[1], None)
+        assert isinstance(layout.decode, DenseDecode) == compiled
         for i in range(len(lens)):
             ref = dense_reference(q[starts[i] : starts[i + 1]], *full[i], queries[i], 0.25)
             got = out[starts[i] : starts[i + 1]].double()
@@ -323,12 +323,12 @@ def test_decode_rows_in_runs_of_consecutive_blocks_attend_in_place(dtype):
     v_new = torch.stack([vv[-1] for _, vv in full])
     backend = TorchAttentionBackend()
     out = backend.forward(q, k_new, v_new, cache, md, 0.25)
-    plan = backend._step_plans.get(md, cache.shape[1], None).decode
+    layout = backend._step_layouts.get(md, cache.shape[1], None).decode
     assert MAX_RUNS == 4
-    assert [row for row, _ in plan.in_place] == [0, 1, 2, 4]
-    assert plan.in_place[0][1] == [(40, 19)]  # slots 40.. (block 10), 19 tokens
-    assert plan.in_place[1][1] == [(80, 12), (160, 8)]
-    assert plan.rows.tolist() == [3]
+    assert [row for row, _ in layout.in_place] == [0, 1, 2, 4]
+    assert layout.in_place[0][1] == [(40, 19)]  # slots 40.. (block 10), 19 tokens
+    assert layout.in_place[1][1] == [(80, 12), (160, 8)]
+    assert layout.rows.tolist() == [3]
     assert out.dtype == dtype
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, n in enumerate(lens):

@@ -43,21 +43,21 @@ def test_kernel_equals_the_dense_oracle(heads, dtype):
     """Specialised (G, D) pairs (SmolLM2's 3x64, Qwen 0.5B's 7x64, 4x128) and the generic loop
     (5x16); only the decode rows are written."""
     hkv, g, d = heads
-    q, pool, plan = _case(hkv, g, d, dtype, seed=hkv * 100 + g * 10 + d)
+    q, pool, layout = _case(hkv, g, d, dtype, seed=hkv * 100 + g * 10 + d)
     ops = cpu_extension.load_ops()
     out = torch.full_like(q, 7.0)
-    ops.decode_attention(q, pool[0], pool[1], plan.rows, plan.slots, plan.lens, d**-0.5, out)
+    ops.decode_attention(q, pool[0], pool[1], layout.rows, layout.slots, layout.lens, d**-0.5, out)
     ref = dense_decode_attention(
-        q[plan.rows].double().view(-1, hkv, g, d),
+        q[layout.rows].double().view(-1, hkv, g, d),
         pool[0].double(),
         pool[1].double(),
-        plan.slots,
-        plan.lens,
+        layout.slots,
+        layout.lens,
         d**-0.5,
     ).reshape(-1, hkv * g, d)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
-    torch.testing.assert_close(out[plan.rows].double(), ref, atol=tol, rtol=0)
-    others = [i for i in range(len(q)) if i not in plan.rows.tolist()]
+    torch.testing.assert_close(out[layout.rows].double(), ref, atol=tol, rtol=0)
+    others = [i for i in range(len(q)) if i not in layout.rows.tolist()]
     assert torch.all(out[others] == 7.0)
 
 
@@ -72,13 +72,18 @@ def test_kernel_with_many_rows_of_mixed_lengths():
     )  # any slots, shared between rows
     pool = torch.randn(2, 1200, hkv, d, generator=gen)
     q = torch.randn(len(lens), hkv * g, d, generator=gen)
-    plan = DenseDecode(torch.arange(len(lens)), slots, torch.tensor(lens))
+    layout = DenseDecode(torch.arange(len(lens)), slots, torch.tensor(lens))
     out = torch.empty_like(q)
     cpu_extension.load_ops().decode_attention(
-        q, pool[0], pool[1], plan.rows, plan.slots, plan.lens, 0.125, out
+        q, pool[0], pool[1], layout.rows, layout.slots, layout.lens, 0.125, out
     )
     ref = dense_decode_attention(
-        q.double().view(-1, hkv, g, d), pool[0].double(), pool[1].double(), slots, plan.lens, 0.125
+        q.double().view(-1, hkv, g, d),
+        pool[0].double(),
+        pool[1].double(),
+        slots,
+        layout.lens,
+        0.125,
     )
     torch.testing.assert_close(out.double(), ref.reshape(len(lens), -1, d), atol=1e-5, rtol=0)
 
@@ -87,35 +92,35 @@ def test_decode_kernel_reads_the_layer_pool_and_a_strided_q():
     """Through the backend's wrapper: a [2, blocks, block_size, Hkv, D] layer cache and a q
     sliced out of a wider tensor (not contiguous)."""
     hkv, g, d = 3, 3, 64
-    q, pool, plan = _case(hkv, g, d, torch.float32, seed=1)
+    q, pool, layout = _case(hkv, g, d, torch.float32, seed=1)
     cache = pool.view(2, -1, 4, hkv, d)
     wide = torch.cat([q, torch.randn_like(q)], dim=1)
     strided_q = wide[:, : hkv * g]
     assert not strided_q.is_contiguous()
     out = torch.zeros_like(q)
-    DecodeKernel()(strided_q, cache, plan, out, 0.125)
+    DecodeKernel()(strided_q, cache, layout, out, 0.125)
     ref = dense_decode_attention(
-        q[plan.rows].view(-1, hkv, g, d), pool[0], pool[1], plan.slots, plan.lens, 0.125
+        q[layout.rows].view(-1, hkv, g, d), pool[0], pool[1], layout.slots, layout.lens, 0.125
     )
-    torch.testing.assert_close(out[plan.rows], ref.reshape(-1, hkv * g, d), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[layout.rows], ref.reshape(-1, hkv * g, d), atol=1e-5, rtol=0)
 
 
 def test_kernel_rejects_bad_inputs():
     ops = cpu_extension.load_ops()
-    q, pool, plan = _case(2, 3, 16, torch.float32, seed=2)
+    q, pool, layout = _case(2, 3, 16, torch.float32, seed=2)
     out = torch.zeros_like(q)
 
-    def call(q=q, rows=plan.rows, lens=plan.lens):
-        ops.decode_attention(q, pool[0], pool[1], rows, plan.slots, lens, 0.25, out)
+    def call(q=q, rows=layout.rows, lens=layout.lens):
+        ops.decode_attention(q, pool[0], pool[1], rows, layout.slots, lens, 0.25, out)
 
-    no_keys = plan.lens.clone()
+    no_keys = layout.lens.clone()
     no_keys[2] = 0
     with pytest.raises(RuntimeError, match="1 .. L keys"):
         call(lens=no_keys)
     with pytest.raises(RuntimeError, match="one dtype"):
         call(q=q.double())
     with pytest.raises(RuntimeError, match="int64"):
-        call(rows=plan.rows.int())
+        call(rows=layout.rows.int())
 
 
 def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch):
@@ -186,7 +191,7 @@ def test_the_engine_takes_the_cpu_backend_by_default_on_the_cpu(tiny_llama_dir):
 
 
 def test_the_cpu_backend_runs_the_reference_for_other_dtypes(caplog):
-    """float16: the decode plan is the reference's, logged once."""
+    """float16: the decode layout is the reference's, logged once."""
     from blendkv.kernels.cpu_attention import CpuAttentionBackend
     from blendkv.kernels.cpu_decode import DenseDecode as Dense
 
@@ -195,6 +200,8 @@ def test_the_cpu_backend_runs_the_reference_for_other_dtypes(caplog):
     md = backend.build_metadata([5, 2], [1, 1], [[0, 1], [2]], 4)
     with caplog.at_level(logging.INFO, logger="blendkv.kernels.cpu_attention"):
         for dtype in (torch.float16, torch.float16, torch.float32):
-            plan = backend._plan_decode(md, [0, 1], cache.shape, torch.zeros(2, 2, 16, dtype=dtype))
-            assert isinstance(plan, Dense) == (dtype == torch.float32)
+            layout = backend._decode_layout(
+                md, [0, 1], cache.shape, torch.zeros(2, 2, 16, dtype=dtype)
+            )
+            assert isinstance(layout, Dense) == (dtype == torch.float32)
     assert len(caplog.records) == 1 and "not torch.float16" in caplog.records[0].getMessage()

@@ -55,14 +55,14 @@ def test_forward_matches_torch_backend_on_a_mixed_step(make_step, device, dtype,
     assert_close(actual, expected)
     assert torch.equal(pools[1], pools[0])  # the same K/V written to the same slots
 
-    # The dispatch plan is built once per metadata object: a second layer reuses it.
-    plan = backend._plan(md, group)
+    # The dispatch layout is built once per metadata object: a second layer reuses it.
+    layout = backend._layout(md, group)
     again = backend.forward(step.q, step.k, step.v, pools[1], md, SCALE)
-    assert backend._plan(md, group) is plan
+    assert backend._layout(md, group) is layout
     assert torch.equal(again, actual)
-    assert plan.fresh_ranges == [(0, 7)]
-    assert plan.decode_seq_ids.tolist() == [2]
-    assert sorted(set(plan.tile_seq_ids.tolist())) == [1, 3]
+    assert layout.fresh_ranges == [(0, 7)]
+    assert layout.decode_seq_ids.tolist() == [2]
+    assert sorted(set(layout.tile_seq_ids.tolist())) == [1, 3]
 
 
 def test_forward_without_a_pool_matches_torch_backend(device):

@@ -129,17 +129,17 @@ def test_padded_graph_decode_equals_eager(tiny_llama_dir, tmp_path):
     llm.close()
 
 
-def test_captured_graphs_keep_the_backend_plans_they_read(tiny_llama_dir, tmp_path):
-    """Replay runs no Python, so the plan built for each captured size (its index tensors) must
+def test_captured_graphs_keep_the_backend_layouts_they_read(tiny_llama_dir, tmp_path):
+    """Replay runs no Python, so the layout built for each captured size (its index tensors) must
     live as long as the graph, not as long as the backend's memo (which later eager steps
     overwrite: on a GPU, replay then read freed memory)."""
     llm = make_llm(tiny_llama_dir, "triton", tmp_path)
     graphs = with_decode_graphs(llm, 4, EagerCapture())
     llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert set(graphs.retained) == {1, 2, 4}
-    for size, plans in graphs.retained.items():
-        decode_rows = [len(p.decode_seq_ids) for p in plans if hasattr(p, "decode_seq_ids")]
-        assert decode_rows == [size]  # the Triton plan of that padded decode batch
+    for size, layouts in graphs.retained.items():
+        decode_rows = [len(p.decode_seq_ids) for p in layouts if hasattr(p, "decode_seq_ids")]
+        assert decode_rows == [size]  # the Triton layout of that padded decode batch
     llm.close()
 
 

@@ -99,7 +99,9 @@ class BlendStats:
 
 
 @dataclass
-class BlendPlan:
+class BlendRequestState:
+    """One blended request's prompt, config, chunk keys and stats, kept by the connector."""
+
     prompt: BlendedPrompt
     config: BlendConfig
     chunk_keys: list[bytes]
