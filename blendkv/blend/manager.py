@@ -19,7 +19,16 @@ from blendkv.blend.config import BlendConfig
 from blendkv.blend.precompute import compute_chunks_kv
 from blendkv.blend.prompt import BlendedPrompt, PromptBuilder
 from blendkv.blend.request_state import BlendRequestState
-from blendkv.errors import InvalidRequestError
+from blendkv.errors import InvalidRequestError, PromptTooLongError
+from blendkv.layers.rotary import rope_parameters
+from blendkv.store import (
+    FingerprintMismatchError,
+    ModelFingerprint,
+    NewChunk,
+    chunk_key,
+    open_kv_store,
+)
+from blendkv.store.writer import BackgroundWriter
 from blendkv.text import replace_in_blended_prompt
 
 if TYPE_CHECKING:
@@ -52,10 +61,6 @@ class BlendManager:
         anchor_instruction: str | None = None,
         anchor_boundary_tokens: int = 0,
     ) -> None:
-        from blendkv.layers.rotary import rope_parameters
-        from blendkv.store import ModelFingerprint, open_kv_store
-        from blendkv.store.writer import BackgroundWriter
-
         self.model = model
         self.tokenizer = tokenizer
         self.attn_backend = attn_backend
@@ -102,8 +107,6 @@ class BlendManager:
     def use_store(self, store: ChunkKVStore) -> None:
         """Serve chunk K/V from ``store`` (opened with :attr:`fingerprint`), e.g. the
         one inside a ``ChunkStore``; the previous store is closed."""
-        from blendkv.store import FingerprintMismatchError
-
         theirs = store.fingerprint
         if theirs is not None and theirs != self.fingerprint:
             raise FingerprintMismatchError(
@@ -111,16 +114,12 @@ class BlendManager:
                 + ", ".join(self.fingerprint.diff(theirs))
             )
         self.close()
-        from blendkv.store.writer import BackgroundWriter
-
         self.store = store
         self.writer = BackgroundWriter(store)
 
     # ------------------------------------------------------------- requests
     def chunk_key(self, chunk_ids: list[int], context: list[int] | None = None) -> bytes:
         """The store key of a chunk precomputed behind ``context`` (default: the anchor)."""
-        from blendkv.store import chunk_key
-
         anchor = self.anchor_ids if context is None else context
         return chunk_key(self.fingerprint, anchor, chunk_ids)
 
@@ -218,8 +217,6 @@ class BlendManager:
     ) -> list[torch.Tensor]:
         """Each chunk's K (pre-RoPE) and V, prefilled alone behind its context (default: the
         anchor; one forward each), on the model's device."""
-        from blendkv.errors import PromptTooLongError
-
         contexts = contexts or [self.anchor_ids] * len(chunks)
         limit = self.model.model.rotary_emb.max_position
         for chunk, context in zip(chunks, contexts, strict=True):
@@ -240,8 +237,6 @@ class BlendManager:
 
     def write_back(self, keys: list[bytes], chunks: list[list[int]], kvs) -> None:
         """Hand chunks computed at query time to the background writer (returns at once)."""
-        from blendkv.store import NewChunk
-
         self.writer.submit(
             [
                 NewChunk(key, kv.cpu(), text=self.tokenizer.decode(ids), token_ids=tuple(ids))
@@ -255,8 +250,6 @@ class BlendManager:
         """Ingest: compute and store the K/V of chunks not stored yet (synchronously, in
         batches of one forward each), each behind its context (default: the anchor). Returns a
         PutResult per chunk (None: already stored)."""
-        from blendkv.store import NewChunk
-
         self.flush()
         contexts = contexts or [self.anchor_ids] * len(chunks)
         keys = [self.chunk_key(c, ctx) for c, ctx in zip(chunks, contexts, strict=True)]
