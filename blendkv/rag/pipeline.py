@@ -7,12 +7,17 @@
 
 One store directory is opened once per process: the pipeline opens the ``ChunkStore`` and hands
 its K/V store to the engine's blend manager, so ingest and generation share it.
+
+Thread-safe: queries from several threads share the ``LLM``'s engine loop (it batches them);
+ingests and deletes run one at a time, beside queries; the FAISS index and the catalog change
+and are searched under one lock, and an ingest computes chunk K/V between engine steps.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -91,6 +96,10 @@ class RAGPipeline:
             llm = LLM(**{"enable_prefix_caching": False, **engine_options})
         self.llm = llm
         self.store = None
+        # _ingest_lock: one ingest or delete at a time (its checks of what is stored stay true
+        # while it writes). _store_lock: index and catalog changes and reads (short).
+        self._ingest_lock = threading.Lock()
+        self._store_lock = threading.RLock()
         try:
             self.manager = llm.blend_manager()
             embedder = embedder if embedder is not None else MiniLMEmbedder()
@@ -106,10 +115,11 @@ class RAGPipeline:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Close the store (and the model, when the pipeline loaded it)."""
-        if self.store is not None:
-            self.manager.flush()  # chunk K/V computed at query time lands before the close
-            self.store.close()
-            self.store = None
+        with self._ingest_lock, self._store_lock:
+            if self.store is not None:
+                self.manager.flush()  # chunk K/V computed at query time lands before the close
+                self.store.close()
+                self.store = None
         if self._owns_llm and self.llm is not None:
             self.llm.close()
             self.llm = None
@@ -153,6 +163,10 @@ class RAGPipeline:
         is given again: its catalog entry is written, or its chunks are written anew
         (reported in ``repaired``).
         """
+        with self._ingest_lock:
+            return self._ingest(documents, metadata, doc_ids, progress)
+
+    def _ingest(self, documents, metadata, doc_ids, progress: bool) -> IngestReport:
         t0 = time.perf_counter()
         self._check_open()
         docs = load_documents(documents)
@@ -177,16 +191,17 @@ class RAGPipeline:
         try:
             for i, (action, keys) in actions.items():
                 if action is DocumentAction.REWRITE:
-                    self.store.remove_document(ids[i])
+                    self._remove_chunks(ids[i])
                 if action is not DocumentAction.CATALOG:
                     self._write_document(ids[i], pieces[i], bar)
                 try:
-                    self.catalog.put(
-                        ids[i], source=docs[i].source, metadata=metas[i], chunk_keys=keys
-                    )
+                    with self._store_lock:
+                        self.catalog.put(
+                            ids[i], source=docs[i].source, metadata=metas[i], chunk_keys=keys
+                        )
                 except BaseException:
                     if action is not DocumentAction.CATALOG:
-                        self.store.remove_document(ids[i])
+                        self._remove_chunks(ids[i])
                     raise
         finally:
             bar.close()
@@ -214,17 +229,23 @@ class RAGPipeline:
             for start in range(0, len(chunks), _WRITE_BATCH):
                 batch = chunks[start : start + _WRITE_BATCH]
                 ids = [list(c.token_ids) for c in batch]
-                kvs = m.compute_kv(ids)  # one forward for the batch
+                with self.llm.exclusive():  # the model is the engine's: not during a step
+                    kvs = m.compute_kv(ids)  # one forward for the batch
                 new = [
                     # The key the blend path computes for these ids, so queries hit it.
                     NewChunk(m.chunk_key(i), kv, c.text, c.token_ids, doc_id, start + j)
                     for j, (c, i, kv) in enumerate(zip(batch, ids, kvs, strict=True))
                 ]
-                self.store.add_chunks(new)
+                with self._store_lock:
+                    self.store.add_chunks(new)
                 bar.update(len(batch))
         except BaseException:
-            self.store.remove_document(doc_id)  # new document: removing it is an exact rollback
+            self._remove_chunks(doc_id)  # new document: removing it is an exact rollback
             raise
+
+    def _remove_chunks(self, doc_id: str) -> list[int]:
+        with self._store_lock:
+            return self.store.remove_document(doc_id)
 
     @staticmethod
     def _doc_ids(docs: list[SourceDocument], doc_ids) -> list[str]:
@@ -256,27 +277,31 @@ class RAGPipeline:
 
     # -------------------------------------------------------------------- documents
     def has_document(self, doc_id: str) -> bool:
-        self._check_open()
-        return doc_id in self.catalog or bool(self.store.kv.document_chunks(doc_id))
+        with self._store_lock:
+            self._check_open()
+            return doc_id in self.catalog or bool(self.store.kv.document_chunks(doc_id))
 
     def verify(self):
         """The store's :meth:`~blendkv.store.ChunkStore.verify` (values, index) plus the
         catalog's agreement with the store (:func:`~blendkv.rag.consistency.check_documents`)."""
-        self._check_open()
-        report = self.store.verify()
-        check_documents(self.catalog, self.store.kv, report)
-        return report
+        with self._ingest_lock, self._store_lock:
+            self._check_open()
+            report = self.store.verify()
+            check_documents(self.catalog, self.store.kv, report)
+            return report
 
     def documents(self) -> dict[str, dict[str, Any]]:
         """doc id -> {"source", "metadata", "num_chunks", "added"} of the ingested documents."""
-        return self.catalog.documents()
+        with self._store_lock:
+            return self.catalog.documents()
 
     def delete_document(self, doc_id: str) -> int:
         """Remove a document's chunks from store and index (in step); returns how many."""
-        self._check_open()
-        removed = self.store.remove_document(doc_id)
-        self.catalog.remove(doc_id)
-        return len(removed)
+        with self._ingest_lock, self._store_lock:
+            self._check_open()
+            removed = self.store.remove_document(doc_id)
+            self.catalog.remove(doc_id)
+            return len(removed)
 
     # ------------------------------------------------------------------ retrieval
     def retrieve(self, question: str, k: int = 6) -> list[RetrievedChunk]:
@@ -293,15 +318,14 @@ class RAGPipeline:
                 "(RAGPipeline.add_documents or `blendkv ingest`)"
             )
         out = []
-        for hit in self.store.search(question, k):
-            meta = hit.meta
-            doc_meta = self.catalog.get(meta.doc_id).get("metadata", {})
-            cached = meta.key in self.store.kv
-            out.append(
-                RetrievedChunk(
-                    hit.chunk_id, meta.doc_id, meta.text, hit.score, cached, meta.position, doc_meta
-                )
-            )
+        with self._store_lock:
+            self._check_open()
+            for hit in self.store.search(question, k):
+                meta = hit.meta
+                doc_meta = self.catalog.get(meta.doc_id).get("metadata", {})
+                cached = meta.key in self.store.kv
+                row = (hit.chunk_id, meta.doc_id, meta.text, hit.score, cached, meta.position)
+                out.append(RetrievedChunk(*row, doc_meta))
         if not out:
             raise NoChunksError(f"no chunk of {self.store_dir} matched the question")
         return out
