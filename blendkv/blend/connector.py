@@ -5,7 +5,7 @@ no K/V in its blocks yet, and costs the budget what it computes
 (``BlendRequestState.estimated_cost``); nothing counts as computed in advance, since every row
 runs the layers before the check layer.
 Worker side: before the forward, the chunks are loaded into the request's blocks
-(:mod:`blendkv.blend.loader`); the forward then follows :class:`BlendRowPlan`.
+(:mod:`blendkv.blend.chunk_loader`); the forward then follows :class:`BlendRowPlan`.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ class BlendConnector(KVConnectorBase):
     def manager(self):
         """The chunk-KV store and prompt machinery (:class:`BlendManager`), made on first use."""
         if self._manager is None:
-            from blendkv.blend.loader import ChunkLoader
+            from blendkv.blend.chunk_loader import ChunkLoader
             from blendkv.blend.manager import BlendManager
-            from blendkv.models.loader import weights_hash
+            from blendkv.models.model_files import weights_hash
 
             ctx, conf = self.context, self.config
             self._manager = BlendManager(
@@ -119,7 +119,7 @@ class BlendConnector(KVConnectorBase):
         in_place = self.context.info.device == "cpu" and store.reads_in_place
         setting = self.prefetch
         if setting is None:
-            from blendkv.blend.layer_load import spare_cpu_core
+            from blendkv.blend.layerwise_write import spare_cpu_core
 
             setting = self.context.info.device != "cpu" or in_place or spare_cpu_core()
         if not setting:
@@ -214,7 +214,7 @@ class BlendConnector(KVConnectorBase):
 
     # ---- worker side --------------------------------------------------------------------
     def start_load_kv(self, inputs: ForwardInputs) -> None:
-        from blendkv.blend.layer_load import LayerwiseLoad, resolve_pipelined
+        from blendkv.blend.layerwise_write import LayerwiseLoad, resolve_pipelined
 
         meta = self._metadata
         self._step = []

@@ -85,7 +85,7 @@ class LLMEngine:
         from blendkv.kernels.attention import KVCacheSpec
         from blendkv.kernels.backends import get_attention_backend
         from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning, gemm_override
-        from blendkv.models.loader import load_model, load_tokenizer, resolve_model
+        from blendkv.models.model_files import load_model, load_tokenizer, resolve_model
 
         self.config = config
         if config.num_threads is not None:

@@ -1,7 +1,7 @@
 """Model families (Llama/Mistral/SmolLM2, Qwen2), the registry and the local-only loader."""
 
 from blendkv.models.llama import LlamaForCausalLM
-from blendkv.models.loader import (
+from blendkv.models.model_files import (
     ResolvedModel,
     load_model,
     load_tokenizer,

@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from blendkv.layers.linear import cpu_vendor, onednn_gemm_available, packed_gemm_available
-    from blendkv.models.loader import load_config, resolve_model
+    from blendkv.models.model_files import load_config, resolve_model
 
     torch.set_num_threads(args.threads)
     config = load_config(resolve_model(args.model))

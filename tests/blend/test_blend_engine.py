@@ -160,7 +160,7 @@ def test_documents_are_tokenized_once(tiny_llama_dir):
     """A document seen again is not re-tokenized (RAG prompts repeat documents); the ids are
     the tokenizer's, and a caller mutating a returned list changes nothing."""
     from blendkv.blend.prompt import PromptBuilder
-    from blendkv.models.loader import load_tokenizer, resolve_model
+    from blendkv.models.model_files import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(tiny_llama_dir))
     builder = PromptBuilder(tokenizer)

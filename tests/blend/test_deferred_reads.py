@@ -1,4 +1,4 @@
-"""Deferred LMDB reads on the CPU (:mod:`blendkv.blend.layer_load`): chunks viewed in LMDB's
+"""Deferred LMDB reads on the CPU (:mod:`blendkv.blend.layerwise_write`): chunks viewed in LMDB's
 map are read by a thread while the full layer computes, with the same blocks and logits as
 reading them before the forward; a value found corrupt then is computed in the forward."""
 
@@ -14,7 +14,7 @@ from helpers import blend_llm
 
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
-from blendkv.blend.layer_load import LayerwiseLoad
+from blendkv.blend.layerwise_write import LayerwiseLoad
 from blendkv.store.reader import ReadSnapshot
 
 PROMPT = {"documents": DOCS, "query": QUERY}

@@ -245,7 +245,7 @@ def test_by_default_lmdb_is_read_ahead_and_redis_with_a_spare_core(
 ):
     """On the CPU, warming LMDB pages (mostly waiting on the disk) is on; Redis reads (CPU work
     beside the forward) only where torch's threads leave a core free."""
-    import blendkv.blend.layer_load as layer_load
+    import blendkv.blend.layerwise_write as layer_load
 
     monkeypatch.setattr(layer_load, "spare_cpu_core", lambda: spare_core)
     redis_server.flush()

@@ -73,7 +73,7 @@ def test_model_switched_to_the_kernels_gives_the_same_logits(tiny_llama_dir, dev
     gives the torch backend's prompt logits (fp32)."""
     from blendkv.kernels.torch_attention import TorchAttentionBackend
     from blendkv.kernels.triton_attention import TritonAttentionBackend
-    from blendkv.models.loader import load_model, resolve_model
+    from blendkv.models.model_files import load_model, resolve_model
 
     resolved = resolve_model(str(tiny_llama_dir))
     ref = load_model(resolved, torch.float32, TorchAttentionBackend(device), device)
@@ -159,7 +159,7 @@ def test_chunk_shift_kernels_match_the_torch_correction(device, dtype, which):
 # ---- a kernel that fails its check or its first launch is left off ---------------------------
 def test_a_kernel_failing_its_check_is_left_off(tiny_llama_dir, device, monkeypatch, caplog):
     from blendkv.kernels.triton_attention import TritonAttentionBackend
-    from blendkv.models.loader import load_model, resolve_model
+    from blendkv.models.model_files import load_model, resolve_model
 
     def wrong_norm(x, weight, eps, residual=None):  # off by a lot
         out = torch.zeros_like(x)

@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from blendkv.kernels.torch_attention import TorchAttentionBackend
-from blendkv.models import loader
-from blendkv.models.loader import (
+from blendkv.models import model_files
+from blendkv.models.model_files import (
     CONVERTED_MARKER,
     embedded_gguf_path,
     load_model,
@@ -39,7 +39,7 @@ def test_resolve_reuses_conversion(embedded, blendkv_cache_dir, monkeypatch, tmp
     def no_conversion(*args):
         raise AssertionError("GGUF converted again")
 
-    monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(model_files, "_convert_gguf", no_conversion)
     again = resolve_model(None, cache_dir=blendkv_cache_dir)
     assert again == resolved and marker.stat().st_mtime_ns == mtime
     # A directory holding the same GGUF file shares the conversion.

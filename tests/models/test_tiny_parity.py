@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from blendkv.kernels.torch_attention import TorchAttentionBackend
-from blendkv.models.loader import load_model, resolve_model
+from blendkv.models.model_files import load_model, resolve_model
 
 ATOL = 1e-5
 

@@ -10,9 +10,9 @@ import transformers
 
 from blendkv.errors import ModelLoadError
 from blendkv.kernels.torch_attention import TorchAttentionBackend
-from blendkv.models import loader
+from blendkv.models import model_files
 from blendkv.models.llama import LlamaForCausalLM
-from blendkv.models.loader import load_model, resolve_model, weights_hash
+from blendkv.models.model_files import load_model, resolve_model, weights_hash
 from blendkv.models.qwen2 import Qwen2ForCausalLM
 from blendkv.models.registry import get_model_class
 
@@ -76,10 +76,10 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch, tmp_path):
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("BLENDKV_CACHE", str(tmp_path / "env"))
-    assert loader.default_cache_dir(tmp_path / "arg") == tmp_path / "arg"
-    assert loader.default_cache_dir() == tmp_path / "env"
+    assert model_files.default_cache_dir(tmp_path / "arg") == tmp_path / "arg"
+    assert model_files.default_cache_dir() == tmp_path / "env"
     monkeypatch.delenv("BLENDKV_CACHE")
-    assert loader.default_cache_dir().parts[-2:] == (".cache", "blendkv")
+    assert model_files.default_cache_dir().parts[-2:] == (".cache", "blendkv")
 
 
 def test_registry():
@@ -141,7 +141,7 @@ def test_load_weights_names_every_problem(tiny_dir):
 def test_weights_hash_is_cached_and_tracks_content(tiny_dir):
     resolved = resolve_model(tiny_dir)
     first = weights_hash(resolved)
-    cache_file = tiny_dir / loader.WEIGHTS_HASH_FILE
+    cache_file = tiny_dir / model_files.WEIGHTS_HASH_FILE
     assert cache_file.is_file() and first in cache_file.read_text()
     assert weights_hash(resolved) == first
     torch.manual_seed(1)

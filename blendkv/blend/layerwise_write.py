@@ -1,6 +1,6 @@
 """Writing a step's loaded chunk K/V into the KV pool, layer by layer, behind the forward.
 
-The loader (:mod:`blendkv.blend.loader`) finds every chunk's K/V (store, memory tier, writer,
+The loader (:mod:`blendkv.blend.chunk_loader`) finds every chunk's K/V (store, memory tier, writer,
 or computed now) before the forward; what remains, rotating K to the fused positions and
 writing K/V into the request's blocks, is done here, one layer at a time:
 

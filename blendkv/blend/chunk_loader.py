@@ -8,7 +8,7 @@ place: no copy from the memory tier, and on the CPU none from LMDB either (zero-
 its memory map through one read snapshot per step, :meth:`ChunkKVStore.snapshot`; the OS page
 cache is the hot tier there). Rotating K to the fused positions and writing K/V into the request's
 blocks happens layer by layer behind the forward, or all before it
-(:mod:`blendkv.blend.layer_load`). Reading an LMDB value faults all its pages in (py-lmdb
+(:mod:`blendkv.blend.layerwise_write`). Reading an LMDB value faults all its pages in (py-lmdb
 touches every page before handing a value over), from the disk when they are cold, so on the
 CPU those reads are deferred too: a thread fetches them (header checked, and the checksum on
 the first read of the process, ``verify_reads="once"``) while the full layer computes, and a
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from blendkv.blend.controller import LoadingController
-from blendkv.blend.layer_load import ChunkWrite
+from blendkv.blend.layerwise_write import ChunkWrite
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.request_state import BlendRequestState
 from blendkv.blend.row_plan import SeqBlend
