@@ -51,6 +51,20 @@ INVALID = [
     ("logprobs", 21),
     ("logprobs", True),
     ("logprobs", 1.0),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.01),
+    ("presence_penalty", math.nan),
+    ("presence_penalty", None),
+    ("frequency_penalty", 3),
+    ("frequency_penalty", "1"),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", math.inf),
+    ("logit_bias", [1, 2]),
+    ("logit_bias", {"3": 1.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {True: 1.0}),
+    ("logit_bias", {3.0: 1.0}),
 ]
 
 
@@ -62,6 +76,25 @@ def test_invalid_value_rejected_with_parameter_named(name, value):
     assert name in message
     assert repr(value) in message or str(value) in message
     assert isinstance(info.value, InvalidRequestError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("bias", [100.5, -101, math.inf, math.nan, "1", None])
+def test_logit_bias_value_out_of_range_names_the_token(bias):
+    with pytest.raises(InvalidSamplingParamsError, match=r"logit_bias\[7\] must be a float in "):
+        SamplingParams(logit_bias={3: 1.0, 7: bias})
+
+
+def test_penalties_and_logit_bias_normalised():
+    p = SamplingParams()
+    assert p.presence_penalty == p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+    assert p.logit_bias == {} and not p.has_penalties
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, logit_bias={5: -100, 6: 100})
+    assert isinstance(p.presence_penalty, float) and p.logit_bias == {5: -100.0, 6: 100.0}
+    assert all(isinstance(v, float) for v in p.logit_bias.values())
+    assert SamplingParams(presence_penalty=0.1).has_penalties
+    assert SamplingParams(frequency_penalty=-0.1).has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert not SamplingParams(logit_bias={1: 5.0}).has_penalties  # a bias needs no counts
 
 
 def test_min_tokens_above_max_tokens_rejected():

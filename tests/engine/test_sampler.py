@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blendkv.engine.penalties import TokenCounts
 from blendkv.engine.sampler import Sampler, SamplerOutput, _filtered_sorted_probs
+from blendkv.engine.sequence import Sequence
 from blendkv.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -224,3 +226,45 @@ def test_logprobs_are_raw_under_the_min_tokens_mask():
     assert out.logprobs[0] == pytest.approx(float(raw[out.token_ids[0]]), abs=1e-6)
     # EOS stays the most likely token of the reported (raw) distribution.
     assert out.top_logprobs[0][0] == (eos, pytest.approx(float(raw[eos]), abs=1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_mask_and_penalties_in_vllm_order_on_every_row_kind(device):
+    """logit_bias, then the min-tokens mask, then the penalties, then greedy/temperature: each
+    row's choice equals the argmax of a dense reference; the caller's logits stay as given."""
+    vocab, eos = 30, 1
+    logits = torch.randn(4, vocab, generator=gen(11)).to(device)
+    given = logits.clone()
+    params = [
+        SamplingParams(temperature=0, logit_bias={5: 8.0, eos: 50.0}, min_tokens=2),
+        SamplingParams(temperature=0, repetition_penalty=3.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.5, top_k=1, seed=0, presence_penalty=2.0, logit_bias={9: 3}),
+    ]
+    prompts = [[2, 3], [4, 5, 6], [7], [8, 9]]
+    outputs = [[5], [int(logits[1].argmax())] * 2, [], [int(logits[3].argmax()), 9]]
+    seqs = []
+    for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs, strict=True)):
+        seq = Sequence(str(i), prompt, p, max_output_tokens=10)
+        seq.output_token_ids = out
+        seqs.append(seq)
+    penalties = TokenCounts(vocab, device).inputs(seqs)
+    assert penalties.rows == [1, 3]
+    got = Sampler((eos,)).sample(
+        logits, params, [None, None, None, gen(0, device)], [len(o) for o in outputs], penalties
+    )
+    want = given.cpu().clone()
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias.items():
+            want[i, t] += b
+    want[0, eos] = float("-inf")  # biased, but still short of min_tokens
+    for i in (1, 3):
+        p, seen = params[i], set(prompts[i]) | set(outputs[i])
+        for t in seen:
+            r = p.repetition_penalty
+            want[i, t] = want[i, t] * r if want[i, t] < 0 else want[i, t] / r
+        for t in set(outputs[i]):
+            want[i, t] -= p.frequency_penalty * outputs[i].count(t) + p.presence_penalty
+    assert got.token_ids == want.argmax(-1).tolist()
+    assert got.token_ids[0] == 5 and got.token_ids[1] != outputs[1][0]
+    assert torch.equal(logits, given)
