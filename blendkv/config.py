@@ -147,9 +147,8 @@ def resolve_device(device: str) -> str:
 def resolve_dtype(dtype: str, device: str) -> str:
     """``auto``: the dtype that runs fastest on ``device``.
 
-    Measured on this project's CPUs (AVX-512 without BF16 instructions): a bf16 GEMM took 4.5x
-    as long as fp32 (oneDNN converts), and a 1024-token prefill 2.9x; on CPUs with AMX or
-    AVX512-BF16 the bf16 kernels are native. GPUs: bf16 where supported, else fp16.
+    CPUs: bf16 only where AMX or AVX512-BF16 make its kernels native (elsewhere oneDNN converts
+    and bf16 runs slower than fp32: docs/benchmarks.md). GPUs: bf16 where supported, else fp16.
     """
     if dtype != "auto":
         return dtype

@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 
 # attention_with_mass: query rows per block, so a block's probabilities stay near this many
-# float32 values (16 MiB, held in a server CPU's last-level cache between the products: 90
-# query rows over 6,300 keys, 9 heads, took 20 ms a layer in blocks of 16 MiB and 31 ms in one
-# block of 20 MiB on the 2-core AMD EPYC; the separate scoring before it took 38 ms).
+# float32 values (16 MiB, held in a server CPU's last-level cache between the products; larger
+# blocks ran slower, docs/benchmarks.md).
 _MAX_PROBS = 1 << 22
 
 

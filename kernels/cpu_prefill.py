@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-# Consecutive rows per task: G * 32 query rows share each key block (measured best of 8-64).
+# Consecutive rows per task: G * 32 query rows share each key block (the best of 8-64 on the CPU).
 BLOCK_ROWS = 32
 
 

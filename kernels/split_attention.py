@@ -2,8 +2,8 @@
 
 CacheBlend recomputes a few hundred rows spread over a 6K-token prompt; each row sees the keys at
 positions up to its own. A masked SDPA call computes every (row, key) pair and applies the mask
-in its inner loop, which measured ~1.6x the time the same number of visible pairs takes in a
-causal prefill. This path cuts the masked work down:
+in its inner loop, slower than a causal prefill over the same number of visible pairs
+(docs/benchmarks.md). This path cuts the masked work down:
 
 - Rows (ascending positions) go in groups. A group's rows all see every key before its first
   row's position ``p0``: that **prefix** is attended without a mask. Only the **band** of keys

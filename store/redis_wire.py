@@ -1,12 +1,12 @@
 """Reading chunk values from Redis straight into one buffer (RESP over a plain socket).
 
-redis-py returns each reply as a new ``bytes`` built from 64 KiB reads, and a value split in
-parts must then be joined: two copies and many small Python calls per chunk (~0.3 GB/s here). A
+redis-py returns each reply as a new ``bytes`` built from 64 KiB reads, and a value split in parts
+must then be joined: two copies and many small Python calls per chunk (slow: docs/benchmarks.md). A
 value's size is known from its metadata record, so :class:`BulkReader` pipelines the ``GET`` of
-every part on its own connection and receives each part's bytes with ``recv_into`` at its
-offset in one preallocated ``bytearray``: one copy, from the kernel. Each thread gets its own
-connection (made on first use, with the client's host or Unix socket, credentials and
-database), so reads from the engine and the prefetch thread run side by side without a lock.
+every part on its own connection and receives each part's bytes with ``recv_into`` at its offset in
+one preallocated ``bytearray``: one copy, from the kernel. Each thread gets its own connection (made
+on first use, with the client's host or Unix socket, credentials and database), so reads from the
+engine and the prefetch thread run side by side without a lock.
 
 Only replies to ``GET`` are parsed: a bulk string, a nil (the part was evicted: ``None``) or an
 error. A broken or timed-out connection is dropped; a read that failed on a connection made

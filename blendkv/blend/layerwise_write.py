@@ -23,7 +23,7 @@ forward's thread (``ChunkWrite.recover``), and written with the serial writes.
 ``pipelined=None`` (``BlendConnectorConfig.pipeline_kv_load``'s default) picks: pipelined on
 CUDA, and on the CPU only when the forward's threads leave a core free
 (:func:`spare_cpu_core`): with every core computing, the loading thread only takes time from
-them (measured 1-3 % slower on 2 cores, ``eval_results/bench/amd/rope_write_ab.log``).
+them (slower, docs/benchmarks.md).
 
 The written bits are the same in every mode (RoPE is elementwise; a test checks the blocks and
 the logits). Timing: ``busy`` is the seconds the writes took, ``waited`` the seconds the forward
@@ -65,8 +65,8 @@ def resolve_pipelined(setting: bool | None, device: torch.device, backend) -> bo
 def load_stages(num_layers: int) -> list[tuple[int, int]]:
     """Layer ranges loaded together on CUDA: 1, 2, 4, 8, ... layers. Each stage's copy is about
     as long as the compute of all the layers before it, so loading stays ahead of the forward,
-    while a request costs ~log2(layers) launches per chunk, not one per layer (a GPU measured
-    the per-layer launches' host time at several times the copies they hid)."""
+    while a request costs ~log2(layers) launches per chunk, not one per layer (per-layer
+    launches cost more host time than the copies they hid)."""
     stages, lo, size = [], 0, 1
     while lo < num_layers:
         stages.append((lo, min(lo + size, num_layers)))

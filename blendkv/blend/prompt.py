@@ -48,8 +48,8 @@ class PromptBuilder:
         self.use_chat_template = use_chat_template and bool(
             getattr(tokenizer, "chat_template", None)
         )
-        # RAG prompts repeat the same documents: their ids are remembered (a GPU profile of a
-        # blended request found tokenizing ten documents ~10 % of its time to first token).
+        # RAG prompts repeat the same documents: their ids are remembered (tokenizing them is a
+        # visible share of the time to first token, docs/benchmarks.md).
         self._encode_cached = functools.lru_cache(maxsize=_ENCODE_CACHE)(self._encode)
 
     def encode(self, text: str) -> list[int]:

@@ -241,7 +241,7 @@ class BlockManager:
 
     def _place(self, count: int) -> int | None:
         """First block of ``count`` placeable blocks in a row, in the longest such run; None if
-        no run is long enough. One pass over the pool (Python lists, ~1 ms per 2K blocks)."""
+        no run is long enough. One pass over the pool (Python lists)."""
         ref, hashes = self.ref_cnt, self.block_hash
         best_start, best_len, start = 0, 0, -1
         for b in range(self.num_blocks):

@@ -2,9 +2,8 @@
 
 A decode step multiplies a few dozen rows by every weight of the model. For so few rows MKL's
 sgemm spends much of each call packing the weight into its kernel's layout; packing it once
-(``torch.ops.mkl._mkl_reorder_linear_weight``, the op inductor's CPU freezing uses) removes that.
-Measured on this project's 2-core CPU for 32 rows of SmolLM2 (best of 3): fused q/k/v 0.64x the
-time of ``F.linear``, gate/up 0.58x, down 0.42x, lm_head 0.69x; a 32-request decode step 0.88x.
+(``torch.ops.mkl._mkl_reorder_linear_weight``, the op inductor's CPU freezing uses) removes that
+(timings: docs/benchmarks.md, "Measurements behind code choices").
 
 MKL's packed GEMM runs only for the exact row count it was packed for (other counts fall back
 to the dense weight inside the op), so batches of more than half of ``rows`` rows are padded
@@ -16,13 +15,10 @@ model's shapes they are bit-identical.
 
 **oneDNN** (the choice of :mod:`blendkv.layers.cpu_platform` on CPUs not made by Intel): every
 GEMM, any number of rows, through oneDNN's ``_linear_pointwise`` on a weight reordered once
-(``torch.ops.mkldnn._reorder_linear_weight``, inductor's CPU path). On an AMD EPYC (AVX-512,
-2 threads) MKL's sgemm ran 1.2x-4.8x slower than it at SmolLM2's shapes, from 1 row (lm_head
-9.6 against 4.4 ms) to 2048 (gate/up 39.1 against 33.1 ms); MKL stays the default on Intel
-CPUs, where its packed GEMMs were measured. In bfloat16 (native on that CPU: AVX512-BF16) the
-packed weights ran 1.1-1.7x faster than ``F.linear``'s bf16 path (lm_head at 32 rows 5.1
-against 8.5 ms). Results differ from ``F.linear``'s by rounding (fp32: ~1e-4 on outputs of
-magnitude ~20).
+(``torch.ops.mkldnn._reorder_linear_weight``, inductor's CPU path): faster than MKL's sgemm at
+SmolLM2's shapes on an AMD EPYC, and in bfloat16 faster than ``F.linear``'s bf16 path (see
+docs/benchmarks.md); MKL stays the default on Intel CPUs, where its packed GEMMs won. Results differ
+from ``F.linear``'s by rounding (fp32: ~1e-4 on outputs of magnitude ~20).
 """
 
 from __future__ import annotations

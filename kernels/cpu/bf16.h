@@ -2,7 +2,7 @@
 // the including file, fast-math is off and no product is contracted with a sum into an FMA
 // (each rounds as torch's element-wise ops round it). The helpers below are defined after that
 // pragma on purpose: GCC does not inline a function compiled under other options, and a call
-// per element made a kernel 15x slower. Float to a K/V dtype (float32 or bfloat16) and back:
+// per element made a kernel many times slower. Float to a K/V dtype (float32 or bfloat16) and back:
 // bfloat16 as raw bits with torch's rounding (to nearest even; NaN kept a quiet NaN), written
 // out so that the loops around them vectorize.
 #pragma once

@@ -307,10 +307,10 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   const int64_t Hkv = keys.size(1), D = q.size(2), used = pp[n - 1] + 1;
   // Rows ldk floats apart with ldk / 16 odd: an odd number of 64-byte lines, so the D rows a
   // register block reads fall into different cache sets. With ldk a multiple of 1024 (6,114
-  // keys -> 6,144) they all fell into one set and the call ran 1.3-3x slower.
+  // keys -> 6,144) they all fell into one set and the call ran slower (docs/benchmarks.md).
   const int64_t ldk = (used + KJ - 1) / KJ * KJ + W;
-  // Only the padding is zeroed: every other float is written below (zeroing all of it cost a
-  // pass over the keys, ~2 % of a call for ~1,000 scattered rows over 6,300 keys).
+  // Only the padding is zeroed: every other float is written below (zeroing all of it costs a
+  // pass over the keys).
   at::Tensor kt = at::empty({Hkv, D, ldk}, q.options().dtype(at::kFloat));
   kt.narrow(2, used, ldk - used).zero_();
   at::Tensor vf = dtype == at::kFloat ? values : values.narrow(0, 0, used).to(at::kFloat);
