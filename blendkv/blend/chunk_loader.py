@@ -1,22 +1,12 @@
 """Finding a fused prefill's chunk K/V and handing it to the layer-wise writer.
 
 Per chunk, before the forward: its K/V from the background writer's pending set, the memory
-tier or the store (LMDB / Redis; the loading controller picks the tier when a chunk is in
-several), or, if it is missing, computed now (one forward behind the anchor, used at once and
-handed to the background writer: the step never waits on a disk write). Sources are used in
-place: no copy from the memory tier, and on the CPU none from LMDB either (zero-copy views of
-its memory map through one read snapshot per step, :meth:`ChunkKVStore.snapshot`; the OS page
-cache is the hot tier there). Rotating K to the fused positions and writing K/V into the request's
-blocks happens layer by layer behind the forward, or all before it
-(:mod:`blendkv.blend.layerwise_write`). Reading an LMDB value faults all its pages in (py-lmdb
-touches every page before handing a value over), from the disk when they are cold, so on the
-CPU those reads are deferred too: a thread fetches them (header checked, and the checksum on
-the first read of the process, ``verify_reads="once"``) while the full layer computes, and a
-value found evicted or corrupt then is computed in the forward's thread before the first layer
-reads it.
-Call :meth:`ChunkLoader.end_step` once the step's writes are done.
-With ``recompute_ratio="auto"`` the controller picks the request's ratio here, from the bytes
-it loads per layer. The request's TTFT includes all of it.
+tier or the store (the controller picks the tier), or, if missing, computed now and handed to
+the background writer. Sources are used in place (on the CPU, LMDB values are zero-copy views
+through one read snapshot per step). On the CPU, LMDB reads are deferred to a thread behind the
+full layer; a value found evicted or corrupt then is computed before the first layer reads it.
+The writes themselves: :mod:`blendkv.blend.layerwise_write`. Call :meth:`ChunkLoader.end_step`
+once the step's writes are done.
 """
 
 from __future__ import annotations

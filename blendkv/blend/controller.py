@@ -1,24 +1,13 @@
 """Loading controller (CacheBlend §5): how much to recompute, and where to read chunks from.
 
-With layer-wise pipelined loading, layer ``l``'s recompute runs while layer ``l + 1``'s K/V is
-loaded. Recomputing more tokens is then free until a layer's compute outlasts a layer's load;
-the controller picks, per request, the largest recompute ratio whose per-layer compute still
-hides behind the per-layer load, but never less than the quality floor the user asked for
-(``BlendConfig.min_recompute_ratio``) nor more than ``max_recompute_ratio``::
+Picks, per request, the largest recompute ratio whose per-layer compute still hides behind the
+per-layer load, clamped to ``[min_recompute_ratio, max_recompute_ratio]``::
 
-    per-layer load    = bytes of one layer of the request's chunks / bandwidth of its tier
-    per-layer compute = (ratio * reused tokens + other tokens) * seconds per row-layer
-    ratio             = clamp((load / seconds per row-layer - other) / reused, floor, max)
+    ratio = clamp((load / seconds per row-layer - other) / reused, floor, max)
 
-Both rates are running estimates (exponential moving averages) of what the loader and the
-fused prefills actually measured on this machine, one bandwidth per storage tier; before the
-first measurement the controller answers with the floor. Only the part of loading that runs
-layer by layer behind the forward counts as "load" there (``layerwise``: the writes into the
-blocks, with the host-to-device copies on CUDA); a read made before the forward (a Redis get,
-an LMDB value brought in from disk) adds to the TTFT whatever the ratio, and a step loaded
-serially hides nothing, so both leave the ratio at the floor. A chunk stored in several tiers
-(the memory tier and LMDB, say) is read from the tier with the best measured bandwidth over
-the whole load, read and writes (the memory tier until the others are measured faster).
+Both rates are moving averages of what this machine measured (one bandwidth per storage tier);
+until then, and for loads that hide nothing (serial, reads before the forward), the floor.
+A chunk in several tiers is read from the one with the best measured bandwidth.
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Writing a step's loaded chunk K/V into the KV pool, layer by layer, behind the forward.
 
-The loader (:mod:`blendkv.blend.chunk_loader`) finds every chunk's K/V (store, memory tier, writer,
-or computed now) before the forward; what remains, rotating K to the fused positions and
-writing K/V into the request's blocks, is done here, one layer at a time:
+Rotating K to the fused positions and writing K/V into the request's blocks, in one of:
 
-- **pipelined** on the CPU: a background thread writes layer ``l`` of every chunk and then
-  marks layer ``l`` ready; the forward waits for a layer (``wait(l)``) only when it gets there,
-  so the writes of later layers run while earlier layers compute;
-- **pipelined** on CUDA: the same writes (and host-to-device copies of pinned sources) are
-  queued on a side stream in stages of 1, 2, 4, ... layers (:func:`load_stages`), one event per
-  stage; ``wait(l)`` makes the compute stream wait for its stage's event (no host block);
-- **serial** (``pipelined=False``): everything is written before the forward, one backend call
-  per chunk covering all its layers.
+- **pipelined** on the CPU: a thread writes layer ``l`` of every chunk, then marks it ready;
+  the forward's ``wait(l)`` blocks only if it gets there first;
+- **pipelined** on CUDA: the writes (and copies of pinned sources) on a side stream in stages of
+  1, 2, 4, ... layers (:func:`load_stages`), one event per stage, waited for by the compute
+  stream;
+- **serial**: everything before the forward, one backend call per chunk.
 
-**Deferred reads** (CPU, chunks viewed in LMDB's map): the loader hands such a chunk over
-unread (``ChunkWrite.fetch``), since reading a value faults all its pages in, from the disk when
-the page cache lost them. A reader thread (the loading thread when pipelined) fetches them
-while the layers before the first that reads stored K/V compute (the full layer); the forward
-joins it there (``wait``). A chunk the fetch finds evicted or corrupt is computed then, in the
-forward's thread (``ChunkWrite.recover``), and written with the serial writes.
-
-``pipelined=None`` (``BlendConnectorConfig.pipeline_kv_load``'s default) picks: pipelined on
-CUDA, and on the CPU only when the forward's threads leave a core free
-(:func:`spare_cpu_core`): with every core computing, the loading thread only takes time from
-them (slower, docs/benchmarks.md).
-
-The written bits are the same in every mode (RoPE is elementwise; a test checks the blocks and
-the logits). Timing: ``busy`` is the seconds the writes took, ``waited`` the seconds the forward
-blocked in :meth:`wait`; the difference was hidden behind compute. On CUDA both are device time
-(CUDA events: the side stream's span, the compute stream's stalls on each stage).
+Deferred reads (``ChunkWrite.fetch``) are fetched by a thread behind the full layer; a chunk
+found evicted or corrupt is recomputed (``ChunkWrite.recover``). The written bits are the same
+in every mode. ``busy`` / ``waited``: seconds the writes took / the forward blocked.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Reading queued requests' chunks ahead of their step (asynchronous loading).
 
-A blended request's chunk K/V is read from the store when its step runs, and until then the
-request only waits in the queue. :class:`ChunkPrefetcher` uses that wait: when a request is
-queued its chunk keys go to one background thread, which reads them in arrival order while the
-engine computes other requests; the scheduler lets a request whose reads are still running wait
-while other work runs (vLLM's requests waiting for remote K/V, LMCache's asynchronous loading),
-so the reads leave the step that prefills it. Two ways of reading, by store and device:
-
-* ``hold=False`` (LMDB on the CPU, read through its memory map): the value's pages are faulted
-  into the OS page cache and its checksum checked (:meth:`ChunkKVStore.warm`); nothing is held
-  here.
-* ``hold=True`` (Redis; LMDB on CUDA, into pinned memory): the value is read with
-  ``store.get`` and held until the request's step has loaded it or the request ends, within
-  ``max_bytes`` (the thread pauses when that much is held).
-
-A key is read once however many queued requests use it. When a step needs a held value the
-thread has not started on, :meth:`take` withdraws it and the loader reads it itself (the loader
-goes from the last chunk, the thread from the first); one being read is waited for. Page-cache
-warm-ups are withdrawn only while other requests wait behind them, else they go on beside the
-step's own reads. Failures are logged and leave the key to the
-loader, which handles misses, corrupt values and lost connections as it always does.
+While a blended request waits in the queue, :class:`ChunkPrefetcher`'s thread reads its chunk
+keys in arrival order, so the reads leave the step that prefills it. ``hold=False`` (LMDB on the
+CPU) only faults the value into the page cache and checks it; ``hold=True`` (Redis; LMDB on
+CUDA) reads it and holds it, within ``max_bytes``, until its step loads it or the request ends.
+A key is read once; a step takes (:meth:`take`) what the thread has not started on and reads it
+itself. Failures are logged and left to the loader.
 """
 
 from __future__ import annotations
