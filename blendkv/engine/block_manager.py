@@ -1,29 +1,13 @@
 """Paged KV block allocation with hash-chain prefix caching. Pure Python: ids and ints only.
 
-Every physical block is in exactly one of two states:
+Every block is **used** (``ref_cnt > 0``, in that many block tables) or **free** (in the free
+queue, head evicted first). A free block may still be **cached** (its full-block hash is
+registered): a request with the same prefix takes it back; cached blocks go to the queue's tail
+and are evicted lazily. With ``place_in_runs`` new blocks are placed so each block table keeps
+long runs of consecutive ids (docs/architecture.md, Engine).
 
-* **used**: ``ref_cnt > 0``; listed in the block table of ``ref_cnt`` sequences;
-* **free**: ``ref_cnt == 0``; in the free queue. A free block may still hold the K/V of a full
-  block whose hash is registered (a *cached* block): a later request with the same prefix takes
-  it back out of the queue. Cached blocks are evicted lazily, only when the queue's head is
-  popped for a new allocation.
-
-Free-queue order is the eviction order (head first): blocks that hold nothing reusable are put
-at the head, cached blocks at the tail, and a finished sequence's blocks are freed back to front
-so that the longest prefixes outlive their tails.
-
-New blocks are placed to keep each block table in long runs of consecutive ids, so attention can
-read a sequence's K/V as slices of the pool instead of gathering it (the CPU decode path,
-``blendkv.kernels.paged_decode``). Only free blocks holding nothing reusable are placed this
-way, so eviction order is unchanged: a table grows into the block after its last one when that
-is free; otherwise its new blocks start inside the longest free run, in the middle when a used
-block sits just before that run (room for that table to grow), at its start otherwise. When no
-free run is long enough, blocks come from the queue's head as before. Backends that gain
-nothing from runs (the GPU kernels read any block table alike) turn placement off
-(``place_in_runs=False``): every block then comes from the queue's head in O(1).
-
-A full block's hash is ``xxh3_128(parent_hash, cache_salt, token_ids)`` — stable across processes
-(never Python's ``hash()``), chained so equal hashes mean equal whole prefixes.
+A full block's hash is ``xxh3_128(parent_hash, cache_salt, token_ids)``: stable across
+processes, chained so equal hashes mean equal whole prefixes.
 """
 
 from __future__ import annotations

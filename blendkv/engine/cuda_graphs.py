@@ -1,25 +1,12 @@
 """Decode steps replayed from captured CUDA graphs (vLLM's approach to launch overhead).
 
-A decode step of a small model is hundreds of tiny kernel launches; on a GPU the CPU cannot
-issue them as fast as the GPU runs them. The forward of a pure-decode batch is captured once
-per padded batch size (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``) over static input
-buffers; a step copies its inputs into the buffers of the smallest size that fits and replays.
-
-What makes a forward capturable, and how it is kept so:
-
-- static shapes: the batch is padded to a captured size; the block table has the width of
-  ``max_model_len``; the metadata's Python mirrors are those of the padded batch with every
-  sequence at ``max_model_len`` (the backend sizes its launch grid from them, and reads the real
-  lengths from ``seq_lens`` on the device);
-- padded rows are inert: slot -1 (the KV write skips it), one key, position 0;
-- no tensors made during capture: the backend's per-metadata layout is built by the warm-up run
-  on the same metadata object (and kept alive with the graph: replay reads its tensors), and
-  the rotary table's memo is cleared before capture;
-- only backends that read sequence lengths on the device (``supports_cuda_graphs``) and KV
-  connectors without per-layer hooks (checked by the runner).
-
-``capture`` is injectable: the default uses ``torch.cuda.graph``; the tests pass an eager stand-in
-on the CPU, which runs the same padded static-buffer path (everything but the capture itself).
+A pure-decode batch's forward is captured once per padded batch size (1, 2, 4, 8, 16, 24, ...
+up to ``max_num_seqs``) over static buffers; a step copies its inputs into the smallest size
+that fits and replays. Capturable because: shapes are static (padded batch, block table as wide
+as ``max_model_len``); padded rows are inert (slot -1, one key, position 0); no tensor is made
+during capture (the backend's per-metadata layout is built by the warm-up run and kept alive
+with the graph); only backends with ``supports_cuda_graphs`` and connectors without per-layer
+hooks. ``capture`` is injectable (the tests pass an eager stand-in on the CPU).
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """Incremental detokenisation: one text delta per generated token, for streaming.
 
-The contract: the concatenation of every ``add()`` delta plus ``finish()`` equals
+Contract: the concatenation of every ``add()`` delta plus ``finish()`` equals
 ``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``.
-For byte-level BPE (GPT-2, Llama-3, SmolLM2, Qwen2) transformers never cleans up spaces, so that
-is plain ``tokenizer.decode(output_ids, skip_special_tokens=...)``.
 
 Algorithm (vLLM's ``detokenize_incrementally``): decode only a small window of recent tokens::
 
     output ids:  ... | prefix_offset ........ read_offset ........ len(ids) |
                        \\__ already emitted __/ \\__ not yet emitted __/
 
-    prefix_text = decode(ids[prefix_offset:read_offset])
-    window_text = decode(ids[prefix_offset:])
-    delta       = window_text[len(prefix_text):]
+    delta = decode(ids[prefix_offset:])[len(decode(ids[prefix_offset:read_offset])):]
 
-The window starts one emission back so that context-dependent decoding (SentencePiece drops the
-leading space of the *first* decoded token; WordPiece glues ``##`` pieces to the previous one)
-treats the new tokens as it would inside the full text. A delta whose text ends in U+FFFD is held
-back: the token split a multi-byte UTF-8 character and a later token completes it. ``finish()``
-flushes what is still held back (a character that never completed decodes as U+FFFD, exactly as
-the full decode shows it).
-
-Why not ``tokenizers.decoders.DecodeStream``: it runs the same algorithm but needs a Rust
-tokenizer and has no flush for text held back at the end.
+The window starts one emission back so context-dependent decoders (SentencePiece, WordPiece)
+see the new tokens as in the full text. A delta ending in U+FFFD (a split UTF-8 character) is
+held back until a later token completes it; ``finish()`` flushes it. (``DecodeStream`` needs a
+Rust tokenizer and cannot flush.)
 """
 
 from __future__ import annotations

@@ -9,16 +9,8 @@
         │ RequestStream (one asyncio.Queue per request)       ▼
         └──── loop.call_soon_threadsafe(put) ◀── OutputRouter ◀── LLMEngine.step()
 
-``LLMEngine`` is not thread-safe, so exactly one thread touches it: a background thread that
-runs the commands callers queued (add a request, abort one) and, while any
-request is unfinished, steps the engine. Every step's outputs are routed to the asyncio queue
-of the request they belong to. A thread, not an asyncio task: the step is CPU-bound torch work
-(its kernels release the GIL), and run on the event loop it would stall every connection for the
-length of a step. Requests added while a step runs join the next step's batch (continuous
-batching).
-
-Closing a :class:`RequestStream` before its last output (a client that went away) aborts the
-request on the engine thread, which frees its KV blocks.
+One thread owns the (not thread-safe) engine; why a thread: docs/architecture.md, Engine.
+Closing a :class:`RequestStream` early aborts its request and frees its blocks.
 """
 
 from __future__ import annotations
