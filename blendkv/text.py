@@ -1,17 +1,10 @@
 """User text at the entry points: lone UTF-16 surrogates are replaced, not fatal.
 
-A Python ``str`` may hold code points U+D800..U+DFFF (surrogates): text extracted from PDFs,
-JSON with a broken ``"\\ud83d"`` escape, ``os.fsdecode`` of bytes that are not UTF-8. They have
-no UTF-8 encoding, so a tokenizer fed one raises a bare ``TypeError`` (and ``str.encode`` a
-``UnicodeEncodeError``). Every place where user text enters blendkv passes it through
-:func:`replace_lone_surrogates` first, with ``bytes.decode(errors="replace")`` semantics:
-
-* a high surrogate followed by a low one is joined into the character the pair stands for
-  (``"\\ud83d\\ude00"`` -> ``"😀"``);
-* any other surrogate becomes U+FFFD (the replacement character), one for one, and a warning
-  on the ``blendkv.text`` logger names where it was and its character offsets.
-
-The request is then served as if the text had held U+FFFD: the engine keeps serving.
+A ``str`` may hold surrogates (U+D800..U+DFFF: PDF text, broken JSON escapes, ``os.fsdecode``),
+which have no UTF-8 encoding, so a tokenizer would raise. Every entry point passes user text
+through :func:`replace_lone_surrogates`, with ``bytes.decode(errors="replace")`` semantics: a
+high+low pair is joined (``"\\ud83d\\ude00"`` -> ``"😀"``), any other surrogate becomes U+FFFD
+with a warning on the ``blendkv.text`` logger; the request is then served.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""CPU tuning decided from the platform, not configured: which GEMM library runs the model's
-linear maps, how many rows MKL's packed weights serve, how many rows one MLP pass takes.
+"""CPU tuning decided from the platform, not configured: the GEMM library of the linear maps,
+the rows MKL's packed weights serve, the rows one MLP pass takes.
 
-:func:`decide_cpu_tuning` picks them from the device, the dtype and the CPU's vendor; the engine
-calls it once at start-up and :func:`apply_cpu_tuning` sets the result on the model. One
-environment variable overrides the GEMM library, for tests and benchmarks that need one
-(the forward goldens were recorded with MKL's)::
-
-    BLENDKV_CPU_GEMM=mkl|onednn
-
-- **oneDNN**: every 2-D GEMM on a weight reordered once (float32, bfloat16), the choice on CPUs
-  not made by Intel (see ``docs/benchmarks.md`` for the measurements).
-- **MKL**: torch's own GEMMs, with MKL's packed sgemm for decode-sized batches (float32), the
-  choice on Intel CPUs.
-- **torch**: plain ``F.linear`` where neither runs (other devices, float16).
+:func:`decide_cpu_tuning` picks them once at start-up from the device, dtype and CPU vendor:
+**oneDNN** (weights reordered once) on CPUs not made by Intel, **MKL** (packed sgemm for
+decode-sized batches) on Intel, plain ``F.linear`` elsewhere (docs/benchmarks.md). For tests and
+benchmarks, ``BLENDKV_CPU_GEMM=mkl|onednn`` overrides the library (the goldens use MKL's).
 """
 
 from __future__ import annotations

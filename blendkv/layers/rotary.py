@@ -1,18 +1,10 @@
 """Rotary position embedding (RoPE), gathered at arbitrary absolute positions.
 
-The inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` so every rope type
-transformers knows (linear, dynamic, yarn, llama3, ...) and its ``attention_scaling`` factor are
-right by construction. cos/sin are precomputed once in float32 for ``max_position_embeddings``
-positions and *gathered* at ``positions``: query rows need not be contiguous (CacheBlend
-recomputes scattered rows) and stored keys can be re-rotated to new positions at load time
-(:meth:`RotaryEmbedding.rotate_k`).
-
-Convention: HF's ``rotate_half`` (the two halves of head_dim are the real/imaginary parts), not
-the interleaved GPT-J layout.
-
-Known limits: ``dynamic`` and ``longrope`` change their frequencies with the *current sequence
-length* in transformers. Up to ``max_position_embeddings`` (dynamic) / the original context
-(longrope) the table here is exact; beyond that it keeps the short-context frequencies.
+Inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` (every rope type and its
+``attention_scaling``). cos/sin are precomputed in float32 and *gathered* at ``positions``, so
+query rows may be scattered (CacheBlend) and stored keys re-rotated at load
+(:meth:`RotaryEmbedding.rotate_k`). HF's ``rotate_half`` convention, not GPT-J's interleaving.
+Limit: ``dynamic``/``longrope`` keep their short-context frequencies past the original context.
 """
 
 from __future__ import annotations

@@ -3,16 +3,10 @@
     catalog (rag_documents.json)     chunk store (LMDB)               index (FAISS)
     doc id -> its chunk keys   <->   chunk key -> K/V, text, doc id  <->  chunk id -> vector
 
-Ingest writes a document's chunks (one store transaction per batch of chunks, then the index)
-and only then its catalog entry. A process killed in between leaves a document whose chunks are
-stored and indexed but which the catalog lacks; one killed between two batches of a long
-document leaves the first part of its chunks. The index is re-synced from the store on every
-writable open (:meth:`~blendkv.store.ChunkStore.sync_index`) and checked against it by
-:meth:`~blendkv.store.ChunkStore.verify`; this module covers the catalog:
-:func:`check_documents` reports every disagreement (``blendkv store verify``), and
-:func:`document_action` tells a re-run of ingest how to repair a document it is given again.
-
-Pure metadata: nothing here loads a model, so ``store verify`` can run it in inspect mode.
+Ingest writes a document's chunks (store, then index) and only then its catalog entry, so a
+killed ingest leaves stored chunks the catalog lacks. The store re-syncs its index itself;
+here :func:`check_documents` reports catalog disagreements (``blendkv store verify``) and
+:func:`document_action` tells a re-run of ingest how to repair a document. Loads no model.
 """
 
 from __future__ import annotations
