@@ -1,25 +1,13 @@
 """Rows at scattered positions over their sequence's keys, the fast way on the CPU.
 
-CacheBlend recomputes a few hundred rows spread over a 6K-token prompt; each row sees the keys at
-positions up to its own. A masked SDPA call computes every (row, key) pair and applies the mask
-in its inner loop, slower than a causal prefill over the same number of visible pairs
-(docs/benchmarks.md). This path cuts the masked work down:
-
-- Rows (ascending positions) go in groups. A group's rows all see every key before its first
-  row's position ``p0``: that **prefix** is attended without a mask. Only the **band** of keys
-  from ``p0`` to the group's last row needs one.
-- The two partial results are merged through their log-sum-exps (flash-attention style), which
-  SDPA's CPU flash kernel returns.
-- The query heads that share a KV head are folded into that head's query rows, so each KV head
-  is streamed once per group instead of once per query head.
-- A run of consecutive positions (a query tail, a chunked-prefill chunk, the rest of a prompt
-  after a prefix hit) is its own group, and its band needs no mask at all: the run's rows are
-  exactly the band's keys, the top-left causal case the flash kernel skips half of.
-- The groups and their masks depend on the positions only, so :func:`build_row_groups` builds
-  them once and every layer of a step reuses them.
-
-Same result as :func:`blendkv.kernels.torch_attention.masked_attention` up to fp32 rounding
-(~1e-6). CPU only (the flash op it calls is the CPU one); other devices keep the masked path.
+A masked SDPA call over CacheBlend's scattered rows computes and masks every (row, key) pair,
+slower than a causal prefill over as many visible pairs (docs/benchmarks.md). Here rows go in
+groups by ascending position: a group's keys before its first row's position ``p0`` (the
+**prefix**) are attended without a mask, only the **band** from ``p0`` on with one, and the two
+are merged through their log-sum-exps (SDPA's CPU flash kernel returns them). Query heads that
+share a KV head are folded into its rows; a run of consecutive positions is its own unmasked
+causal group. :func:`build_row_groups` depends on the positions only, so a step builds it once.
+Equal to :func:`~blendkv.kernels.torch_attention.masked_attention` up to fp32 rounding; CPU only.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Persistent chunk-K/V store over LMDB, with a memory tier in front.
 
-One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) per store. Many
-processes may read while one writes: LMDB serialises write transactions across processes
-(``lock=True``) and readers see only committed transactions. Every chunk write (value,
-metadata, id map, LRU record, document index, counters) is one transaction, so a reader or a
-process killed mid-write never sees half an entry.
-
-Reads never copy more than once: values are read through LMDB's memory map (``buffers=True``)
-and copied straight into the destination tensor (:meth:`KVStore.read_into`) or into a fresh
-tensor (:meth:`KVStore.get`). :meth:`KVStore.reader` gives zero-copy views for the length of a
-read transaction, :meth:`KVStore.snapshot` for the length of an engine step (its loading thread
-reads the views layer by layer while the forward runs; no copy at all).
-
-One process must not open the same store twice at once (LMDB's locks are per process); the
-store refuses it. A ``KVStore`` object may be shared between threads (the engine's background
-writer puts while the engine reads): one re-entrant lock serialises its calls, since LMDB's map
-resizing and the store's own bookkeeping (memory tier, LRU touches) are not thread-safe.
+One LMDB environment per store; many processes read while one writes, and every chunk write is
+one transaction, so no reader ever sees half an entry. Reads copy at most once (through LMDB's
+memory map, :meth:`KVStore.read_into` / :meth:`KVStore.get`); :meth:`KVStore.reader` and
+:meth:`KVStore.snapshot` give zero-copy views for a read transaction or an engine step. One
+process may not open a store twice (LMDB's locks are per process); a ``KVStore`` may be shared
+between threads, serialised by one re-entrant lock.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Reading chunk values from Redis straight into one buffer (RESP over a plain socket).
 
-redis-py returns each reply as a new ``bytes`` built from 64 KiB reads, and a value split in parts
-must then be joined: two copies and many small Python calls per chunk (slow: docs/benchmarks.md). A
-value's size is known from its metadata record, so :class:`BulkReader` pipelines the ``GET`` of
-every part on its own connection and receives each part's bytes with ``recv_into`` at its offset in
-one preallocated ``bytearray``: one copy, from the kernel. Each thread gets its own connection (made
-on first use, with the client's host or Unix socket, credentials and database), so reads from the
-engine and the prefetch thread run side by side without a lock.
-
-Only replies to ``GET`` are parsed: a bulk string, a nil (the part was evicted: ``None``) or an
-error. A broken or timed-out connection is dropped; a read that failed on a connection made
-earlier (the server may have restarted since) is tried once more on a new one (reads are
-idempotent), as redis-py does; then the error is raised as redis-py's ``ConnectionError`` /
-``TimeoutError``, which the store already handles. TLS (``rediss://``) is
-not spoken here: :func:`bulk_reader_for` returns None and the store reads through redis-py.
+redis-py builds each reply as new ``bytes`` that must then be joined (two copies, many small
+Python calls: docs/benchmarks.md). :class:`BulkReader` pipelines the ``GET`` of every part of a
+value (its size known from its metadata) and ``recv_into``s each part at its offset in one
+``bytearray``: one copy. One connection per thread, so the engine and the prefetch thread read
+without a lock. Only ``GET`` replies are parsed; a read that failed on an old connection is
+retried once on a new one, then raised as redis-py's ``ConnectionError``/``TimeoutError``. No
+TLS: for ``rediss://`` :func:`bulk_reader_for` returns None and reads go through redis-py.
 """
 
 from __future__ import annotations

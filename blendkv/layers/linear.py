@@ -1,24 +1,14 @@
 """Linear layers whose GEMMs use a weight packed once on the CPU (MKL or oneDNN).
 
-A decode step multiplies a few dozen rows by every weight of the model. For so few rows MKL's
-sgemm spends much of each call packing the weight into its kernel's layout; packing it once
-(``torch.ops.mkl._mkl_reorder_linear_weight``, the op inductor's CPU freezing uses) removes that
-(timings: docs/benchmarks.md, "Measurements behind code choices").
+For a decode step's few dozen rows, MKL's sgemm spends much of each call packing the weight;
+packing it once (``torch.ops.mkl._mkl_reorder_linear_weight``) removes that. The packed GEMM
+runs only for the row count it was packed for, so batches of more than half of ``rows`` are
+padded up to ``rows``; others use ``F.linear``. Float32 only; packed lazily on first use (costs
+the weight's size again); equal to ``F.linear`` to fp32 rounding.
 
-MKL's packed GEMM runs only for the exact row count it was packed for (other counts fall back
-to the dense weight inside the op), so batches of more than half of ``rows`` rows are padded
-with zero rows up to ``rows``; smaller and larger batches use ``F.linear``. Float32 on a CPU
-build with MKL only (sgemm). The packed copy costs the weight's size again in memory; it is
-made on the first call that uses it, so projections never called (the q/k/v of a fused
-q/k/v, say) cost nothing. Results equal ``F.linear``'s to fp32 rounding; on the embedded
-model's shapes they are bit-identical.
-
-**oneDNN** (the choice of :mod:`blendkv.layers.cpu_platform` on CPUs not made by Intel): every
-GEMM, any number of rows, through oneDNN's ``_linear_pointwise`` on a weight reordered once
-(``torch.ops.mkldnn._reorder_linear_weight``, inductor's CPU path): faster than MKL's sgemm at
-SmolLM2's shapes on an AMD EPYC, and in bfloat16 faster than ``F.linear``'s bf16 path (see
-docs/benchmarks.md); MKL stays the default on Intel CPUs, where its packed GEMMs won. Results differ
-from ``F.linear``'s by rounding (fp32: ~1e-4 on outputs of magnitude ~20).
+**oneDNN** (:mod:`blendkv.layers.cpu_platform`'s choice off Intel): every GEMM through
+``_linear_pointwise`` on a weight reordered once, float32 and bfloat16; differs from
+``F.linear`` by rounding. Why each library where: docs/benchmarks.md.
 """
 
 from __future__ import annotations
