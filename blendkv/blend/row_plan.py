@@ -1,24 +1,17 @@
 """The fused prefill's row plan: which rows each layer computes when a step blends.
 
-A step's rows are the flattened tokens of all scheduled sequences (plain prefills, decodes and
-blended prefills). Plain rows run every layer. For a blended sequence, at each of its selection
-layers the fresh Q/K/V of its rows are scored against the reused K/V already in its blocks, and
-the reused rows not picked leave the set: from then on their K/V stays the reused one (or is
-shifted, with a ``correction``: :mod:`blendkv.blend.correction`). Rows that remain write fresh
-K/V and attend over the whole fused K/V with the exact per-row causal mask of the attention
-backend (a row at position p sees keys at positions <= p, whatever rows are around it). The
-layer loop itself is the model's (:mod:`blendkv.models.hooks`).
-
-Bookkeeping (which rows are left, whose they are, whether they are reused) lives in CPU tensors;
-the scores are computed on the model's device and the chosen indices come back to the host once
-per selection layer, the only device sync a blended forward makes inside its layer loop.
+Plain rows (prefills, decodes) run every layer. At each selection layer of a blended sequence
+its rows' fresh Q/K/V are scored against the reused K/V in its blocks, and reused rows not
+picked leave the set: their K/V stays the reused one (or is shifted: ``correction``). Remaining
+rows attend with the backend's exact per-row causal mask. Bookkeeping lives in CPU tensors;
+the picks come back to the host once per selection layer (the loop's only device sync).
 
     layer:        0 .. check-1      check            check+1 .. last
     blended seq:  every row         fresh QKV, pick  picked reused + non-reused rows only
     plain seq:    every row         every row        every row
 
-``prophet`` picks at layer 0 from scores of an earlier pass (:mod:`blendkv.blend.prophet`);
-``reselect``/``schedule`` pick again deeper, among the rows still computed.
+``prophet`` picks at layer 0 (:mod:`blendkv.blend.prophet`); ``reselect``/``schedule`` again
+deeper. The layer loop is the model's (:mod:`blendkv.models.hooks`).
 """
 
 from __future__ import annotations

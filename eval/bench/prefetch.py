@@ -1,25 +1,13 @@
-"""A/B of reading queued requests' chunks ahead of their step (``EngineConfig.prefetch_kv``)
-against reading them in the step that prefills them, in one process, alternating.
+"""A/B of reading queued requests' chunks ahead of their step (``prefetch_kv``) against
+reading them in the step that prefills them, in one process, alternating.
 
     blendkv bench prefetch [--model PATH] [--limit 3] [--rounds 2]
         [--store lmdb|redis|redis://HOST:PORT/DB] [--dtype float32] [--json PATH]
 
-Every read is cold: before each run the prompts' chunk values are paged out of LMDB's map
-(``--store lmdb``: ``madvise(MADV_PAGEOUT)``, a server whose page cache lost them) or dropped
-from the memory tier (Redis: every value comes over the socket; ``--store redis`` starts a
-``redis-server`` from PATH on a free port). Two scenarios, default ``BlendConfig()``:
-
-- **burst**: the ``--limit`` MuSiQue prompts arrive at once (one token each). Off, each
-  request's reads run in its step; on, the thread reads request i+1's chunks while request i
-  computes. Reported: the burst's wall time and the median TTFT.
-- **beside a decode**: one request decodes; a blended request arrives. Off, its reads stall the
-  decode inside the prefill step; on, the decode goes on while they run. Reported: the
-  blended request's TTFT and the decode's longest gap between two tokens meanwhile.
-- **alone**: one blended request on an idle engine (nothing to hide the reads behind; the
-  prefetch thread and the step read side by side). Reported: its TTFT.
-
-One fused prefill runs per step (the step budget is below its cost), so both modes batch alike.
-Correctness first: each prompt's next-token logits must be bit-identical in both modes.
+Every read is cold (LMDB's pages paged out, or Redis values over the socket). Scenarios:
+**burst** (``--limit`` prompts at once: wall time, median TTFT), **beside a decode** (the
+blended request's TTFT, the decode's longest gap) and **alone** (TTFT). Correctness first:
+next-token logits must be bit-identical in both modes. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

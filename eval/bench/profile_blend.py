@@ -1,28 +1,11 @@
 """Where a blended prefill's time goes (``blendkv bench blend --profile``).
 
-Wraps, for the duration of one request, the pieces of the engine's step with wall-clock timers:
-each layer's start (its input norm), its attention and its MLP block (``finish``), the row
-plan's selection and K/V correction, the final norm, logits and sampling. The step runs
-synchronously on the CPU, so the pieces add up; what no timer covers is Python and scheduling
-overhead. Loading comes
-from the request's :class:`~blendkv.blend.request_state.BlendStats`: the reads and writes not hidden
-behind compute count in the TTFT's parts, the hidden ones are printed apart.
-
-The **compute floor** of a request is what its recompute would cost at full prefill's speed:
-``full TTFT x computed row-layers / all row-layers`` (the row plan counts the row-layers it
-computed, ProphetKV's query pass included: its rows run every layer too);
-``floor fraction = floor / blend TTFT`` says how close blending gets to it. With
-``EngineConfig.prune_last_layer`` (the default) the last layer runs only Q/K/V for every row but
-the sampled one, in full prefill and in the blend: there each side counts one full row and its
-other rows at the Q/K/V share of a row (no attention pairs).
-
-That floor prices every row alike, but causal attention costs a row at position p in
-proportion to its p + 1 keys, and the rows a blend recomputes (the query, high-deviation
-tokens) need not sit at average positions. The **key-weighted floor** prices the attention
-part of full prefill's time by (row, key) pairs instead: ``full TTFT x (a x computed pair-layers
-/ all pair-layers + (1 - a) x computed row-layers / all row-layers)``, where ``a`` is the
-attention share of the request's own all-row layers (the full and check layers) in the
-profile. Its fraction tells overhead apart from where the picked rows sit.
+Wraps the step's pieces for one request with wall-clock timers (each layer's norm, attention
+and MLP; the row plan's selection and correction; final norm, logits, sampling); loading comes
+from the request's :class:`~blendkv.blend.request_state.BlendStats`. Prints the row-weighted and
+key-weighted compute floors (defined in docs/benchmarks.md): what the recompute would cost at
+full prefill's speed, pricing rows alike or attention by (row, key) pairs. With
+``prune_last_layer`` both sides count the last layer's extra rows at the Q/K/V share of a row.
 """
 
 from __future__ import annotations
