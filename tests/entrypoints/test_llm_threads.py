@@ -129,3 +129,26 @@ def test_closing_a_stream_on_another_thread_leaves_the_others_running(rag):
     )
     assert got == [expected[0], None, expected[1]]
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_ingest_beside_queries_and_generate(rag):
+    """An ingest (chunk K/V computed through the same model) runs while other threads query and
+    generate; everyone's answer is the sequential one and the store stays consistent."""
+    llm = rag.llm
+    new_docs = [f"Document {i}: the lighthouse keeper counted {i} ships at dawn." for i in range(6)]
+    expected = [
+        rag.query(QUESTIONS[0], k=1, sampling_params=GREEDY).answer,
+        tokens(llm.generate(PROMPTS[1], GREEDY)[0]),
+    ]
+    calls = [
+        lambda: rag.ingest(new_docs, progress=False).added,
+        lambda: rag.query(QUESTIONS[0], k=1, sampling_params=GREEDY).answer,
+        lambda: tokens(llm.generate(PROMPTS[1], GREEDY)[0]),
+    ]
+    got = run_at_once(calls)
+    for out in got:
+        if isinstance(out, BaseException):
+            raise out
+    assert len(got[0]) == len(new_docs)
+    assert got[1:] == expected
+    assert rag.verify().ok
