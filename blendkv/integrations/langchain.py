@@ -7,6 +7,10 @@ hands retrieved ``Document``s to blendkv *as separate chunks*, so their stored K
 
 Joining the documents into one string (the usual ``format_docs`` step) would defeat reuse: the
 chunk boundaries, and so the stored K/V, would be lost. Needs ``pip install langchain-core``.
+
+Both are thread-safe (the pipeline and its ``LLM`` are): ``chain.batch([q1, q2])`` runs the
+questions on LangChain's threads and the engine batches them; ``.abatch`` and ``.astream`` run
+``invoke`` in the event loop's executor, which is the same.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig
 from pydantic import ConfigDict
 
+from blendkv import SamplingParams
 from blendkv.errors import InvalidRequestError
 
 
@@ -59,8 +64,6 @@ class BlendKVGenerator(Runnable[dict, AIMessage]):
         self.system = system
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> AIMessage:
-        from blendkv import SamplingParams
-
         if not isinstance(input, dict) or "question" not in input or "documents" not in input:
             raise InvalidRequestError(
                 "BlendKVGenerator takes {'question': str, 'documents': [...]}"

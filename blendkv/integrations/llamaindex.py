@@ -5,7 +5,8 @@
 
 Node metadata carries ``chunk_id``, ``doc_id``, ``score`` and ``kv_cached``, so a caller can
 pass ``[n.node.metadata["chunk_id"] for n in nodes]`` back to blendkv generation as
-``chunk_ids`` and keep the stored K/V. Needs ``pip install llama-index-core``.
+``chunk_ids`` and keep the stored K/V. Needs ``pip install llama-index-core``. Thread-safe,
+as the pipeline's ``retrieve`` is.
 """
 
 from __future__ import annotations
