@@ -1,6 +1,6 @@
 """Turns one row of logits per sequence into one token per sequence (pure torch, CPU or CUDA).
 
-Per row, in this order::
+Per row, in this order (vLLM's and transformers')::
 
     logit_bias:                     logits[token] += bias                   (greedy rows too)
     min_tokens not reached yet:     EOS and stop_token_ids logits -> -inf   (greedy rows too)
@@ -12,22 +12,11 @@ Per row, in this order::
                                     -> min-p   (drop p_i < min_p * p_max)
                                     -> draw with the row's own torch.Generator
 
-The first three steps are vLLM's (and transformers') order; the penalties are defined in
-:mod:`blendkv.engine.penalties`, whose token counts the model runner keeps per request.
-
-Filtering is vectorised over the random rows in one sorted ``[num_random, vocab]`` tensor; only
-the draw loops over rows, so a seeded request draws from its own generator and gets the same
-token whatever else is in the batch.
-
-``min_tokens`` follows vLLM (and transformers' ``min_new_tokens``): while a row has fewer than
-``min_tokens`` output tokens, the engine's EOS ids and the request's ``stop_token_ids`` cannot
-be *sampled* at all, whatever ``ignore_eos`` says; the stop checker alone would let them be
-generated and only refuse to stop on them.
-
-Logprobs are ``log_softmax`` of the *raw* logits (the unmodified model distribution, vLLM's
-default ``raw_logprobs``): neither the bias, the min-tokens mask, the penalties nor temperature
-or the top-k/top-p/min-p filters change them, so a masked EOS still reports its true (finite)
-logprob in the top list.
+Filtering is vectorised over the random rows; only the draw loops, so a seeded request gets the
+same token whatever else is in the batch. Below ``min_tokens`` EOS and stop ids cannot be
+*sampled* (vLLM), whatever ``ignore_eos`` says. Logprobs are ``log_softmax`` of the *raw*
+logits: nothing above changes them (vLLM's ``raw_logprobs``). Penalties:
+:mod:`blendkv.engine.penalties`.
 """
 
 from __future__ import annotations
