@@ -24,6 +24,7 @@ from typing import Any
 
 from blendkv.errors import BlendKVError
 from blendkv.eval.examples import Example, Passage
+from blendkv.eval.synthetic import make_synthetic
 
 __all__ = [
     "DatasetError",
@@ -238,8 +239,6 @@ def load_dataset(spec: str | Path, limit: int | None = None, seed: int = 0) -> l
     _check_limit(limit)
     kind = dataset_kind(spec)
     if kind == "synthetic":
-        from blendkv.eval.synthetic import make_synthetic
-
         return make_synthetic(DEFAULT_SYNTHETIC_EXAMPLES if limit is None else limit, seed)
     if kind == "musique":
         return load_cacheblend_json(spec, limit)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from blendkv import SamplingParams
 from blendkv.blend.config import SELECTIONS, BlendConfig
 from blendkv.errors import BlendKVError, ConfigError
 from blendkv.rag.fidelity import TeacherForced, generate_cold, teacher_forced_logits
@@ -171,8 +172,6 @@ def run_method(llm, hf, method: Method, ex: ExamplePrompt, params) -> MethodRun:
     if method.kind == "blend":
         out = generate_cold(llm, ex.blended, params, blend=method.blend)
     elif method.kind == "prefix":
-        from blendkv import SamplingParams
-
         llm.engine.block_manager.reset_prefix_cache()
         llm.generate([ex.reversed_token_ids], SamplingParams(max_tokens=1))
         out = llm.generate([ex.token_ids], params)[0]  # timed with the warm prefix cache

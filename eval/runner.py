@@ -16,8 +16,13 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tqdm.auto import tqdm
+
+from blendkv import LLM, SamplingParams
+from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
 from blendkv.eval import metrics
+from blendkv.eval.datasets import dataset_kind, load_dataset
 from blendkv.eval.journal import Journal
 from blendkv.eval.methods import (
     ExamplePrompt,
@@ -29,6 +34,7 @@ from blendkv.eval.methods import (
     run_method,
     teacher_forced_rows,
 )
+from blendkv.eval.prompts import get_prompt_spec, render_prompt
 
 __all__ = ["EvalConfig", "EvalResult", "run_eval", "summarize_method"]
 
@@ -98,8 +104,6 @@ class EvalResult:
 def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None = None):
     """Run every method on every example; with a ``journal``, examples it holds are skipped
     (their records join the result) and each finished example is appended to it."""
-    from blendkv.eval.datasets import load_dataset
-
     methods = config.method_list
     examples = load_dataset(config.data, config.limit, config.seed)
     if not examples:
@@ -121,12 +125,6 @@ def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None 
 
 
 def _run_examples(config, methods, examples, num_examples: int, progress: bool, journal):
-    from tqdm.auto import tqdm
-
-    from blendkv import LLM, SamplingParams
-    from blendkv.eval.datasets import dataset_kind
-    from blendkv.eval.prompts import get_prompt_spec, render_prompt
-
     spec = get_prompt_spec(dataset_kind(config.data))
     llm = LLM(
         config.model,
@@ -172,8 +170,6 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
 
 
 def _example_prompt(manager, rendered) -> ExamplePrompt:
-    from blendkv.blend.config import BlendConfig
-
     blended = {"documents": rendered.documents, "query": rendered.query}
     blended["instruction"] = rendered.system
     ids = manager.prepare(blended, BlendConfig()).prompt.token_ids
@@ -183,10 +179,6 @@ def _example_prompt(manager, rendered) -> ExamplePrompt:
 
 def _warm_up(llm, hf, methods: list[Method], prompts: list[ExamplePrompt], progress: bool) -> None:
     """Store every document's K/V, then run each method once on a one-document prompt."""
-    from tqdm.auto import tqdm
-
-    from blendkv import SamplingParams
-
     manager = llm.blend_manager()
     chunks: dict[bytes, tuple[list[int], list[int]]] = {}  # key -> (chunk, context)
     for p in prompts:
@@ -316,8 +308,6 @@ def _add_speedups(summary: dict[str, dict[str, Any]]) -> None:
 
 
 def _config_dict(config: EvalConfig, llm, methods: list[Method], n: int) -> dict[str, Any]:
-    from blendkv.blend.config import BlendConfig
-
     info, blend = llm.engine.info, BlendConfig()
     d = asdict(config)
     d.update(

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from blendkv.kernels.attention_mass import query_attention_mass
+
 
 @dataclass(frozen=True)
 class QueryMassRequest:
@@ -339,8 +341,6 @@ class AttentionBackend(ABC):
 
         ProphetKV's query pass calls it before each layer's attention on backends without
         :attr:`scores_in_attention`. This is the reference (dense torch)."""
-        from blendkv.kernels.attention_mass import query_attention_mass
-
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads * head_dim)
         keys = flat_k.index_select(0, slots).view(-1, num_kv_heads, head_dim)  # K only

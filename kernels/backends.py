@@ -11,6 +11,8 @@ import os
 import torch
 
 from blendkv.kernels.attention import AttentionBackend
+from blendkv.kernels.cpu_attention import CpuAttentionBackend
+from blendkv.kernels.torch_attention import TorchAttentionBackend
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -27,12 +29,8 @@ def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionB
     if name == "auto":
         name = "triton" if str(device).startswith("cuda") else "cpu"
     if name == "torch":
-        from blendkv.kernels.torch_attention import TorchAttentionBackend
-
         return TorchAttentionBackend(device)
     if name == "cpu":
-        from blendkv.kernels.cpu_attention import CpuAttentionBackend
-
         return CpuAttentionBackend(device)
     if name == "triton":
         if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from blendkv.kernels.attention import AttentionMetadata
+from blendkv.kernels.cpu_extension import load_ops
 
 
 def dense_decode_attention(
@@ -72,8 +73,6 @@ class DecodeKernel:
 
     def __init__(self, ops=None) -> None:
         if ops is None:
-            from blendkv.kernels.cpu_extension import load_ops
-
             ops = load_ops()
         self.ops = ops
 

@@ -25,6 +25,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from blendkv.paths import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 _CPU_DIR = Path(__file__).resolve().parent / "cpu"
@@ -75,8 +77,6 @@ def _library_path(compiler: str, torch_version: str, cache_dir: Path) -> Path:
 def build(cache_dir: Path | None = None) -> Path:
     """The path of the built library, compiling it unless a matching one is cached."""
     import torch
-
-    from blendkv.paths import default_cache_dir
 
     compiler = find_compiler()
     if compiler is None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from blendkv.kernels.cpu_extension import load_ops
+
 # Consecutive rows per task: G * 32 query rows share each key block (the best of 8-64 on the CPU).
 BLOCK_ROWS = 32
 
@@ -24,8 +26,6 @@ class RowsKernel:
 
     def __init__(self, ops=None) -> None:
         if ops is None:
-            from blendkv.kernels.cpu_extension import load_ops
-
             ops = load_ops()
         self.ops = ops
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+from blendkv.layers.fused import FusedLinear
 from blendkv.layers.linear import Linear
 from blendkv.layers.rotary import RotaryEmbedding, head_dim_of
 
@@ -67,8 +68,6 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """One GEMM for q/k/v from now on (parameters become views; names unchanged)."""
-        from blendkv.layers.fused import FusedLinear
-
         self.fused_qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def attend(

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from blendkv.kernels.attention_mass import query_attention_mass
+
 LOG2E = 1.4426950408889634
 
 
@@ -179,8 +181,6 @@ def add_query_mass(
 
 def query_mass_reference(scores, q, q_positions, kv_cache, slots) -> None:
     """The torch computation the kernels replace (float32)."""
-    from blendkv.kernels.attention_mass import query_attention_mass
-
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     keys = kv_cache[0].reshape(-1, num_kv_heads, head_dim).index_select(0, slots)
     key_positions = torch.arange(len(slots), device=slots.device)
