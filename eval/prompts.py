@@ -1,22 +1,14 @@
 """Prompt pieces as data: a system prefix, one string per passage, and a query suffix.
 
-The engine tokenises each piece on its own and concatenates token ids (DESIGN §4 "Tokens, not
-text"), so a piece never depends on its neighbours. A rendered prompt reads::
+Each piece is tokenised on its own (DESIGN §4 "Tokens, not text")::
 
     system | documents[0] | documents[1] | ... | documents[n-1] | query
     anchor   chunk 0        chunk 1              chunk n-1        always recomputed
 
-Chat-template tokens (``[INST]``, ``<|im_start|>user`` ...) are *not* part of these strings:
-the harness wraps them around the pieces at the token level (the turn opens before ``system``
-and the assistant turn starts after ``query``), as CacheBlend's musique script does with
-Mistral's ``[INST]``/``[/INST]`` ids.
-
-The ``musique`` prompt is CacheBlend's ``example/blend_musique.py`` + ``example/utils.py``
-verbatim: passages render as ``"{title}\\n\\n{text}\\n\\n"`` (title empty in its MuSiQue
-data, so a passage starts with two newlines), the question is normalised by
-:func:`normalize_question` and follows ``"Question:"`` without a space. The ``longbench``
-prompt is LongBench's multi-document QA prompt (hotpotqa/2wikimqa/musique) cut into the same
-pieces.
+Chat-template tokens are not in these strings: the harness wraps them around the pieces at the
+token level. ``musique`` is CacheBlend's ``example/blend_musique.py`` prompt verbatim (passages
+``"{title}\\n\\n{text}\\n\\n"``, the question through :func:`normalize_question` after
+``"Question:"``); ``longbench`` is LongBench's multi-document QA prompt cut the same way.
 """
 
 from __future__ import annotations

@@ -7,16 +7,10 @@ Each example asks for an attribute of the person who holds a role on a project::
     question:  "What is the favourite colour of the person who holds the vault code of
                 Project Cobalt?"                                           answer: "teal"
 
-The two gold facts are always in different passages, so answering needs attention *across*
-chunks — exactly what plain KV reuse loses and CacheBlend's recompute restores. Distractors
-look alike: other projects with the same role held by other people who have other values of
-the same attribute, a different role on the gold project, and a different attribute of the
-gold person. Every entity is drawn without replacement, so the chain has one answer.
-
-Deterministic: example ``i`` of seed ``s`` comes from ``random.Random(f"...:{s}:{i}")``, so
-``make_synthetic(5, s)`` is a prefix of ``make_synthetic(10, s)``. Word lists are built in (no
-downloads). The fact templates are public data (:data:`ROLES`, :data:`ATTRIBUTES`) so tests
-can resolve questions independently of the generator's internal choices.
+The gold facts sit in different passages, so answering needs cross-chunk attention (what plain
+reuse loses). Look-alike distractors; entities drawn without replacement, so one answer.
+Deterministic per ``(seed, i)`` (``make_synthetic(5, s)`` is a prefix of ``make_synthetic(10,
+s)``); no downloads; :data:`ROLES` and :data:`ATTRIBUTES` are public so tests can check answers.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Decides, after each generated token, whether a request is finished (pure Python).
 
-Call it after the new token's text delta has been appended to ``output_text`` (see
-:class:`~blendkv.engine.detokenizer.IncrementalDetokenizer`). Precedence, first match wins:
+Call it after the token's text delta is appended to ``output_text``. First match wins:
 
 1. fewer than ``min_tokens`` output tokens: only the ``length`` cap applies;
 2. EOS (unless ``ignore_eos``)                            -> "stop", stop_reason None;
@@ -9,14 +8,10 @@ Call it after the new token's text delta has been appended to ``output_text`` (s
 4. a stop string in the text the new token added          -> "stop", stop_reason = the string;
 5. ``num_output_tokens >= max_output_tokens``             -> "length".
 
-Text: for 2-3 the stop token's text delta is cut off, for 4 the text is cut before the stop
-string (the earliest match); ``include_stop_str_in_output`` keeps it (and cuts after it).
-
-Streaming: a stop string can arrive split over several tokens, so text that *might* be the
-beginning of a stop string must not be sent to the client yet. While the request is running,
-stream only ``output_text[:len(output_text) - stop_holdback_len(params)]``; on finish, send the
-rest of the (truncated) text. ``stop_holdback_len`` is ``max_stop_str_len(params) - 1``, or 0 when
-there are no stop strings or ``include_stop_str_in_output`` is set (then nothing is ever cut).
+Text: 2-3 cut the stop token's delta; 4 cuts before the earliest stop string (after it with
+``include_stop_str_in_output``). Streaming holds back the last :func:`stop_holdback_len` chars
+(``max_stop_str_len - 1``; 0 without stop strings or when they are kept), which might begin a
+stop string split over tokens; the rest is sent on finish.
 """
 
 from __future__ import annotations
