@@ -41,6 +41,7 @@ ENGINE_FLAGS = (
     "max_model_len",
     "num_kv_blocks",
     "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
     "block_size",
     "num_threads",
     "enforce_eager",

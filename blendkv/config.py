@@ -30,7 +30,12 @@ class EngineConfig:
             with native bf16 dot products, else float32).
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the pool; overrides kv_cache_memory_bytes.
-        kv_cache_memory_bytes: bytes of the KV pool when num_kv_blocks is None.
+        kv_cache_memory_bytes: bytes of the KV pool when num_kv_blocks and
+            gpu_memory_utilization are None.
+        gpu_memory_utilization: CUDA only (vLLM's option): the fraction of the GPU's memory
+            this engine may hold; the KV pool gets what of it is left once the model is
+            loaded (memory other processes hold counts as used). Overrides
+            kv_cache_memory_bytes; activations are not profiled, they use the rest.
         max_num_seqs: the most requests in one batch.
         max_num_batched_tokens: the most tokens one step computes.
         max_model_len: the longest sequence; None: the model's max_position_embeddings.
@@ -59,6 +64,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -95,6 +101,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        util = self.gpu_memory_utilization
+        if util is not None and (
+            isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1
+        ):
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
@@ -159,6 +170,30 @@ def resolve_dtype(dtype: str, device: str) -> str:
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     native_bf16 = caps.get("amx_bf16") or caps.get("avx512_bf16")
     return "bfloat16" if native_bf16 else "float32"
+
+
+def resolve_kv_cache_memory_bytes(config: EngineConfig, device: str) -> int:
+    """Bytes for the KV pool: ``kv_cache_memory_bytes``, or with ``gpu_memory_utilization``
+    what is left of that fraction of the GPU once the model is loaded (call it then)."""
+    util = config.gpu_memory_utilization
+    if util is None:
+        return config.kv_cache_memory_bytes
+    if not device.startswith("cuda"):
+        raise ConfigError(
+            f"gpu_memory_utilization={util} applies to CUDA devices; on {device!r} size the KV "
+            "pool with kv_cache_memory_bytes or num_kv_blocks"
+        )
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    left = int(util * total) - (total - free)
+    if left <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization={util} leaves no room for the KV pool: {util} of "
+            f"{total / 2**30:.1f} GiB is {util * total / 2**30:.1f} GiB, and "
+            f"{(total - free) / 2**30:.1f} GiB are in use with the model loaded; raise it"
+        )
+    return left
 
 
 def resolve_attention_backend(name: str, device: str) -> str:

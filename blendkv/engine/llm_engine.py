@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from blendkv.config import EngineConfig
+from blendkv.config import EngineConfig, resolve_kv_cache_memory_bytes
 from blendkv.engine.block_manager import BlockManager
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
@@ -171,7 +171,9 @@ class LLMEngine:
     def _runtime_info(self) -> RuntimeInfo:
         cfg, conf = self.hf_config, self.config
         num_blocks = conf.num_kv_blocks or max(
-            1, conf.kv_cache_memory_bytes // kv_block_bytes(cfg, conf.block_size, self.torch_dtype)
+            1,
+            resolve_kv_cache_memory_bytes(conf, self.device)
+            // kv_block_bytes(cfg, conf.block_size, self.torch_dtype),
         )
         model_max = getattr(cfg, "max_position_embeddings", None) or 1 << 30
         max_model_len = min(conf.max_model_len or model_max, model_max)
