@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+from blendkv.commands.generate import add_penalty_args, penalty_kwargs
+
 
 def register(sub) -> None:
     from blendkv.cli import add_model_args
@@ -42,6 +44,7 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    add_penalty_args(p)
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -54,7 +57,10 @@ def run(args: argparse.Namespace) -> int:
 
     # Validate before loading the model.
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        **penalty_kwargs(args),
     )
     if args.top_k < 1:
         from blendkv.errors import InvalidRequestError

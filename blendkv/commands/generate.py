@@ -14,6 +14,37 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_penalty_args(p)
+
+
+def add_penalty_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="scale the logits of prompt and output tokens down by this factor (>1 discourages "
+        "loops; transformers' and vLLM's repetition_penalty)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this from the logit of every token generated so far ([-2, 2], OpenAI's)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this once per time a token was generated ([-2, 2], OpenAI's)",
+    )
+
+
+def penalty_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+    }
 
 
 def sampling_params(args: argparse.Namespace):
@@ -26,6 +57,7 @@ def sampling_params(args: argparse.Namespace):
         top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
+        **penalty_kwargs(args),
     )
 
 

@@ -285,3 +285,27 @@ def test_sampler_refuses_penalised_rows_without_counts():
     logits = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.5]])
     params = [SamplingParams(temperature=0, frequency_penalty=0.5)]
     assert Sampler().sample(logits, params, [None], [0], inputs).token_ids == [4]
+
+
+# ------------------------------------------------------------------ command line
+def test_cli_penalty_flags_reach_sampling_params(capsys):
+    from blendkv.cli import build_parser, main
+    from blendkv.commands.generate import sampling_params
+
+    flags = [
+        "--repetition-penalty",
+        "1.3",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "-1",
+    ]
+    for command in (["generate", "hi"], ["chat"]):
+        params = sampling_params(build_parser().parse_args([*command, *flags]))
+        assert (params.repetition_penalty, params.presence_penalty) == (1.3, 0.5)
+        assert params.frequency_penalty == -1.0
+    ask = build_parser().parse_args(["ask", "q", "--store", "s", "--repetition-penalty", "1.2"])
+    assert ask.repetition_penalty == 1.2
+    # A bad value is refused before any model loads.
+    assert main(["generate", "hi", "--model", "/nonexistent", "--presence-penalty", "3"]) == 2
+    assert "presence_penalty" in capsys.readouterr().err

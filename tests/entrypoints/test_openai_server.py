@@ -94,6 +94,24 @@ def test_completion_matches_offline_greedy(client, offline):
     assert by_ids.choices[0].text == ref.text
 
 
+def test_penalties_and_logit_bias_match_offline(client, offline):
+    prompt = "The quick brown fox"
+    plain = offline.generate(prompt, greedy(16, ignore_eos=True))[0]
+    bias = {7: 4.0, 9: -100.0}
+    params = greedy(
+        16, ignore_eos=True, presence_penalty=0.7, frequency_penalty=0.4,
+        repetition_penalty=1.3, logit_bias=bias,
+    )  # fmt: skip
+    ref = offline.generate(prompt, params)[0]
+    assert ref.outputs[0].token_ids != plain.outputs[0].token_ids
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, presence_penalty=0.7,
+        frequency_penalty=0.4, logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={**NO_EOS, "repetition_penalty": 1.3},
+    )  # fmt: skip
+    assert resp.choices[0].text == ref.text
+
+
 def test_stop_string_ends_the_completion(client, offline):
     prompt = "The quick brown fox"
     text = offline.generate(prompt, greedy(12, ignore_eos=True))[0].text
@@ -236,6 +254,26 @@ BAD_REQUESTS = {
     "temperature -1": (CHAT, {"messages": HELLO, "temperature": -1}, 400, "temperature"),
     "max_tokens 0": (CHAT, {"messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
     "n 2": (CHAT, {"messages": HELLO, "n": 2}, 400, "n"),
+    "presence_penalty 3": (
+        CHAT,
+        {"messages": HELLO, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    "repetition_penalty 0": (
+        CHAT,
+        {"messages": HELLO, "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),  # fmt: skip
+    "logit_bias key": (CHAT, {"messages": HELLO, "logit_bias": {"fox": 1}}, 400, "logit_bias"),
+    "logit_bias 101": (CHAT, {"messages": HELLO, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    "logit_bias id outside the vocab": (
+        CHAT,
+        {"messages": HELLO, "logit_bias": {"100000": 1}},
+        400,
+        "logit_bias",
+    ),  # fmt: skip
     "unknown model": (CHAT, {"messages": HELLO, "model": "gpt-4o"}, 404, "model"),
     "over-long prompt": ("/v1/completions", {"prompt": "fox " * 400}, 413, None),
     "malformed JSON": (CHAT, b'{"messages": [', 400, None),

@@ -1,11 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 The OpenAI fields blendkv serves, vLLM's sampling extensions (``top_k``, ``min_p``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) and blendkv's own: ``documents``
-(vLLM's chat field), ``blend`` (a :class:`~blendkv.blend.config.BlendConfig`), ``rag`` (retrieve
-from the server's store), and ``blendkv`` in responses (the blend stats). Ranges are checked by
-the engine's own validation (``SamplingParams``, ``BlendConfig``), not repeated here; pydantic
-checks types. Unknown request fields are ignored, as OpenAI-compatible servers do.
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) and blendkv's
+own: ``documents`` (vLLM's chat field), ``blend`` (a :class:`~blendkv.blend.config.BlendConfig`),
+``rag`` (retrieve from the server's store), and ``blendkv`` in responses (the blend stats).
+Ranges are checked by the engine's own validation (``SamplingParams``, ``BlendConfig``), not
+repeated here; pydantic checks types. Unknown request fields are ignored, as OpenAI-compatible
+servers do.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class SamplingRequest(OpenAIModel):
     # vLLM-style extensions
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None

@@ -2,8 +2,8 @@
 
 Validation lives where it already is: ``SamplingParams`` and ``BlendConfig`` check ranges,
 ``LLMEngine.prepare_request`` checks prompts (on the engine thread). Here only what the OpenAI
-API adds is checked: unsupported features (``n > 1``, penalties, tools, ...), the model name and
-the shape of a blended chat.
+API adds is checked: unsupported features (``n > 1``, tools, ...), ``logit_bias`` keys (token ids
+as strings), the model name and the shape of a blended chat.
 
 A chat request with ``documents`` (or ``rag``) becomes the engine's blended prompt::
 
@@ -83,17 +83,16 @@ def sampling_params(
             "requests (with different seeds) instead",
             param="n",
         )
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported (must be 0)", param=name)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias(req.logit_bias),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -106,6 +105,23 @@ def sampling_params(
         )
     except InvalidRequestError as exc:
         raise api_error(exc, param_names) from exc
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with int keys."""
+    if bias is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids (integers), got {key!r}",
+                param="logit_bias",
+            ) from None
+    return out
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
