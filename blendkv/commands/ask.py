@@ -13,13 +13,15 @@ import argparse
 import json
 import sys
 
+from blendkv import SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.cli import add_model_args
 from blendkv.commands.generate import add_penalty_args, penalty_kwargs
+from blendkv.commands.ingest import add_store_arg, open_pipeline
+from blendkv.errors import InvalidRequestError
 
 
 def register(sub) -> None:
-    from blendkv.cli import add_model_args
-    from blendkv.commands.ingest import add_store_arg
-
     p = sub.add_parser("ask", help="answer a question from a chunk-KV store (blended prefill)")
     p.add_argument("question")
     add_store_arg(p)
@@ -50,9 +52,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blendkv import SamplingParams
-    from blendkv.blend.config import BlendConfig
-    from blendkv.commands.ingest import open_pipeline
     from blendkv.rag import RAGAnswer
 
     # Validate before loading the model.
@@ -63,8 +62,6 @@ def run(args: argparse.Namespace) -> int:
         **penalty_kwargs(args),
     )
     if args.top_k < 1:
-        from blendkv.errors import InvalidRequestError
-
         raise InvalidRequestError(f"--top-k must be >= 1, got {args.top_k}")
     blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)
     # The comparison's teacher-forced requests reuse each run's own prompt K/V through the

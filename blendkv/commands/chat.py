@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from blendkv import LLM
+from blendkv.cli import add_model_args, engine_kwargs
+from blendkv.commands.generate import add_sampling_args, sampling_params
+
 
 def register(sub) -> None:
-    from blendkv.cli import add_model_args
-    from blendkv.commands.generate import add_sampling_args
-
     p = sub.add_parser("chat", help="interactive chat with the model")
     p.add_argument("--system", default=None, help="system prompt")
     add_model_args(p)
@@ -18,10 +19,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blendkv import LLM
-    from blendkv.cli import engine_kwargs
-    from blendkv.commands.generate import sampling_params
-
     params = sampling_params(args)
     llm = LLM(args.model, **engine_kwargs(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -12,6 +12,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from blendkv import LLM, SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.cli import add_device_args
+
 QUESTIONS = (
     "Which planet is the largest in the Solar System?",
     "Who created the Python programming language?",
@@ -24,8 +28,6 @@ def demo_docs_dir() -> Path:
 
 
 def register(sub) -> None:
-    from blendkv.cli import add_device_args
-
     p = sub.add_parser("demo", help="ingest bundled docs, ask 3 questions, compare TTFT")
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -35,8 +37,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blendkv import LLM, SamplingParams
-    from blendkv.blend.config import BlendConfig
     from blendkv.rag import RAGPipeline
 
     blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)

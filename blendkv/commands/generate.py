@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 
+from blendkv import LLM, SamplingParams
+from blendkv.cli import add_model_args, engine_kwargs
+
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
@@ -48,8 +51,6 @@ def penalty_kwargs(args: argparse.Namespace) -> dict:
 
 
 def sampling_params(args: argparse.Namespace):
-    from blendkv import SamplingParams
-
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -62,8 +63,6 @@ def sampling_params(args: argparse.Namespace):
 
 
 def register(sub) -> None:
-    from blendkv.cli import add_model_args
-
     p = sub.add_parser("generate", help="complete one or more prompts")
     p.add_argument("prompts", nargs="+", help="prompt text (several run as one batch)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
@@ -74,9 +73,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blendkv import LLM
-    from blendkv.cli import engine_kwargs
-
     params = sampling_params(args)  # validate before loading the model
     llm = LLM(args.model, **engine_kwargs(args))
     prompts = [

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from blendkv import LLM
+from blendkv.cli import add_model_args, engine_kwargs
+
 
 def add_store_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -27,8 +30,6 @@ def open_pipeline(
     A missing store (``create=False``) fails before the model is loaded. The engine's prefix
     cache is off unless asked for, so that every query goes through the chunk store.
     """
-    from blendkv import LLM
-    from blendkv.cli import engine_kwargs
     from blendkv.rag import RAGPipeline
     from blendkv.store import StoreNotFoundError
     from blendkv.store.redis_store import is_redis_url
@@ -47,8 +48,6 @@ def open_pipeline(
 
 
 def register(sub) -> None:
-    from blendkv.cli import add_model_args
-
     p = sub.add_parser("ingest", help="add .txt/.md files or folders to a chunk-KV store")
     p.add_argument("paths", nargs="+", help="files or folders (.txt/.md, searched recursively)")
     add_store_arg(p)

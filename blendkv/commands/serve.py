@@ -7,12 +7,16 @@ import ipaddress
 import logging
 import os
 
+from blendkv import LLM
+from blendkv.cli import add_model_args, engine_kwargs
+from blendkv.config import resolve_device
+from blendkv.engine_args import create_engine_config
+from blendkv.errors import BlendKVError, ConfigError
+
 logger = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
-    from blendkv.cli import add_model_args
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with document blending")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
@@ -34,11 +38,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blendkv.cli import engine_kwargs
-    from blendkv.config import resolve_device
-    from blendkv.engine_args import create_engine_config
-    from blendkv.errors import ConfigError
-
     try:
         import uvicorn
 
@@ -65,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without --api-key: anyone reaching it can use it", args.host)
 
     def load():
-        from blendkv import LLM
-
         return LLM(args.model, **kwargs)
 
     app = create_app(load, config)
@@ -81,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
     state.on_load_error = stop
     server.run()
     if state.load_error is not None:
-        from blendkv.errors import BlendKVError
-
         if isinstance(state.load_error, BlendKVError):
             raise state.load_error
         return 1

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from blendkv.commands.ingest import add_store_arg
+
 
 def register(sub) -> None:
-    from blendkv.commands.ingest import add_store_arg
-
     p = sub.add_parser("store", help="inspect a chunk-KV store (no model is loaded)")
     action = p.add_subparsers(dest="action", required=True)
     for name, help_ in (
