@@ -16,6 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
+from blendkv import LLM, SamplingParams
+from blendkv.blend.config import BlendConfig
 from blendkv.eval.datasets import load_cacheblend_json
 from blendkv.eval.metrics import teacher_forced_fidelity
 from blendkv.eval.prompts import get_prompt_spec, render_prompt
@@ -46,8 +48,6 @@ def _teacher_forced(llm, prompt, answer, blend, sp):
 
 def _blend_config(args):
     """The blended method: ``BlendConfig``'s defaults unless ``--ratio``/``--selection``."""
-    from blendkv.blend.config import BlendConfig
-
     fields = {}
     if getattr(args, "ratio", None) is not None:
         fields["recompute_ratio"] = args.ratio
@@ -60,8 +60,6 @@ def musique_setup(args, **llm_kwargs):
     """(examples, prompt spec, LLM) of a MuSiQue blend benchmark: ``args.data`` (default: the
     dev set), ``args.limit`` examples, ``args.model`` in ``args.dtype``, no prefix caching,
     8K context; ``llm_kwargs`` for the store and loading."""
-    from blendkv import LLM
-
     data = Path(args.data) if args.data else DEFAULT_DATA
     examples = load_cacheblend_json(data, limit=args.limit)
     llm = LLM(
@@ -75,9 +73,6 @@ def musique_setup(args, **llm_kwargs):
 
 
 def main(args) -> int:
-    from blendkv import SamplingParams
-    from blendkv.blend.config import BlendConfig
-
     # "Warm store" = served from RAM: on the CPU as zero-copy views of LMDB's map (the page
     # cache), on CUDA from a memory tier large enough for every example's chunks (pinned).
     examples, spec, llm = musique_setup(

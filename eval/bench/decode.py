@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from blendkv import LLM, SamplingParams
 from blendkv.eval.bench.engine import hf_greedy, make_prompts
 
 
@@ -51,8 +52,6 @@ class DecodeBenchResult:
 def blendkv_run(llm, prompts, output_tokens):
     """All prompts at once through the engine: (tokens per request, end-to-end seconds,
     decode seconds, tokens produced in the decode phase)."""
-    from blendkv import SamplingParams
-
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -135,8 +134,6 @@ def llama_cpp_run(gguf_path: str, prompts, output_tokens: int, threads: int):
 
 def run(args) -> DecodeBenchResult:
     from transformers import AutoModelForCausalLM
-
-    from blendkv import LLM
 
     n, out_tokens = args.num_requests, args.output_tokens
     llm = LLM(

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from blendkv import LLM, SamplingParams
+
 
 @dataclass
 class EngineBenchResult:
@@ -67,8 +69,6 @@ def run_one(
     repeats: int = 3,
 ):
     from transformers import AutoModelForCausalLM
-
-    from blendkv import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, max_num_seqs=max(64, num_requests), enable_prefix_caching=False)
     tok = llm.tokenizer

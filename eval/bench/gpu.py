@@ -27,6 +27,12 @@ from pathlib import Path
 
 import torch
 
+from blendkv import LLM, SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.config import resolve_device
+from blendkv.errors import ConfigError
+from blendkv.eval.random_model import SHAPES, random_text, save_random_model
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -82,8 +88,6 @@ def _copy_times(nbytes: int, device: str) -> dict:
 
 
 def _profile_runs(llm, prompt, full_ids, blend, one) -> dict:
-    from blendkv.blend.config import BlendConfig
-
     reuse = BlendConfig(recompute_ratio=0.0)
     return {
         "blend": lambda: llm.generate([prompt], one, blend=blend),
@@ -98,10 +102,6 @@ def _random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def bench_shape(shape: str, args, device: str) -> dict:
-    from blendkv import LLM, SamplingParams
-    from blendkv.blend.config import BlendConfig
-    from blendkv.eval.random_model import random_text, save_random_model
-
     dtype = getattr(torch, args.dtype)
     row: dict = {"shape": shape, "dtype": args.dtype, "device": device}
     with tempfile.TemporaryDirectory(prefix=f"blendkv-{shape}-") as tmp:
@@ -234,10 +234,6 @@ def _print(row: dict) -> None:
 
 
 def main(args) -> int:
-    from blendkv.config import resolve_device
-    from blendkv.errors import ConfigError
-    from blendkv.eval.random_model import SHAPES
-
     device = resolve_device(args.device)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from blendkv import SamplingParams
+from blendkv.blend.config import BlendConfig
+
 
 def main(args: argparse.Namespace) -> int:
     from blendkv.eval.bench.blend import _blended, musique_setup
@@ -45,9 +48,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args, llm, prompts, page_out) -> int:
-    from blendkv import SamplingParams
-    from blendkv.blend.config import BlendConfig
-
     engine, manager = llm.engine, llm.blend_manager()
     connector = engine.kv_connector
     store = manager.store

@@ -14,6 +14,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from blendkv.blend.row_plan import BlendRowPlan
+
 
 class _Timer:
     def __init__(self) -> None:
@@ -61,7 +63,6 @@ def profiled(llm, check_layer: int):
     """Yields a dict filled, after the block, with seconds per part of the step (the layers of
     ProphetKV's first pass apart)."""
     from blendkv.blend import prophet
-    from blendkv.blend.row_plan import BlendRowPlan
 
     engine = llm.engine
     model = engine.model
