@@ -34,8 +34,10 @@ class LLM:
     :class:`~blendkv.config.EngineConfig` is accepted (``dtype``, ``block_size``,
     ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
     ``enable_prefix_caching``, ...), and so is every one of the blend connector's
-    :class:`~blendkv.blend.config.BlendConnectorConfig` (``kv_store_dir``, ``prefetch_kv``, ...);
-    any other raises :class:`~blendkv.errors.ConfigError`.
+    :class:`~blendkv.blend.config.BlendConnectorConfig` (``kv_store_dir``, ``prefetch_kv``, ...),
+    and vLLM's names where they mean something here (``gpu_memory_utilization``,
+    ``tensor_parallel_size=1``, ...: :func:`~blendkv.engine_args.from_vllm_names`); any other
+    raises :class:`~blendkv.errors.ConfigError`.
 
     One ``LLM`` may be shared by threads: ``generate``, ``stream`` and ``chat`` calls from
     several threads are batched together in one engine loop, each getting its own outputs.
