@@ -99,6 +99,8 @@ class SamplingParams:
     greedy requests get the bias and the penalties too.
     include_stop_str_in_output: keep the matched stop string (or stop token text) in the text.
     skip_special_tokens: leave special tokens out of the detokenized text.
+    n: output sequences per request; only 1 is supported (send n requests with different
+        seeds), so vLLM code passing ``n=1`` runs and ``n > 1`` is a typed error, not ignored.
     """
 
     temperature: float = 1.0
@@ -118,6 +120,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are written with object.__setattr__.
@@ -164,6 +167,10 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         put("stop", self._normalise_stop(self.stop))
         put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
+        _check_int(
+            "n", self.n, "1 (one output per request; send n requests with different seeds)",
+            lambda v: v == 1,
+        )  # fmt: skip
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
         if self.logprobs is not None:
