@@ -1,6 +1,6 @@
 """MLP passes in row slices (GatedMLP.rows_per_pass, set by
-:mod:`blendkv.layers.cpu_platform`): equal slices of at most the limit, the rows' values of one pass, the engine's CPU default from the
-byte budget and the same greedy tokens end to end."""
+:mod:`blendkv.layers.cpu_platform`): equal slices of at most the limit, the rows' values of one
+pass, the engine's CPU default from the byte budget and the same greedy tokens end to end."""
 
 from __future__ import annotations
 
