@@ -13,9 +13,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from blendkv.blend.chunk_loader import ChunkLoader
 from blendkv.blend.config import BlendConnectorConfig
 from blendkv.blend.controller import LoadingController
+from blendkv.blend.layerwise_write import LayerwiseLoad, resolve_pipelined, spare_cpu_core
+from blendkv.blend.manager import BlendManager
+from blendkv.blend.prefetch import ChunkPrefetcher
+from blendkv.blend.prophet import run_query_pass
 from blendkv.blend.request_state import BlendRequestState, BlendStats
+from blendkv.blend.row_plan import BlendRowPlan
 from blendkv.engine.kv_connector import (
     ConnectorPrompt,
     ForwardInputs,
@@ -24,6 +30,7 @@ from blendkv.engine.kv_connector import (
     KVConnectorMetadata,
 )
 from blendkv.errors import ConfigError
+from blendkv.models.model_files import weights_hash
 
 
 @dataclass(frozen=True)
@@ -79,10 +86,6 @@ class BlendConnector(KVConnectorBase):
     def manager(self):
         """The chunk-KV store and prompt machinery (:class:`BlendManager`), made on first use."""
         if self._manager is None:
-            from blendkv.blend.chunk_loader import ChunkLoader
-            from blendkv.blend.manager import BlendManager
-            from blendkv.models.model_files import weights_hash
-
             ctx, conf = self.context, self.config
             self._manager = BlendManager(
                 ctx.model,
@@ -119,8 +122,6 @@ class BlendConnector(KVConnectorBase):
         in_place = self.context.info.device == "cpu" and store.reads_in_place
         setting = self.prefetch
         if setting is None:
-            from blendkv.blend.layerwise_write import spare_cpu_core
-
             setting = self.context.info.device != "cpu" or in_place or spare_cpu_core()
         if not setting:
             return None
@@ -128,8 +129,6 @@ class BlendConnector(KVConnectorBase):
             self._prefetcher.close()  # the manager switched stores (BlendManager.use_store)
             self._prefetcher = None
         if self._prefetcher is None:
-            from blendkv.blend.prefetch import ChunkPrefetcher
-
             budget = self.config.prefetch_kv_bytes
             self._prefetcher = ChunkPrefetcher(store, hold=not in_place, max_bytes=budget)
         self._loader.prefetcher = self._prefetcher
@@ -214,8 +213,6 @@ class BlendConnector(KVConnectorBase):
 
     # ---- worker side --------------------------------------------------------------------
     def start_load_kv(self, inputs: ForwardInputs) -> None:
-        from blendkv.blend.layerwise_write import LayerwiseLoad, resolve_pipelined
-
         meta = self._metadata
         self._step = []
         if meta is None or not meta.fused:
@@ -256,9 +253,6 @@ class BlendConnector(KVConnectorBase):
     def row_plan(self, inputs: ForwardInputs):
         if not self._step:
             return None
-        from blendkv.blend.prophet import run_query_pass
-        from blendkv.blend.row_plan import BlendRowPlan
-
         ctx = self.context
         md, caches = inputs.attn_metadata, inputs.kv_caches
         self._forward_start = time.perf_counter()

@@ -15,11 +15,19 @@ from typing import Any
 
 import torch
 
-from blendkv.config import EngineConfig, resolve_kv_cache_memory_bytes
+from blendkv.config import (
+    EngineConfig,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_memory_bytes,
+)
 from blendkv.engine.block_manager import BlockManager
+from blendkv.engine.cuda_graphs import DecodeGraphs
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
 from blendkv.engine.request_state import RequestState
+from blendkv.engine.sampler import Sampler
 from blendkv.engine.scheduler import Scheduler
 from blendkv.engine.sequence import Sequence, SequenceStatus
 from blendkv.errors import (
@@ -29,6 +37,10 @@ from blendkv.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from blendkv.kernels.attention import KVCacheSpec
+from blendkv.kernels.backends import get_attention_backend
+from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning, gemm_override
+from blendkv.models.model_files import load_model, load_tokenizer, resolve_model
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
 from blendkv.text import replace_lone_surrogates
@@ -80,13 +92,6 @@ class RuntimeInfo:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from blendkv.config import resolve_attention_backend, resolve_device, resolve_dtype
-        from blendkv.engine.sampler import Sampler
-        from blendkv.kernels.attention import KVCacheSpec
-        from blendkv.kernels.backends import get_attention_backend
-        from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning, gemm_override
-        from blendkv.models.model_files import load_model, load_tokenizer, resolve_model
-
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -149,8 +154,6 @@ class LLMEngine:
             and self.attn_backend.supports_cuda_graphs
             and not config.enforce_eager
         ):
-            from blendkv.engine.cuda_graphs import DecodeGraphs
-
             self.runner.decode_graphs = DecodeGraphs(
                 self.model,
                 self.attn_backend,
