@@ -245,9 +245,9 @@ def test_by_default_lmdb_is_read_ahead_and_redis_with_a_spare_core(
 ):
     """On the CPU, warming LMDB pages (mostly waiting on the disk) is on; Redis reads (CPU work
     beside the forward) only where torch's threads leave a core free."""
-    import blendkv.blend.layerwise_write as layer_load
+    import blendkv.blend.connector as connector
 
-    monkeypatch.setattr(layer_load, "spare_cpu_core", lambda: spare_core)
+    monkeypatch.setattr(connector, "spare_cpu_core", lambda: spare_core)
     redis_server.flush()
     for location, expected in ((str(tmp_path / "s"), True), (redis_server.url, spare_core)):
         llm = LLM(str(tiny_llama_dir), dtype="float32", kv_store_dir=location)
