@@ -62,7 +62,7 @@ class _Timer:
 def profiled(llm, check_layer: int):
     """Yields a dict filled, after the block, with seconds per part of the step (the layers of
     ProphetKV's first pass apart)."""
-    from blendkv.blend import prophet
+    from blendkv.blend import connector, prophet
 
     engine = llm.engine
     model = engine.model
@@ -105,8 +105,8 @@ def profiled(llm, check_layer: int):
         finally:
             in_query_pass[0] = False
 
-    prophet.run_query_pass = run_query_pass  # the connector imports it at each call
-    patched.append((prophet, "run_query_pass", original_query_pass))
+    connector.run_query_pass = run_query_pass  # where the connector calls it
+    patched.append((connector, "run_query_pass", original_query_pass))
     out: dict = {}
     try:
         yield out
