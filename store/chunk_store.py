@@ -112,13 +112,14 @@ class ChunkStore:
             self.save_index()
         return removed
 
-    def search(self, text: str, k: int = 5) -> list[SearchHit]:
-        """The ``k`` stored chunks most similar to ``text``, best first."""
+    def search(self, text: str, k: int = 5, ids=None) -> list[SearchHit]:
+        """The ``k`` stored chunks most similar to ``text``, best first; only among the chunk
+        ids ``ids`` when given (see :meth:`ChunkIndex.search`)."""
         if self.shared and self.kv.generation() != self._generation:
             self.sync_index()  # another process added or deleted chunks
         query = self.embedder.embed([text])[0]
         hits = []
-        for cid, score in self.index.search(query, k):
+        for cid, score in self.index.search(query, k, ids):
             meta = self.kv.meta_for_id(cid)
             if meta is not None:  # evicted by another process since: skip
                 hits.append(SearchHit(cid, score, meta))

@@ -126,13 +126,36 @@ class ChunkIndex:
             return int(self._index.remove_ids(faiss.IDSelectorArray(len(ids), faiss.swig_ptr(ids))))
         return int(self._index.remove_ids(faiss.IDSelectorBatch(ids)))
 
-    def search(self, query: np.ndarray, k: int) -> list[tuple[int, float]]:
-        """Top-``k`` ``(chunk_id, score)`` for one query vector, best first."""
+    def search(self, query: np.ndarray, k: int, ids=None) -> list[tuple[int, float]]:
+        """Top-``k`` ``(chunk_id, score)`` for one query vector, best first.
+
+        ``ids`` (chunk ids) restricts the search to those chunks, exactly: the flat index
+        skips the others (an ``IDSelector``), a trained IVF index does so while probing every
+        list, and HNSW (whose graph walk a selector can cut short) scores them one by one.
+        """
         query = self._check(np.asarray(query, dtype=np.float32).reshape(1, -1))
         if len(self) == 0 or k <= 0:
             return []
-        scores, ids = self._index.search(query, min(k, len(self)))
-        return [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
+        if ids is None:
+            scores, found = self._index.search(query, min(k, len(self)))
+        else:
+            scores, found = self._search_among(query, k, np.unique(np.asarray(ids, np.int64)))
+        return [(int(i), float(s)) for i, s in zip(found[0], scores[0], strict=True) if i >= 0]
+
+    def _search_among(self, query: np.ndarray, k: int, ids: np.ndarray):
+        ids = ids[np.isin(ids, self.ids())]  # absent ids: reconstruct would raise
+        k = min(k, len(ids))
+        if k == 0:
+            return np.zeros((1, 0), np.float32), np.zeros((1, 0), np.int64)
+        selector = faiss.IDSelectorBatch(ids)
+        if self.is_ivf_trained:
+            params = faiss.SearchParametersIVF(sel=selector, nprobe=self.ivf_nlist)
+            return self._index.search(query, k, params=params)
+        if self.kind == "flat" or self.kind == "ivf":  # an untrained IVF is flat
+            return self._index.search(query, k, params=faiss.SearchParameters(sel=selector))
+        scores = self._index.reconstruct_batch(ids) @ query[0]
+        best = np.argsort(-scores, kind="stable")[:k]
+        return scores[best][None, :], ids[best][None, :]
 
     # ---- persistence -----------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from store_helpers import key_of, make_kv
 
 from blendkv.store.chunk_store import ChunkStore
 from blendkv.store.embedding import MiniLMEmbedder
-from blendkv.store.errors import EmbedderMismatchError
+from blendkv.store.errors import EmbedderMismatchError, StoreFullError
 from blendkv.store.index import ChunkIndex
 from blendkv.store.records import NewChunk
 
@@ -61,16 +61,21 @@ def _chunks(texts, doc_id, start=0):
 
 def test_chunk_store_keeps_index_and_store_in_step(store_path, fp):
     with ChunkStore(store_path, fp, HashEmbedder(), max_bytes=4 * (64 + 512)) as cs:
-        cs.add_chunks(_chunks(["alpha beta", "gamma delta", "epsilon"], "d1"))
+        cs.add_chunks(_chunks(["alpha beta", "gamma delta"], "d1"))
+        cs.add_chunks(_chunks(["computed at query time"], None, start=2))  # evictable
         assert cs.search("gamma delta", 1)[0].meta.text == "gamma delta"
         results = cs.add_chunks(_chunks(["zeta eta", "theta"], "d2", start=3))
-        assert results[0].evicted == (0,)  # capacity 4: the oldest chunk went from both
-        assert sorted(cs.index.ids().tolist()) == [1, 2, 3, 4] and cs.verify().ok
-        assert sorted(cs.remove_document("d1")) == [1, 2]
+        assert results[0].evicted == (2,)  # capacity 4: only the document-less chunk may go
+        assert sorted(cs.index.ids().tolist()) == [0, 1, 3, 4] and cs.verify().ok
+        with pytest.raises(StoreFullError, match="documents hold"):
+            cs.add_chunks(_chunks(["iota"], "d3", start=5))  # documents are never evicted
+        assert sorted(cs.index.ids().tolist()) == [0, 1, 3, 4] and cs.verify().ok
+        assert sorted(cs.remove_document("d1")) == [0, 1]
         assert sorted(cs.index.ids().tolist()) == [3, 4] and cs.verify().ok
         assert [h.chunk_id for h in cs.search("theta", 5)] == [4, 3]
     with ChunkStore(store_path, fp, HashEmbedder()) as cs:  # persisted, still consistent
         assert sorted(cs.index.ids().tolist()) == [3, 4] and cs.verify().ok
+        assert cs.kv.max_bytes == 4 * (64 + 512)  # the limit is saved in the store
 
 
 def test_chunk_store_resyncs_index_after_crash_between_steps(store_path, fp):
@@ -145,3 +150,25 @@ def test_retrieval_with_minilm(store_path, fp, minilm, query, expected):
         cs.add_chunks(_chunks(PASSAGES, "wiki"))
         hits = cs.search(query, 3)
         assert hits[0].meta.position == expected and hits[0].score > hits[1].score
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
+def test_index_search_among_ids_is_exact(kind):
+    """A search restricted to some ids returns the k best of exactly those (a brute-force
+    oracle), whatever the index kind; k larger than the allowed set returns all of them."""
+    v = _unit(400, 16, seed=1)
+    index = ChunkIndex(16, "emb", kind, ivf_nlist=8, ivf_nprobe=1)
+    index.add(np.arange(400) + 10, v)
+    assert index.is_ivf_trained == (kind == "ivf")
+    rng = np.random.default_rng(2)
+    for trial in range(20):
+        allowed = rng.choice(400, size=int(rng.integers(1, 60)), replace=False) + 10
+        query = _unit(1, 16, seed=100 + trial)[0]
+        k = int(rng.integers(1, 12))
+        got = index.search(query, k, ids=list(allowed) + [9999])  # an absent id is ignored
+        scores = v[allowed - 10] @ query
+        want = allowed[np.argsort(-scores, kind="stable")][: min(k, len(allowed))]
+        assert [cid for cid, _ in got] == want.tolist()
+        assert all(cid in set(allowed.tolist()) for cid, _ in got)
+    assert index.search(_unit(1, 16)[0], 5, ids=[]) == []
+    assert index.search(_unit(1, 16)[0], 5, ids=[12345]) == []
