@@ -17,6 +17,7 @@ from .errors import (
     FingerprintMismatchError,
     StoreError,
     StoreFormatError,
+    StoreFullError,
     StoreNotFoundError,
     StoreReadOnlyError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "PutResult",
     "StoreError",
     "StoreFormatError",
+    "StoreFullError",
     "StoreNotFoundError",
     "StoreReadOnlyError",
     "StoreSnapshot",

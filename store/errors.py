@@ -39,3 +39,8 @@ class CorruptValueError(StoreError):
 
 class EmbedderMismatchError(StoreError):
     """A saved FAISS index was built with another embedder (name or dimension)."""
+
+
+class StoreFullError(StoreError):
+    """A write does not fit: the store's byte limit (after evicting every chunk that no document
+    owns) or the free disk. Nothing of the failed write is stored."""

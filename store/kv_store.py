@@ -24,7 +24,8 @@ import torch
 
 from . import format as fmt
 from . import opening, txn_ops
-from .errors import CorruptValueError, StoreError
+from .capacity import format_size, store_full_error
+from .errors import CorruptValueError, StoreError, StoreFullError
 from .fingerprint import ModelFingerprint
 from .locking import locked
 from .memory_tier import MemoryTier
@@ -45,7 +46,9 @@ class KVStore(StoreTransactions, StoreQueries):
             mode: stats, metadata and verify work, K/V is neither served nor written.
         create: create the store if the directory is missing or empty.
         readonly: open without write access (implies ``create=False``).
-        max_bytes: capacity in value bytes; least-recently-used chunks are evicted past it.
+        max_bytes: capacity in value bytes, saved in the store (``None``: the saved one, if
+            any). Past it, the least-recently-used chunks no document owns are evicted, then a
+            write raises :class:`StoreFullError`.
         map_size: initial LMDB map size in bytes; it grows automatically when full.
         memory_tier_bytes: budget of the in-RAM LRU of hot chunks (0 disables it).
         verify_reads: payload checksum on reads from LMDB: ``True`` on every read, ``"once"``
@@ -103,6 +106,11 @@ class KVStore(StoreTransactions, StoreQueries):
                 self.fingerprint = opening.check_format_and_fingerprint(
                     txn, self._dbs, self.path, fingerprint
                 )
+                saved = opening.read_max_bytes(txn, self._dbs)
+            if max_bytes is None:
+                self.max_bytes = saved
+            elif max_bytes != saved and not readonly:
+                self._write(lambda txn, _: opening.write_max_bytes(txn, self._dbs, max_bytes))
         except BaseException:
             self.close()
             raise
@@ -156,7 +164,8 @@ class KVStore(StoreTransactions, StoreQueries):
     def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
         """Store chunks in ONE transaction (all or none). Already-stored keys are only touched.
 
-        Evicts least-recently-used chunks (never ones of this batch) past ``max_bytes``.
+        Evicts least-recently-used chunks that no document owns (never ones of this batch) past
+        ``max_bytes``; raises :class:`StoreFullError` (nothing written) if that is not enough.
         """
         self._check_servable()
         encoded = []
@@ -165,7 +174,11 @@ class KVStore(StoreTransactions, StoreQueries):
             encoded.append(fmt.encode_value(chunk.kv))
         new_bytes = sum(len(v) for v in encoded)
         if self.max_bytes is not None and new_bytes > self.max_bytes:
-            raise StoreError(f"batch of {new_bytes} bytes exceeds max_bytes={self.max_bytes}")
+            raise StoreFullError(
+                f"store {self.path}: a write of {format_size(new_bytes)} is larger than the "
+                f"store's limit of {format_size(self.max_bytes)}; raise the limit "
+                "(--store-max-bytes, store_max_bytes=)"
+            )
         # Corrupt values a snapshot saw are deleted when it closes: a good copy replaces them
         # now, or that delete would drop it (the lock keeps snapshots from closing meanwhile).
         replace = {c.key for c in chunks} & self._deferred_deletes
@@ -199,6 +212,8 @@ class KVStore(StoreTransactions, StoreQueries):
             cid = txn_ops.insert(txn, self._dbs, counters, chunk, value, now)
             results.append(PutResult(cid, True, ()))
         evicted = txn_ops.evict(txn, self._dbs, counters, self.max_bytes, batch_keys)
+        if self.max_bytes is not None and counters.total_bytes > self.max_bytes:
+            raise store_full_error(self.path, self.max_bytes, counters.total_bytes, encoded)
         return results, evicted
 
     @locked
@@ -217,6 +232,17 @@ class KVStore(StoreTransactions, StoreQueries):
     def delete_document(self, doc_id: str) -> list[int]:
         """Delete every chunk of ``doc_id``; returns their chunk ids."""
         return self.delete([meta.key for meta in self.document_chunks(doc_id)])
+
+    @locked
+    def reassign(self, moves: Sequence[tuple[bytes, str, int]]) -> int:
+        """Hand stored chunks to another document: ``(key, doc_id, position)`` each, in one
+        transaction; returns how many were stored. A chunk shared by two documents is stored
+        once, under the first; deleting that one hands the chunk to the other."""
+
+        def reassign(txn, counters):
+            return sum(txn_ops.reassign(txn, self._dbs, bytes(k), d, p) for k, d, p in moves)
+
+        return self._write(reassign)
 
     # ---- reading ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ database   key                             value
 store      b"format", b"fingerprint",      JSON / JSON / u64 little-endian counters
            b"next_chunk_id", b"total_bytes",
            b"lru_clock", b"evictions"
+           b"max_bytes" (optional)         the byte limit in ASCII digits
 values     chunk key (16 bytes)            header + tensor bytes (see ``format.py``)
 chunks     chunk key                       ChunkMeta JSON
 ids        chunk id, u64 big-endian        chunk key

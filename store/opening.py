@@ -109,6 +109,16 @@ def initialise(txn, dbs: dict, fingerprint: ModelFingerprint) -> None:
     txn.put(b"fingerprint", fingerprint.to_json().encode(), db=dbs["store"])
 
 
+def read_max_bytes(txn, dbs: dict) -> int | None:
+    """The byte limit saved in the store (by the last open that gave one), or None."""
+    raw = txn.get(b"max_bytes", db=dbs["store"])
+    return int(bytes(raw)) if raw is not None else None
+
+
+def write_max_bytes(txn, dbs: dict, max_bytes: int) -> None:
+    txn.put(b"max_bytes", str(max_bytes).encode(), db=dbs["store"])
+
+
 def check_format_and_fingerprint(
     txn, dbs: dict, path: Path, given: ModelFingerprint | None
 ) -> ModelFingerprint:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from . import layout
+from . import layout, txn_ops
 from .records import ChunkMeta, StoreStats, VerifyReport
 from .verify import verify_txn
 
@@ -66,6 +66,15 @@ class StoreQueries:
                         break
                     metas.append(self._meta(txn, bytes(key)))
         return sorted((m for m in metas if m is not None), key=lambda m: m.position)
+
+    def evictable_bytes(self) -> int:
+        """Bytes of the chunks no document owns: what the LRU may evict past ``max_bytes``."""
+        total = 0
+        with self._read() as txn:
+            for _, raw in txn.cursor(db=self._dbs["chunks"]):
+                if txn_ops.evictable(raw):
+                    total += ChunkMeta.from_json(raw).nbytes
+        return total
 
     def lru_keys(self) -> list[bytes]:
         """Keys from least to most recently used (flushes pending touches first)."""

@@ -6,6 +6,8 @@ commits them together, so no reader ever sees a partial entry.
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import layout
 from .layout import Counters
 from .records import ChunkMeta, NewChunk
@@ -75,10 +77,33 @@ def delete(txn, dbs: dict, counters: Counters, key: bytes) -> int | None:
     return meta.chunk_id
 
 
+def reassign(txn, dbs: dict, key: bytes, doc_id: str, position: int) -> bool:
+    """Make ``doc_id`` the owner of a stored chunk, at ``position`` of it (its metadata and the
+    document index); False if the chunk is not stored."""
+    raw = txn.get(key, db=dbs["chunks"])
+    if raw is None:
+        return False
+    meta = ChunkMeta.from_json(raw)
+    if meta.doc_id is not None:
+        txn.delete(layout.doc_entry(meta.doc_id, meta.chunk_id), db=dbs["docs"])
+    meta = dataclasses.replace(meta, doc_id=doc_id, position=position)
+    txn.put(key, meta.to_json(), db=dbs["chunks"])
+    txn.put(layout.doc_entry(doc_id, meta.chunk_id), key, db=dbs["docs"])
+    return True
+
+
+def evictable(raw_meta) -> bool:
+    """Whether a chunk (its ChunkMeta JSON) may be evicted: only chunks no document owns (K/V
+    computed at query time). The compact JSON spells a missing owner exactly so, and a quote
+    inside a string value is escaped, so the byte test cannot match the chunk's text."""
+    return b'"doc_id":null' in bytes(raw_meta)
+
+
 def evict(
     txn, dbs: dict, counters: Counters, max_bytes: int | None, protected: set[bytes]
 ) -> list[tuple[bytes, int]]:
-    """Delete least-recently-used chunks (never ``protected`` ones) until under ``max_bytes``.
+    """Delete least-recently-used evictable chunks (:func:`evictable`, never ``protected``
+    ones) until under ``max_bytes``; the caller checks whether that sufficed.
 
     Returns ``(key, chunk_id)`` of each evicted chunk, oldest first.
     """
@@ -89,7 +114,7 @@ def evict(
         if counters.total_bytes - freed <= max_bytes:
             break
         key = bytes(key)
-        if key not in protected:
+        if key not in protected and evictable(txn.get(key, db=dbs["chunks"])):
             victims.append(key)
             freed += len(txn.get(key, db=dbs["values"]))
     evicted = []

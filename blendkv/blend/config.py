@@ -192,7 +192,13 @@ class BlendConnectorConfig:
     Attributes:
         kv_store_dir: where chunk K/V lives: an LMDB directory, a redis://host:port/db URL
             shared by many processes, or None for a private temporary LMDB store.
-        kv_store_max_bytes: the store's byte limit (None: no limit).
+        kv_store_max_bytes: the store's byte limit, saved in it (None: the saved one, or none;
+            the private temporary store: ``request_cache_bytes`` or min(2 GiB, 10 % of the free
+            disk)). Past it the least-recently-used chunks no document owns are evicted, then a
+            write raises ``StoreFullError``.
+        request_cache_bytes: keep the K/V of chunks computed at query time (documents sent in
+            prompts) in a private store of at most this many bytes, read after
+            ``kv_store_dir``, never in it (the server sets it). None: they go into the store.
         kv_store_memory_bytes: the in-RAM tier in front of the store (Redis stores and CUDA
             reads fill it; on the CPU, LMDB chunks are read in place from the page cache).
         anchor_system: the system prompt of the chat-template prefix every chunk is
@@ -214,6 +220,7 @@ class BlendConnectorConfig:
     kv_store_dir: str | None = None
     kv_store_max_bytes: int | None = None
     kv_store_memory_bytes: int = 256 << 20
+    request_cache_bytes: int | None = None
     anchor_system: str | None = None
     anchor_instruction: str | None = None
     anchor_boundary_tokens: int = 0
@@ -222,8 +229,9 @@ class BlendConnectorConfig:
     prefetch_kv_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        if self.kv_store_max_bytes is not None:
-            _positive("kv_store_max_bytes", self.kv_store_max_bytes)
+        for name in ("kv_store_max_bytes", "request_cache_bytes"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
         n = self.prefetch_kv_bytes
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:

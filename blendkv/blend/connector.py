@@ -97,6 +97,7 @@ class BlendConnector(KVConnectorBase):
                 store_dir=conf.kv_store_dir,
                 store_max_bytes=conf.kv_store_max_bytes,
                 memory_tier_bytes=conf.kv_store_memory_bytes,
+                request_cache_bytes=conf.request_cache_bytes,
                 anchor_system=conf.anchor_system,
                 anchor_instruction=conf.anchor_instruction,
                 anchor_boundary_tokens=conf.anchor_boundary_tokens,

@@ -3,7 +3,10 @@
 One manager per engine. It owns the chunk-KV store (LMDB with a memory tier in front), the
 background writer that stores chunks computed at query time, the prompt builder and the anchor
 every chunk is precomputed behind. The store's fingerprint ties it to this model, dtype,
-tokenizer, RoPE configuration and anchor.
+tokenizer, RoPE configuration and anchor. With ``request_cache_bytes`` (the server), chunks
+computed at query time go to a bounded private store read after the main one, never into it
+(:mod:`blendkv.store.layered`); without a store directory, the private store is all there is,
+bounded too.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from blendkv.store import (
     chunk_key,
     open_kv_store,
 )
+from blendkv.store.capacity import default_request_cache_bytes
+from blendkv.store.kv_store import KVStore
+from blendkv.store.layered import LayeredKVStore
 from blendkv.store.writer import BackgroundWriter
 from blendkv.text import replace_in_blended_prompt
 
@@ -57,6 +63,7 @@ class BlendManager:
         store_dir: str | None = None,
         store_max_bytes: int | None = None,
         memory_tier_bytes: int = 256 << 20,
+        request_cache_bytes: int | None = None,
         anchor_system: str | None = None,
         anchor_instruction: str | None = None,
         anchor_boundary_tokens: int = 0,
@@ -81,17 +88,72 @@ class BlendManager:
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
         )
-        self._tmpdir = None
-        if store_dir is None:  # no persistent store asked for: a private one for this process
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="blendkv-store-")
-            store_dir = self._tmpdir.name
-        self.store = open_kv_store(
-            store_dir,
-            self.fingerprint,
-            max_bytes=store_max_bytes,
-            memory_tier_bytes=memory_tier_bytes,
-        )
+        self.request_cache_bytes = request_cache_bytes
+        self._tmpdirs: list[tempfile.TemporaryDirectory] = []
+        self._private = store_dir is None
+        if store_dir is None:  # no persistent store asked for: a private, bounded one
+            store_dir = self._tmpdir()
+            if store_max_bytes is None:
+                store_max_bytes = request_cache_bytes or default_request_cache_bytes(store_dir)
+            self.store = open_kv_store(
+                store_dir,
+                self.fingerprint,
+                max_bytes=store_max_bytes,
+                memory_tier_bytes=memory_tier_bytes,
+            )
+        else:
+            main = open_kv_store(
+                store_dir,
+                self.fingerprint,
+                max_bytes=store_max_bytes,
+                memory_tier_bytes=memory_tier_bytes,
+            )
+            self.store = self._with_request_cache(main)
         self.writer = BackgroundWriter(self.store)
+
+    def _tmpdir(self) -> str:
+        tmp = tempfile.TemporaryDirectory(prefix="blendkv-store-")
+        self._tmpdirs.append(tmp)
+        return tmp.name
+
+    def _with_request_cache(self, main: ChunkKVStore) -> ChunkKVStore:
+        """``main``, or with ``request_cache_bytes`` the layered store that keeps chunk K/V
+        computed at query time in a private store of that bound instead of in ``main``."""
+        if self.request_cache_bytes is None:
+            return main
+        try:
+            cache = KVStore(
+                self._tmpdir(),
+                self.fingerprint,
+                max_bytes=self.request_cache_bytes,
+                memory_tier_bytes=0,
+            )
+        except BaseException:
+            main.close()
+            raise
+        return LayeredKVStore(main, cache)
+
+    def use_request_cache(self, nbytes: int) -> None:
+        """From now on keep chunks computed at query time in a private store of at most
+        ``nbytes`` (the server's request-document cache), never in the store documents are
+        ingested into; without one, the private store is the cache."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"the request cache needs a positive byte bound, got {nbytes!r}")
+        self.writer.flush()
+        self.request_cache_bytes = nbytes
+        if isinstance(self.store, LayeredKVStore):
+            self.store.cache.max_bytes = nbytes
+        elif self._private:
+            self.store.max_bytes = nbytes
+        else:
+            self.writer.close()
+            self.store = self._with_request_cache(self.store)
+            self.writer = BackgroundWriter(self.store)
+
+    @property
+    def document_store(self) -> ChunkKVStore:
+        """The store documents are written to (without the request cache)."""
+        return self.store.main if isinstance(self.store, LayeredKVStore) else self.store
 
     def flush(self) -> None:
         """Block until every chunk computed at query time so far is in the store."""
@@ -100,13 +162,14 @@ class BlendManager:
     def close(self) -> None:
         self.writer.close()
         self.store.close()
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
+        for tmp in self._tmpdirs:
+            tmp.cleanup()
+        self._tmpdirs = []
 
     def use_store(self, store: ChunkKVStore) -> None:
         """Serve chunk K/V from ``store`` (opened with :attr:`fingerprint`), e.g. the
-        one inside a ``ChunkStore``; the previous store is closed."""
+        one inside a ``ChunkStore``, behind a new request cache when there is one; the previous
+        store (and request cache) is closed."""
         theirs = store.fingerprint
         if theirs is not None and theirs != self.fingerprint:
             raise FingerprintMismatchError(
@@ -114,8 +177,9 @@ class BlendManager:
                 + ", ".join(self.fingerprint.diff(theirs))
             )
         self.close()
-        self.store = store
-        self.writer = BackgroundWriter(store)
+        self._private = False
+        self.store = self._with_request_cache(store)
+        self.writer = BackgroundWriter(self.store)
 
     # ------------------------------------------------------------- requests
     def chunk_key(self, chunk_ids: list[int], context: list[int] | None = None) -> bytes:
@@ -254,7 +318,7 @@ class BlendManager:
         contexts = contexts or [self.anchor_ids] * len(chunks)
         keys = [self.chunk_key(c, ctx) for c, ctx in zip(chunks, contexts, strict=True)]
         results: list = [None] * len(chunks)
-        todo = [i for i, key in enumerate(keys) if key not in self.store]
+        todo = [i for i, key in enumerate(keys) if key not in self.document_store]
         if progress is not None and len(todo) < len(chunks):
             progress(len(chunks) - len(todo))
         for start in range(0, len(todo), _PRECOMPUTE_BATCH):
@@ -271,7 +335,7 @@ class BlendManager:
                 )
                 for i, kv in zip(batch, kvs, strict=True)
             ]
-            for i, result in zip(batch, self.store.put_many(new), strict=True):
+            for i, result in zip(batch, self.document_store.put_many(new), strict=True):
                 results[i] = result
             if progress is not None:
                 progress(len(batch))

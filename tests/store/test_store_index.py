@@ -8,7 +8,7 @@ from store_helpers import key_of, make_kv
 
 from blendkv.store.chunk_store import ChunkStore
 from blendkv.store.embedding import MiniLMEmbedder
-from blendkv.store.errors import EmbedderMismatchError
+from blendkv.store.errors import EmbedderMismatchError, StoreFullError
 from blendkv.store.index import ChunkIndex
 from blendkv.store.records import NewChunk
 
@@ -61,16 +61,21 @@ def _chunks(texts, doc_id, start=0):
 
 def test_chunk_store_keeps_index_and_store_in_step(store_path, fp):
     with ChunkStore(store_path, fp, HashEmbedder(), max_bytes=4 * (64 + 512)) as cs:
-        cs.add_chunks(_chunks(["alpha beta", "gamma delta", "epsilon"], "d1"))
+        cs.add_chunks(_chunks(["alpha beta", "gamma delta"], "d1"))
+        cs.add_chunks(_chunks(["computed at query time"], None, start=2))  # evictable
         assert cs.search("gamma delta", 1)[0].meta.text == "gamma delta"
         results = cs.add_chunks(_chunks(["zeta eta", "theta"], "d2", start=3))
-        assert results[0].evicted == (0,)  # capacity 4: the oldest chunk went from both
-        assert sorted(cs.index.ids().tolist()) == [1, 2, 3, 4] and cs.verify().ok
-        assert sorted(cs.remove_document("d1")) == [1, 2]
+        assert results[0].evicted == (2,)  # capacity 4: only the document-less chunk may go
+        assert sorted(cs.index.ids().tolist()) == [0, 1, 3, 4] and cs.verify().ok
+        with pytest.raises(StoreFullError, match="documents hold"):
+            cs.add_chunks(_chunks(["iota"], "d3", start=5))  # documents are never evicted
+        assert sorted(cs.index.ids().tolist()) == [0, 1, 3, 4] and cs.verify().ok
+        assert sorted(cs.remove_document("d1")) == [0, 1]
         assert sorted(cs.index.ids().tolist()) == [3, 4] and cs.verify().ok
         assert [h.chunk_id for h in cs.search("theta", 5)] == [4, 3]
     with ChunkStore(store_path, fp, HashEmbedder()) as cs:  # persisted, still consistent
         assert sorted(cs.index.ids().tolist()) == [3, 4] and cs.verify().ok
+        assert cs.kv.max_bytes == 4 * (64 + 512)  # the limit is saved in the store
 
 
 def test_chunk_store_resyncs_index_after_crash_between_steps(store_path, fp):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from store_helpers import ANCHOR, key_of, make_fingerprint, make_kv, same_bits
 
+from blendkv.store.errors import StoreFullError
 from blendkv.store.fingerprint import ModelFingerprint
 from blendkv.store.keys import chunk_key
 from blendkv.store.kv_store import KVStore
@@ -109,7 +110,7 @@ def test_lru_batch_is_never_evicted_by_itself(store_path, fp):
         s.put(key_of(0), make_kv(0))
         results = s.put_many([NewChunk(key_of(i), make_kv(i)) for i in (1, 2, 3)])
         assert results[0].evicted == (0,) and len(s) == 3
-        with pytest.raises(Exception, match="exceeds max_bytes"):
+        with pytest.raises(StoreFullError, match="larger than the store's limit"):
             s.put_many([NewChunk(key_of(i), make_kv(i)) for i in range(10, 14)])
         assert len(s) == 3 and s.verify().ok
 
