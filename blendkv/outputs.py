@@ -16,6 +16,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # Per generated token: {token_id: logprob} with the sampled token first, when requested.
     logprobs: list[dict[int, float]] | None = None
+    # Streaming: the text this completion added since the request's previous output.
+    delta_text: str = ""
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -57,7 +59,8 @@ class RequestOutput:
     metrics: RequestMetrics
     # Blend statistics of a blended request (a BlendStats), None for plain prompts.
     blend_stats: Any = None
-    # Streaming: the text added since the previous output of this request.
+    # Streaming: the text added since the previous output of this request (of ``outputs[0]``;
+    # with ``n > 1`` each completion has its own ``delta_text``).
     delta_text: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -99,8 +99,9 @@ class SamplingParams:
     greedy requests get the bias and the penalties too.
     include_stop_str_in_output: keep the matched stop string (or stop token text) in the text.
     skip_special_tokens: leave special tokens out of the detokenized text.
-    n: output sequences per request; only 1 is supported (send n requests with different
-        seeds), so vLLM code passing ``n=1`` runs and ``n > 1`` is a typed error, not ignored.
+    n: output sequences (samples) per request, each a ``CompletionOutput`` (``index`` 0..n-1).
+        The prompt is computed once and its KV blocks shared; with a ``seed``, sample i uses
+        ``seed + i`` (vLLM's convention). Greedy samples are all equal.
     """
 
     temperature: float = 1.0
@@ -167,10 +168,7 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         put("stop", self._normalise_stop(self.stop))
         put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
-        _check_int(
-            "n", self.n, "1 (one output per request; send n requests with different seeds)",
-            lambda v: v == 1,
-        )  # fmt: skip
+        put("n", _check_int("n", self.n, "an int >= 1", lambda v: v >= 1))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
         if self.logprobs is not None:

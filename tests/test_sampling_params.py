@@ -65,8 +65,9 @@ INVALID = [
     ("logit_bias", {-1: 1.0}),
     ("logit_bias", {True: 1.0}),
     ("logit_bias", {3.0: 1.0}),
-    ("n", 2),
     ("n", 0),
+    ("n", -2),
+    ("n", 1.5),
     ("n", True),
 ]
 

@@ -26,6 +26,11 @@ from blendkv.engine.block_manager import BlockManager
 from blendkv.engine.cuda_graphs import DecodeGraphs
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
+from blendkv.engine.parallel_sampling import (
+    ParentRequest,
+    child_request_id,
+    child_sampling_params,
+)
 from blendkv.engine.request_state import RequestState
 from blendkv.engine.sampler import Sampler
 from blendkv.engine.scheduler import Scheduler
@@ -162,7 +167,8 @@ class LLMEngine:
                 config.max_num_seqs,
                 self.info.max_model_len,
             )  # captured on the first decode step
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
+        self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
         self._ids = itertools.count()
         self._last_step_num_scheduled = 0
 
@@ -241,6 +247,11 @@ class LLMEngine:
                 f"SamplingParams.logit_bias names token ids outside the vocabulary "
                 f"[0, {self.info.vocab_size}): {bad[:5]}"
             )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidSamplingParamsError(
+                f"SamplingParams.n={params.n} exceeds max_num_seqs={self.config.max_num_seqs} "
+                "(the n samples run together); lower n or raise max_num_seqs"
+            )
         if not prompt_token_ids:
             raise EmptyPromptError("the prompt is empty (zero tokens)")
         if len(prompt_token_ids) >= self.info.max_model_len:
@@ -275,7 +286,7 @@ class LLMEngine:
         else:
             token_ids = self.tokenize(prompt)
         params = self.validate(token_ids, sampling_params)
-        if request_id is not None and request_id in self.requests:
+        if request_id is not None and self._id_in_use(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if logits_from is not None and not 0 <= logits_from < len(token_ids):
             raise InvalidRequestError(f"logits_from={logits_from} is outside the prompt")
@@ -298,20 +309,45 @@ class LLMEngine:
         )
 
     def add_prepared(self, req: PreparedRequest) -> str:
-        """Queue a request made by :meth:`prepare_request`; returns its id."""
+        """Queue a request made by :meth:`prepare_request`; returns its id.
+
+        With ``n > 1`` the request is n sequences (:mod:`blendkv.engine.parallel_sampling`);
+        only the first is queued, the others are forked from it once its prompt is computed.
+        """
         request_id = req.request_id if req.request_id is not None else str(next(self._ids))
-        while req.request_id is None and request_id in self.requests:
+        while req.request_id is None and self._id_in_use(request_id):
             request_id = str(next(self._ids))
+        params = req.sampling_params
+        ids = [child_request_id(request_id, i) for i in range(params.n)]
+        taken = [i for i in ids[1:] if self._id_in_use(i)]
+        if taken:
+            raise InvalidRequestError(
+                f"request id {taken[0]!r} (a sample of {request_id!r}) is already in use"
+            )
+        sample_params = [params]
+        if params.n > 1:
+            sample_params = [child_sampling_params(params, i) for i in range(params.n)]
         room = self.info.max_model_len - len(req.prompt_token_ids)
-        max_tokens = req.sampling_params.max_tokens
+        max_tokens = params.max_tokens
         max_out = min(max_tokens, room) if max_tokens is not None else room
-        seq = Sequence(request_id, req.prompt_token_ids, req.sampling_params, max_out)
-        seq.cache_salt = req.cache_salt
-        seq.logits_from = req.logits_from
+        states = []
+        for sample_id, p in zip(ids, sample_params, strict=True):
+            seq = Sequence(sample_id, req.prompt_token_ids, p, max_out)
+            seq.cache_salt = req.cache_salt
+            states.append(RequestState(seq, req.prompt, self.tokenizer))
+        first = states[0].seq
+        first.logits_from = req.logits_from
+        first.pending_children = [state.seq for state in states[1:]]
+        if params.n > 1:
+            self.parents[request_id] = ParentRequest(request_id, states)
         self.kv_connector.add_request(request_id, req.kv_transfer_params)
-        self.requests[request_id] = RequestState(seq, req.prompt, self.tokenizer)
-        self.scheduler.add(seq)
+        for state in states:
+            self.requests[state.seq.request_id] = state
+        self.scheduler.add(first)
         return request_id
+
+    def _id_in_use(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.parents
 
     def add_request(
         self,
@@ -329,6 +365,10 @@ class LLMEngine:
         )
 
     def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all its samples); False if it is unknown or already finished."""
+        parent = self.parents.pop(request_id, None)
+        if parent is not None:
+            return self._abort_samples(parent)
         seq = self.scheduler.abort(request_id)
         state = self.requests.pop(request_id, None)
         self.runner.release(request_id)
@@ -336,6 +376,18 @@ class LLMEngine:
         if state is not None and seq is not None:
             state.finish_reason = "abort"
         return seq is not None
+
+    def _abort_samples(self, parent: ParentRequest) -> bool:
+        running = [state for state in parent.states if not state.finished]
+        for state in running:
+            seq = state.seq
+            if self.scheduler.abort(seq.request_id) is None:
+                seq.status = SequenceStatus.FINISHED_ABORTED  # not forked yet: holds no blocks
+            self.requests.pop(seq.request_id, None)
+            self.runner.release(seq.request_id)
+            state.finish_reason = "abort"
+        self.kv_connector.request_finished(parent.request_id)
+        return bool(running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -354,6 +406,7 @@ class LLMEngine:
         self.scheduler.update_from_output(out)
         now = time.perf_counter()
         outputs = []
+        parents: dict[str, ParentRequest] = {}  # n > 1 requests with a new token, in order
         for i, seq in enumerate(sampled_seqs):
             if seq.is_finished:
                 continue
@@ -368,10 +421,20 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(seq, status)
                 self.runner.release(seq.request_id)
-            outputs.append(state.make_output(self.kv_connector.request_stats(seq)))
             if seq.is_finished:
                 del self.requests[seq.request_id]
+            if state.parent is not None:
+                parents[state.parent.request_id] = state.parent
+                continue
+            outputs.append(state.make_output(self.kv_connector.request_stats(seq)))
+            if seq.is_finished:
                 self.kv_connector.request_finished(seq.request_id)
+        for parent in parents.values():
+            first = parent.states[0].seq
+            outputs.append(parent.make_output(self.kv_connector.request_stats(first)))
+            if parent.finished:
+                del self.parents[parent.request_id]
+                self.kv_connector.request_finished(parent.request_id)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -105,8 +105,9 @@ class ModelRunner:
                 input_ids.extend(seq.all_token_ids[start:end])
             row += num_new
             if end == seq.num_tokens:
-                sample_indices.append(row - 1)
-                sample_seqs.append(seq)
+                for sampled in (seq, *out.forked.get(seq.request_id, ())):
+                    sample_indices.append(row - 1)  # forked samples share the parent's row
+                    sample_seqs.append(sampled)
             if (
                 seq.logits_from is not None
                 and seq.logits_from < end

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from blendkv.engine.detokenizer import IncrementalDetokenizer
 from blendkv.engine.sequence import Sequence, SequenceStatus
 from blendkv.engine.stop_checker import check_stop, stop_holdback_len
 from blendkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+if TYPE_CHECKING:
+    from blendkv.engine.parallel_sampling import ParentRequest
 
 _FINISH_STATUS = {
     "stop": SequenceStatus.FINISHED_STOPPED,
@@ -29,6 +34,7 @@ class RequestState:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logits: list = []  # [rows, vocab] tensors for Sequence.logits_from
+        self.parent: ParentRequest | None = None  # set for the samples of an n > 1 request
 
     def add_prompt_logits(self, logits) -> None:
         self.prompt_logits.append(logits)
@@ -66,16 +72,55 @@ class RequestState:
         self.stop_reason = result.stop_reason
         return _FINISH_STATUS[result.finish_reason]
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
     def make_output(self, blend_stats=None) -> RequestOutput:
         """The output so far; ``blend_stats`` are the KV connector's stats for this request."""
-        seq = self.seq
-        finished = self.finish_reason is not None
-        visible = len(self.text) if finished else max(len(self.text) - self.holdback, 0)
+        completion = self.completion(0)
+        return RequestOutput(
+            request_id=self.seq.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.seq.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finished,
+            metrics=self.metrics(),
+            blend_stats=blend_stats,
+            delta_text=completion.delta_text,
+            extra=self.extra(),
+        )
+
+    def extra(self) -> dict:
+        """``RequestOutput.extra``: the prompt logits asked for (``Sequence.logits_from``)."""
+        if not self.prompt_logits:
+            return {}
+        import torch
+
+        return {"prompt_logits": torch.cat(self.prompt_logits)}
+
+    def completion(self, index: int) -> CompletionOutput:
+        """This sequence's completion so far; its ``delta_text`` is the text made visible since
+        the previous call (a stop string's possible start is held back until it is decided)."""
+        visible = len(self.text) if self.finished else max(len(self.text) - self.holdback, 0)
         visible = max(visible, self.num_streamed_chars)
         delta = self.text[self.num_streamed_chars : visible]
         self.num_streamed_chars = visible
+        return CompletionOutput(
+            index=index,
+            text=self.text,
+            token_ids=list(self.seq.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            delta_text=delta,
+        )
+
+    def metrics(self) -> RequestMetrics:
+        seq = self.seq
         m = seq.metrics
-        metrics = RequestMetrics(
+        return RequestMetrics(
             arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time,
             first_token_time=m.first_token_time,
@@ -83,29 +128,4 @@ class RequestState:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=m.num_cached_tokens,
             num_preemptions=m.num_preemptions,
-        )
-        completion = CompletionOutput(
-            index=0,
-            text=self.text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-        )
-        extra = {}
-        if self.prompt_logits:
-            import torch
-
-            extra["prompt_logits"] = torch.cat(self.prompt_logits)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=metrics,
-            blend_stats=blend_stats,
-            delta_text=delta,
-            extra=extra,
         )

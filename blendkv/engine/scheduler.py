@@ -12,6 +12,11 @@ Every step it fills one token budget (``max_num_batched_tokens``) with, in order
    connector is still reading (``kv_ready``) lets the requests behind it pass, unless nothing
    else would run.
 
+A request with ``n > 1`` samples is one sequence until its prompt is computed: in the step that
+computes the prompt's last token, its other samples (``Sequence.pending_children``) are forked
+from it, sharing its blocks by reference count (the partly filled last block is copied on the
+first write). Each takes a ``max_num_seqs`` slot from admission on.
+
 Prefill and decode tokens share one flattened batch; the runner receives a
 :class:`~blendkv.engine.scheduler_output.SchedulerOutput` and nothing else.
 """
@@ -78,6 +83,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        self._fork(out)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -103,7 +109,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         conn = self.connector
         reading = []  # waiting requests whose K/V the connector is still reading
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seq_slots() < self.max_num_seqs:
             seq = self.waiting[0]
             if conn is not None and not conn.kv_ready(seq):
                 reading.append(self.waiting.popleft())
@@ -120,6 +126,8 @@ class Scheduler:
         """Schedule ``seq``, the head of the waiting queue: the budget left, or None if it did
         not fit (no budget or blocks; it stays at the head)."""
         bm, conn = self.block_manager, self.connector
+        if self._num_seq_slots() + 1 + len(seq.pending_children) > self.max_num_seqs:
+            return None
         computed_blocks, num_cached = bm.get_computed_blocks(seq)
         num_external = 0
         if conn is not None:
@@ -174,6 +182,30 @@ class Scheduler:
         return ready
 
     # -------------------------------------------------------------- helpers
+    def _num_seq_slots(self) -> int:
+        """Running sequences plus the samples they will fork (a slot each, reserved)."""
+        return len(self.running) + sum(len(seq.pending_children) for seq in self.running)
+
+    def _fork(self, out: SchedulerOutput) -> None:
+        """Fork the pending samples of every sequence whose prompt completes this step."""
+        for seq, num_new in out.scheduled:
+            children = seq.pending_children
+            if not children or seq.num_computed_tokens + num_new < seq.num_tokens:
+                continue
+            assert seq.num_output_tokens == 0, "samples fork before the first output token"
+            for child in children:
+                assert child.status == SequenceStatus.WAITING and not child.block_table
+                self.block_manager.fork(seq, child)
+                # Its K/V is the parent's, computed this step; its first token is sampled
+                # from the parent's last row (SchedulerOutput.forked).
+                child.num_computed_tokens = seq.num_tokens
+                child.status = SequenceStatus.RUNNING
+                child.metrics.first_scheduled_time = seq.metrics.first_scheduled_time
+                child.metrics.num_cached_tokens = seq.metrics.num_cached_tokens
+            self.running.extend(children)
+            out.forked[seq.request_id] = children
+            seq.pending_children = []
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0

@@ -19,12 +19,15 @@ class SchedulerOutput:
     """The contract between scheduler and model runner for one step.
 
     ``scheduled`` lists (sequence, num_scheduled_tokens) in batch order; a sequence's tokens
-    this step are positions ``[num_computed_tokens, num_computed_tokens + n)``.
+    this step are positions ``[num_computed_tokens, num_computed_tokens + n)``. ``forked`` maps
+    a scheduled sequence's request id to the sequences forked from it this step (``n > 1``):
+    they run no tokens, and each samples its first token from the same logits row.
     """
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    forked: dict[str, list[Sequence]] = field(default_factory=dict)
     kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property

@@ -74,6 +74,9 @@ class Sequence:
         self.cache_salt = b""
         # Return the logits of every prompt position >= this one (teacher forcing, eval).
         self.logits_from: int | None = None
+        # Parallel sampling (n > 1): the other samples of this request, forked from it by the
+        # scheduler in the step that computes the prompt's last token (they share its blocks).
+        self.pending_children: list[Sequence] = []
 
     @property
     def num_prompt_tokens(self) -> int:
