@@ -76,6 +76,10 @@ class ChunkKVStore(Protocol):
 
     def delete_document(self, doc_id: str) -> list[int]: ...
 
+    def reassign(self, moves: Sequence[tuple[bytes, str, int]]) -> int:
+        """Give stored chunks a new owner document and position: ``(key, doc_id, position)``
+        each; returns how many were stored."""
+
     def meta_for_id(self, chunk_id: int) -> ChunkMeta | None: ...
 
     def document_chunks(self, doc_id: str) -> list[ChunkMeta]: ...

@@ -112,6 +112,14 @@ class ChunkStore:
             self.save_index()
         return removed
 
+    def remove_chunks(self, keys: Sequence[bytes]) -> list[int]:
+        """Delete chunks by key from store and index; returns the chunk ids that were stored."""
+        removed = self.kv.delete(list(keys)) if keys else []
+        if removed:
+            self.index.remove(removed)
+            self.save_index()
+        return removed
+
     def search(self, text: str, k: int = 5, ids=None) -> list[SearchHit]:
         """The ``k`` stored chunks most similar to ``text``, best first; only among the chunk
         ids ``ids`` when given (see :meth:`ChunkIndex.search`)."""

@@ -273,6 +273,27 @@ class RedisKVStore(RedisQueries):
     def delete_document(self, doc_id: str) -> list[int]:
         return self.delete([m.key for m in self.document_chunks(doc_id)])
 
+    def reassign(self, moves: Sequence[tuple[bytes, str, int]]) -> int:
+        """:meth:`KVStore.reassign <blendkv.store.KVStore.reassign>`: each chunk's metadata is
+        rewritten, then the document sets follow (as a put)."""
+        return sum(self._call(lambda: [self._reassign_one(*m) for m in moves], StoreError))
+
+    def _reassign_one(self, key: bytes, doc_id: str, position: int) -> bool:
+        raw = self.client.get(self._chunk(key, "m"))
+        if raw is None:
+            return False
+        record = json.loads(raw)
+        old = record["doc_id"]
+        record.update(doc_id=doc_id, position=position)
+        self.client.set(self._chunk(key, "m"), json.dumps(record))
+        index = self.client.pipeline(transaction=False)
+        if old is not None:
+            index.srem(self._k("doc", old), key.hex())
+        index.sadd(self._k("doc", doc_id), key.hex())
+        index.incr(self._k("gen"))
+        index.execute()
+        return True
+
     # ---- reading ------------------------------------------------------------------------
     def _fetch(self, key: bytes) -> bytearray | None:
         """The whole stored value, checked; None on a miss (also: parts evicted, corrupt)."""
