@@ -15,10 +15,8 @@ and are searched under one lock, and an ingest computes chunk K/V between engine
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,21 +26,18 @@ from blendkv.engine_args import check_options
 from blendkv.entrypoints.llm import LLM
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.rag.catalog import open_catalog
-from blendkv.rag.consistency import DocumentAction, check_documents, document_action
-from blendkv.rag.documents import SourceDocument, content_doc_id, load_documents
-from blendkv.rag.errors import DocumentError, EmptyDocumentError, NoChunksError, RAGError
+from blendkv.rag.consistency import check_documents
+from blendkv.rag.errors import NoChunksError, RAGError
+from blendkv.rag.ingest import DocumentIngester
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 from blendkv.sampling_params import SamplingParams
-from blendkv.store import NewChunk, StoreNotFoundError, chunk_token_ids
+from blendkv.store import StoreNotFoundError
 from blendkv.store.chunk_store import ChunkStore
 from blendkv.store.embedding import MiniLMEmbedder
 from blendkv.store.redis_store import is_redis_url
 from blendkv.text import replace_lone_surrogates
 
 DEFAULT_INSTRUCTION = "Answer the question using the passages below.\n\n"
-# Chunks per store transaction: bounds the K/V held in memory while a document is ingested
-# (a 256-token chunk of SmolLM2-135M is ~12 MB in float32).
-_WRITE_BATCH = 16
 
 
 class RAGPipeline:
@@ -108,6 +103,7 @@ class RAGPipeline:
             )
             self.manager.use_store(self.store.kv)
             self.catalog = open_catalog(self.store_dir, self.store.kv)
+            self._ingester = DocumentIngester(self)
         except BaseException:
             self.close()
             raise
@@ -164,116 +160,7 @@ class RAGPipeline:
         (reported in ``repaired``).
         """
         with self._ingest_lock:
-            return self._ingest(documents, metadata, doc_ids, progress)
-
-    def _ingest(self, documents, metadata, doc_ids, progress: bool) -> IngestReport:
-        t0 = time.perf_counter()
-        self._check_open()
-        docs = load_documents(documents)
-        ids = self._doc_ids(docs, doc_ids)
-        metas = self._metadata(metadata, len(docs))
-        pieces = [self._chunk(doc, i) for i, doc in enumerate(docs)]
-        actions: dict[int, tuple[DocumentAction, list[bytes]]] = {}
-        seen: set[str] = set()
-        for i, doc_id in enumerate(ids):
-            if doc_id in seen:
-                continue
-            seen.add(doc_id)
-            keys = [self.manager.chunk_key(list(c.token_ids)) for c in pieces[i]]
-            action = document_action(self.catalog, self.store.kv, doc_id, keys)
-            if action is not DocumentAction.SKIP:
-                actions[i] = (action, keys)
-        written = [i for i, (a, _) in actions.items() if a is not DocumentAction.CATALOG]
-        total = sum(len(pieces[i]) for i in written)
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc="ingest", unit="chunk", disable=not progress or total == 0)
-        try:
-            for i, (action, keys) in actions.items():
-                if action is DocumentAction.REWRITE:
-                    self._remove_chunks(ids[i])
-                if action is not DocumentAction.CATALOG:
-                    self._write_document(ids[i], pieces[i], bar)
-                try:
-                    with self._store_lock:
-                        self.catalog.put(
-                            ids[i], source=docs[i].source, metadata=metas[i], chunk_keys=keys
-                        )
-                except BaseException:
-                    if action is not DocumentAction.CATALOG:
-                        self._remove_chunks(ids[i])
-                    raise
-        finally:
-            bar.close()
-        added = tuple(ids[i] for i, (a, _) in actions.items() if a is DocumentAction.ADD)
-        repaired = tuple(ids[i] for i, (a, _) in actions.items() if a is not DocumentAction.ADD)
-        return IngestReport(
-            doc_ids=tuple(ids),
-            added=added,
-            skipped=tuple(d for d in ids if d not in added and d not in repaired),
-            num_chunks=total,
-            num_tokens=sum(len(c.token_ids) for i in written for c in pieces[i]),
-            seconds=time.perf_counter() - t0,
-            repaired=repaired,
-        )
-
-    def _chunk(self, doc: SourceDocument, index: int):
-        token_ids = self.manager.builder.encode(doc.text)
-        if not token_ids:
-            raise EmptyDocumentError(f"document {doc.source or index} has no tokens")
-        return chunk_token_ids(token_ids, self.llm.tokenizer, self.chunk_tokens)
-
-    def _write_document(self, doc_id: str, chunks, bar) -> None:
-        m = self.manager
-        try:
-            for start in range(0, len(chunks), _WRITE_BATCH):
-                batch = chunks[start : start + _WRITE_BATCH]
-                ids = [list(c.token_ids) for c in batch]
-                with self.llm.exclusive():  # the model is the engine's: not during a step
-                    kvs = m.compute_kv(ids)  # one forward for the batch
-                new = [
-                    # The key the blend path computes for these ids, so queries hit it.
-                    NewChunk(m.chunk_key(i), kv, c.text, c.token_ids, doc_id, start + j)
-                    for j, (c, i, kv) in enumerate(zip(batch, ids, kvs, strict=True))
-                ]
-                with self._store_lock:
-                    self.store.add_chunks(new)
-                bar.update(len(batch))
-        except BaseException:
-            self._remove_chunks(doc_id)  # new document: removing it is an exact rollback
-            raise
-
-    def _remove_chunks(self, doc_id: str) -> list[int]:
-        with self._store_lock:
-            return self.store.remove_document(doc_id)
-
-    @staticmethod
-    def _doc_ids(docs: list[SourceDocument], doc_ids) -> list[str]:
-        if doc_ids is None:
-            return [content_doc_id(d.text) for d in docs]
-        doc_ids = [doc_ids] if isinstance(doc_ids, str) else list(doc_ids)
-        if len(doc_ids) != len(docs):
-            raise DocumentError(f"{len(doc_ids)} doc ids for {len(docs)} documents")
-        for d in doc_ids:
-            if not isinstance(d, str) or not d or "\x00" in d or not _is_unicode(d):
-                raise DocumentError(
-                    f"doc id {d!r} must be a non-empty string without NUL or lone surrogates"
-                )
-        return doc_ids
-
-    @staticmethod
-    def _metadata(metadata, n: int) -> list[dict]:
-        if metadata is None:
-            return [{} for _ in range(n)]
-        metas = [metadata] * n if isinstance(metadata, dict) else list(metadata)
-        if len(metas) != n or not all(isinstance(m, dict) for m in metas):
-            raise DocumentError(f"metadata must be one dict or {n} dicts")
-        try:
-            # As the catalog writes it (UTF-8): lone surrogates fail here, not after the chunks.
-            json.dumps(metas, ensure_ascii=False).encode("utf-8")
-        except (TypeError, ValueError) as e:
-            raise DocumentError(f"metadata must be JSON-serialisable UTF-8 text: {e}") from e
-        return [dict(m) for m in metas]
+            return self._ingester.ingest(documents, metadata, doc_ids, progress)
 
     # -------------------------------------------------------------------- documents
     def has_document(self, doc_id: str) -> bool:
@@ -389,12 +276,3 @@ class RAGPipeline:
     def _check_open(self) -> None:
         if self.store is None:
             raise RAGError("the pipeline is closed")
-
-
-def _is_unicode(text: str) -> bool:
-    """False for a string holding lone surrogates (it has no UTF-8 encoding)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
