@@ -51,6 +51,31 @@ class DocumentCatalog:
         keys = self._docs.get(doc_id, {}).get("chunk_keys")
         return [bytes.fromhex(k) for k in keys] if keys is not None else None
 
+    def key_documents(self) -> dict[bytes, list[str]]:
+        """chunk key -> the doc ids whose entries list it, in catalog order (a chunk equal in
+        two documents is stored once and listed by both)."""
+        out: dict[bytes, list[str]] = {}
+        for doc_id, entry in self._docs.items():
+            for key in entry.get("chunk_keys") or ():
+                docs = out.setdefault(bytes.fromhex(key), [])
+                if not docs or docs[-1] != doc_id:
+                    docs.append(doc_id)
+        return out
+
+    def find(self, ref: str) -> list[str]:
+        """The doc ids ``ref`` names: a doc id, else every document whose source is ``ref``
+        (a path compares after normalisation: ``./docs/a.md`` names ``docs/a.md``)."""
+        docs = self._docs
+        if ref in docs:
+            return [ref]
+        norm = os.path.normpath(ref)
+        return [
+            d
+            for d, entry in docs.items()
+            if entry.get("source") is not None
+            and (entry["source"] == ref or os.path.normpath(entry["source"]) == norm)
+        ]
+
     def put(
         self, doc_id: str, *, source: str | None, metadata: dict, chunk_keys: list[bytes]
     ) -> None:

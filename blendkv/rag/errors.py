@@ -27,3 +27,11 @@ class UnreadableDocumentError(DocumentError):
 
 class NoChunksError(RAGError):
     """Retrieval found nothing to answer from (e.g. the store holds no documents yet)."""
+
+
+class UnknownDocumentError(RAGError, InvalidRequestError):
+    """A doc id or source that names no document of the store's catalog."""
+
+
+class InvalidFilterError(RAGError, InvalidRequestError):
+    """A retrieval filter that is neither a dict of metadata values nor a callable."""

@@ -9,7 +9,9 @@ from typing import Any
 @dataclass(frozen=True)
 class RetrievedChunk:
     """One retrieved chunk. ``score`` is the index similarity (higher is closer);
-    ``kv_cached`` is True when the chunk's K/V is in the store (the blend will hit it)."""
+    ``kv_cached`` is True when the chunk's K/V is in the store (the blend will hit it).
+    ``source`` and ``metadata`` are the document's, from the catalog (``source``: the file
+    path or title it was ingested from, None for a bare text)."""
 
     chunk_id: int
     doc_id: str | None
@@ -18,11 +20,21 @@ class RetrievedChunk:
     kv_cached: bool
     position: int = 0  # the chunk's index within its document
     metadata: dict[str, Any] = field(default_factory=dict)  # the document's metadata
+    source: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How the chunk's document is named to a reader: its source, else its doc id."""
+        return self.source or self.doc_id or "?"
 
     def retriever_metadata(self) -> dict[str, Any]:
-        """The document's metadata plus chunk_id, doc_id, position, score and kv_cached: what
-        the LangChain and LlamaIndex retrievers attach to each result."""
+        """The document's metadata plus source, chunk_id, doc_id, position, score and
+        kv_cached: what the LangChain and LlamaIndex retrievers attach to each result.
+        ``source`` follows LangChain's loaders (the file path); a document ingested without
+        one keeps a ``source`` of its own metadata, if any."""
         metadata = dict(self.metadata)
+        if self.source is not None or "source" not in metadata:
+            metadata["source"] = self.source
         metadata.update(
             chunk_id=self.chunk_id,
             doc_id=self.doc_id,
@@ -36,6 +48,7 @@ class RetrievedChunk:
         return {
             "chunk_id": self.chunk_id,
             "doc_id": self.doc_id,
+            "source": self.source,
             "position": self.position,
             "score": self.score,
             "kv_cached": self.kv_cached,
