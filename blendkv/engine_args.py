@@ -130,6 +130,22 @@ def check_options(options: dict[str, Any], what: str = "LLM") -> None:
         )
 
 
+def follow_store_dtype(options: dict[str, Any], location: Any) -> dict[str, Any]:
+    """``options`` with ``dtype="auto"`` (or no dtype) replaced by the dtype the existing
+    store at ``location`` was built with: its K/V serves only a model in that dtype, and
+    ``auto`` may resolve otherwise on another machine (bf16 only where the CPU has it
+    natively). An explicit dtype, no ``location`` or no store there yet: ``options`` as given.
+    """
+    if location is None or options.get("dtype", "auto") != "auto":
+        return options
+    from blendkv.store.backends import stored_fingerprint  # deferred: the store loads torch
+
+    fingerprint = stored_fingerprint(location)
+    if fingerprint is None:
+        return options
+    return {**options, "dtype": fingerprint.dtype}
+
+
 def create_engine_config(**options: Any) -> EngineConfig:
     """The validated :class:`EngineConfig` for flat ``options``.
 
@@ -137,9 +153,11 @@ def create_engine_config(**options: Any) -> EngineConfig:
     ``kv_connector_config``, on top of a :class:`BlendConnectorConfig` given there if any. It is
     refused when ``kv_connector`` is None or another registered name (a factory may build a
     blend connector, so it gets them). vLLM's names are translated first (:func:`from_vllm_names`).
+    ``dtype="auto"`` with the ``kv_store_dir`` of an existing store is the store's dtype.
     """
     options = from_vllm_names(options)
     check_options(options)
+    options = follow_store_dtype(options, options.get("kv_store_dir"))
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     connector = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     if connector:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from .base import ChunkKVStore
+from .errors import StoreFormatError
 from .fingerprint import ModelFingerprint
 from .kv_store import KVStore
 from .redis_store import RedisKVStore, is_redis_url
@@ -24,3 +26,22 @@ def open_kv_store(
             kwargs.pop(name, None)
         return RedisKVStore(location, fingerprint, **kwargs)
     return KVStore(location, fingerprint, **kwargs)
+
+
+def stored_fingerprint(location: str | os.PathLike) -> ModelFingerprint | None:
+    """The fingerprint an existing store at ``location`` was built with; None when there is
+    no store there yet. Read without a model (inspect mode), so a caller can load the model
+    the store needs, e.g. in the dtype it was built with."""
+    if is_redis_url(location):
+        try:
+            store = RedisKVStore(str(location), None, create=False, readonly=True)
+        except StoreFormatError:
+            return None  # nothing there yet (or unreadable: the real open will say so)
+    else:
+        if not (Path(location) / "data.mdb").exists():
+            return None
+        store = KVStore(location, None, readonly=True, memory_tier_bytes=0)
+    try:
+        return store.fingerprint
+    finally:
+        store.close()

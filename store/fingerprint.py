@@ -80,3 +80,25 @@ class ModelFingerprint:
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
         )
+
+
+def mismatch_message(location: object, given: ModelFingerprint, stored: ModelFingerprint) -> str:
+    """What a refused open says: the differing fields and how to open the store.
+
+    A store that differs only in dtype (``dtype="auto"`` resolved differently, or an explicit
+    dtype) names the dtype to pass; any other difference needs the model it was built with.
+    """
+    fields = given.diff(stored)
+    if fields == ("dtype",):
+        return (
+            f"store {location} was built with dtype {stored.dtype}; this model is "
+            f"{given.dtype}: pass dtype={stored.dtype!r} (or dtype='auto' to follow the "
+            "store), or use another store"
+        )
+    detail = "; ".join(
+        f"{f}: store={getattr(stored, f)!r} given={getattr(given, f)!r}" for f in fields
+    )
+    return (
+        f"store {location} was built for another model; differing fields: {detail}. Open it "
+        "with the model it was built with, or use another store"
+    )

@@ -23,7 +23,7 @@ from .errors import (
     StoreNotFoundError,
     StoreReadOnlyError,
 )
-from .fingerprint import ModelFingerprint
+from .fingerprint import ModelFingerprint, mismatch_message
 
 _OPEN_PATHS: set[tuple[int, str]] = set()  # (pid, realpath): LMDB forbids double opens
 _OPEN_LOCK = threading.Lock()
@@ -140,11 +140,5 @@ def check_format_and_fingerprint(
             f"version {layout.STORE_FORMAT_VERSION}: rebuild the store"
         )
     if given is not None and given != stored:
-        fields = given.diff(stored)
-        detail = "; ".join(
-            f"{f}: store={getattr(stored, f)!r} given={getattr(given, f)!r}" for f in fields
-        )
-        raise FingerprintMismatchError(
-            f"store {path} was built for another model; differing fields: {detail}", fields
-        )
+        raise FingerprintMismatchError(mismatch_message(path, given, stored), given.diff(stored))
     return stored

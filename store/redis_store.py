@@ -36,7 +36,7 @@ import torch
 from . import format as fmt
 from . import layout
 from .errors import CorruptValueError, FingerprintMismatchError, StoreError, StoreFormatError
-from .fingerprint import ModelFingerprint
+from .fingerprint import ModelFingerprint, mismatch_message
 from .memory_tier import MemoryTier
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
 from .redis_queries import RedisQueries
@@ -124,13 +124,8 @@ class RedisKVStore(RedisQueries):
         if found != record:
             raise StoreFormatError(f"{self.url} holds store format {found}, expected {record}")
         if given is not None and given != stored:
-            fields = given.diff(stored)
-            detail = "; ".join(
-                f"{f}: store={getattr(stored, f)!r} given={getattr(given, f)!r}" for f in fields
-            )
             raise FingerprintMismatchError(
-                f"store {self.url} was built for another model; differing fields: {detail}",
-                fields,
+                mismatch_message(self.url, given, stored), given.diff(stored)
             )
         return stored
 

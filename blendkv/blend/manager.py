@@ -32,6 +32,7 @@ from blendkv.store import (
     open_kv_store,
 )
 from blendkv.store.capacity import default_request_cache_bytes
+from blendkv.store.fingerprint import mismatch_message
 from blendkv.store.kv_store import KVStore
 from blendkv.store.layered import LayeredKVStore
 from blendkv.store.writer import BackgroundWriter
@@ -173,8 +174,8 @@ class BlendManager:
         theirs = store.fingerprint
         if theirs is not None and theirs != self.fingerprint:
             raise FingerprintMismatchError(
-                "the store was built for another model/anchor: "
-                + ", ".join(self.fingerprint.diff(theirs))
+                mismatch_message(store.path, self.fingerprint, theirs),
+                self.fingerprint.diff(theirs),
             )
         self.close()
         self._private = False

@@ -30,6 +30,7 @@ def open_pipeline(
     A missing store (``create=False``) fails before the model is loaded. The engine's prefix
     cache is off unless asked for, so that every query goes through the chunk store.
     """
+    from blendkv.engine_args import follow_store_dtype
     from blendkv.rag import RAGPipeline
     from blendkv.store import StoreNotFoundError
     from blendkv.store.redis_store import is_redis_url
@@ -39,7 +40,9 @@ def open_pipeline(
         raise StoreNotFoundError(
             f"no blendkv store at {args.store}; create one with `blendkv ingest PATH --store DIR`"
         )
-    llm = LLM(args.model, enable_prefix_caching=enable_prefix_caching, **engine_kwargs(args))
+    # dtype auto follows the store's (engine_args.follow_store_dtype).
+    options = follow_store_dtype(engine_kwargs(args), args.store)
+    llm = LLM(args.model, enable_prefix_caching=enable_prefix_caching, **options)
     try:
         return RAGPipeline(args.store, llm=llm, chunk_tokens=chunk_tokens, create=create)
     except BaseException:

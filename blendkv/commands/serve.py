@@ -10,7 +10,7 @@ import os
 from blendkv import LLM
 from blendkv.cli import add_model_args, engine_kwargs
 from blendkv.config import resolve_device
-from blendkv.engine_args import create_engine_config
+from blendkv.engine_args import create_engine_config, follow_store_dtype
 from blendkv.errors import BlendKVError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"blendkv serve needs the serve extra ({exc}); pip install 'blendkv[serve]'"
         ) from exc
-    kwargs = engine_kwargs(args)
+    # dtype auto follows the store's (engine_args.follow_store_dtype).
+    kwargs = follow_store_dtype(engine_kwargs(args), args.store)
     # Bad options (and a GPU that is not there) fail here, before the server starts.
     create_engine_config(model=args.model, **kwargs)
     resolve_device(args.device)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from blendkv.blend.config import BlendConfig
-from blendkv.engine_args import check_options
+from blendkv.engine_args import check_options, follow_store_dtype
 from blendkv.entrypoints.llm import LLM
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.rag.catalog import open_catalog
@@ -55,7 +55,9 @@ class RAGPipeline:
         **engine_options: ``LLM`` keywords (``dtype``, ``device``, ...) for the model the
             pipeline loads when ``llm`` is None; an unknown one raises ``ConfigError``.
 
-    A store built for another model, dtype or anchor raises ``FingerprintMismatchError``.
+    With ``dtype="auto"`` (the default) the model loads in the dtype an existing store was
+    built with. A store built for another model, dtype or anchor raises
+    ``FingerprintMismatchError`` (for a dtype, naming the one to pass).
     """
 
     def __init__(
@@ -88,7 +90,9 @@ class RAGPipeline:
         self.instruction = instruction
         self._owns_llm = llm is None
         if llm is None:
-            llm = LLM(**{"enable_prefix_caching": False, **engine_options})
+            # dtype="auto" follows an existing store's dtype (its K/V serves no other).
+            options = follow_store_dtype(engine_options, self.store_dir)
+            llm = LLM(**{"enable_prefix_caching": False, **options})
         self.llm = llm
         self.store = None
         # _ingest_lock: one ingest or delete at a time (its checks of what is stored stay true
