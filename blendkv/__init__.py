@@ -7,8 +7,9 @@ out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from blendkv.config import EngineConfig
-from blendkv.entrypoints.llm import LLM
 from blendkv.errors import (
     BlendKVError,
     EmptyPromptError,
@@ -19,6 +20,9 @@ from blendkv.errors import (
 )
 from blendkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from blendkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from blendkv.entrypoints.llm import LLM
 
 __version__ = "0.1.0"
 
@@ -36,3 +40,13 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM loads torch and transformers (seconds): `import blendkv` (the CLI's `--help`, the
+    # configs) does not, `blendkv.LLM` does on first use.
+    if name == "LLM":
+        from blendkv.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'blendkv' has no attribute {name!r}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blendkv import LLM
 from blendkv.cli import add_model_args, engine_kwargs
 from blendkv.commands.generate import add_sampling_args, sampling_params
 
@@ -19,6 +18,8 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from blendkv import LLM
+
     params = sampling_params(args)
     llm = LLM(args.model, **engine_kwargs(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -12,7 +12,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.cli import add_device_args
 
@@ -37,6 +37,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from blendkv import LLM
     from blendkv.rag import RAGPipeline
 
     blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.cli import add_model_args, engine_kwargs
 
 
@@ -73,6 +73,8 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from blendkv import LLM
+
     params = sampling_params(args)  # validate before loading the model
     llm = LLM(args.model, **engine_kwargs(args))
     prompts = [

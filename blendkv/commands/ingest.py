@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blendkv import LLM
 from blendkv.cli import add_model_args, engine_kwargs
 
 
@@ -30,6 +29,7 @@ def open_pipeline(
     A missing store (``create=False``) fails before the model is loaded. The engine's prefix
     cache is off unless asked for, so that every query goes through the chunk store.
     """
+    from blendkv import LLM
     from blendkv.engine_args import follow_store_dtype
     from blendkv.rag import RAGPipeline
     from blendkv.store import StoreNotFoundError

@@ -7,7 +7,6 @@ import ipaddress
 import logging
 import os
 
-from blendkv import LLM
 from blendkv.cli import add_model_args, engine_kwargs
 from blendkv.config import resolve_device
 from blendkv.engine_args import create_engine_config, follow_store_dtype
@@ -65,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without --api-key: anyone reaching it can use it", args.host)
 
     def load():
+        from blendkv import LLM
+
         return LLM(args.model, **kwargs)
 
     app = create_app(load, config)
