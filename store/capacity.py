@@ -1,4 +1,4 @@
-"""How much disk chunk K/V takes: human sizes, the projected size of an ingest, and the checks
+"""How much disk chunk K/V takes: the projected size of an ingest, and the checks
 that refuse a write the store's limit or the disk cannot hold (:class:`StoreFullError`).
 
 A chunk's value is its K and V for every layer plus a fixed header, so the K/V of ``n`` new
@@ -9,49 +9,24 @@ the dtype's size (:func:`kv_bytes_per_token`).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from blendkv.errors import ConfigError
+from blendkv.sizes import format_size, parse_size
 
 from .errors import StoreFullError
 from .fingerprint import ModelFingerprint
 from .format import HEADER_SIZE
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 # The request cache's default: what stays small on any disk a server runs on.
 REQUEST_CACHE_MAX_DEFAULT = 2 << 30
 REQUEST_CACHE_DISK_FRACTION = 0.10
 # Room the disk keeps beside a projected ingest (LMDB pages, the index, the catalog).
 DISK_HEADROOM = 1.10
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from a human size: ``"20G"``, ``"500M"``, ``"1.5GiB"``, ``"4096"`` (binary
-    units: K = 1024). Raises ``ValueError`` on anything else or on zero."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        match = _SIZE.match(str(text))
-        if match is None:
-            raise ValueError(f"not a size: {text!r} (e.g. 500M, 20G, 4096)")
-        value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    if value <= 0:
-        raise ValueError(f"a size must be positive, got {text!r}")
-    return value
-
-
-def format_size(n: int | float) -> str:
-    """``n`` bytes for a person: ``"2.3 GiB"``, ``"512 B"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def kv_bytes_per_token(fingerprint: ModelFingerprint) -> int:
@@ -74,25 +49,60 @@ def free_disk(path: str | os.PathLike) -> int:
     return shutil.disk_usage(p).free
 
 
-def check_fits(
-    path: str | os.PathLike, projected: int, stored: int, max_bytes: int | None, evictable: int
-) -> None:
-    """Refuse, before any write, ``projected`` new bytes that the store's limit (after evicting
-    the ``evictable`` bytes no document owns) or the free disk cannot hold."""
-    if max_bytes is not None and stored - evictable + projected > max_bytes:
-        raise StoreFullError(
-            f"store {path}: {format_size(projected)} of new K/V does not fit its limit of "
-            f"{format_size(max_bytes)} ({format_size(stored - evictable)} held by documents); "
-            "raise the limit (--store-max-bytes, store_max_bytes=) or delete documents "
-            "(blendkv docs delete)"
+class IngestPlan(NamedTuple):
+    """What an ingest is about to write, and where it must fit (checked before any write)."""
+
+    location: str
+    num_tokens: int
+    projected: int  # bytes of the new chunks' values
+    max_bytes: int | None  # the store's limit
+    stored: int  # bytes stored now
+    evictable: int  # of which no document owns (the LRU may evict them)
+    free: int | None  # free bytes on the store's disk (None: a Redis store)
+
+    def describe(self) -> str:
+        """``projected K/V: 2.3 GiB for 12,345 tokens (store limit 20.0 GiB, 1.2 GiB used;
+        free disk 80.1 GiB)``."""
+        limit = "none" if self.max_bytes is None else format_size(self.max_bytes)
+        disk = "" if self.free is None else f"; free disk {format_size(self.free)}"
+        return (
+            f"projected K/V: {format_size(self.projected)} for {self.num_tokens:,} tokens "
+            f"(store limit {limit}, {format_size(self.stored)} used{disk})"
         )
-    free = free_disk(path)
-    if projected * DISK_HEADROOM > free:
-        raise StoreFullError(
-            f"store {path}: {format_size(projected)} of new K/V does not fit the "
-            f"{format_size(free)} free on its disk; free space, ingest less, or use a store "
-            "on another disk"
-        )
+
+    def check(self) -> None:
+        """Raise :class:`StoreFullError` if the new K/V cannot fit the limit (after evicting
+        what no document owns) or the free disk."""
+        held = self.stored - self.evictable
+        if self.max_bytes is not None and held + self.projected > self.max_bytes:
+            raise StoreFullError(
+                f"store {self.location}: {format_size(self.projected)} of new K/V does not "
+                f"fit its limit of {format_size(self.max_bytes)} ({format_size(held)} held by "
+                "documents); raise the limit (--store-max-bytes, store_max_bytes=), delete "
+                "documents (blendkv docs delete) or ingest less"
+            )
+        if self.free is not None and self.projected * DISK_HEADROOM > self.free:
+            raise StoreFullError(
+                f"store {self.location}: {format_size(self.projected)} of new K/V does not fit "
+                f"the {format_size(self.free)} free on its disk; free space, ingest less, or "
+                "put the store on another disk"
+            )
+
+
+def plan_ingest(kv, chunk_lengths: Sequence[int]) -> IngestPlan:
+    """The :class:`IngestPlan` of writing new chunks of ``chunk_lengths`` tokens into ``kv``
+    (a :class:`~blendkv.store.base.ChunkKVStore`)."""
+    stats = kv.stats()
+    lmdb = kv.tier == "lmdb"
+    return IngestPlan(
+        location=str(kv.path),
+        num_tokens=sum(chunk_lengths),
+        projected=projected_bytes(kv.fingerprint, chunk_lengths),
+        max_bytes=stats.max_bytes,
+        stored=stats.bytes,
+        evictable=kv.evictable_bytes() if lmdb and stats.max_bytes is not None else 0,
+        free=free_disk(kv.path) if lmdb else None,
+    )
 
 
 def store_full_error(path, max_bytes: int, total_bytes: int, encoded) -> StoreFullError:

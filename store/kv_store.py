@@ -22,9 +22,11 @@ from pathlib import Path
 import lmdb
 import torch
 
+from blendkv.sizes import format_size
+
 from . import format as fmt
 from . import opening, txn_ops
-from .capacity import format_size, store_full_error
+from .capacity import store_full_error
 from .errors import CorruptValueError, StoreError, StoreFullError
 from .fingerprint import ModelFingerprint
 from .locking import locked

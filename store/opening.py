@@ -68,6 +68,12 @@ def register(path: Path) -> tuple[int, str]:
     return key
 
 
+def is_open_here(path: Path) -> bool:
+    """Whether this process has the store at ``path`` open."""
+    with _OPEN_LOCK:
+        return (os.getpid(), os.path.realpath(path)) in _OPEN_PATHS
+
+
 def unregister(key: tuple[int, str]) -> None:
     with _OPEN_LOCK:
         _OPEN_PATHS.discard(key)

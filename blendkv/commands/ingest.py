@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from blendkv.cli import add_model_args, engine_kwargs
+from blendkv.sizes import size_arg
 
 
 def add_store_arg(p: argparse.ArgumentParser) -> None:
@@ -14,6 +15,17 @@ def add_store_arg(p: argparse.ArgumentParser) -> None:
         required=True,
         metavar="DIR|URL",
         help="chunk-KV store: an LMDB directory, or redis://host:port/db (shared by processes)",
+    )
+
+
+def add_store_max_bytes_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store-max-bytes",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="the store's size limit, e.g. 20G, saved in the store (default: the saved one, "
+        "if any); past it, chunks no document owns are evicted, then ingest stops",
     )
 
 
@@ -44,7 +56,13 @@ def open_pipeline(
     options = follow_store_dtype(engine_kwargs(args), args.store)
     llm = LLM(args.model, enable_prefix_caching=enable_prefix_caching, **options)
     try:
-        return RAGPipeline(args.store, llm=llm, chunk_tokens=chunk_tokens, create=create)
+        return RAGPipeline(
+            args.store,
+            llm=llm,
+            chunk_tokens=chunk_tokens,
+            create=create,
+            store_max_bytes=getattr(args, "store_max_bytes", None),
+        )
     except BaseException:
         llm.close()
         raise
@@ -54,6 +72,7 @@ def register(sub) -> None:
     p = sub.add_parser("ingest", help="add .txt/.md files or folders to a chunk-KV store")
     p.add_argument("paths", nargs="+", help="files or folders (.txt/.md, searched recursively)")
     add_store_arg(p)
+    add_store_max_bytes_arg(p)
     p.add_argument("--chunk-tokens", type=int, default=256, help="target chunk length in tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_args(p)

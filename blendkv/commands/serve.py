@@ -8,9 +8,11 @@ import logging
 import os
 
 from blendkv.cli import add_model_args, engine_kwargs
+from blendkv.commands.ingest import add_store_max_bytes_arg
 from blendkv.config import resolve_device
 from blendkv.engine_args import create_engine_config, follow_store_dtype
 from blendkv.errors import BlendKVError, ConfigError
+from blendkv.sizes import size_arg
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +22,15 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--store", default=None, metavar="DIR", help="chunk store for `rag` requests")
+    add_store_max_bytes_arg(p)
+    p.add_argument(
+        "--request-cache-bytes",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="bound of the cache of documents sent in requests (their K/V never goes into "
+        "--store), e.g. 500M (default: min(2G, 10%% of the free temporary disk))",
+    )
     p.add_argument(
         "--api-key",
         default=None,
@@ -55,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get("BLENDKV_API_KEY") or None,
             served_model_name=args.served_model_name,
             store_dir=args.store,
+            store_max_bytes=args.store_max_bytes,
+            request_cache_bytes=args.request_cache_bytes,
             max_waiting=args.max_waiting,
             max_body_bytes=args.max_body_bytes,
         )

@@ -1,15 +1,20 @@
-"""``blendkv store stats|verify --store DIR``: inspect a store without loading a model.
+"""``blendkv store stats|verify|compact --store DIR``: inspect or compact a store without
+loading a model.
 
 ``verify`` checks every value, the index against the store, and the document catalog against
-the store (:mod:`blendkv.rag.consistency`); it exits 1 on any problem.
+the store (:mod:`blendkv.rag.consistency`); it exits 1 on any problem. ``compact`` gives the
+pages of deleted and evicted chunks back to the disk (:mod:`blendkv.store.compact`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 from blendkv.commands.ingest import add_store_arg
+from blendkv.sizes import format_size
 
 
 def register(sub) -> None:
@@ -23,9 +28,16 @@ def register(sub) -> None:
         add_store_arg(a)
         a.add_argument("--json", action="store_true", help="print one JSON object")
         a.set_defaults(func=run)
+    a = action.add_parser(
+        "compact", help="give the disk space of deleted and evicted chunks back (LMDB)"
+    )
+    add_store_arg(a)
+    a.set_defaults(func=run_compact)
 
 
 def run(args: argparse.Namespace) -> int:
+    if not _exists(args.store):
+        return 1
     from blendkv.rag.catalog import open_catalog
     from blendkv.rag.consistency import check_documents
     from blendkv.store import ChunkStore, MiniLMEmbedder
@@ -59,6 +71,7 @@ def _stats(args, store, catalog) -> int:
         "max_bytes": s.max_bytes,
         "evictions": s.evictions,
         "map_used_bytes": s.map_used,
+        "disk_bytes": None if store.shared else (Path(args.store) / "data.mdb").stat().st_size,
         "model": {"architecture": fp.architecture, "dtype": fp.dtype, "layers": fp.num_layers},
         "embedder": store.index.embedder_name,
     }
@@ -71,8 +84,43 @@ def _stats(args, store, catalog) -> int:
     note = f" ({stored} own stored chunks; see `blendkv store verify`)"
     print(f"documents  {record['documents']}{note if stored != record['documents'] else ''}")
     print(f"chunks     {s.entries} stored, {record['indexed_chunks']} indexed")
+    limit = format_size(s.max_bytes) if s.max_bytes else "none"
+    print(f"kv bytes   {format_size(s.bytes)} (limit: {limit}), {s.evictions} evictions")
+    if record["disk_bytes"] is not None:
+        on_disk = format_size(record["disk_bytes"])
+        print(f"on disk    {on_disk} (`blendkv store compact` gives unused pages back)")
+    return 0
+
+
+def run_compact(args: argparse.Namespace) -> int:
+    from blendkv.store.compact import compact_store
+
+    if _is_redis(args.store):
+        print(f"{args.store}: nothing to compact (a Redis server manages its own memory)")
+        return 0
+    if not _exists(args.store):
+        return 1
+    result = compact_store(args.store)
     print(
-        f"kv bytes   {s.bytes / 2**20:.1f} MiB (limit: {s.max_bytes or 'none'}), "
-        f"{s.evictions} evictions"
+        f"compacted {args.store}: {format_size(result.before)} -> {format_size(result.after)} "
+        f"on disk ({format_size(result.reclaimed)} reclaimed)"
     )
     return 0
+
+
+def _exists(store: str) -> bool:
+    """An LMDB store directory holds data.mdb; if not, say so in one line (a Redis store is
+    checked when it is opened)."""
+    if _is_redis(store) or (Path(store) / "data.mdb").exists():
+        return True
+    print(
+        f"blendkv: error: no blendkv store at {store}; create one with "
+        f"`blendkv ingest PATH --store {store}`",
+        file=sys.stderr,
+    )
+    return False
+
+
+def _is_redis(location: str) -> bool:
+    # store.redis_store.is_redis_url, without importing the store (and torch) to parse flags
+    return location.startswith(("redis://", "rediss://", "unix://"))

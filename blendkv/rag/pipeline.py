@@ -32,6 +32,7 @@ from blendkv.rag.ingest import DocumentIngester
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 from blendkv.sampling_params import SamplingParams
 from blendkv.store import StoreNotFoundError
+from blendkv.store.capacity import store_max_bytes_arg
 from blendkv.store.chunk_store import ChunkStore
 from blendkv.store.embedding import MiniLMEmbedder
 from blendkv.store.redis_store import is_redis_url
@@ -52,6 +53,9 @@ class RAGPipeline:
         chunk_tokens: target chunk length in tokens (chunks are cut on token ids).
         create: create the store if missing; ``False`` raises ``StoreNotFoundError`` instead.
         instruction: text placed before the passages in every prompt.
+        store_max_bytes: the store's size limit in bytes (or ``"20G"``, ``"500M"``), saved in
+            the store (None: the saved one, if any). Past it, chunks no document owns are
+            evicted, then an ingest raises ``StoreFullError`` (the document is rolled back).
         **engine_options: ``LLM`` keywords (``dtype``, ``device``, ...) for the model the
             pipeline loads when ``llm`` is None; an unknown one raises ``ConfigError``.
 
@@ -69,6 +73,7 @@ class RAGPipeline:
         create: bool = True,
         *,
         instruction: str | None = DEFAULT_INSTRUCTION,
+        store_max_bytes: int | str | None = None,
         **engine_options,
     ) -> None:
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -103,7 +108,11 @@ class RAGPipeline:
             self.manager = llm.blend_manager()
             embedder = embedder if embedder is not None else MiniLMEmbedder()
             self.store = ChunkStore(
-                self.store_dir, self.manager.fingerprint, embedder, create=create
+                self.store_dir,
+                self.manager.fingerprint,
+                embedder,
+                create=create,
+                max_bytes=store_max_bytes_arg(store_max_bytes),
             )
             self.manager.use_store(self.store.kv)
             self.catalog = open_catalog(self.store_dir, self.store.kv)

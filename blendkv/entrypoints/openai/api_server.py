@@ -12,6 +12,7 @@ import asyncio
 import copy
 import functools
 import logging
+import tempfile
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ from blendkv.entrypoints.openai.protocol import (
     ModelList,
 )
 from blendkv.rag import RAGPipeline
+from blendkv.store.capacity import default_request_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,11 @@ ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/
 class ServeConfig:
     """Server options (the engine's are the ``LLM``'s).
 
-    store_dir: a chunk store (``blendkv ingest``) for ``rag`` requests; documents sent in
-        requests are stored there too. Created when missing.
+    store_dir: a chunk store (``blendkv ingest``) for ``rag`` requests. Created when missing.
+    store_max_bytes: that store's size limit (None: the one saved in it, if any).
+    request_cache_bytes: the bound of the cache that keeps the K/V of documents sent in
+        requests (never in the store). None: min(2 GiB, 10 % of the temporary directory's free
+        disk).
     max_waiting: requests waiting for a place in the batch before new ones get 429.
     max_body_bytes: larger request bodies get 413.
     """
@@ -60,6 +65,8 @@ class ServeConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     store_dir: str | None = None
+    store_max_bytes: int | None = None
+    request_cache_bytes: int | None = None
     max_waiting: int | None = 256
     max_body_bytes: int = 16 << 20
 
@@ -68,6 +75,9 @@ class ServeConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        for name in ("store_max_bytes", "request_cache_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class ServerState:
@@ -101,8 +111,15 @@ class ServerState:
         llm = rag = engine = None
         try:
             llm = self._llm = self.load()
+            # Documents sent in requests: K/V in a bounded cache, never in the RAG store.
+            cache_bytes = self.config.request_cache_bytes
+            if cache_bytes is None:
+                cache_bytes = default_request_cache_bytes(tempfile.gettempdir())
+            llm.blend_manager().use_request_cache(cache_bytes)
             if self.config.store_dir is not None:
-                rag = RAGPipeline(self.config.store_dir, llm=llm)
+                rag = RAGPipeline(
+                    self.config.store_dir, llm=llm, store_max_bytes=self.config.store_max_bytes
+                )
             # The HTTP side's own tokenizer (logprob token texts): the engine thread uses the
             # engine's, and a HF fast tokenizer used by two threads at once can fail
             # ("Already borrowed").
