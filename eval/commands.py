@@ -51,6 +51,11 @@ def register_eval(sub) -> None:
         "--anchor-boundary", type=int, default=0, metavar="N",
         help="also precompute each chunk behind the last N tokens of the chunk before it",
     )  # fmt: skip
+    p.add_argument(
+        "--chunk-order", default="source",
+        help="passage order in the prompt: the data set's (source, default), or ranked by the "
+        "RAG pipeline's embedder against the question: relevance_first, relevance_last",
+    )  # fmt: skip
     add_config_args(p, BlendConnectorConfig, ("kv_store_dir",))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
@@ -80,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         anchor=args.anchor,
         anchor_boundary=args.anchor_boundary,
+        chunk_order=args.chunk_order,
     )  # validates the method names before the model loads
     journal = Journal(args.out, asdict(config), [m.name for m in config.method_list], args.resume)
     if journal.records:

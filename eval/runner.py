@@ -34,7 +34,9 @@ from blendkv.eval.methods import (
     run_method,
     teacher_forced_rows,
 )
+from blendkv.eval.ordering import order_examples
 from blendkv.eval.prompts import get_prompt_spec, render_prompt
+from blendkv.rag.chunk_order import check_chunk_order
 
 __all__ = ["EvalConfig", "EvalResult", "run_eval", "summarize_method"]
 
@@ -72,6 +74,9 @@ class EvalConfig:
     # before it in the prompt are added (EngineConfig.anchor_boundary_tokens).
     anchor: str = "prompt"
     anchor_boundary: int = 0
+    # Passage order in the prompt (blendkv.eval.ordering): the data set's, or ranked by the
+    # pipeline's embedder with the best passage first or last.
+    chunk_order: str = "source"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "answer_tokens"):
@@ -84,6 +89,7 @@ class EvalConfig:
             raise ConfigError(f"anchor must be one of {', '.join(ANCHORS)}, got {self.anchor!r}")
         if isinstance(self.anchor_boundary, bool) or self.anchor_boundary < 0:
             raise ConfigError(f"anchor_boundary must be >= 0, got {self.anchor_boundary!r}")
+        check_chunk_order(self.chunk_order)
         parse_methods(self.methods)  # raise MethodError now, before any model loads
 
     @property
@@ -126,6 +132,7 @@ def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None 
 
 def _run_examples(config, methods, examples, num_examples: int, progress: bool, journal):
     spec = get_prompt_spec(dataset_kind(config.data))
+    examples = order_examples(examples, config.chunk_order)
     llm = LLM(
         config.model,
         dtype=config.dtype,
