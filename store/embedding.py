@@ -55,10 +55,19 @@ class MiniLMEmbedder:
         if self._model is not None:
             return
         from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         model_dir = str(minilm_model_dir())
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        model = AutoModel.from_pretrained(model_dir, local_files_only=True)
+        # The model loads on the first embed, inside an ingest: transformers' own "Loading
+        # weights" bar would interleave with the ingest's.
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model = AutoModel.from_pretrained(model_dir, local_files_only=True)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         self._model = model.to(self.device).eval()
 
     def embed(self, texts: list[str]) -> np.ndarray:

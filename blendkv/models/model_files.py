@@ -38,6 +38,9 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 CONVERTED_MARKER = "blendkv_converted.json"
 WEIGHTS_HASH_FILE = ".blendkv_weights_hash.json"
 _MIB = 1 << 20
+# A tokenizer's vocabulary, in one of the forms transformers reads (fast, SentencePiece, BPE,
+# WordPiece); tokenizer_config.json alone is not enough.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 _ACCEPTED = (
     "accepted: None (the embedded SmolLM2-135M-Instruct), a path to a .gguf file or a directory "
@@ -99,6 +102,16 @@ def resolve_model(model: str | Path | None, cache_dir: str | Path | None = None)
         names = ", ".join(g.name for g in ggufs)
         raise ModelLoadError(f"{path} holds several .gguf files ({names}); pass one file's path")
     raise ModelLoadError(f"{path} has neither config.json nor a .gguf file; {_ACCEPTED}")
+
+
+def _check_tokenizer_files(path: Path) -> None:
+    """Refuse a model folder without a tokenizer before transformers does, in many lines."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy them "
+            "from the model's repository next to config.json, or save them there with "
+            "tokenizer.save_pretrained()"
+        )
 
 
 def gguf_content_hash(path: Path) -> str:
@@ -225,7 +238,12 @@ def load_model(
 def load_tokenizer(resolved: ResolvedModel):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolved.model_dir)
+    _check_tokenizer_files(resolved.model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(resolved.model_dir)
+    except Exception as e:  # transformers raises many types for unreadable tokenizer files
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load the tokenizer in {resolved.model_dir}: {message}") from e
 
 
 def weights_hash(resolved: ResolvedModel) -> str:
