@@ -30,6 +30,14 @@ def register(sub) -> None:
         "--ratio", type=float, default=None, help="recompute ratio (default: BlendConfig's)"
     )
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="retrieve only from documents whose source, doc_id or metadata KEY is VALUE "
+        "(repeatable: different keys must all match, a repeated key matches any of its values)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--show-prompt",
@@ -53,6 +61,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.rag import RAGAnswer
+    from blendkv.rag.filters import parse_filter_args
 
     # Validate before loading the model.
     params = SamplingParams(
@@ -63,19 +72,25 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.top_k < 1:
         raise InvalidRequestError(f"--top-k must be >= 1, got {args.top_k}")
+    filter = parse_filter_args(args.filter)
     blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)
     # The comparison's teacher-forced requests reuse each run's own prompt K/V through the
     # prefix cache (as `blendkv eval` does); every timed run starts from an empty cache.
     pipeline = open_pipeline(args, create=False, enable_prefix_caching=args.compare_full)
     try:
         if args.json:
-            answer = pipeline.query(args.question, args.top_k, params, blend, args.system)
+            answer = pipeline.query(
+                args.question, args.top_k, params, blend, args.system, filter=filter
+            )
             record = answer.to_dict()
             record.update(_explain(args, pipeline, answer, blend, as_json=True))
             print(json.dumps(record))
             return 0
         answer = None
-        for piece in pipeline.stream_query(args.question, args.top_k, params, blend, args.system):
+        pieces = pipeline.stream_query(
+            args.question, args.top_k, params, blend, args.system, filter=filter
+        )
+        for piece in pieces:
             if isinstance(piece, RAGAnswer):
                 answer = piece
             else:
@@ -115,7 +130,7 @@ def print_sources(answer) -> None:
     for i, s in enumerate(answer.sources, 1):
         snippet = " ".join(s.text.split())[:70]
         print(
-            f"  [{i}] chunk {s.chunk_id} of {s.doc_id} score={s.score:.3f} "
+            f"  [{i}] {s.label} (chunk {s.chunk_id}, #{s.position}) score={s.score:.3f} "
             f"kv_cached={s.kv_cached}  {snippet}"
         )
     st = answer.blend_stats

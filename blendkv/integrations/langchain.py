@@ -29,23 +29,32 @@ from blendkv.errors import InvalidRequestError
 
 
 def chunk_to_document(chunk) -> Document:
-    """A RetrievedChunk as a Document (metadata: chunk_id, doc_id, score, kv_cached, ...)."""
+    """A RetrievedChunk as a Document (metadata: the document's own, then ``source`` (its
+    file path or title, LangChain's key), chunk_id, doc_id, position, score, kv_cached)."""
     return Document(page_content=chunk.text, metadata=chunk.retriever_metadata())
 
 
 class BlendKVRetriever(BaseRetriever):
-    """Top-``k`` chunks of a RAGPipeline's store as ``Document``s; ``k`` may also be passed
-    per call (``retriever.invoke(q, k=3)``)."""
+    """Top-``k`` chunks of a RAGPipeline's store as ``Document``s. ``filter`` (e.g.
+    ``{"source": "docs/a.md"}``; see :meth:`RAGPipeline.retrieve`) searches only the documents
+    it selects. Both may also be passed per call (``retriever.invoke(q, k=3, filter=...)``)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     pipeline: Any
     k: int = 6
+    filter: Any = None
 
     def _get_relevant_documents(
-        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
+        self,
+        query: str,
+        *,
+        run_manager: CallbackManagerForRetrieverRun,
+        k: int | None = None,
+        filter: Any = None,
     ) -> list[Document]:
-        chunks = self.pipeline.retrieve(query, self.k if k is None else k)
+        k = self.k if k is None else k
+        chunks = self.pipeline.retrieve(query, k, self.filter if filter is None else filter)
         return [chunk_to_document(c) for c in chunks]
 
 

@@ -25,10 +25,13 @@ from blendkv.blend.config import BlendConfig
 from blendkv.engine_args import check_options, follow_store_dtype
 from blendkv.entrypoints.llm import LLM
 from blendkv.errors import ConfigError, InvalidRequestError
+from blendkv.rag import deletion
 from blendkv.rag.catalog import open_catalog
 from blendkv.rag.consistency import check_documents
 from blendkv.rag.errors import NoChunksError, RAGError
+from blendkv.rag.filters import DocumentFilter, check_filter
 from blendkv.rag.ingest import DocumentIngester
+from blendkv.rag.retrieval import retrieve_chunks
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 from blendkv.sampling_params import SamplingParams
 from blendkv.store import StoreNotFoundError
@@ -196,17 +199,26 @@ class RAGPipeline:
             return self.catalog.documents()
 
     def delete_document(self, doc_id: str) -> int:
-        """Remove a document's chunks from store and index (in step); returns how many."""
+        """Remove a document from store, index and catalog: ``doc_id`` is a doc id, or a
+        source (every document ingested from it). Chunks another document shares stay,
+        handed to it (:mod:`blendkv.rag.deletion`). Returns how many chunks were removed
+        (0 when nothing is named)."""
         with self._ingest_lock, self._store_lock:
             self._check_open()
-            removed = self.store.remove_document(doc_id)
-            self.catalog.remove(doc_id)
-            return len(removed)
+            doc_ids = self.catalog.find(doc_id) or [doc_id]
+            done = [deletion.delete_document(self.store, self.catalog, d) for d in doc_ids]
+            return sum(d.removed for d in done)
 
     # ------------------------------------------------------------------ retrieval
-    def retrieve(self, question: str, k: int = 6) -> list[RetrievedChunk]:
-        """The ``k`` chunks closest to ``question``, best first."""
+    def retrieve(
+        self, question: str, k: int = 6, filter: DocumentFilter | None = None
+    ) -> list[RetrievedChunk]:
+        """The ``k`` chunks closest to ``question``, best first, each with its document's
+        source and metadata. ``filter`` (a dict of metadata, ``source`` or ``doc_id`` values,
+        or a callable on the catalog entry; :mod:`blendkv.rag.filters`) searches only the
+        documents it selects: ``k`` chunks come back while that many match."""
         self._check_open()
+        filter = check_filter(filter)
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequestError("the question is empty")
         question = replace_lone_surrogates(question, "question")
@@ -217,15 +229,9 @@ class RAGPipeline:
                 f"the store at {self.store_dir} holds no chunks; add documents first "
                 "(RAGPipeline.add_documents or `blendkv ingest`)"
             )
-        out = []
         with self._store_lock:
             self._check_open()
-            for hit in self.store.search(question, k):
-                meta = hit.meta
-                doc_meta = self.catalog.get(meta.doc_id).get("metadata", {})
-                cached = meta.key in self.store.kv
-                row = (hit.chunk_id, meta.doc_id, meta.text, hit.score, cached, meta.position)
-                out.append(RetrievedChunk(*row, doc_meta))
+            out = retrieve_chunks(self.store, self.catalog, question, k, filter)
         if not out:
             raise NoChunksError(f"no chunk of {self.store_dir} matched the question")
         return out
@@ -244,18 +250,25 @@ class RAGPipeline:
         return prompt
 
     def query(
-        self, question: str, k: int = 6, sampling_params=None, blend=None, system=None
-    ) -> RAGAnswer:
-        """Retrieve ``k`` chunks and answer from their stored K/V (blended prefill)."""
-        sources, prompt, params, blend = self._prepare(question, k, sampling_params, blend, system)
+        self, question: str, k: int = 6, sampling_params=None, blend=None, system=None, *,
+        filter: DocumentFilter | None = None,
+    ) -> RAGAnswer:  # fmt: skip
+        """Retrieve ``k`` chunks (among the documents ``filter`` selects; see :meth:`retrieve`)
+        and answer from their stored K/V (blended prefill)."""
+        sources, prompt, params, blend = self._prepare(
+            question, k, sampling_params, blend, system, filter
+        )
         [out] = self.llm.generate([prompt], params, blend=blend)
         return self._answer(out, sources, prompt)
 
     def stream_query(
-        self, question: str, k: int = 6, sampling_params=None, blend=None, system=None
-    ) -> Iterator[str | RAGAnswer]:
+        self, question: str, k: int = 6, sampling_params=None, blend=None, system=None, *,
+        filter: DocumentFilter | None = None,
+    ) -> Iterator[str | RAGAnswer]:  # fmt: skip
         """Yield the answer's text pieces as they are generated, then the final RAGAnswer."""
-        sources, prompt, params, blend = self._prepare(question, k, sampling_params, blend, system)
+        sources, prompt, params, blend = self._prepare(
+            question, k, sampling_params, blend, system, filter
+        )
         last = None
         for out in self.llm.stream(prompt, params, blend=blend):
             last = out
@@ -263,10 +276,10 @@ class RAGPipeline:
                 yield out.delta_text
         yield self._answer(last, sources, prompt)
 
-    def _prepare(self, question, k, sampling_params, blend, system):
+    def _prepare(self, question, k, sampling_params, blend, system, filter=None):
         if isinstance(question, str):  # once here, not again in retrieve and the prompt
             question = replace_lone_surrogates(question, "question")
-        sources = self.retrieve(question, k)
+        sources = self.retrieve(question, k, filter)
         params = sampling_params or SamplingParams(max_tokens=128, temperature=0.0)
         return (
             sources,

@@ -27,6 +27,7 @@ STORE_DOC = (
     "The Python programming language was created by Guido van Rossum. It was first released "
     "in 1991.\n\nPython emphasises readability and uses indentation to delimit blocks."
 )
+BRIDGE_DOC = "The Copper Bridge over the Slate River opened to trains in 1903."
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,11 @@ def in_process():
 def client(tmp_path_factory):
     store = tmp_path_factory.mktemp("serve-store") / "store"
     llm = LLM(**ENGINE)
+    bridges = store.parent / "bridges.md"
+    bridges.write_text(BRIDGE_DOC)
     with RAGPipeline(store, llm=llm, chunk_tokens=24) as rag:  # what `blendkv ingest` does
-        rag.ingest([STORE_DOC], progress=False)
+        rag.ingest([STORE_DOC], metadata={"topic": "python"}, progress=False)
+        rag.ingest([bridges], metadata={"topic": "bridges"}, progress=False)
     app = create_app(llm, ServeConfig(store_dir=str(store)))  # the server closes the LLM
     with running_server(app) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -110,3 +114,25 @@ def test_rag_retrieves_from_the_store(client):
     assert any("Guido van Rossum" in s["text"] for s in info["sources"])
     assert info["num_chunks"] == 2 and info["chunks_hit"] == 2  # ingested K/V, reused
     assert resp.choices[0].message.content
+
+
+def test_rag_sources_name_their_document_and_a_filter_keeps_to_it(client):
+    kw = dict(
+        model=model(client),
+        messages=[{"role": "user", "content": "Who created the Python programming language?"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    resp = client.chat.completions.create(**kw, extra_body={"rag": {"top_k": 1}})
+    [best] = resp.blendkv["sources"]
+    assert best["metadata"] == {"topic": "python"} and best["source"] is None  # a bare text
+    resp = client.chat.completions.create(
+        **kw, extra_body={"rag": {"top_k": 2, "filter": {"topic": "bridges"}}}
+    )
+    [only] = resp.blendkv["sources"]  # the filtered document has one chunk
+    assert only["source"].endswith("bridges.md") and only["metadata"] == {"topic": "bridges"}
+    assert "Copper Bridge" in only["text"]
+    with pytest.raises(openai.BadRequestError, match="no document matches the filter"):
+        client.chat.completions.create(
+            **kw, extra_body={"rag": {"top_k": 2, "filter": {"topic": "none"}}}
+        )

@@ -46,6 +46,20 @@ def test_documents_carry_chunk_metadata(rag):
         assert d.metadata["kv_cached"] is True
         assert rag.store.kv.meta_for_id(d.metadata["chunk_id"]).text == d.page_content
     assert "Guido van Rossum" in docs[0].page_content
+    assert docs[0].metadata["source"].endswith("python_language.md")  # LangChain's key
+
+
+def test_retriever_filter_keeps_to_one_source(rag):
+    """The question's best chunks are in python_language.md; filtered to solar_system.md,
+    every document comes from there, as many as asked for."""
+    [solar] = [e["source"] for e in rag.documents().values() if e["source"].endswith("system.md")]
+    retriever = BlendKVRetriever(pipeline=rag, k=3, filter={"source": solar})
+    docs = retriever.invoke("Who created Python?")
+    assert len(docs) == 3 and {d.metadata["source"] for d in docs} == {solar}
+    plain = BlendKVRetriever(pipeline=rag, k=2)
+    assert plain.invoke("Who created Python?")[0].metadata["source"] != solar
+    docs = plain.invoke("Who created Python?", filter={"source": solar})  # per call
+    assert len(docs) == 2 and {d.metadata["source"] for d in docs} == {solar}
 
 
 def test_chain_hands_documents_to_blending(rag):

@@ -183,10 +183,10 @@ def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, d
         return lambda stream: prompt, {"blend": blend}
     if served.rag is None:
         raise APIError(400, "rag needs a server started with --store DIR", param="rag")
-    top_k, rag = req.rag.top_k, served.rag
+    top_k, doc_filter, rag = req.rag.top_k, req.rag.filter, served.rag
 
     def retrieve(stream: RequestStream) -> dict:  # runs on the engine thread
-        sources = rag.retrieve(query, top_k)
+        sources = rag.retrieve(query, top_k, doc_filter)
         stream.extra["sources"] = [s.to_dict() for s in sources]
         return rag.blended_prompt(query, sources, system)
 
