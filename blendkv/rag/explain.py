@@ -75,7 +75,7 @@ def format_prompt(segments: list[PromptSegment]) -> str:
         label = s.kind.replace("_", " ")
         if s.kind == "chunk":
             chunk += 1
-            label = f"chunk {chunk}/{num_chunks}: stored chunk {s.chunk_id} of {s.doc_id}"
+            label = f"chunk {chunk}/{num_chunks}: stored chunk {s.chunk_id} of {s.label}"
         lines.append(f"=== {label}  [tokens {s.start}-{s.end}) ===")
         lines.append(s.text)
     lines.append("=== end of prompt ===")
