@@ -250,38 +250,91 @@ def test_apply_penalties_matches_dense_per_row():
         torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
 
 
+def seen(inputs: PenaltyInputs, row: int) -> dict[int, int]:
+    """Row ``row``'s seen tokens -> output counts (padding repeats collapse into one)."""
+    ids, counts = inputs.token_ids[row].tolist(), inputs.output_counts[row].tolist()
+    return dict(zip(ids, counts, strict=True))
+
+
 def test_token_counts_slots_catch_up_and_reuse():
     params = SamplingParams(frequency_penalty=1.0)
     counts = TokenCounts(10, "cpu")
     a = make_seq("a", [1, 2, 2], [], params)
     b = make_seq("b", [3], [4, 4], params)
     inputs = counts.inputs([a, b])
-    assert counts.slots == {"a": 0, "b": 1} and counts.output_counts.shape == (8, 10)
-    assert inputs.prompt_mask[0].nonzero().flatten().tolist() == [1, 2]
-    assert inputs.output_counts[1].tolist() == [0, 0, 0, 0, 2, 0, 0, 0, 0, 0]
+    assert counts.slots == {"a": 0, "b": 1} and counts.token_ids.shape == (8, 16)
+    assert inputs.token_ids.shape == (2, 2)  # the most distinct tokens of a row
+    assert seen(inputs, 0) == {1: 0, 2: 0} and seen(inputs, 1) == {3: 0, 4: 2}
+    assert inputs.token_ids[1].tolist() == [3, 4]
     a.output_token_ids += [5]
     b.output_token_ids += [4, 6]  # two steps' tokens at once: both are added
     inputs = counts.inputs([b, a])
-    assert inputs.output_counts[0].tolist() == [0, 0, 0, 0, 3, 0, 1, 0, 0, 0]
-    assert inputs.output_counts[1].tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+    assert inputs.token_ids.tolist() == [[3, 4, 6], [1, 2, 5]]
+    assert inputs.output_counts.tolist() == [[0, 3, 1], [0, 0, 1]]
     counts.release("a")
     c = make_seq("c", [9], [], params)
     inputs = counts.inputs([c])
     assert counts.slots["c"] == 0  # a's slot, zeroed
-    assert inputs.output_counts.sum().item() == 0
-    assert inputs.prompt_mask[0].nonzero().flatten().tolist() == [9]
+    assert seen(inputs, 0) == {9: 0}
     for i in range(20):  # grows past the first 8 slots
         counts.inputs([make_seq(f"x{i}", [1], [2], params)])
-    assert counts.output_counts.shape[0] == 32
+    assert counts.token_ids.shape[0] == 32
+    long = make_seq("long", list(range(40)), [7], params)  # grows the width, keeps the rest
+    inputs = counts.inputs([long, b])
+    assert counts.width == 40 and seen(inputs, 1) == {3: 0, 4: 3, 6: 1}
+    assert inputs.token_ids[1, 3:].eq(3).all()  # padded with its first token
     counts.check_integrity()
     assert counts.inputs([make_seq("plain", [1], [1], SamplingParams())]) is None
+
+
+def dense_apply_penalties(logits, params, prompts, outputs):
+    """The whole-vocabulary form (masks and counts over every token), as an exact oracle."""
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for i, (p, prompt, output) in enumerate(zip(params, prompts, outputs, strict=True)):
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)
+        counts = counts.to(torch.int32).unsqueeze(0)
+        mask = torch.zeros(1, vocab, dtype=torch.bool)
+        mask[0, prompt] = True
+        row = out[i : i + 1]
+        r = torch.tensor([p.repetition_penalty]).unsqueeze(1)
+        row = torch.where(mask | (counts > 0), torch.where(row < 0, row * r, row / r), row)
+        row -= torch.tensor([p.frequency_penalty]).unsqueeze(1) * counts
+        row -= torch.tensor([p.presence_penalty]).unsqueeze(1) * (counts > 0)
+        out[i] = row[0]
+    return out
+
+
+def test_seen_token_penalties_equal_the_whole_vocabulary_form_bit_for_bit():
+    rng = random.Random(1)
+    gen = torch.Generator().manual_seed(1)
+    vocab = 300
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.1),
+        SamplingParams(presence_penalty=2.0),
+    ]
+    seqs = [
+        make_seq(str(i), [rng.randrange(vocab) for _ in range(n)],
+                 [rng.randrange(vocab) for _ in range(m)], p)
+        for i, (p, n, m) in enumerate(zip(params, (90, 7, 30), (40, 3, 60), strict=True))
+    ]  # fmt: skip
+    logits = torch.randn(3, vocab, generator=gen) * 4
+    logits[0, seqs[0].prompt_token_ids[0]] = 0.0  # zero is divided (transformers' form)
+    got = logits.clone()
+    apply_penalties(got, params, TokenCounts(vocab, "cpu").inputs(seqs))
+    want = dense_apply_penalties(
+        logits, params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
+    )
+    assert torch.equal(got, want)
 
 
 def test_sampler_refuses_penalised_rows_without_counts():
     with pytest.raises(AssertionError, match="counts"):
         Sampler().sample(torch.zeros(1, 5), [SamplingParams(presence_penalty=1.0)], [None], [0])
-    counts = torch.tensor([[0, 0, 0, 2, 0]], dtype=torch.int32)
-    inputs = PenaltyInputs([0], counts, torch.zeros(1, 5, dtype=torch.bool))
+    ids = torch.tensor([[1, 3]])
+    counts = torch.tensor([[0, 2]], dtype=torch.int32)
+    inputs = PenaltyInputs([0], ids, counts)
     logits = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.5]])
     params = [SamplingParams(temperature=0, frequency_penalty=0.5)]
     assert Sampler().sample(logits, params, [None], [0], inputs).token_ids == [4]
