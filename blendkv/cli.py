@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that left shows here, not in Python's flush at exit
+        return code
     except BlendKVError as exc:
         print(f"blendkv: error: {exc}", file=sys.stderr)
         return 2

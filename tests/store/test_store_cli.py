@@ -9,6 +9,7 @@ import sys
 from store_helpers import key_of, make_kv
 
 from blendkv.store.kv_store import KVStore
+from blendkv.store.records import NewChunk
 
 BLENDKV = [sys.executable, "-m", "blendkv.cli"]
 
@@ -27,15 +28,22 @@ def test_stats_of_a_missing_store_is_one_line(tmp_path):
         ]
 
 
-def test_stats_into_a_closed_pipe_is_quiet_and_compact_reports(store_path, fp):
+def test_output_into_a_closed_pipe_is_quiet(store_path, fp):
+    with KVStore(store_path, fp) as s:  # 3000 document chunks no index lists: 3000 problems
+        s.put_many([NewChunk(key_of(i), make_kv(i, 1), doc_id="d") for i in range(3000)])
+    cmd = " ".join([*BLENDKV, "store", "verify", "--store", str(store_path)]) + " | head -1"
+    done = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith(f"{store_path}: 3000 entries") and done.stdout.count("\n") == 1
+    assert done.stderr == ""
+    full = _run("store", "verify", "--store", str(store_path))
+    assert full.returncode == 1 and len(full.stdout) > 100_000  # more than a pipe holds
+
+
+def test_stats_and_compact_report_sizes(store_path, fp):
     with KVStore(store_path, fp, max_bytes=1 << 30) as s:
         for i in range(20):
             s.put(key_of(i), make_kv(i, 1024))
         s.delete([key_of(i) for i in range(2, 20)])
-    cmd = " ".join([*BLENDKV, "store", "stats", "--store", str(store_path)]) + " | head -1"
-    done = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
-    assert done.stdout.startswith("store ") and done.stdout.count("\n") == 1
-    assert done.stderr == ""
     stats = _run("store", "stats", "--store", str(store_path))
     assert "(limit: 1.0 GiB)" in stats.stdout and "on disk" in stats.stdout
     done = _run("store", "compact", "--store", str(store_path))
