@@ -12,6 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# No warm-up request at load (blendkv.entrypoints.warmup): the suite builds hundreds of engines
+# and times none of their first requests; tests/entrypoints/test_warmup.py turns it on.
+os.environ.setdefault("BLENDKV_WARMUP", "0")
+
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(
     0, str(Path(__file__).parent / "rag")

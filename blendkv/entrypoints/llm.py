@@ -17,6 +17,7 @@ from typing import Any
 from blendkv.engine.llm_engine import LLMEngine
 from blendkv.engine_args import create_engine_config
 from blendkv.entrypoints.router import OutputRouter
+from blendkv.entrypoints.warmup import warm_up, warmup_enabled
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
@@ -39,13 +40,20 @@ class LLM:
     ``tensor_parallel_size=1``, ...: :func:`~blendkv.engine_args.from_vllm_names`); any other
     raises :class:`~blendkv.errors.ConfigError`.
 
+    A short warm-up request runs at load (:mod:`blendkv.entrypoints.warmup`), so the first
+    request does not pay the process's one-time costs; ``warmup=False`` skips it.
+
     One ``LLM`` may be shared by threads: ``generate``, ``stream`` and ``chat`` calls from
     several threads are batched together in one engine loop, each getting its own outputs.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, warmup: bool | None = None, **kwargs: Any
+    ) -> None:
         self.config = create_engine_config(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
+        if warmup_enabled(warmup):  # the first request's TTFT is then its own
+            warm_up(self.engine)
         # Every step's outputs go to their own request's consumer: interleaved streams (and a
         # generate call between two stream items) never lose each other's tokens.
         self._router = OutputRouter()

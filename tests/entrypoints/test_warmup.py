@@ -1,0 +1,73 @@
+"""The warm-up request at load (issue 38, item 7): it runs a prefill and a decode step, leaves
+no trace (block pool, prefix cache, request ids, outputs), and can be switched off."""
+
+from __future__ import annotations
+
+import pytest
+
+from blendkv import LLM, SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.entrypoints.warmup import WARMUP_PROMPT_TOKENS, warm_up, warmup_enabled
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of"]
+BLENDED = {"documents": ["Paris is the capital of France. " * 3], "query": "Capital?"}
+
+
+def _forward_rows(llm) -> list[int]:
+    """Rows of every model forward from now on (a hook on the model)."""
+    rows: list[int] = []
+    llm.engine.model.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-1]))
+    return rows
+
+
+def test_warm_up_runs_a_prefill_and_a_decode_step(tiny_llama_dir):
+    with LLM(str(tiny_llama_dir), dtype="float32", warmup=False) as llm:
+        rows = _forward_rows(llm)
+        assert warm_up(llm.engine) > 0
+        assert rows == [WARMUP_PROMPT_TOKENS, 1]
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks == 0
+        assert list(bm.free_queue) == list(range(bm.num_blocks))  # as a fresh pool
+        assert llm.engine.scheduler.block_manager is bm
+        assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_warm_engine_answers_as_a_cold_one(tiny_llama_dir):
+    greedy = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+    outputs = []
+    for warmup in (False, True):
+        with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, warmup=warmup) as llm:
+            first = llm.generate(PROMPTS, greedy)
+            again = llm.generate(PROMPTS, greedy)  # the prefix cache holds only these prompts
+            blended = llm.generate([BLENDED], greedy, blend=BlendConfig())[0]
+            sampled = llm.generate(PROMPTS, seeded)
+            outputs.append(
+                (
+                    [o.request_id for o in first],
+                    [o.outputs[0].token_ids for o in first + again + sampled],
+                    [o.outputs[0].logprobs for o in first],
+                    [o.metrics.num_cached_tokens for o in first + again],
+                    blended.outputs[0].token_ids,
+                    blended.blend_stats.describe(),
+                )
+            )
+    assert outputs[0] == outputs[1]
+    assert outputs[1][0] == ["0", "1"]
+
+
+def test_switches(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("BLENDKV_WARMUP", "1")
+    assert warmup_enabled(None) and not warmup_enabled(False)
+    monkeypatch.setenv("BLENDKV_WARMUP", "0")
+    assert not warmup_enabled(None) and warmup_enabled(True)
+    monkeypatch.delenv("BLENDKV_WARMUP")
+    assert warmup_enabled(None)
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("cpu", True), ("triton", False)])
+def test_nothing_to_warm_under_the_triton_interpreter(tiny_llama_dir, backend, expected):
+    with LLM(str(tiny_llama_dir), dtype="float32", attention_backend=backend, warmup=False) as llm:
+        rows = _forward_rows(llm)
+        took = warm_up(llm.engine)
+        assert (took > 0, bool(rows)) == (expected, expected)
