@@ -138,3 +138,24 @@ def test_abandoned_stream_aborts_its_request(rag):
     next(response.response_gen)
     response.response_gen.close()
     assert not rag.llm.engine.has_unfinished_requests()
+
+
+def test_query_options_reach_the_pipeline(rag):
+    q = QUESTIONS[3]
+    for order in ("relevance_first", "relevance_last"):
+        want = rag.query(q, k=3, sampling_params=GREEDY, chunk_order=order)
+        engine = BlendKVQueryEngine(
+            rag, similarity_top_k=3, sampling_params=GREEDY, chunk_order=order
+        )
+        assert chunk_ids(engine.query(q).source_nodes) == [s.chunk_id for s in want.sources]
+    first = rag.query(q, k=3, sampling_params=GREEDY, chunk_order="relevance_first").sources
+    assert [s.chunk_id for s in first] != [s.chunk_id for s in want.sources]  # orders differ
+
+
+def test_retriever_from_four_threads(rag):
+    from blendkv.integrations.llamaindex import BlendKVLlamaIndexRetriever
+
+    retriever = BlendKVLlamaIndexRetriever(rag, similarity_top_k=2)
+    single = [chunk_ids(retriever.retrieve(q)) for q in QUESTIONS]
+    with ThreadPoolExecutor(4) as pool:
+        assert [chunk_ids(n) for n in pool.map(retriever.retrieve, QUESTIONS)] == single
