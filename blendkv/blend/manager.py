@@ -128,6 +128,7 @@ class BlendManager:
                 self.fingerprint,
                 max_bytes=self.request_cache_bytes,
                 memory_tier_bytes=0,
+                sync=False,  # a cache deleted at close: no fsync per write
             )
         except BaseException:
             main.close()
