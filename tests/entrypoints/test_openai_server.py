@@ -253,7 +253,8 @@ BAD_REQUESTS = {
     "missing messages": (CHAT, {"model": MODEL}, 400, "messages"),
     "temperature -1": (CHAT, {"messages": HELLO, "temperature": -1}, 400, "temperature"),
     "max_tokens 0": (CHAT, {"messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
-    "n 2": (CHAT, {"messages": HELLO, "n": 2}, 400, "n"),
+    "n 0": (CHAT, {"messages": HELLO, "n": 0}, 400, "n"),
+    "n above max_num_seqs": (CHAT, {"messages": HELLO, "n": 33}, 400, "n"),
     "presence_penalty 3": (
         CHAT,
         {"messages": HELLO, "presence_penalty": 3},
@@ -369,3 +370,57 @@ def test_langchain_chat_openai_talks_to_the_server(server, client):
         )
         assert msg.content == ref.choices[0].message.content
         assert (getattr(ref, "blendkv", None) is not None) == (extra_body is not None)
+
+
+# ---------------------------------------------------------------------------- n choices
+def test_n_choices_equal_offline_samples_and_usage_counts_them_all(client, offline):
+    prompt = "The quick brown fox"
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=10, ignore_eos=True)
+    ref = offline.generate(prompt, params)[0]
+    assert len({c.text for c in ref.outputs}) > 1, "distinct samples, or the test proves little"
+    kw = dict(model=MODEL, prompt=prompt, n=3, max_tokens=10, temperature=1.0, seed=5)
+    resp = client.completions.create(**kw, extra_body=NO_EOS)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == [c.text for c in ref.outputs]
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)  # counted once
+    assert resp.usage.completion_tokens == 3 * 10
+    chunks = list(
+        client.completions.create(
+            **kw, extra_body=NO_EOS, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts, reasons = {}, {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                reasons.setdefault(c.index, []).append(c.finish_reason)
+    assert texts == {c.index: c.text for c in ref.outputs}
+    assert reasons == {i: ["length"] for i in range(3)}
+    assert chunks[-1].usage.completion_tokens == 3 * 10
+
+
+def test_streamed_chat_n_choices_end_one_by_one(client, offline):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=12, temperature=1.0, seed=11, n=3)
+    free = client.chat.completions.create(**kw)
+    text = free.choices[1].message.content
+    stop = text[3:5]  # choice 1 stops early; the others where they meet it, if they do
+    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=12, stop=[stop])
+    ref = offline.chat(messages, params)[0]
+    full = client.chat.completions.create(**kw, stop=[stop])
+    assert [c.message.content for c in full.choices] == [c.text for c in ref.outputs]
+    assert [c.finish_reason for c in full.choices] == [c.finish_reason for c in ref.outputs]
+    assert full.choices[1].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kw, stop=[stop], stream=True))
+    assert [(c.index, c.delta.role) for c in chunks[0].choices] == [
+        (i, "assistant") for i in range(3)
+    ]
+    texts, reasons = {}, {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                reasons.setdefault(c.index, []).append(c.finish_reason)
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert reasons == {c.index: [c.finish_reason] for c in full.choices}

@@ -274,7 +274,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = serving.chat_stream(
-                rid, int(time.time()), served, stream, top_n, include_usage
+                rid, int(time.time()), served, stream, top_n, include_usage, n=params.n
             )
             return _sse(events, headers)
         out = await _until_disconnected(request, _last_output(stream))

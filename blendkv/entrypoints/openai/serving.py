@@ -76,13 +76,6 @@ def sampling_params(
     logprobs: int | None,
     param_names: dict[str, str] | None = None,
 ) -> SamplingParams:
-    if req.n not in (None, 1):
-        raise APIError(
-            400,
-            f"n={req.n} is not supported: blendkv returns one choice per request; send n "
-            "requests (with different seeds) instead",
-            param="n",
-        )
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -102,6 +95,7 @@ def sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            n=1 if req.n is None else req.n,
         )
     except InvalidRequestError as exc:
         raise api_error(exc, param_names) from exc
@@ -230,7 +224,9 @@ def blend_config(req: ChatCompletionRequest) -> BlendConfig:
 
 # ------------------------------------------------------------------------ responses
 def usage(out: RequestOutput) -> Usage:
-    n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    """The prompt counted once, every choice's completion tokens (OpenAI's ``n``)."""
+    n_in = len(out.prompt_token_ids)
+    n_out = sum(len(comp.token_ids) for comp in out.outputs)
     return Usage(
         prompt_tokens=n_in,
         completion_tokens=n_out,
@@ -296,19 +292,23 @@ def completion_logprobs(
 def chat_response(
     rid: str, served: Served, out: RequestOutput, stream: RequestStream, top_n: int
 ) -> ChatCompletionResponse:
-    comp = out.outputs[0]
-    logprobs = None
-    if comp.logprobs is not None:
-        logprobs = chat_logprobs(comp.logprobs, top_n, served.token_text)
-    choice = ChatChoice(
-        message=ResponseMessage(content=comp.text),
-        logprobs=logprobs,
-        finish_reason=comp.finish_reason,
-    )
+    choices = []
+    for comp in out.outputs:
+        logprobs = None
+        if comp.logprobs is not None:
+            logprobs = chat_logprobs(comp.logprobs, top_n, served.token_text)
+        choices.append(
+            ChatChoice(
+                index=comp.index,
+                message=ResponseMessage(content=comp.text),
+                logprobs=logprobs,
+                finish_reason=comp.finish_reason,
+            )
+        )
     return ChatCompletionResponse(
         id=rid,
         model=served.model_name,
-        choices=[choice],
+        choices=choices,
         usage=usage(out),
         blendkv=blend_info(out, stream),
     )
@@ -317,13 +317,21 @@ def chat_response(
 def completion_response(
     rid: str, served: Served, out: RequestOutput, top_n: int
 ) -> CompletionResponse:
-    comp = out.outputs[0]
-    logprobs = None
-    if comp.logprobs is not None:
-        logprobs = completion_logprobs(comp.logprobs, top_n, served.token_text)
-    choice = CompletionChoice(text=comp.text, logprobs=logprobs, finish_reason=comp.finish_reason)
+    choices = []
+    for comp in out.outputs:
+        logprobs = None
+        if comp.logprobs is not None:
+            logprobs = completion_logprobs(comp.logprobs, top_n, served.token_text)
+        choices.append(
+            CompletionChoice(
+                index=comp.index,
+                text=comp.text,
+                logprobs=logprobs,
+                finish_reason=comp.finish_reason,
+            )
+        )
     return CompletionResponse(
-        id=rid, model=served.model_name, choices=[choice], usage=usage(out), blendkv=None
+        id=rid, model=served.model_name, choices=choices, usage=usage(out), blendkv=None
     )
 
 
@@ -339,8 +347,10 @@ async def chat_stream(
     stream: RequestStream,
     top_n: int,
     include_usage: bool,
+    n: int = 1,
 ) -> AsyncIterator[str]:
-    """Server-sent events of a chat completion; closing it early aborts the request."""
+    """Server-sent events of a chat completion (``n`` choices); closing it early aborts the
+    request. A choice that ends before the others gets its finish chunk when it ends."""
 
     def chunk(choices, **kw) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -348,19 +358,35 @@ async def chat_stream(
         )
 
     try:
-        yield sse(chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]))
-        last, sent = None, 0
+        roles = [
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            for i in range(n)
+        ]
+        yield sse(chunk(roles))
+        last, sent, ended = None, {}, set()  # per choice index: logprobs sent; finish sent
         async for out in stream:
-            last, comp = out, out.outputs[0]
-            logprobs = None
-            if comp.logprobs is not None and len(comp.logprobs) > sent:
-                logprobs = chat_logprobs(comp.logprobs[sent:], top_n, served.token_text)
-                sent = len(comp.logprobs)
-            if out.delta_text or logprobs is not None:
-                delta = DeltaMessage(content=out.delta_text)
-                yield sse(chunk([ChatChunkChoice(delta=delta, logprobs=logprobs)]))
-        end = ChatChunkChoice(delta=DeltaMessage(), finish_reason=last.outputs[0].finish_reason)
-        yield sse(chunk([end], blendkv=blend_info(last, stream)))
+            last = out
+            for comp in out.outputs:
+                i, logprobs = comp.index, None
+                if comp.logprobs is not None and len(comp.logprobs) > sent.get(i, 0):
+                    new = comp.logprobs[sent.get(i, 0) :]
+                    logprobs = chat_logprobs(new, top_n, served.token_text)
+                    sent[i] = len(comp.logprobs)
+                if comp.delta_text or logprobs is not None:
+                    delta = DeltaMessage(content=comp.delta_text)
+                    yield sse(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)]))
+                if comp.finish_reason is not None and not out.finished and i not in ended:
+                    ended.add(i)  # a choice that ends before the others
+                    end = ChatChunkChoice(
+                        index=i, delta=DeltaMessage(), finish_reason=comp.finish_reason
+                    )
+                    yield sse(chunk([end]))
+        ends = [
+            ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)
+            for c in last.outputs
+            if c.index not in ended
+        ]
+        yield sse(chunk(ends, blendkv=blend_info(last, stream)))
         if include_usage:
             yield sse(chunk([], usage=usage(last)))
         yield "data: [DONE]\n\n"
@@ -385,19 +411,27 @@ async def completion_stream(
         )
 
     try:
-        last, sent, offset = None, 0, 0
+        last, sent, offset, ended = None, {}, {}, set()  # per choice index
         async for out in stream:
-            last, comp = out, out.outputs[0]
-            logprobs = None
-            if comp.logprobs is not None and len(comp.logprobs) > sent:
-                new = comp.logprobs[sent:]
-                logprobs = completion_logprobs(new, top_n, served.token_text, offset)
-                sent, offset = len(comp.logprobs), offset + sum(map(len, logprobs.tokens))
-            if out.delta_text or logprobs is not None or out.finished:
-                choice = CompletionChoice(
-                    text=out.delta_text, logprobs=logprobs, finish_reason=comp.finish_reason
-                )
-                yield sse(chunk([choice]))
+            last = out
+            for comp in out.outputs:
+                i, logprobs = comp.index, None
+                if comp.logprobs is not None and len(comp.logprobs) > sent.get(i, 0):
+                    new = comp.logprobs[sent.get(i, 0) :]
+                    logprobs = completion_logprobs(new, top_n, served.token_text, offset.get(i, 0))
+                    sent[i] = len(comp.logprobs)
+                    offset[i] = offset.get(i, 0) + sum(map(len, logprobs.tokens))
+                newly_ended = comp.finish_reason is not None and i not in ended
+                if comp.delta_text or logprobs is not None or newly_ended:
+                    if newly_ended:
+                        ended.add(i)
+                    choice = CompletionChoice(
+                        index=i,
+                        text=comp.delta_text,
+                        logprobs=logprobs,
+                        finish_reason=comp.finish_reason,
+                    )
+                    yield sse(chunk([choice]))
         if include_usage:
             yield sse(chunk([], usage=usage(last)))
         yield "data: [DONE]\n\n"
