@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from blendkv.eval.paired import compare, load_records, main
+from blendkv.eval.paired import compare, load_records, main, sign_test
 
 
 def _write(path, rows):
@@ -23,7 +23,20 @@ def test_pairs_only_examples_both_runs_finished(tmp_path, capsys):
     rows = compare(load_records(tmp_path / "base"), load_records(tmp_path / "run"), "answer_kl")
     assert rows == [
         {"method": "reuse", "n": 2, "mean": pytest.approx(0.2), "base_mean": pytest.approx(0.3),
-         "lower": 1},
+         "lower": 1, "higher": 1, "p": 1.0},
     ]  # fmt: skip
     assert main([str(tmp_path / "base"), f"x={tmp_path / 'run'}"]) == 0
-    assert "| x | reuse | 2 | 0.2000 | 0.3000 | 0.67x | 1/2 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| x | reuse | 2 | 0.2000 | 0.3000 | 0.67x | 1/2 | 1/2 | 1.000 |" in out
+    assert "| full |" not in out
+    assert main([str(tmp_path / "base"), f"x={tmp_path / 'run'}", "--with-full"]) == 0
+    assert (
+        "| x | full | 1 | 0.0000 | 0.0000 | nanx | 0/1 | 0/1 | 1.000 |" in capsys.readouterr().out
+    )
+
+
+def test_sign_test_is_exact_and_two_sided():
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(0, 5) == sign_test(5, 0) == pytest.approx(2 / 32)
+    assert sign_test(1, 9) == pytest.approx(2 * 11 / 1024)
+    assert sign_test(3, 3) == 1.0
