@@ -1,7 +1,7 @@
 """Engine configuration: frozen, validated on construction, flows down only.
 
 Facts found at run time (how many KV blocks fit, the eos id, the model's shapes) live in
-:class:`blendkv.engine.llm_engine.RuntimeInfo`, never written back here.
+:class:`blendkv.engine.runtime_info.RuntimeInfo`, never written back here.
 """
 
 from __future__ import annotations

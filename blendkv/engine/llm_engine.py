@@ -20,18 +20,18 @@ from blendkv.config import (
     resolve_attention_backend,
     resolve_device,
     resolve_dtype,
-    resolve_kv_cache_memory_bytes,
 )
 from blendkv.engine.block_manager import BlockManager
 from blendkv.engine.cuda_graphs import DecodeGraphs
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
-from blendkv.engine.model_runner import ModelRunner, kv_block_bytes
+from blendkv.engine.model_runner import ModelRunner
 from blendkv.engine.parallel_sampling import (
     ParentRequest,
     child_request_id,
     child_sampling_params,
 )
 from blendkv.engine.request_state import RequestState
+from blendkv.engine.runtime_info import runtime_info
 from blendkv.engine.sampler import Sampler
 from blendkv.engine.scheduler import Scheduler
 from blendkv.engine.sequence import Sequence, SequenceStatus
@@ -77,24 +77,6 @@ class EngineStats:
     last_step_num_scheduled: int  # requests (decodes and prefill pieces) in the last step
 
 
-@dataclass(frozen=True)
-class RuntimeInfo:
-    """Facts found while starting the engine (never written back into the config)."""
-
-    model_name: str
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    device: str = "cpu"  # resolved from EngineConfig.device ("auto" -> cuda or cpu)
-    dtype: str = "float32"  # resolved from EngineConfig.dtype
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -117,7 +99,9 @@ class LLMEngine:
         )
         apply_cpu_tuning(self.model, self.cpu_tuning)
         self.hf_config = self.model.config
-        self.info = self._runtime_info()
+        self.info = runtime_info(
+            config, self.model, self.tokenizer, self.resolved.name, self.device, self.dtype
+        )
         self.kv_connector = create_kv_connector(
             config.kv_connector,
             KVConnectorContext(
@@ -175,45 +159,6 @@ class LLMEngine:
     def close(self) -> None:
         """Flush and release the KV connector (a blend store's pending writes land first)."""
         self.kv_connector.close()
-
-    # ------------------------------------------------------------- startup
-    def _runtime_info(self) -> RuntimeInfo:
-        cfg, conf = self.hf_config, self.config
-        num_blocks = conf.num_kv_blocks or max(
-            1,
-            resolve_kv_cache_memory_bytes(conf, self.device)
-            // kv_block_bytes(cfg, conf.block_size, self.torch_dtype),
-        )
-        model_max = getattr(cfg, "max_position_embeddings", None) or 1 << 30
-        max_model_len = min(conf.max_model_len or model_max, model_max)
-        # One sequence must always fit in the whole pool, or preemption could never resolve.
-        max_model_len = min(max_model_len, num_blocks * conf.block_size)
-        if not conf.enable_chunked_prefill:
-            max_model_len = min(max_model_len, conf.max_num_batched_tokens)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return RuntimeInfo(
-            model_name=self.resolved.name,
-            architecture=(cfg.architectures or [type(self.model).__name__])[0],
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
-            vocab_size=cfg.vocab_size,
-            num_kv_blocks=num_blocks,
-            block_size=conf.block_size,
-            max_model_len=max_model_len,
-            eos_token_ids=self._eos_token_ids(),
-            device=self.device,
-            dtype=self.dtype,
-        )
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids: list[int] = []
-        for source in (getattr(self.model, "generation_config", None), self.hf_config):
-            eos = getattr(source, "eos_token_id", None) if source is not None else None
-            ids.extend(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return tuple(dict.fromkeys(ids))
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
