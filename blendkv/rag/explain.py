@@ -119,7 +119,7 @@ class FullComparison:
         return "\n".join(
             [
                 f"full prefill beside the blend (same {self.num_prompt_tokens} prompt tokens, "
-                "both greedy):",
+                f"both greedy; TTFT: median of {TIMED_RUNS} warm runs):",
                 f"  {'full prefill':14s} TTFT {self.full_ttft * 1e3:7.0f} ms  "
                 f"{' '.join(self.full_answer.split())}",
                 f"  {blend:14s} TTFT {self.blend_ttft * 1e3:7.0f} ms  "
