@@ -8,7 +8,10 @@ the engine.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -269,3 +272,43 @@ def test_blended_prompt_is_blended_once_for_all_samples(tiny_llama_dir, tmp_path
     assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in singles]
     assert all_free(blend)
     blend.close()
+
+
+def test_async_llm_streams_every_sample_and_abort_ends_them(tiny_llama_dir, llm):
+    from blendkv.entrypoints.async_llm import AsyncLLM
+
+    p = prompt(15, seed=10)
+    params = SamplingParams(temperature=1.0, seed=21, n=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ref = [c.text for c in llm.generate([p], params)[0].outputs]
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+
+    async def collect() -> list:
+        return [out async for out in engine.generate(p, params)]
+
+    async def abort_early() -> None:
+        stream = engine.generate(p, dataclasses.replace(params, max_tokens=200))
+        async for _ in stream:
+            break  # leaving the loop closes the stream: every sample is aborted
+        await stream.aclose()
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(collect(), timeout=60))
+        texts = [""] * 3
+        for out in outs:
+            for c in out.outputs:
+                texts[c.index] += c.delta_text
+        assert texts == ref == [c.text for c in outs[-1].outputs] and outs[-1].finished
+        asyncio.run(asyncio.wait_for(abort_early(), timeout=60))
+        bm = engine.llm.engine.block_manager
+        assert wait_until(lambda: bm.num_free_blocks == bm.num_blocks)
+    finally:
+        engine.shutdown()
+
+
+def wait_until(ready, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
