@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from blendkv.cli import add_model_args, engine_kwargs
@@ -70,33 +71,56 @@ def open_pipeline(
 
 def register(sub) -> None:
     p = sub.add_parser("ingest", help="add .txt/.md files or folders to a chunk-KV store")
-    p.add_argument("paths", nargs="+", help="files or folders (.txt/.md, searched recursively)")
+    p.add_argument(
+        "paths",
+        nargs="+",
+        help="files, folders (.txt/.md, searched recursively) or quoted globs ('docs/**/*.md')",
+    )
     add_store_arg(p)
     add_store_max_bytes_arg(p)
     p.add_argument("--chunk-tokens", type=int, default=256, help="target chunk length in tokens")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop at an unreadable file inside a folder (default: skip it with a warning)",
+    )
+    p.add_argument(
+        "--keep-old-versions",
+        action="store_true",
+        help="keep the stored version of a file whose content changed (default: replace it)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from blendkv.rag.documents import load_documents
+    from blendkv.rag.documents import load_inputs
+    from blendkv.rag.ingest import IngestInterrupted
 
-    paths = [Path(p) for p in args.paths]
-    docs = load_documents(paths)  # validate every file before loading the model
+    # Read and validate every file before loading the model; the pipeline ingests what was read.
+    loaded = load_inputs(paths=args.paths, strict=args.strict)
+    for s in loaded.skipped:
+        print(f"warning: skipped {s.path}: {s.reason}", file=sys.stderr)
     pipeline = open_pipeline(args, create=True, chunk_tokens=args.chunk_tokens)
     try:
-        report = pipeline.ingest(paths, progress=not args.no_progress)
-        for doc, doc_id in zip(docs, report.doc_ids, strict=True):
-            state = (
-                "added"
-                if doc_id in report.added
-                else "repaired"
-                if doc_id in report.repaired
-                else "already stored"
+        try:
+            report = pipeline.ingest(
+                loaded,
+                replace=not args.keep_old_versions,
+                progress=not args.no_progress,
+                on_plan=lambda plan: print(plan.describe(), flush=True),
             )
-            print(f"{doc_id}  {state:14s}  {doc.source}")
-        print(report.summary())
+        except IngestInterrupted as e:
+            print(f"\n{e.message()}", file=sys.stderr)
+            return 130
+        except KeyboardInterrupt:
+            print(
+                "\ninterrupted: what was stored is kept; re-run the same command to resume",
+                file=sys.stderr,
+            )
+            return 130
+        _print_report(report)
         print(
             f"store {args.store}: {len(pipeline.store.kv)} chunks, "
             f"{len(pipeline.documents())} documents"
@@ -105,3 +129,22 @@ def run(args: argparse.Namespace) -> int:
         pipeline.close()
         pipeline.llm.close()
     return 0
+
+
+def _print_report(report) -> None:
+    """One line per document (doc id, what happened, source), replaced versions, the summary."""
+    replaced: dict[str, list[str]] = {}
+    for old, new in report.replaced:
+        replaced.setdefault(new, []).append(old)
+    for doc_id, source in zip(report.doc_ids, report.sources, strict=True):
+        state = (
+            "added"
+            if doc_id in report.added
+            else "repaired"
+            if doc_id in report.repaired
+            else "already stored"
+        )
+        print(f"{doc_id}  {state:14s}  {source}")
+        for old in replaced.pop(doc_id, []):
+            print(f"{old}  {'replaced':14s}  {source} (older version, removed)")
+    print(report.summary())

@@ -12,12 +12,14 @@ from blendkv.rag.errors import (
     RAGError,
     UnreadableDocumentError,
 )
+from blendkv.rag.ingest import IngestInterrupted
 from blendkv.rag.pipeline import RAGPipeline
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 
 __all__ = [
     "DocumentError",
     "EmptyDocumentError",
+    "IngestInterrupted",
     "IngestReport",
     "NoChunksError",
     "RAGAnswer",

@@ -6,7 +6,8 @@
 Ingest writes a document's chunks (store, then index) and only then its catalog entry, so a
 killed ingest leaves stored chunks the catalog lacks. The store re-syncs its index itself;
 here :func:`check_documents` reports catalog disagreements (``blendkv store verify``) and
-:func:`document_action` tells a re-run of ingest how to repair a document. Loads no model.
+:func:`document_action` tells a re-run of ingest how to repair a document: it resumes, writing
+only the chunks that are not stored. Loads no model.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class DocumentAction(enum.Enum):
     SKIP = "skip"  # in the catalog and every chunk of its entry stored
     ADD = "add"  # neither stored nor in the catalog
     CATALOG = "catalog"  # every chunk stored, the catalog entry missing: write only the entry
-    REWRITE = "rewrite"  # stored chunks incomplete or not the entry's: delete, write again
+    # Some chunks stored (an interrupted ingest; chunks evicted or deleted by hand): write the
+    # missing ones, release stored ones today's chunking lacks, then write the entry.
+    RESUME = "resume"
 
 
 def document_action(catalog: DocumentCatalog, kv, doc_id: str, keys: list[bytes]) -> DocumentAction:
@@ -40,12 +43,12 @@ def document_action(catalog: DocumentCatalog, kv, doc_id: str, keys: list[bytes]
             complete = len(owned) == catalog.get(doc_id)["num_chunks"]
         else:
             complete = owned <= set(recorded) and all(k in kv for k in recorded)
-        return DocumentAction.SKIP if complete else DocumentAction.REWRITE
+        return DocumentAction.SKIP if complete else DocumentAction.RESUME
     if not owned:
         return DocumentAction.ADD
     if owned <= set(keys) and all(k in kv for k in keys):
         return DocumentAction.CATALOG
-    return DocumentAction.REWRITE
+    return DocumentAction.RESUME
 
 
 def check_documents(catalog: DocumentCatalog, kv, report) -> None:

@@ -1,26 +1,64 @@
-"""Turning user input (strings, files, folders) into validated document texts.
+"""Turning ingest inputs into validated documents, explicitly (a string is never guessed).
 
-Everything is read and checked before anything is written, so one bad file fails the whole
-batch and leaves the store untouched.
+    documents=  str (a text; one that looks like a path is refused), pathlib.Path (a file or a
+                folder), a LangChain ``Document`` or a LlamaIndex node/``Document`` (duck-typed)
+    paths=      files, folders and globs (``"docs/**/*.md"``), as str or Path
+    texts=      strings that are texts, whatever they look like
+
+A file's source is its path as given (``os.path.normpath``: ``./docs/a.md`` is ``docs/a.md``,
+relative stays relative); a text's is None, or the ``"source"`` of its metadata (a title, a
+URL). An unreadable file (empty, binary, not UTF-8) inside a folder or a glob is skipped and
+listed in :attr:`LoadedInputs.skipped` (``strict`` raises instead); a file named on its own
+that cannot be read raises, and so does a folder or glob where nothing could be read.
+Everything is read before anything is written.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from blendkv.rag.errors import EmptyDocumentError, UnreadableDocumentError
+from blendkv.rag.errors import DocumentError, EmptyDocumentError, UnreadableDocumentError
 from blendkv.text import replace_lone_surrogates
 
 TEXT_SUFFIXES = (".txt", ".md")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+# A bare word with a file-name suffix ("notes.md", "report.PDF"): a path, not a text.
+_FILE_NAME = re.compile(r"^[\w.-]*\.[A-Za-z][A-Za-z0-9]{0,4}$")
+_MAX_PATH = 4096
 
 
 @dataclass(frozen=True)
 class SourceDocument:
+    """One document to ingest: its text, source (a path, a title, None) and own metadata."""
+
     text: str
-    source: str | None  # the file it came from, None for a string
+    source: str | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    """A file inside a folder or glob that could not be read (empty, binary, not UTF-8)."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoadedInputs:
+    """The documents an ingest will write, in input order, and the files it skipped.
+    ``RAGPipeline.ingest`` accepts one as ``documents`` (the CLI reads before it loads a
+    model, then ingests what it read)."""
+
+    documents: tuple[SourceDocument, ...]
+    skipped: tuple[SkippedFile, ...] = ()
 
 
 def content_doc_id(text: str) -> str:
@@ -28,52 +66,184 @@ def content_doc_id(text: str) -> str:
     return "doc-" + hashlib.blake2b(text.encode("utf-8"), digest_size=8).hexdigest()
 
 
-def expand_paths(paths: list[str | os.PathLike]) -> list[Path]:
-    """Files as given, folders expanded (recursively, sorted) to their .txt/.md files."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-            if not found:
-                raise EmptyDocumentError(f"{p} holds no {'/'.join(TEXT_SUFFIXES)} files")
-            out.extend(found)
-        elif p.is_file():
-            out.append(p)
-        else:
-            raise UnreadableDocumentError(f"{p}: no such file or directory")
-    return out
-
-
-def read_text_file(path: Path) -> str:
-    data = path.read_bytes()
-    if b"\x00" in data[:8192]:
-        raise UnreadableDocumentError(f"{path} looks binary (NUL bytes); give .txt/.md text")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UnreadableDocumentError(
-            f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8 first"
-        ) from e
-
-
-def load_documents(items) -> list[SourceDocument]:
-    """Validated documents. A ``str`` is a document's text; a ``pathlib.Path`` (any
-    ``os.PathLike``) is a file or a folder of .txt/.md files."""
-    if isinstance(items, (str, os.PathLike)):
-        items = [items]
+def load_inputs(
+    documents: Any = None,
+    *,
+    paths: Any = None,
+    texts: Any = None,
+    strict: bool = False,
+) -> LoadedInputs:
+    """Validated documents from ``documents``, then ``paths``, then ``texts`` (see the module
+    docstring); raises :class:`DocumentError` subclasses, before anything is written."""
+    if isinstance(documents, LoadedInputs):
+        if paths is not None or texts is not None:
+            raise DocumentError("give loaded documents alone, without paths= or texts=")
+        return documents
     docs: list[SourceDocument] = []
-    for i, item in enumerate(items):
+    skipped: list[SkippedFile] = []
+    for i, item in enumerate(_items(documents)):
         if isinstance(item, os.PathLike):
-            docs.extend(SourceDocument(read_text_file(p), str(p)) for p in expand_paths([item]))
+            _load_path(Path(item), docs, skipped, strict)
         elif isinstance(item, str):
+            if looks_like_path(item):
+                raise DocumentError(
+                    f"document {i} is the string {item[:80]!r}, which names a path; pass "
+                    f"Path({item[:80]!r}) or paths=[...] to ingest the file(s), or texts=[...] "
+                    "if it is the text itself"
+                )
             docs.append(SourceDocument(replace_lone_surrogates(item, f"document {i}"), None))
         else:
-            raise UnreadableDocumentError(
-                f"document {i} is a {type(item).__name__}; give a str (text) or a Path"
-            )
+            docs.append(_framework_document(item, i))
+    for item in _items(paths):
+        if not isinstance(item, (str, os.PathLike)):
+            raise DocumentError(f"paths= takes str or Path items, got a {type(item).__name__}")
+        _load_path_or_glob(item, docs, skipped, strict)
+    for i, item in enumerate(_items(texts)):
+        if not isinstance(item, str):
+            raise DocumentError(f"texts= takes str items, got a {type(item).__name__}")
+        docs.append(SourceDocument(replace_lone_surrogates(item, f"text {i}"), None))
     if not docs:
         raise EmptyDocumentError("no documents given")
     for i, doc in enumerate(docs):
         if not doc.text.strip():
             raise EmptyDocumentError(f"document {doc.source or i} is empty")
-    return docs
+    return LoadedInputs(tuple(docs), tuple(skipped))
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether a string names an existing file or folder, or is one word shaped like a path
+    or a glob (a separator, a glob character, a file-name suffix)."""
+    if not text or len(text) > _MAX_PATH or "\n" in text:
+        return False
+    try:
+        if os.path.exists(text):
+            return True
+    except (OSError, ValueError):  # e.g. a NUL byte, a name too long for the file system
+        pass
+    if any(c.isspace() for c in text):
+        return False
+    has_separator = "/" in text or "\\" in text
+    return has_separator or bool(_GLOB_CHARS.search(text) or _FILE_NAME.match(text))
+
+
+def _items(value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)) or _is_framework_document(value):
+        return [value]
+    if not isinstance(value, Iterable):
+        raise DocumentError(f"a {type(value).__name__} is not a document or a list of them")
+    return list(value)
+
+
+def _is_framework_document(item: Any) -> bool:
+    return hasattr(item, "page_content") or callable(getattr(item, "get_content", None))
+
+
+def _framework_document(item: Any, i: int) -> SourceDocument:
+    """A LangChain ``Document`` (``page_content``) or a LlamaIndex node (``get_content()``),
+    duck-typed; its metadata's ``source`` (LlamaIndex: ``file_path``) becomes the source."""
+    if hasattr(item, "page_content"):
+        text = item.page_content
+    elif callable(getattr(item, "get_content", None)):
+        text = item.get_content()  # LlamaIndex's default mode: the text without its metadata
+    else:
+        raise UnreadableDocumentError(
+            f"document {i} is a {type(item).__name__}; give a str (text), a Path, a LangChain "
+            "Document or a LlamaIndex node"
+        )
+    if not isinstance(text, str):
+        raise DocumentError(f"document {i} ({type(item).__name__}) has no text")
+    metadata = getattr(item, "metadata", None) or {}
+    if not isinstance(metadata, dict):
+        raise DocumentError(f"document {i} ({type(item).__name__}) has non-dict metadata")
+    metadata = dict(metadata)
+    source = metadata.pop("source", None)
+    if source is None:
+        source = metadata.get("file_path")
+    text = replace_lone_surrogates(text, f"document {i}")
+    return SourceDocument(text, None if source is None else str(source), metadata)
+
+
+def _load_path_or_glob(item, docs, skipped, strict: bool) -> None:
+    name = os.fspath(item)
+    if isinstance(name, bytes):
+        raise DocumentError(f"paths= takes str or Path items, got the bytes path {name!r}")
+    if Path(name).exists() or not _GLOB_CHARS.search(name):
+        _load_path(Path(name), docs, skipped, strict)
+        return
+    found = sorted(Path(p) for p in glob.glob(name, recursive=True))
+    files = [p for p in found if p.is_file()]  # glob's "*" skips hidden names itself
+    if not files:
+        raise UnreadableDocumentError(f"{name}: the pattern matches no file")
+    _load_files(files, name, docs, skipped, strict)
+
+
+def _load_path(path: Path, docs, skipped, strict: bool) -> None:
+    if path.is_dir():
+        files = sorted(
+            f
+            for f in path.rglob("*")
+            if f.is_file() and f.suffix in TEXT_SUFFIXES and not _hidden(f, path)
+        )
+        if not files:
+            raise EmptyDocumentError(f"{path} holds no {'/'.join(TEXT_SUFFIXES)} files")
+        _load_files(files, str(path), docs, skipped, strict)
+    elif path.is_file():
+        docs.append(SourceDocument(read_text_file(path), _source(path)))
+    else:
+        raise UnreadableDocumentError(f"{path}: no such file or directory")
+
+
+def _load_files(files: list[Path], where: str, docs, skipped, strict: bool) -> None:
+    """Read the files of a folder or glob: an unreadable one is skipped (or raises, strict);
+    raises when none could be read."""
+    read = 0
+    for f in files:
+        try:
+            text = read_text_file(f)
+        except (UnreadableDocumentError, OSError) as e:
+            if strict:
+                raise UnreadableDocumentError(f"{e} (--strict / strict=True)") from e
+            skipped.append(SkippedFile(_source(f), _reason(e, f)))
+            continue
+        if not text.strip():
+            if strict:
+                raise EmptyDocumentError(f"{f} is empty (--strict / strict=True)")
+            skipped.append(SkippedFile(_source(f), "empty"))
+            continue
+        docs.append(SourceDocument(text, _source(f)))
+        read += 1
+    if not read:
+        raise UnreadableDocumentError(
+            f"{where}: none of its {len(files)} file(s) could be read "
+            f"({'; '.join(f'{s.path}: {s.reason}' for s in skipped[-3:])})"
+        )
+
+
+def read_text_file(path: Path) -> str:
+    data = path.read_bytes()
+    if b"\x00" in data[:8192]:
+        raise UnreadableDocumentError(f"{path}: binary (NUL bytes), not .txt/.md text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UnreadableDocumentError(
+            f"{path}: not UTF-8 text (byte {e.start}); convert it to UTF-8 first"
+        ) from e
+
+
+def _source(path: Path) -> str:
+    return os.path.normpath(path)
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    """A file under a hidden folder (``.git``, ``.venv``) or hidden itself, below ``root``."""
+    parts = path.relative_to(root).parts
+    return any(p.startswith(".") and p not in (".", "..") for p in parts)
+
+
+def _reason(error: Exception, path: Path) -> str:
+    text = str(error)
+    prefix = f"{path}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text

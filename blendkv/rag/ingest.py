@@ -1,8 +1,15 @@
 """Ingest: documents in, chunk K/V, embeddings and catalog entries out.
 
-    inputs ─> load_documents ─> chunk on token ids ─> document_action (skip / add / repair)
-           ─> prefill each chunk behind the anchor ─> ChunkStore (LMDB + FAISS, in step)
+    inputs ─> load_inputs ─> chunk on token ids ─> plan (skip / add / catalog / resume)
+           ─> prefill the chunks not yet stored ─> ChunkStore (LMDB + FAISS, in step)
            ─> catalog entry (last: a document is listed only once its chunks are stored)
+           ─> older versions of the same source removed (replace on re-ingest)
+
+Chunks are content-addressed, so a chunk whose key is stored is never computed again: a
+re-run after an interruption resumes where it stopped, and an edited file recomputes only its
+changed chunks. Ctrl-C keeps what was stored and raises :class:`IngestInterrupted` (a
+``KeyboardInterrupt``) saying so; any other failure removes the chunks this call wrote for the
+document it was writing.
 
 :class:`DocumentIngester` is the ingest half of a :class:`~blendkv.rag.RAGPipeline`. It reads
 the pipeline's current ``store``, ``catalog``, ``manager`` and ``llm`` on every call (not copies
@@ -12,16 +19,24 @@ caller holds the pipeline's ingest lock; index and catalog changes take its stor
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from blendkv.rag.consistency import DocumentAction, document_action
-from blendkv.rag.documents import SourceDocument, content_doc_id, load_documents
+from blendkv.rag.deletion import delete_document
+from blendkv.rag.documents import LoadedInputs, SourceDocument, content_doc_id, load_inputs
 from blendkv.rag.errors import DocumentError, EmptyDocumentError, RAGError
 from blendkv.rag.types import IngestReport
 from blendkv.store import NewChunk, chunk_token_ids
+from blendkv.store.capacity import IngestPlan, plan_ingest
+
+logger = logging.getLogger(__name__)
 
 # Chunks per store transaction: bounds the K/V held in memory while a document is ingested
 # (a 256-token chunk of SmolLM2-135M is ~12 MB in float32).
@@ -39,65 +54,135 @@ class IngestHost(Protocol):
     _store_lock: threading.RLock
 
 
+class IngestInterrupted(KeyboardInterrupt):
+    """Ctrl-C during an ingest. What was stored stays: ``done`` documents are complete,
+    ``stored_chunks`` of ``num_chunks`` chunks of ``doc_id`` (from ``source``) are kept and
+    the same ingest run again resumes from them."""
+
+    def __init__(
+        self, done: tuple[str, ...], doc_id: str, source: str | None, stored: int, total: int
+    ) -> None:
+        self.done, self.doc_id, self.source = done, doc_id, source
+        self.stored_chunks, self.num_chunks = stored, total
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        return (
+            f"interrupted: {len(self.done)} document(s) stored in full; {self.stored_chunks} of "
+            f"{self.num_chunks} chunks of {self.source or self.doc_id} kept; re-run the same "
+            "ingest to resume"
+        )
+
+
+@dataclass
+class _Plan:
+    """What one document needs: its chunks, their keys, the positions to compute."""
+
+    index: int  # the document's position in the input
+    doc_id: str
+    action: DocumentAction
+    pieces: list  # TextChunk of every chunk
+    keys: list[bytes]
+    todo: list[int]  # chunk positions whose K/V was not stored when planned
+    computed: list[int] = dataclasses.field(default_factory=list)  # the ones computed
+
+
 class DocumentIngester:
     """Chunk, prefill, store and catalog documents for ``host`` (see the module docstring)."""
 
     def __init__(self, host: IngestHost) -> None:
         self.host = host
 
-    def ingest(self, documents, metadata, doc_ids, progress: bool) -> IngestReport:
-        """:meth:`RAGPipeline.ingest`; the caller holds the pipeline's ingest lock."""
+    def ingest(
+        self,
+        documents,
+        metadata,
+        doc_ids,
+        progress: bool,
+        *,
+        paths=None,
+        texts=None,
+        strict: bool = False,
+        replace: bool = True,
+        on_plan: Callable[[IngestPlan], None] | None = None,
+    ) -> IngestReport:
+        """:meth:`RAGPipeline.ingest`; the caller holds the pipeline's ingest lock.
+        ``on_plan`` is called with the projected size before the capacity check."""
         h = self.host
         t0 = time.perf_counter()
         if h.store is None:
             raise RAGError("the pipeline is closed")
-        docs = load_documents(documents)
+        given = isinstance(documents, LoadedInputs)
+        loaded = load_inputs(documents, paths=paths, texts=texts, strict=strict)
+        if not given:  # the CLI prints the files it skipped itself
+            for s in loaded.skipped:
+                logger.warning("skipped %s: %s", s.path, s.reason)
+        docs = list(loaded.documents)
         ids = self._doc_ids(docs, doc_ids)
-        metas = self._metadata(metadata, len(docs))
-        pieces = [self._chunk(doc, i) for i, doc in enumerate(docs)]
-        actions: dict[int, tuple[DocumentAction, list[bytes]]] = {}
-        seen: set[str] = set()
-        for i, doc_id in enumerate(ids):
-            if doc_id in seen:
-                continue
-            seen.add(doc_id)
-            keys = [h.manager.chunk_key(list(c.token_ids)) for c in pieces[i]]
-            action = document_action(h.catalog, h.store.kv, doc_id, keys)
-            if action is not DocumentAction.SKIP:
-                actions[i] = (action, keys)
-        written = [i for i, (a, _) in actions.items() if a is not DocumentAction.CATALOG]
-        total = sum(len(pieces[i]) for i in written)
+        metas = self._metadata(metadata, docs)
+        plans = self._plan(docs, ids)
+        total = sum(len(p.todo) for p in plans)
+        if total:  # refuse what the store's limit or the disk cannot hold, before any write
+            lengths = [len(p.pieces[i].token_ids) for p in plans for i in p.todo]
+            capacity = plan_ingest(h.store.kv, lengths)
+            if on_plan is not None:
+                on_plan(capacity)
+            capacity.check()
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc="ingest", unit="chunk", disable=not progress or total == 0)
+        done: list[str] = []
         try:
-            for i, (action, keys) in actions.items():
-                if action is DocumentAction.REWRITE:
-                    self._remove_chunks(ids[i])
-                if action is not DocumentAction.CATALOG:
-                    self._write_document(ids[i], pieces[i], bar)
-                try:
-                    with h._store_lock:
-                        h.catalog.put(
-                            ids[i], source=docs[i].source, metadata=metas[i], chunk_keys=keys
-                        )
-                except BaseException:
-                    if action is not DocumentAction.CATALOG:
-                        self._remove_chunks(ids[i])
-                    raise
+            for p in plans:
+                self._store_document(p, docs[p.index], metas[p.index], bar, done)
+                done.append(p.doc_id)
         finally:
             bar.close()
-        added = tuple(ids[i] for i, (a, _) in actions.items() if a is DocumentAction.ADD)
-        repaired = tuple(ids[i] for i, (a, _) in actions.items() if a is not DocumentAction.ADD)
+        replaced = self._replace_old_versions(docs, ids) if replace else []
+        written = [p for p in plans if p.action is not DocumentAction.SKIP]
         return IngestReport(
             doc_ids=tuple(ids),
-            added=added,
-            skipped=tuple(d for d in ids if d not in added and d not in repaired),
-            num_chunks=total,
-            num_tokens=sum(len(c.token_ids) for i in written for c in pieces[i]),
+            added=tuple(p.doc_id for p in written if p.action is DocumentAction.ADD),
+            skipped=tuple(d for d in ids if d not in {p.doc_id for p in written}),
+            num_chunks=sum(len(p.computed) for p in written),
+            num_tokens=sum(len(p.pieces[i].token_ids) for p in written for i in p.computed),
             seconds=time.perf_counter() - t0,
-            repaired=repaired,
+            repaired=tuple(p.doc_id for p in written if p.action is not DocumentAction.ADD),
+            sources=tuple(d.source for d in docs),
+            reused_chunks=sum(len(p.keys) - len(p.computed) for p in written),
+            replaced=tuple(replaced),
+            skipped_files=loaded.skipped,
         )
+
+    # ------------------------------------------------------------------------ planning
+    def _plan(self, docs: list[SourceDocument], ids: list[str]) -> list[_Plan]:
+        """One plan per distinct doc id (first occurrence), SKIP ones included."""
+        h = self.host
+        kv = h.store.kv
+        plans: list[_Plan] = []
+        seen: set[str] = set()
+        for i, (doc, doc_id) in enumerate(zip(docs, ids, strict=True)):
+            pieces = self._chunk(doc, i)
+            if doc_id in seen:
+                continue
+            seen.add(doc_id)
+            keys = [h.manager.chunk_key(list(c.token_ids)) for c in pieces]
+            action = document_action(h.catalog, kv, doc_id, keys)
+            todo = []
+            if action is not DocumentAction.SKIP:
+                # A key stored with no owner is query-time K/V (evictable, not indexed):
+                # computed again and stored as this document's chunk. A key repeated in the
+                # document is computed once, at its first position.
+                first = {key: pos for pos, key in reversed(list(enumerate(keys)))}
+                todo = [
+                    pos
+                    for key, pos in sorted(first.items(), key=lambda item: item[1])
+                    if (meta := kv.get_meta(key)) is None or meta.doc_id is None
+                ]
+                if todo and action is DocumentAction.CATALOG:
+                    action = DocumentAction.RESUME
+            plans.append(_Plan(i, doc_id, action, pieces, keys, todo))
+        return plans
 
     def _chunk(self, doc: SourceDocument, index: int):
         h = self.host
@@ -106,32 +191,106 @@ class DocumentIngester:
             raise EmptyDocumentError(f"document {doc.source or index} has no tokens")
         return chunk_token_ids(token_ids, h.llm.tokenizer, h.chunk_tokens)
 
-    def _write_document(self, doc_id: str, chunks, bar) -> None:
+    # ------------------------------------------------------------------------- writing
+    def _store_document(self, p: _Plan, doc: SourceDocument, meta: dict, bar, done) -> None:
+        """Write ``p``'s missing chunks, then its catalog entry. Ctrl-C keeps the chunks
+        stored so far; any other failure removes the ones this call stored."""
+        if p.action is DocumentAction.SKIP:
+            return
         h = self.host
-        m = h.manager
+        kv = h.store.kv
+        owned_before = {m.key for m in kv.document_chunks(p.doc_id)}
         try:
-            for start in range(0, len(chunks), WRITE_BATCH):
-                batch = chunks[start : start + WRITE_BATCH]
-                ids = [list(c.token_ids) for c in batch]
-                with h.llm.exclusive():  # the model is the engine's: not during a step
-                    kvs = m.compute_kv(ids)  # one forward for the batch
-                new = [
-                    # The key the blend path computes for these ids, so queries hit it.
-                    NewChunk(m.chunk_key(i), kv, c.text, c.token_ids, doc_id, start + j)
-                    for j, (c, i, kv) in enumerate(zip(batch, ids, kvs, strict=True))
-                ]
-                with h._store_lock:
-                    h.store.add_chunks(new)
-                bar.update(len(batch))
+            self._release_stale(p, owned_before)
+            self._write_chunks(p, bar)
+            with h._store_lock:
+                h.catalog.put(p.doc_id, source=doc.source, metadata=meta, chunk_keys=p.keys)
+        except KeyboardInterrupt as e:
+            with h._store_lock:  # an interrupt between a store write and its index update
+                h.store.sync_index()
+            keys = set(p.keys)
+            stored = sum(1 for m in kv.document_chunks(p.doc_id) if m.key in keys)
+            raise IngestInterrupted(tuple(done), p.doc_id, doc.source, stored, len(p.keys)) from e
         except BaseException:
-            self._remove_chunks(doc_id)  # new document: removing it is an exact rollback
+            mine = [m.key for m in kv.document_chunks(p.doc_id) if m.key not in owned_before]
+            with h._store_lock:
+                h.store.remove_chunks(mine)
             raise
 
-    def _remove_chunks(self, doc_id: str) -> list[int]:
+    def _release_stale(self, p: _Plan, owned: set[bytes]) -> None:
+        """Chunks stored under ``p.doc_id`` that its chunks as cut now do not include (cut
+        with another ``chunk_tokens``, or another text under a doc id given twice): handed
+        to a catalogued document that lists them, else deleted."""
+        keys = set(p.keys)
+        stale = [k for k in owned if k not in keys]
+        if not stale:
+            return
         h = self.host
         with h._store_lock:
-            return h.store.remove_document(doc_id)
+            users = h.catalog.key_documents()
+            moves, doomed = [], []
+            for key in stale:
+                heirs = [d for d in users.get(key, ()) if d != p.doc_id]
+                if heirs:
+                    moves.append((key, heirs[0], h.catalog.chunk_keys(heirs[0]).index(key)))
+                else:
+                    doomed.append(key)
+            if moves:
+                h.store.kv.reassign(moves)
+            h.store.remove_chunks(doomed)
 
+    def _write_chunks(self, p: _Plan, bar) -> None:
+        """Compute and store the chunks of ``p.todo`` that are still not stored (an earlier
+        document of the batch may have stored some; a key repeated in the document is
+        computed once); a stored key no document owns is replaced by this document's chunk."""
+        h = self.host
+        m = h.manager
+        kv = h.store.kv
+        todo, orphans, seen = [], [], set()
+        for pos in p.todo:
+            key = p.keys[pos]
+            if key in seen or ((meta := kv.get_meta(key)) is not None and meta.doc_id):
+                continue
+            seen.add(key)
+            todo.append(pos)
+            if meta is not None:
+                orphans.append(key)
+        bar.update(len(p.todo) - len(todo))
+        if orphans:
+            with h._store_lock:
+                h.store.remove_chunks(orphans)
+        for start in range(0, len(todo), WRITE_BATCH):
+            positions = todo[start : start + WRITE_BATCH]
+            ids = [list(p.pieces[pos].token_ids) for pos in positions]
+            with h.llm.exclusive():  # the model is the engine's: not during a step
+                kvs = m.compute_kv(ids)  # one forward for the batch
+            new = [
+                # The key the blend path computes for these ids, so queries hit it.
+                NewChunk(key, kv, p.pieces[pos].text, p.pieces[pos].token_ids, p.doc_id, pos)
+                for pos, key, kv in zip(positions, [p.keys[q] for q in positions], kvs, strict=True)
+            ]
+            with h._store_lock:
+                h.store.add_chunks(new)
+            p.computed.extend(positions)
+            bar.update(len(positions))
+
+    def _replace_old_versions(self, docs: list[SourceDocument], ids: list[str]):
+        """Remove the catalogued documents that share a source with one of ``docs`` under
+        another doc id (older versions); returns ``(old, new)`` doc id pairs."""
+        h = self.host
+        mine = set(ids)
+        out = []
+        with h._store_lock:
+            for doc, doc_id in zip(docs, ids, strict=True):
+                if doc.source is None:
+                    continue
+                for old in h.catalog.find(doc.source):
+                    if old not in mine and old in h.catalog:
+                        delete_document(h.store, h.catalog, old)
+                        out.append((old, doc_id))
+        return out
+
+    # ------------------------------------------------------------------------ checking
     @staticmethod
     def _doc_ids(docs: list[SourceDocument], doc_ids) -> list[str]:
         if doc_ids is None:
@@ -147,18 +306,28 @@ class DocumentIngester:
         return doc_ids
 
     @staticmethod
-    def _metadata(metadata, n: int) -> list[dict]:
+    def _metadata(metadata, docs: list[SourceDocument]) -> list[dict]:
+        """Each document's own metadata (LangChain, LlamaIndex), updated by ``metadata``. A
+        ``"source"`` key is taken out: it names the source of a document that has none (a
+        text's title); a file keeps its path. Updates ``docs`` in place."""
+        n = len(docs)
         if metadata is None:
-            return [{} for _ in range(n)]
-        metas = [metadata] * n if isinstance(metadata, dict) else list(metadata)
+            metas = [{} for _ in range(n)]
+        else:
+            metas = [metadata] * n if isinstance(metadata, dict) else list(metadata)
         if len(metas) != n or not all(isinstance(m, dict) for m in metas):
             raise DocumentError(f"metadata must be one dict or {n} dicts")
+        metas = [{**d.metadata, **m} for d, m in zip(docs, metas, strict=True)]
+        for i, m in enumerate(metas):
+            source = m.pop("source", None)
+            if docs[i].source is None and source is not None:
+                docs[i] = dataclasses.replace(docs[i], source=str(source))
         try:
             # As the catalog writes it (UTF-8): lone surrogates fail here, not after the chunks.
             json.dumps(metas, ensure_ascii=False).encode("utf-8")
         except (TypeError, ValueError) as e:
             raise DocumentError(f"metadata must be JSON-serialisable UTF-8 text: {e}") from e
-        return [dict(m) for m in metas]
+        return metas
 
 
 def _is_unicode(text: str) -> bool:

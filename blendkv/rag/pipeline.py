@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from blendkv.rag.retrieval import retrieve_chunks
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 from blendkv.sampling_params import SamplingParams
 from blendkv.store import StoreNotFoundError
-from blendkv.store.capacity import store_max_bytes_arg
+from blendkv.store.capacity import IngestPlan, store_max_bytes_arg
 from blendkv.store.chunk_store import ChunkStore
 from blendkv.store.embedding import MiniLMEmbedder
 from blendkv.store.redis_store import is_redis_url
@@ -145,38 +145,67 @@ class RAGPipeline:
     # --------------------------------------------------------------------- ingest
     def add_documents(
         self,
-        documents: str | os.PathLike | Sequence[str | os.PathLike],
+        documents: Any = None,
         metadata: dict | Sequence[dict] | None = None,
         doc_ids: Sequence[str] | None = None,
         *,
+        paths: Any = None,
+        texts: Any = None,
         progress: bool = True,
     ) -> list[str]:
         """Ingest documents; returns their doc ids in input order (see :meth:`ingest`)."""
-        return list(self.ingest(documents, metadata, doc_ids, progress=progress).doc_ids)
+        report = self.ingest(
+            documents, metadata, doc_ids, paths=paths, texts=texts, progress=progress
+        )
+        return list(report.doc_ids)
 
     def ingest(
         self,
-        documents: str | os.PathLike | Sequence[str | os.PathLike],
+        documents: Any = None,
         metadata: dict | Sequence[dict] | None = None,
         doc_ids: Sequence[str] | None = None,
         *,
+        paths: Any = None,
+        texts: Any = None,
+        strict: bool = False,
+        replace: bool = True,
         progress: bool = True,
+        on_plan: Callable[[IngestPlan], None] | None = None,
     ) -> IngestReport:
         """Chunk, embed, index and precompute the K/V of every new document.
 
-        A ``str`` is a document's text, a ``pathlib.Path`` a .txt/.md file or a folder of them.
-        ``metadata`` is one dict for all documents or one per document; ``doc_ids`` default to
-        a hash of the text, so re-adding a document is a no-op (reported in ``skipped``).
-        Every input is read and validated before anything is written; a document's chunks are
-        written all or none (a failure rolls the document back).
+        Inputs are explicit (:mod:`blendkv.rag.documents`): in ``documents`` a ``str`` is a
+        text (one that looks like a path is refused), a ``pathlib.Path`` a file or a folder
+        of .txt/.md files, and LangChain ``Document`` objects and LlamaIndex nodes are taken as
+        they are; ``paths=`` takes files, folders and globs (``"docs/**/*.md"``), ``texts=``
+        strings that are texts. An unreadable file in a folder or glob is skipped with a
+        warning (``skipped_files``; ``strict=True`` raises instead).
+        ``metadata`` is one dict for all documents or one per document (merged over a
+        document's own); ``doc_ids`` default to a hash of the text, so re-adding a document
+        is a no-op (reported in ``skipped``). Every input is read and validated before
+        anything is written.
 
-        A document an interrupted ingest left behind (chunks stored, catalog entry missing, or
-        only part of its chunks stored; see :mod:`blendkv.rag.consistency`) is repaired when it
-        is given again: its catalog entry is written, or its chunks are written anew
-        (reported in ``repaired``).
+        Chunks already stored are not computed again: an interrupted ingest run again
+        resumes (``repaired``). Ctrl-C keeps what was stored and raises
+        :class:`~blendkv.rag.ingest.IngestInterrupted`; another failure removes what this call
+        wrote for the document it was writing. With ``replace``, a document whose source
+        (path or title) is catalogued under another doc id replaces that older version once
+        it is stored (``replaced``). ``on_plan`` receives the projected K/V size
+        (:class:`~blendkv.store.capacity.IngestPlan`) before it is checked against the
+        store's limit and the free disk.
         """
         with self._ingest_lock:
-            return self._ingester.ingest(documents, metadata, doc_ids, progress)
+            return self._ingester.ingest(
+                documents,
+                metadata,
+                doc_ids,
+                progress,
+                paths=paths,
+                texts=texts,
+                strict=strict,
+                replace=replace,
+                on_plan=on_plan,
+            )
 
     # -------------------------------------------------------------------- documents
     def has_document(self, doc_id: str) -> bool:

@@ -87,8 +87,13 @@ class IngestReport:
     """Outcome of :meth:`RAGPipeline.ingest`, one entry per input document, in input order.
 
     ``added``, ``skipped`` and ``repaired`` are doc ids (skipped = already in the store,
-    nothing written; repaired = left behind by an interrupted ingest, now made whole);
-    ``num_chunks`` counts the chunks written by this call.
+    nothing written; repaired = left behind by an interrupted ingest, now made whole: its
+    stored chunks were kept, the missing ones computed). ``num_chunks`` counts the chunks
+    computed and written by this call, ``reused_chunks`` the chunks of its added and repaired
+    documents that were already stored (not computed again). ``sources`` lists each
+    document's source (a path, a title, None), like ``doc_ids``. ``replaced`` holds
+    ``(old doc id, new doc id)``: an older version of the same source, removed once the new
+    one was stored. ``skipped_files``: the unreadable files of folders and globs, not ingested.
     """
 
     doc_ids: tuple[str, ...]
@@ -98,11 +103,21 @@ class IngestReport:
     num_tokens: int
     seconds: float
     repaired: tuple[str, ...] = ()
+    sources: tuple[str | None, ...] = ()
+    reused_chunks: int = 0
+    replaced: tuple[tuple[str, str], ...] = ()
+    skipped_files: tuple[Any, ...] = ()  # blendkv.rag.documents.SkippedFile
 
     def summary(self) -> str:
-        repaired = f", {len(self.repaired)} repaired" if self.repaired else ""
-        return (
-            f"{len(self.added)} document(s) added ({self.num_chunks} chunks, "
-            f"{self.num_tokens} tokens), {len(self.skipped)} already stored{repaired}, "
-            f"in {self.seconds:.1f}s"
-        )
+        docs = f"{len(self.added)} document(s) added"
+        if self.repaired:
+            docs += f", {len(self.repaired)} repaired"
+        chunks = f"{self.num_chunks} chunks computed ({self.num_tokens} tokens)"
+        if self.reused_chunks:
+            chunks += f", {self.reused_chunks} reused from the store"
+        parts = [f"{docs}, {len(self.skipped)} already stored", chunks]
+        if self.replaced:
+            parts.append(f"{len(self.replaced)} older version(s) replaced")
+        if self.skipped_files:
+            parts.append(f"{len(self.skipped_files)} unreadable file(s) skipped")
+        return "; ".join(parts) + f"; in {self.seconds:.1f}s"

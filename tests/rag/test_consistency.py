@@ -1,6 +1,6 @@
 """Catalog <-> store agreement (blendkv.rag.consistency) beyond the killed ingest of
 test_interrupted_ingest.py: no false alarm on chunks shared by documents, missing chunks found
-and re-written, a failed catalog write rolled back."""
+and written again (only them), a failed catalog write rolled back."""
 
 from __future__ import annotations
 
@@ -39,9 +39,14 @@ def test_missing_chunks_are_reported_and_written_again(tiny_rag):
     tiny_rag.store.sync_index()
     assert kinds(tiny_rag.verify()) == [("doc_chunks_missing", doc_id)]
     report = tiny_rag.ingest([text], progress=False)
-    assert report.repaired == (doc_id,) and report.num_chunks == len(chunks)
+    # Resumed: only the missing chunk is computed; the others keep their chunk ids.
+    assert report.repaired == (doc_id,) and report.num_chunks == 1
+    assert report.reused_chunks == len(chunks) - 1
     assert tiny_rag.verify().ok
-    assert [m.key for m in tiny_rag.store.kv.document_chunks(doc_id)] == [m.key for m in chunks]
+    after = tiny_rag.store.kv.document_chunks(doc_id)
+    assert [m.key for m in after] == [m.key for m in chunks]
+    kept = [m.chunk_id for i, m in enumerate(after) if i != 1]
+    assert kept == [m.chunk_id for i, m in enumerate(chunks) if i != 1]
 
 
 class FailingCatalog(DocumentCatalog):

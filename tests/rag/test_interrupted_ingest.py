@@ -1,6 +1,7 @@
 """An ingest killed (SIGKILL, for real, in a child process) between a document's chunk writes
-and its catalog entry: ``store verify`` reports the disagreement and a re-run of ``ingest``
-repairs it. Before, verify said OK and the re-run skipped the document for good."""
+and its catalog entry, or in the middle of a document: ``store verify`` reports the
+disagreement and a re-run of ``ingest`` repairs it, computing only the chunks that are not
+stored. Ctrl-C (a real SIGINT) says what was kept and exits 130; the re-run resumes."""
 
 from __future__ import annotations
 
@@ -133,9 +134,9 @@ def test_killed_ingest_is_reported_then_repaired(tiny_llama_dir, tmp_path, capsy
     assert (stats["documents"], stats["stored_documents"]) == (len(cataloged), len(before))
     assert stats["chunks"] == stats["indexed_chunks"]  # the index was saved with the chunks
 
-    code, out = cli(capsys, *ingest, *model)
+    code, rerun = cli(capsys, *ingest, *model)
     assert code == 0
-    assert f"{interrupted}  repaired" in out
+    assert f"{interrupted}  repaired" in rerun
     code, out = cli(capsys, "store", "verify", "--store", str(store))
     assert code == 0 and "OK" in out
     code, out = cli(capsys, "store", "stats", "--store", str(store), "--json")
@@ -147,8 +148,66 @@ def test_killed_ingest_is_reported_then_repaired(tiny_llama_dir, tmp_path, capsy
     assert all(entries[d]["num_chunks"] == len(after[d]) for d in doc_ids)
     if where == "catalog":  # complete chunks: only the catalog entry was written
         assert after[interrupted] == before[interrupted]
-    else:  # the first batch alone: the document was written anew, whole
-        assert len(after[interrupted]) > len(before[interrupted]) == 16
+        reused = len(before[interrupted])  # documents 3 and 4 were not reached: added now
+        assert "2 document(s) added, 1 repaired" in rerun and f"{reused} reused" in rerun
+    else:  # the first batch alone: resumed, the stored chunks kept (same ids), not recomputed
+        assert len(before[interrupted]) == 16
+        assert after[interrupted][:16] == before[interrupted]
+        missing = len(after[interrupted]) - 16
+        assert missing > 16  # the document needed more than one more batch
+        assert f"{missing} chunks computed" in rerun and "16 reused" in rerun
 
     code, out = cli(capsys, *ingest, *model)
     assert code == 0 and "0 document(s) added" in out and "repaired" not in out
+
+
+# The CLI itself, with a store that sends the process a real SIGINT (what Ctrl-C sends) after
+# the second write batch: KeyboardInterrupt lands in the middle of the second document.
+CTRL_C_CHILD = r"""
+import os, signal, sys
+import blendkv.rag.pipeline
+from blendkv.cli import main
+from blendkv.store import ChunkStore
+
+
+class CtrlCAfterTheSecondWriteBatch(ChunkStore):
+    batches = 0
+
+    def add_chunks(self, chunks):
+        results = super().add_chunks(chunks)
+        type(self).batches += 1
+        if type(self).batches == 2:  # the short document's, then the long one's first
+            os.kill(os.getpid(), signal.SIGINT)
+        return results
+
+
+blendkv.rag.pipeline.ChunkStore = CtrlCAfterTheSecondWriteBatch
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_says_what_was_kept_and_the_rerun_resumes(tiny_llama_dir, tmp_path, capsys):
+    store, docs = tmp_path / "store", tmp_path / "docs"
+    texts = [prose(7, 30), prose(8, 200)]  # a short document, then a long one
+    doc_ids = write_docs(docs, texts)
+    argv = ["ingest", str(docs), "--store", str(store), "--chunk-tokens", "16", "--no-progress"]
+    argv += ["--model", str(tiny_llama_dir), "--dtype", "float32"]
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C_CHILD, *argv], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    # The first document fits one batch: stored in full, catalogued; the second was cut.
+    assert "interrupted: 1 document(s) stored in full; 16 of " in proc.stderr
+    assert f"chunks of {docs / '01.txt'} kept; re-run the same ingest to resume" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert set(DocumentCatalog(store).documents()) == {doc_ids[0]}
+    before = owned_chunks(store)
+    assert len(before[doc_ids[1]]) == 16
+
+    code, out = cli(capsys, *argv)
+    after = owned_chunks(store)
+    computed = len(after[doc_ids[1]]) - 16
+    assert code == 0 and f"{doc_ids[1]}  repaired" in out and f"{computed} chunks computed" in out
+    assert after[doc_ids[1]][:16] == before[doc_ids[1]] and after[doc_ids[0]] == before[doc_ids[0]]
+    code, out = cli(capsys, "store", "verify", "--store", str(store))
+    assert code == 0 and "OK" in out
