@@ -93,7 +93,7 @@ def mismatch_message(location: object, given: ModelFingerprint, stored: ModelFin
         return (
             f"store {location} was built with dtype {stored.dtype}; this model is "
             f"{given.dtype}: pass dtype={stored.dtype!r} (or dtype='auto' to follow the "
-            "store), or use another store"
+            f"store), or use another store (command line: --dtype {stored.dtype} or auto)"
         )
     detail = "; ".join(
         f"{f}: store={getattr(stored, f)!r} given={getattr(given, f)!r}" for f in fields

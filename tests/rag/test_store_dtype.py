@@ -74,7 +74,8 @@ def test_cli_ask_follows_the_store_and_names_the_flag(other_dtype_store, tiny_ll
     assert main(["ask", "Capital of France?", "--top-k", "1", "--max-tokens", "1", *args]) == 0
     capsys.readouterr()
     assert main(["ask", "Capital?", "--max-tokens", "1", "--dtype", AUTO, *args]) == 2
-    assert f"pass dtype='{OTHER}'" in capsys.readouterr().err
+    assert f"pass dtype='{OTHER}'" in (err := capsys.readouterr().err)
+    assert f"--dtype {OTHER} or auto" in err
 
 
 def test_other_differences_still_name_the_fields(other_dtype_store, tmp_path):
