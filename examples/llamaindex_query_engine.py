@@ -22,7 +22,7 @@ DOCS = Path(__file__).resolve().parents[1] / "blendkv" / "rag" / "demo_docs"
 def print_sources(source_nodes) -> None:
     for n in source_nodes:
         meta = n.node.metadata
-        where = meta.get("source") or meta["doc_id"]
+        where = Path(meta.get("source") or meta["doc_id"]).name
         text = " ".join(n.node.get_content().split())[:60]
         print(f"  {n.score:.2f}  {where} (chunk {meta['chunk_id']}): {text}...")
 
