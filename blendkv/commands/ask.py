@@ -27,6 +27,12 @@ def register(sub) -> None:
     add_store_arg(p)
     p.add_argument("--top-k", type=int, default=6, help="chunks retrieved (default 6)")
     p.add_argument(
+        "--chunk-order",
+        default=None,
+        help="order of the chunks in the prompt: relevance_last (the most relevant next to the "
+        "question; the default), relevance_first or source (by document, in reading order)",
+    )
+    p.add_argument(
         "--ratio", type=float, default=None, help="recompute ratio (default: BlendConfig's)"
     )
     p.add_argument("--system", default=None, help="system prompt")
@@ -61,6 +67,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.rag import RAGAnswer
+    from blendkv.rag.chunk_order import check_chunk_order
     from blendkv.rag.filters import parse_filter_args
 
     # Validate before loading the model.
@@ -73,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise InvalidRequestError(f"--top-k must be >= 1, got {args.top_k}")
     filter = parse_filter_args(args.filter)
+    if args.chunk_order is not None:
+        check_chunk_order(args.chunk_order)
+    order = args.chunk_order
     blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)
     # The comparison's teacher-forced requests reuse each run's own prompt K/V through the
     # prefix cache (as `blendkv eval` does); every timed run starts from an empty cache.
@@ -80,16 +90,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.json:
             answer = pipeline.query(
-                args.question, args.top_k, params, blend, args.system, filter=filter
-            )
+                args.question, args.top_k, params, blend, args.system, filter=filter,
+                chunk_order=order,
+            )  # fmt: skip
             record = answer.to_dict()
             record.update(_explain(args, pipeline, answer, blend, as_json=True))
             print(json.dumps(record))
             return 0
         answer = None
         pieces = pipeline.stream_query(
-            args.question, args.top_k, params, blend, args.system, filter=filter
-        )
+            args.question, args.top_k, params, blend, args.system, filter=filter,
+            chunk_order=order,
+        )  # fmt: skip
         for piece in pieces:
             if isinstance(piece, RAGAnswer):
                 answer = piece
@@ -126,7 +138,7 @@ def _explain(args, pipeline, answer, blend, *, as_json: bool) -> dict:
 
 
 def print_sources(answer) -> None:
-    print("sources:")
+    print("sources (in prompt order):")
     for i, s in enumerate(answer.sources, 1):
         snippet = " ".join(s.text.split())[:70]
         print(

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             llm.generate(["warm up"], first_token)  # first-call overheads out of the timings
             rows = []
             for q in QUESTIONS:
-                sources = rag.retrieve(q, args.top_k)
+                sources = rag.order_sources(rag.retrieve(q, args.top_k))  # as query does
                 prompt = rag.blended_prompt(q, sources)
                 ids = rag.manager.prepare(prompt, blend).prompt.token_ids
                 [full] = llm.generate([ids], params)  # the same tokens, nothing reused

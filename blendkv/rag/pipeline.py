@@ -27,6 +27,7 @@ from blendkv.entrypoints.llm import LLM
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.rag import deletion
 from blendkv.rag.catalog import open_catalog
+from blendkv.rag.chunk_order import DEFAULT_CHUNK_ORDER, check_chunk_order, order_chunks
 from blendkv.rag.consistency import check_documents
 from blendkv.rag.errors import NoChunksError, RAGError
 from blendkv.rag.filters import DocumentFilter, check_filter
@@ -56,6 +57,9 @@ class RAGPipeline:
         chunk_tokens: target chunk length in tokens (chunks are cut on token ids).
         create: create the store if missing; ``False`` raises ``StoreNotFoundError`` instead.
         instruction: text placed before the passages in every prompt.
+        chunk_order: the order of the retrieved chunks in the prompt (``relevance_last``:
+            the most relevant next to the question, ``relevance_first`` or ``source``;
+            :mod:`blendkv.rag.chunk_order`); a query may name another.
         store_max_bytes: the store's size limit in bytes (or ``"20G"``, ``"500M"``), saved in
             the store (None: the saved one, if any). Past it, chunks no document owns are
             evicted, then an ingest raises ``StoreFullError`` (the document is rolled back).
@@ -76,6 +80,7 @@ class RAGPipeline:
         create: bool = True,
         *,
         instruction: str | None = DEFAULT_INSTRUCTION,
+        chunk_order: str = DEFAULT_CHUNK_ORDER,
         store_max_bytes: int | str | None = None,
         **engine_options,
     ) -> None:
@@ -96,6 +101,7 @@ class RAGPipeline:
             )
         self.chunk_tokens = chunk_tokens
         self.instruction = instruction
+        self.chunk_order = check_chunk_order(chunk_order)
         self._owns_llm = llm is None
         if llm is None:
             # dtype="auto" follows an existing store's dtype (its K/V serves no other).
@@ -266,8 +272,16 @@ class RAGPipeline:
         return out
 
     # ----------------------------------------------------------------- generation
+    def order_sources(
+        self, sources: Sequence[RetrievedChunk], chunk_order: str | None = None
+    ) -> list[RetrievedChunk]:
+        """Retrieved chunks (best first, as :meth:`retrieve` returns them) in prompt order:
+        ``chunk_order``, else the pipeline's (:mod:`blendkv.rag.chunk_order`)."""
+        return order_chunks(sources, self.chunk_order if chunk_order is None else chunk_order)
+
     def blended_prompt(self, question: str, sources: list[RetrievedChunk], system=None) -> dict:
-        """The blended prompt for ``question`` over ``sources`` (stored chunk ids, in order)."""
+        """The blended prompt for ``question`` over ``sources`` (stored chunk ids, in the order
+        given: :meth:`order_sources` puts retrieval's best-first list in prompt order)."""
         prompt: dict[str, Any] = {
             "chunk_ids": [s.chunk_id for s in sources],
             "query": f"\n\nQuestion: {question.strip()}\nAnswer:",
@@ -280,23 +294,25 @@ class RAGPipeline:
 
     def query(
         self, question: str, k: int = 6, sampling_params=None, blend=None, system=None, *,
-        filter: DocumentFilter | None = None,
+        filter: DocumentFilter | None = None, chunk_order: str | None = None,
     ) -> RAGAnswer:  # fmt: skip
         """Retrieve ``k`` chunks (among the documents ``filter`` selects; see :meth:`retrieve`)
-        and answer from their stored K/V (blended prefill)."""
+        and answer from their stored K/V (blended prefill), the chunks in ``chunk_order``
+        (default: the pipeline's); the answer's sources are in that prompt order."""
         sources, prompt, params, blend = self._prepare(
-            question, k, sampling_params, blend, system, filter
+            question, k, sampling_params, blend, system, filter, chunk_order
         )
         [out] = self.llm.generate([prompt], params, blend=blend)
         return self._answer(out, sources, prompt)
 
     def stream_query(
         self, question: str, k: int = 6, sampling_params=None, blend=None, system=None, *,
-        filter: DocumentFilter | None = None,
+        filter: DocumentFilter | None = None, chunk_order: str | None = None,
     ) -> Iterator[str | RAGAnswer]:  # fmt: skip
-        """Yield the answer's text pieces as they are generated, then the final RAGAnswer."""
+        """Yield the answer's text pieces as they are generated, then the final RAGAnswer
+        (arguments as :meth:`query`)."""
         sources, prompt, params, blend = self._prepare(
-            question, k, sampling_params, blend, system, filter
+            question, k, sampling_params, blend, system, filter, chunk_order
         )
         last = None
         for out in self.llm.stream(prompt, params, blend=blend):
@@ -305,10 +321,12 @@ class RAGPipeline:
                 yield out.delta_text
         yield self._answer(last, sources, prompt)
 
-    def _prepare(self, question, k, sampling_params, blend, system, filter=None):
+    def _prepare(self, question, k, sampling_params, blend, system, filter=None, order=None):
+        if order is not None:
+            check_chunk_order(order)  # before retrieval's work
         if isinstance(question, str):  # once here, not again in retrieve and the prompt
             question = replace_lone_surrogates(question, "question")
-        sources = self.retrieve(question, k, filter)
+        sources = self.order_sources(self.retrieve(question, k, filter), order)
         params = sampling_params or SamplingParams(max_tokens=128, temperature=0.0)
         return (
             sources,

@@ -136,3 +136,21 @@ def test_rag_sources_name_their_document_and_a_filter_keeps_to_it(client):
         client.chat.completions.create(
             **kw, extra_body={"rag": {"top_k": 2, "filter": {"topic": "none"}}}
         )
+
+
+def test_rag_chunk_order(client):
+    kw = dict(
+        model=model(client),
+        messages=[{"role": "user", "content": "Who created the Python programming language?"}],
+        max_tokens=1,
+        temperature=0,
+    )
+    ids = {}
+    for order in ("relevance_first", "relevance_last", None):
+        rag = {"top_k": 3} if order is None else {"top_k": 3, "chunk_order": order}
+        resp = client.chat.completions.create(**kw, extra_body={"rag": rag})
+        ids[order] = [s["chunk_id"] for s in resp.blendkv["sources"]]  # in prompt order
+    assert len(ids["relevance_first"]) == 3
+    assert ids["relevance_last"] == ids["relevance_first"][::-1] == ids[None]  # the default
+    with pytest.raises(openai.BadRequestError, match="unknown chunk order 'best'"):
+        client.chat.completions.create(**kw, extra_body={"rag": {"chunk_order": "best"}})

@@ -123,10 +123,12 @@ class BlendOptions(StrictModel):
 class RAGOptions(StrictModel):
     """Retrieve ``top_k`` chunks for the last user message from the server's ``--store``;
     ``filter`` (e.g. ``{"source": "docs/a.md"}``) retrieves only from the documents whose
-    ``source``, ``doc_id`` or metadata values it names (a list: any of them)."""
+    ``source``, ``doc_id`` or metadata values it names (a list: any of them); ``chunk_order``
+    (``relevance_last``, ``relevance_first``, ``source``) overrides the store's prompt order."""
 
     top_k: int = 4
     filter: dict[str, Any] | None = None
+    chunk_order: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):

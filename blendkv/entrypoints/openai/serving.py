@@ -44,6 +44,7 @@ from blendkv.entrypoints.openai.protocol import (
 )
 from blendkv.errors import InvalidRequestError
 from blendkv.outputs import RequestOutput
+from blendkv.rag.chunk_order import ChunkOrderError, check_chunk_order
 from blendkv.sampling_params import SamplingParams
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -178,9 +179,15 @@ def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, d
     if served.rag is None:
         raise APIError(400, "rag needs a server started with --store DIR", param="rag")
     top_k, doc_filter, rag = req.rag.top_k, req.rag.filter, served.rag
+    order = req.rag.chunk_order
+    if order is not None:
+        try:
+            check_chunk_order(order)
+        except ChunkOrderError as exc:
+            raise APIError(400, str(exc), param="rag.chunk_order") from exc
 
     def retrieve(stream: RequestStream) -> dict:  # runs on the engine thread
-        sources = rag.retrieve(query, top_k, doc_filter)
+        sources = rag.order_sources(rag.retrieve(query, top_k, doc_filter), order)
         stream.extra["sources"] = [s.to_dict() for s in sources]
         return rag.blended_prompt(query, sources, system)
 
