@@ -62,7 +62,7 @@ def test_wrong_model_exits_2(tiny_store, capsys):
     store, args = tiny_store
     other = [a if a != "float32" else "bfloat16" for a in args]  # same model, other dtype
     assert main(["ask", "Who created Python?", *other]) == 2
-    assert "another model" in capsys.readouterr().err
+    assert "built with dtype float32; this model is bfloat16" in capsys.readouterr().err
 
 
 def test_empty_store_exits_2(tiny_llama_dir, tmp_path, capsys):
