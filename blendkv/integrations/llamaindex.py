@@ -106,7 +106,10 @@ class BlendKVQueryEngine(BaseQueryEngine):
         return (question, self._similarity_top_k, self._sampling_params, self._blend, self._system)
 
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        chunks = self._pipeline.retrieve(query_bundle.query_str, self._similarity_top_k)
+        """The chunks a query would be answered from, best first (``filter`` applied)."""
+        k, options = self._similarity_top_k, self._query_options
+        filters = {"filter": options["filter"]} if "filter" in options else {}
+        chunks = self._pipeline.retrieve(query_bundle.query_str, k, **filters)
         return [chunk_to_node(c) for c in chunks]
 
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:

@@ -16,6 +16,7 @@ from llama_index.core.base.response.schema import (  # noqa: E402
     Response,
     StreamingResponse,
 )
+from llama_index.core.schema import QueryBundle  # noqa: E402
 
 from blendkv import LLM, SamplingParams  # noqa: E402
 from blendkv.errors import InvalidRequestError  # noqa: E402
@@ -159,3 +160,16 @@ def test_retriever_from_four_threads(rag):
     single = [chunk_ids(retriever.retrieve(q)) for q in QUESTIONS]
     with ThreadPoolExecutor(4) as pool:
         assert [chunk_ids(n) for n in pool.map(retriever.retrieve, QUESTIONS)] == single
+
+
+def test_a_filter_keeps_retrieval_and_answers_to_one_document(rag):
+    eiffel = rag.retrieve("Eiffel Tower wrought iron", k=1)[0]
+    assert "Eiffel" in eiffel.text
+    doc_id = eiffel.doc_id
+    engine = BlendKVQueryEngine(
+        rag, similarity_top_k=2, sampling_params=GREEDY, filter={"doc_id": doc_id}
+    )
+    nodes = engine.retrieve(QueryBundle(QUESTIONS[0]))  # an octopus question, filtered away
+    response = engine.query(QUESTIONS[0])
+    for found in (nodes, response.source_nodes):
+        assert found and {n.node.metadata["doc_id"] for n in found} == {doc_id}
