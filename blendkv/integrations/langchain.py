@@ -26,12 +26,19 @@ from pydantic import ConfigDict
 
 from blendkv import SamplingParams
 from blendkv.errors import InvalidRequestError
+from blendkv.rag.chunk_order import check_chunk_order, order_chunks, source_key
 
 
 def chunk_to_document(chunk) -> Document:
     """A RetrievedChunk as a Document (metadata: the document's own, then ``source`` (its
     file path or title, LangChain's key), chunk_id, doc_id, position, score, kv_cached)."""
     return Document(page_content=chunk.text, metadata=chunk.retriever_metadata())
+
+
+def _source_key(doc: Document) -> tuple:
+    """The ``source`` chunk order's key of a retrieved document (its retriever metadata)."""
+    m = doc.metadata
+    return source_key(m.get("source"), m.get("doc_id"), int(m.get("position") or 0))
 
 
 class BlendKVRetriever(BaseRetriever):
@@ -62,12 +69,23 @@ class BlendKVGenerator(Runnable[dict, AIMessage]):
     """``{"question": str, "documents": list[Document]}`` -> ``AIMessage`` answer.
 
     Documents carrying a ``chunk_id`` of the pipeline's store are served from their stored K/V;
-    others are tokenised, computed and written back (a cache miss), all in the given order.
+    others are tokenised, computed and written back (a cache miss). The documents are taken
+    best first (as retrievers return them) and put in ``chunk_order`` (default: the pipeline's;
+    :mod:`blendkv.rag.chunk_order`).
     ``response_metadata`` holds ``blend_stats`` (a dict), ``ttft_s`` and ``finish_reason``.
     """
 
-    def __init__(self, pipeline, sampling_params=None, blend=None, system: str | None = None):
+    def __init__(
+        self,
+        pipeline,
+        sampling_params=None,
+        blend=None,
+        system: str | None = None,
+        chunk_order: str | None = None,
+    ):
         self.pipeline = pipeline
+        self.chunk_order = pipeline.chunk_order if chunk_order is None else chunk_order
+        check_chunk_order(self.chunk_order)
         self.sampling_params = sampling_params
         self.blend = blend
         self.system = system
@@ -82,6 +100,7 @@ class BlendKVGenerator(Runnable[dict, AIMessage]):
             raise InvalidRequestError("BlendKVGenerator got no documents to answer from")
         prompt = self.pipeline.blended_prompt(question, [], self.system)
         del prompt["chunk_ids"]
+        docs = order_chunks(docs, self.chunk_order, key=_source_key)
         prompt["chunks"] = [self._token_ids(d) for d in docs]
         params = self.sampling_params or SamplingParams(max_tokens=128, temperature=0.0)
         [out] = self.pipeline.llm.generate([prompt], params, blend=self.blend)

@@ -80,3 +80,14 @@ def test_generator_accepts_foreign_documents(rag):
     message = generator.invoke({"question": "Do drones sting?", "documents": [stored, foreign]})
     stats = message.response_metadata["blend_stats"]
     assert stats["num_chunks"] == 2 and stats["chunks_hit"] >= 1
+
+
+def test_generator_puts_documents_in_the_pipelines_chunk_order(rag):
+    """The chain answers as ``rag.query`` does: the same chunks, in the same prompt order."""
+    question = "Which planet is the largest in the Solar System?"
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    docs = BlendKVRetriever(pipeline=rag, k=3).invoke(question)  # best first
+    for order in ("relevance_last", "relevance_first"):
+        generator = BlendKVGenerator(rag, params, chunk_order=order)
+        message = generator.invoke({"question": question, "documents": docs})
+        assert message.content == rag.query(question, 3, params, chunk_order=order).answer
