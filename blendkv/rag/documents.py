@@ -131,7 +131,7 @@ def _items(value: Any) -> list:
         return []
     if isinstance(value, (str, os.PathLike)) or _is_framework_document(value):
         return [value]
-    if not isinstance(value, Iterable):
+    if not isinstance(value, Iterable) or isinstance(value, (dict, bytes, bytearray)):
         raise DocumentError(f"a {type(value).__name__} is not a document or a list of them")
     return list(value)
 

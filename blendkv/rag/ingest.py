@@ -55,9 +55,9 @@ class IngestHost(Protocol):
 
 
 class IngestInterrupted(KeyboardInterrupt):
-    """Ctrl-C during an ingest. What was stored stays: ``done`` documents are complete,
-    ``stored_chunks`` of ``num_chunks`` chunks of ``doc_id`` (from ``source``) are kept and
-    the same ingest run again resumes from them."""
+    """Ctrl-C during an ingest. What was stored stays: ``done`` documents are complete, and
+    ``stored_chunks`` of the ``num_chunks`` chunks of ``doc_id`` (from ``source``) are in the
+    store, so the same ingest run again computes only the others."""
 
     def __init__(
         self, done: tuple[str, ...], doc_id: str, source: str | None, stored: int, total: int
@@ -85,6 +85,7 @@ class _Plan:
     keys: list[bytes]
     todo: list[int]  # chunk positions whose K/V was not stored when planned
     computed: list[int] = dataclasses.field(default_factory=list)  # the ones computed
+    reused: int = 0  # positions whose chunk was found in the store (not computed)
 
 
 class DocumentIngester:
@@ -149,7 +150,7 @@ class DocumentIngester:
             seconds=time.perf_counter() - t0,
             repaired=tuple(p.doc_id for p in written if p.action is not DocumentAction.ADD),
             sources=tuple(d.source for d in docs),
-            reused_chunks=sum(len(p.keys) - len(p.computed) for p in written),
+            reused_chunks=sum(p.reused for p in written),
             replaced=tuple(replaced),
             skipped_files=loaded.skipped,
         )
@@ -208,8 +209,7 @@ class DocumentIngester:
         except KeyboardInterrupt as e:
             with h._store_lock:  # an interrupt between a store write and its index update
                 h.store.sync_index()
-            keys = set(p.keys)
-            stored = sum(1 for m in kv.document_chunks(p.doc_id) if m.key in keys)
+            stored = sum(1 for key in p.keys if key in kv)  # what a re-run will not compute
             raise IngestInterrupted(tuple(done), p.doc_id, doc.source, stored, len(p.keys)) from e
         except BaseException:
             mine = [m.key for m in kv.document_chunks(p.doc_id) if m.key not in owned_before]
@@ -256,6 +256,8 @@ class DocumentIngester:
             if meta is not None:
                 orphans.append(key)
         bar.update(len(p.todo) - len(todo))
+        fresh = {p.keys[pos] for pos in todo}
+        p.reused = sum(1 for key in p.keys if key not in fresh)
         if orphans:
             with h._store_lock:
                 h.store.remove_chunks(orphans)

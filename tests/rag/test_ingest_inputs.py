@@ -136,6 +136,8 @@ def test_bad_inputs_are_typed_errors(docs):
     for bad, error in (
         ([42], UnreadableDocumentError),
         (42, DocumentError),
+        ({"text": "a dict is not a document"}, DocumentError),
+        (b"bytes are not text", DocumentError),
         ([], EmptyDocumentError),
         ([""], EmptyDocumentError),
     ):
