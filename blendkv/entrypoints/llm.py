@@ -128,7 +128,8 @@ class LLM:
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, **request_kwargs: Any
     ) -> Iterator[RequestOutput]:
-        """Yield a ``RequestOutput`` per new token; ``out.delta_text`` is the new text.
+        """Yield a ``RequestOutput`` per new token; ``out.delta_text`` is the new text (with
+        ``n > 1``, each of ``out.outputs`` has its own ``delta_text``).
 
         Other queued requests keep running in the same batches, and their outputs are kept for
         their own consumers: several ``stream`` iterators (and ``generate`` calls) may be
