@@ -75,6 +75,7 @@ class EngineStats:
     num_kv_blocks_used: int
     num_kv_blocks: int
     last_step_num_scheduled: int  # requests (decodes and prefill pieces) in the last step
+    num_generated_tokens: int  # output tokens sampled since the engine started (all samples)
 
 
 class LLMEngine:
@@ -155,6 +156,7 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
         self._ids = itertools.count()
         self._last_step_num_scheduled = 0
+        self._num_generated_tokens = 0
 
     def close(self) -> None:
         """Flush and release the KV connector (a blend store's pending writes land first)."""
@@ -356,6 +358,7 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             state = self.requests[seq.request_id]
+            self._num_generated_tokens += 1
             status = state.append(
                 sampled.token_ids[i],
                 sampled.logprobs[i],
@@ -390,6 +393,7 @@ class LLMEngine:
             num_kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
             num_kv_blocks=bm.num_blocks,
             last_step_num_scheduled=self._last_step_num_scheduled,
+            num_generated_tokens=self._num_generated_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -56,6 +56,7 @@ class EngineStats:
     num_steps: int = 0
     num_aborted: int = 0
     max_step_requests: int = 0
+    num_generated_tokens: int = 0  # output tokens sampled so far (every sample of n > 1)
 
 
 StepListener = Callable[[list[RequestOutput]], None]
@@ -302,6 +303,7 @@ class AsyncLLM:
             num_steps=self._num_steps,
             num_aborted=self._num_aborted,
             max_step_requests=self._max_step_requests,
+            num_generated_tokens=now.num_generated_tokens,
         )
 
     def _stop(self, exc: BaseException) -> None:

@@ -373,13 +373,16 @@ def test_langchain_chat_openai_talks_to_the_server(server, client):
 
 
 # ---------------------------------------------------------------------------- n choices
-def test_n_choices_equal_offline_samples_and_usage_counts_them_all(client, offline):
+def test_n_choices_equal_offline_samples_and_usage_counts_them_all(server, client, offline):
     prompt = "The quick brown fox"
     params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=10, ignore_eos=True)
     ref = offline.generate(prompt, params)[0]
     assert len({c.text for c in ref.outputs}) > 1, "distinct samples, or the test proves little"
     kw = dict(model=MODEL, prompt=prompt, n=3, max_tokens=10, temperature=1.0, seed=5)
+    before = scrape(server, API_KEY)["blendkv_generation_tokens_total"]
     resp = client.completions.create(**kw, extra_body=NO_EOS)
+    after = scrape(server, API_KEY)["blendkv_generation_tokens_total"]
+    assert after == before + 3 * 10  # every choice's tokens
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [c.text for c in resp.choices] == [c.text for c in ref.outputs]
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)  # counted once

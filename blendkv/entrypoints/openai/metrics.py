@@ -48,9 +48,6 @@ class ServerMetrics:
         self.prompt_tokens = Counter(
             "blendkv_prompt_tokens", "Prompt tokens of requests that got a first token", registry=r
         )
-        self.generation_tokens = Counter(
-            "blendkv_generation_tokens", "Generated tokens", registry=r
-        )
         self.finished = Counter(
             "blendkv_requests_finished", "Finished requests by finish reason", ["finish_reason"],
             registry=r,
@@ -73,10 +70,10 @@ class ServerMetrics:
         self.http_requests.labels(route, str(status)).inc()
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
-        """Engine thread, after each step: every output is one new token of its request."""
+        """Engine thread, after each step: every output is a request with a new token (one
+        per sample that got one; generated tokens are counted by the engine)."""
         if outputs:
             self.step_requests.observe(len(outputs))
-            self.generation_tokens.inc(len(outputs))
         for out in outputs:
             m = out.metrics
             if len(out.outputs[0].token_ids) == 1:  # the request's first token
@@ -118,6 +115,9 @@ class _EngineCollector:
         ):
             yield GaugeMetricFamily(name, help, value=value)
         yield CounterMetricFamily("blendkv_engine_steps", "Engine steps", value=s.num_steps)
+        yield CounterMetricFamily(
+            "blendkv_generation_tokens", "Generated tokens", value=s.num_generated_tokens
+        )
         yield CounterMetricFamily(
             "blendkv_requests_aborted", "Requests aborted (client gone)", value=s.num_aborted
         )
