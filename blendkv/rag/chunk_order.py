@@ -7,8 +7,8 @@ Retrieval returns chunks best first; the prompt may put them in another order::
     source                      by document, then chunk position (reading order), whatever the
                                 scores; documents by their source (path or title), else doc id
 
-The default was chosen by ``blendkv eval --chunk-order`` on the MuSiQue dev set
-(docs/guide/evaluation.md, "Chunk order"). Pure Python: no model, no store.
+Why ``relevance_last`` is the default, and what ``blendkv eval --chunk-order`` measured:
+docs/guide/evaluation.md, "Chunk order". Pure Python: no model, no store.
 """
 
 from __future__ import annotations
