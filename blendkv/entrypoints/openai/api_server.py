@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blendkv.entrypoints.async_llm import AsyncLLM
 from blendkv.entrypoints.llm import LLM
-from blendkv.entrypoints.openai import serving
+from blendkv.entrypoints.openai import responses, serving
 from blendkv.entrypoints.openai.errors import APIError, api_error, loading_error
 from blendkv.entrypoints.openai.metrics import ServerMetrics
 from blendkv.entrypoints.openai.middleware import (
@@ -251,14 +251,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         headers = {"x-request-id": rid}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = serving.completion_stream(
+            events = responses.completion_stream(
                 rid, int(time.time()), served, stream, top_n, include_usage
             )
             return _sse(events, headers)
         out = await _until_disconnected(request, _last_output(stream))
         if out is None:
             return Response(status_code=499)
-        body = serving.completion_response(rid, served, out, top_n)
+        body = responses.completion_response(rid, served, out, top_n)
         return JSONResponse(body.model_dump(), headers=headers)
 
     @app.post("/v1/chat/completions")
@@ -273,15 +273,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         headers = {"x-request-id": rid}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = serving.chat_stream(
+            events = responses.chat_stream(
                 rid, int(time.time()), served, stream, top_n, include_usage, n=params.n
             )
             return _sse(events, headers)
         out = await _until_disconnected(request, _last_output(stream))
         if out is None:
             return Response(status_code=499)
-        body = serving.chat_response(rid, served, out, stream, top_n)
-        headers.update(serving.blend_headers(out))
+        body = responses.chat_response(rid, served, out, stream, top_n)
+        headers.update(responses.blend_headers(out))
         return JSONResponse(body.model_dump(), headers=headers)
 
 
