@@ -37,7 +37,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not _exists(args.store):
-        return 1
+        return 2  # a usage error, as `ask` on a missing store
     from blendkv.rag.catalog import open_catalog
     from blendkv.rag.consistency import check_documents
     from blendkv.store import ChunkStore, MiniLMEmbedder
@@ -99,7 +99,7 @@ def run_compact(args: argparse.Namespace) -> int:
         print(f"{args.store}: nothing to compact (a Redis server manages its own memory)")
         return 0
     if not _exists(args.store):
-        return 1
+        return 2  # a usage error, as `ask` on a missing store
     result = compact_store(args.store)
     print(
         f"compacted {args.store}: {format_size(result.before)} -> {format_size(result.after)} "

@@ -5,11 +5,14 @@
 
 from __future__ import annotations
 
+from blendkv.rag.chunk_order import ChunkOrderError
 from blendkv.rag.errors import (
     DocumentError,
     EmptyDocumentError,
+    InvalidFilterError,
     NoChunksError,
     RAGError,
+    UnknownDocumentError,
     UnreadableDocumentError,
 )
 from blendkv.rag.ingest import IngestInterrupted
@@ -17,14 +20,17 @@ from blendkv.rag.pipeline import RAGPipeline
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 
 __all__ = [
+    "ChunkOrderError",
     "DocumentError",
     "EmptyDocumentError",
     "IngestInterrupted",
     "IngestReport",
+    "InvalidFilterError",
     "NoChunksError",
     "RAGAnswer",
     "RAGError",
     "RAGPipeline",
     "RetrievedChunk",
+    "UnknownDocumentError",
     "UnreadableDocumentError",
 ]

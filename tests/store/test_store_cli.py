@@ -21,7 +21,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_stats_of_a_missing_store_is_one_line(tmp_path):
     for action in ("stats", "verify", "compact"):
         done = _run("store", action, "--store", str(tmp_path / "nope"))
-        assert done.returncode == 1 and done.stdout == ""
+        assert done.returncode == 2 and done.stdout == ""
         assert done.stderr.strip().splitlines() == [
             f"blendkv: error: no blendkv store at {tmp_path / 'nope'}; create one with "
             f"`blendkv ingest PATH --store {tmp_path / 'nope'}`"
