@@ -38,6 +38,12 @@ class PromptSegment:
     text: str
     chunk_id: int | None = None  # chunk segments: the stored chunk and its document
     doc_id: str | None = None
+    source: str | None = None  # the document's source (path or title), if it has one
+
+    @property
+    def label(self) -> str:
+        """How the chunk's document is named to a reader: its source, else its doc id."""
+        return self.source or self.doc_id or "?"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,7 +68,11 @@ def prompt_segments(rag, prompt: dict, sources) -> list[PromptSegment]:
     if built.prefix_len > len(template):
         out.append(segment("instruction", len(template), built.prefix_len))
     for (start, end), src in zip(built.chunk_spans, sources, strict=True):
-        out.append(segment("chunk", start, end, chunk_id=src.chunk_id, doc_id=src.doc_id))
+        out.append(
+            segment(
+                "chunk", start, end, chunk_id=src.chunk_id, doc_id=src.doc_id, source=src.source
+            )
+        )
     out.append(segment("query", built.query_start, suffix_start))
     if suffix:
         out.append(segment("template_suffix", suffix_start, len(ids)))

@@ -28,7 +28,13 @@ def free_port() -> int:
 def serve(*args: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "blendkv.cli", "serve", "--log-level", "warning", *args]
     return subprocess.Popen(
-        cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        cmd,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        # SIGINT acts as in a terminal even where the tests run as a background job (which
+        # inherits SIGINT ignored): the Ctrl-C test below sends it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

@@ -46,6 +46,8 @@ def test_show_prompt_and_compare_full_json(store_args, tiny_llama_dir, capsys):
     chunks = [s for s in segments if s["kind"] == "chunk"]
     assert [c["chunk_id"] for c in chunks] == [s["chunk_id"] for s in sources]
     assert [c["text"] for c in chunks] == [s["text"] for s in sources]
+    assert [c["source"] for c in chunks] == [s["source"] for s in sources]
+    assert all(c["source"].endswith((".md", ".txt")) for c in chunks)  # the files, not doc ids
     assert segments[1]["text"] == DEFAULT_INSTRUCTION
     assert QUESTION in segments[-1]["text"]
 
@@ -57,7 +59,7 @@ def test_show_prompt_and_compare_full_json(store_args, tiny_llama_dir, capsys):
     # Full prefill's answer is the plain engine's greedy answer on the same prompt tokens.
     with LLM(str(tiny_llama_dir), dtype="float32") as llm:
         with RAGPipeline(store_args[1], llm=llm, create=False) as rag:
-            prompt = rag.blended_prompt(QUESTION, rag.retrieve(QUESTION, 2))
+            prompt = rag.blended_prompt(QUESTION, rag.order_sources(rag.retrieve(QUESTION, 2)))
             assert prompt["chunk_ids"] == [s["chunk_id"] for s in sources]
             ids = rag.manager.prepare(prompt, None).prompt.token_ids
             assert len(ids) == n

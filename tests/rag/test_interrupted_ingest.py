@@ -170,6 +170,9 @@ import blendkv.rag.pipeline
 from blendkv.cli import main
 from blendkv.store import ChunkStore
 
+# Ctrl-C as in a terminal, even where the tests run as a background job (SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 class CtrlCAfterTheSecondWriteBatch(ChunkStore):
     batches = 0
