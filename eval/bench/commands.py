@@ -1,5 +1,5 @@
-"""``blendkv bench engine|decode|blend|gpu|gemm|attention|launches|prefetch|store``: benchmarks,
-correctness first, ratios side by side.
+"""``blendkv bench engine|decode|sampler|blend|gpu|gemm|attention|launches|prefetch|store``:
+benchmarks, correctness first, ratios side by side.
 
 The CLI finds this command through the ``blendkv.commands`` entry-point group (pyproject.toml),
 so the engine never imports the harness. Each kind's module is imported only when it runs
@@ -43,6 +43,13 @@ def register_bench(sub) -> None:
     add_config_args(d, EngineConfig, ("attention_backend",))  # GEMMs: BLENDKV_CPU_GEMM
     d.add_argument("--json", default=None)
     d.set_defaults(func=_run("decode"))
+    sm = bench.add_parser("sampler", help="a sampler step with penalties vs plain greedy")
+    sm.add_argument("--batch", type=int, default=64)
+    sm.add_argument("--vocab", type=int, default=49152)
+    sm.add_argument("--prompt-tokens", type=int, default=512)
+    sm.add_argument("--steps", type=int, default=30)
+    sm.add_argument("--num-threads", type=int, default=None)
+    sm.set_defaults(func=_run("sampler"))
     b = bench.add_parser("blend", help="TTFT of full prefill vs blend vs reuse on MuSiQue")
     add_config_args(b, EngineConfig, ("model",))
     b.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
