@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -57,3 +58,11 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_after_module():
+    """Each module's engines (a KV pool each) are gone before the next module starts, even one
+    a test left in a reference cycle (tests/rag/test_pipeline_lifetime.py guards the pipeline)."""
+    yield
+    gc.collect()

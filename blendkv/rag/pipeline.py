@@ -125,7 +125,6 @@ class RAGPipeline:
             )
             self.manager.use_store(self.store.kv)
             self.catalog = open_catalog(self.store_dir, self.store.kv)
-            self._ingester = DocumentIngester(self)
         except BaseException:
             self.close()
             raise
@@ -201,7 +200,9 @@ class RAGPipeline:
         store's limit and the free disk.
         """
         with self._ingest_lock:
-            return self._ingester.ingest(
+            # Made per call: an ingester kept on the pipeline would be a reference cycle that
+            # keeps a dropped pipeline's model (and its KV pool) alive until the next gc.
+            return DocumentIngester(self).ingest(
                 documents,
                 metadata,
                 doc_ids,
