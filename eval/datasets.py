@@ -21,8 +21,10 @@ import json
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 from blendkv.errors import BlendKVError
+from blendkv.eval.cross_doc import cross_doc_examples
 from blendkv.eval.examples import Example, Passage
 from blendkv.eval.synthetic import make_synthetic
 
@@ -216,7 +218,7 @@ def dataset_kind(spec: str | Path) -> str:
     ``"synthetic"`` -> ``"synthetic"``; ``*.json`` (CacheBlend format) -> ``"musique"``;
     ``*.jsonl`` -> ``"longbench"``.
     """
-    if str(spec) == "synthetic":
+    if str(spec) == "synthetic" or str(spec).startswith("synthetic:"):
         return "synthetic"
     suffix = Path(spec).suffix.lower()
     if suffix == ".json":
@@ -224,8 +226,8 @@ def dataset_kind(spec: str | Path) -> str:
     if suffix == ".jsonl":
         return "longbench"
     raise DatasetError(
-        f"unknown dataset {str(spec)!r}: use 'synthetic', a CacheBlend .json file "
-        "or a LongBench .jsonl file"
+        f"unknown dataset {str(spec)!r}: use 'synthetic', 'synthetic:cross_doc?seed=S&n=N&"
+        "tokens=T', a CacheBlend .json file or a LongBench .jsonl file"
     )
 
 
@@ -239,7 +241,37 @@ def load_dataset(spec: str | Path, limit: int | None = None, seed: int = 0) -> l
     _check_limit(limit)
     kind = dataset_kind(spec)
     if kind == "synthetic":
+        if str(spec) != "synthetic":
+            return _load_synthetic_task(str(spec), limit, seed)
         return make_synthetic(DEFAULT_SYNTHETIC_EXAMPLES if limit is None else limit, seed)
     if kind == "musique":
         return load_cacheblend_json(spec, limit)
     return load_longbench_jsonl(spec, limit)
+
+
+# synthetic:TASK?key=value&...: a generated task and its parameters (integers).
+_SYNTHETIC_TASKS = {"cross_doc": ("seed", "n", "tokens")}
+
+
+def _load_synthetic_task(spec: str, limit: int | None, seed: int) -> list[Example]:
+    """``synthetic:cross_doc?seed=7&n=50&tokens=6000``: the spec's ``seed`` and ``n`` win over
+    ``--seed`` and the default count; ``limit`` caps ``n``."""
+    task, _, query = spec.removeprefix("synthetic:").partition("?")
+    if task not in _SYNTHETIC_TASKS:
+        raise DatasetError(f"{spec!r}: unknown synthetic task {task!r}; known: cross_doc")
+    params: dict[str, int] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if key not in _SYNTHETIC_TASKS[task]:
+            known = ", ".join(_SYNTHETIC_TASKS[task])
+            raise DatasetError(f"{spec!r}: unknown parameter {key!r} (known: {known})")
+        try:
+            params[key] = int(value)
+        except ValueError:
+            raise DatasetError(f"{spec!r}: {key} must be an integer, got {value!r}") from None
+    n = params.get("n", DEFAULT_SYNTHETIC_EXAMPLES)
+    if limit is not None:
+        n = min(n, limit)
+    try:
+        return cross_doc_examples(n, params.get("seed", seed), params.get("tokens", 6000))
+    except ValueError as e:
+        raise DatasetError(f"{spec!r}: {e}") from None
