@@ -17,6 +17,7 @@ from dataclasses import asdict
 from blendkv.blend.config import BlendConnectorConfig
 from blendkv.commands.config_args import add_config_args
 from blendkv.config import EngineConfig
+from blendkv.errors import ConfigError
 
 
 def register_eval(sub) -> None:
@@ -57,6 +58,11 @@ def register_eval(sub) -> None:
         "RAG pipeline's embedder against the question: relevance_first, relevance_last",
     )  # fmt: skip
     add_config_args(p, BlendConnectorConfig, ("kv_store_dir",))
+    p.add_argument(
+        "--baseline", default=None, metavar="METHOD",
+        help="the method the report's bootstrap intervals compare every method with "
+        "(default: the default blend, when the run has it)",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--resume", action="store_true",
@@ -67,7 +73,7 @@ def register_eval(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.eval.journal import Journal
-    from blendkv.eval.report import format_table, write_outputs
+    from blendkv.eval.report import format_intervals, format_table, interval_rows, write_outputs
     from blendkv.eval.runner import EvalConfig, run_eval
 
     config = EvalConfig(
@@ -87,7 +93,12 @@ def run(args: argparse.Namespace) -> int:
         anchor_boundary=args.anchor_boundary,
         chunk_order=args.chunk_order,
     )  # validates the method names before the model loads
-    journal = Journal(args.out, asdict(config), [m.name for m in config.method_list], args.resume)
+    names = [m.name for m in config.method_list]
+    if args.baseline is not None and args.baseline not in names:
+        raise ConfigError(
+            f"--baseline {args.baseline!r} is not one of --methods ({', '.join(names)})"
+        )
+    journal = Journal(args.out, asdict(config), names, args.resume)
     if journal.records:
         n = len(journal.done_ids)
         print(f"resuming: {n} example(s) already in {args.out}", file=sys.stderr)
@@ -100,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    paths = write_outputs(args.out, result)
+    paths = write_outputs(args.out, result, args.baseline)
     print(format_table(result.summary))
+    print("\n" + format_intervals(interval_rows(result.records, args.baseline)))
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     return 0

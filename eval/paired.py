@@ -4,7 +4,9 @@
 
 For every method both runs hold, over the examples both finished: the run's mean metric, its
 ratio to the baseline's mean on the same examples, on how many examples it is lower and higher,
-and the two-sided exact sign test's p-value over the examples that differ (ties dropped). Used
+the two-sided exact sign test's p-value over the examples that differ (ties dropped), and the
+paired bootstrap 95 % interval of the mean difference (:mod:`blendkv.eval.bootstrap`): a run is
+called lower or higher only when that interval excludes 0. Used
 for runs that differ in a setting the method name does not show (``--anchor``,
 ``--anchor-boundary``, ``--chunk-order``), against a journal of the same methods under the
 default setting. ``full`` is the reference of the fidelity metrics and is left out, unless
@@ -18,6 +20,8 @@ import json
 import math
 import statistics
 from pathlib import Path
+
+from blendkv.eval.bootstrap import bootstrap_indices
 
 
 def load_records(run_dir: str | Path) -> dict[tuple[str, str], dict]:
@@ -57,11 +61,24 @@ def compare(base: dict, run: dict, metric: str, with_full: bool = False) -> list
         theirs = statistics.mean(base[(i, method)][metric] for i in ids)
         lower = sum(run[(i, method)][metric] < base[(i, method)][metric] for i in ids)
         higher = sum(run[(i, method)][metric] > base[(i, method)][metric] for i in ids)
+        low, high = _diff_interval([run[(i, method)][metric] - base[(i, method)][metric]
+                                    for i in ids])  # fmt: skip
         rows.append(
             {"method": method, "n": len(ids), "mean": ours, "base_mean": theirs, "lower": lower,
-             "higher": higher, "p": sign_test(lower, higher)}
+             "higher": higher, "p": sign_test(lower, higher), "diff_low": low, "diff_high": high,
+             "called": "lower" if high < 0 else "higher" if low > 0 else "no difference"}
         )  # fmt: skip
     return rows
+
+
+def _diff_interval(diffs: list[float]) -> tuple[float, float]:
+    """The percentile 95 % interval of the mean paired difference (bootstrap, seeded)."""
+    import numpy as np
+
+    d = np.asarray(diffs, dtype=float)
+    means = d[bootstrap_indices(len(d))].mean(axis=1)
+    low, high = np.quantile(means, [0.025, 0.975])
+    return float(low), float(high)
 
 
 def format_rows(name: str, rows: list[dict], metric: str) -> str:
@@ -70,7 +87,8 @@ def format_rows(name: str, rows: list[dict], metric: str) -> str:
         ratio = r["mean"] / r["base_mean"] if r["base_mean"] else float("nan")
         lines.append(
             f"| {name} | {r['method']} | {r['n']} | {r['mean']:.4f} | {r['base_mean']:.4f} | "
-            f"{ratio:.2f}x | {r['lower']}/{r['n']} | {r['higher']}/{r['n']} | {r['p']:.3f} |"
+            f"{ratio:.2f}x | {r['lower']}/{r['n']} | {r['higher']}/{r['n']} | {r['p']:.3f} | "
+            f"[{r['diff_low']:+.4f}, {r['diff_high']:+.4f}] | {r['called']} |"
         )
     return "\n".join(lines)
 
@@ -84,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     base = load_records(args.base)
     m = args.metric
-    print(f"| run | method | n | {m} | baseline | ratio | lower on | higher on | sign p |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| run | method | n | {m} | baseline | ratio | lower on | higher on | sign p | "
+        "diff 95% CI | called |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for spec in args.runs:
         name, sep, path = spec.partition("=")
         if not sep:

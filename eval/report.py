@@ -2,7 +2,8 @@
 
     DIR/results.json        {"config": {...}, "methods": {name: aggregates}}
     DIR/per_example.jsonl   one record per (example, method)
-    DIR/report.md           one table row per method, TTFT speedup vs full
+    DIR/report.md           one table row per method, TTFT speedup vs full, then paired
+                            bootstrap intervals (blendkv.eval.bootstrap) of answer KL and EM
     DIR/quality_vs_ttft.png F1 and answer KL against median TTFT, one point per method
     DIR/recompute_sweep.png answer KL and F1 against R, one line per fusion strategy (only
                             with two or more blend@R of one strategy; reuse is R = 0)
@@ -18,9 +19,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from blendkv.eval import bootstrap
 from blendkv.eval.methods import parse_method
 
-__all__ = ["format_table", "write_outputs"]
+__all__ = ["format_intervals", "format_table", "interval_rows", "write_outputs"]
+
+# Metrics given bootstrap intervals: fidelity (ratio to reuse too) and accuracy.
+INTERVAL_METRICS = ("answer_kl", "em")
 
 # (results key, column header, format)
 _COLUMNS = (
@@ -62,6 +67,63 @@ def format_table(methods: dict[str, dict[str, Any]]) -> str:
     return "\n".join([header, rule, *rows])
 
 
+def interval_rows(
+    records: list[dict[str, Any]], baseline: str | None
+) -> dict[str, list[bootstrap.MethodComparison]]:
+    """Metric -> one paired-bootstrap row per method, against ``baseline`` (default: the run's
+    default blend); ``full`` is left out of answer KL (it is the reference, KL 0)."""
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    base = baseline or bootstrap.default_baseline(methods)
+    out = {}
+    for metric in INTERVAL_METRICS:
+        rows = [r for r in records if not (metric == "answer_kl" and r["method"] == "full")]
+        ref = "reuse" if metric == "answer_kl" else None
+        out[metric] = bootstrap.compare_methods(rows, metric, base, ref)
+    return out
+
+
+def _ci(iv: bootstrap.Interval | None, fmt: str) -> str:
+    if iv is None:
+        return "–"
+    return f"{fmt.format(iv.point)} [{fmt.format(iv.low)}, {fmt.format(iv.high)}]"
+
+
+def format_intervals(rows_by_metric: dict[str, list[bootstrap.MethodComparison]]) -> str:
+    """Markdown tables of :func:`interval_rows`. A method is called better or worse than the
+    baseline only when the difference's 95 % interval excludes 0."""
+    parts = []
+    for metric, rows in rows_by_metric.items():
+        if not rows:
+            continue
+        base = next((r.method for r in rows if r.verdict == "baseline"), None)
+        ratio = metric == "answer_kl"
+        header = f"| method | n | {metric} |" + (" ratio to reuse [95% CI] |" if ratio else "")
+        header += f" diff to {base or '–'} [95% CI] | wins/losses/ties | vs baseline |"
+        lines = [header, "|---|---:|---:|" + ("---:|" if ratio else "") + "---:|---:|---|"]
+        for r in rows:
+            line = f"| {r.method} | {r.n} | {r.mean:.4f} |"
+            line += f" {_ci(r.ratio, '{:.2f}')}x |" if ratio else ""
+            wlt = f"{r.wins}/{r.losses}/{r.ties}" if base else "–"
+            line += f" {_ci(r.diff, '{:+.4f}')} | {wlt} | {r.verdict or '–'} |"
+            lines.append(line)
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _intervals_md(rows_by_metric: dict[str, list[bootstrap.MethodComparison]]) -> str:
+    if not any(rows_by_metric.values()):
+        return ""
+    return (
+        "\n## Paired bootstrap 95 % intervals\n\n"
+        f"- {bootstrap.RESAMPLES:,} resamples of the examples every method finished (seed "
+        f"{bootstrap.SEED}, the same resamples for every method), percentile intervals. Ratio "
+        "to reuse: the method's mean answer KL over reuse's on the same resampled examples. "
+        "Diff: the method's mean minus the baseline's; wins: examples where the method is "
+        "better (lower KL, higher EM). A method is called better or worse only when the "
+        "difference's interval excludes 0.\n\n" + format_intervals(rows_by_metric) + "\n"
+    )
+
+
 def _report_md(config: dict[str, Any], methods: dict[str, dict[str, Any]]) -> str:
     model = config.get("model") or f"embedded ({config.get('model_name')})"
     return (
@@ -81,8 +143,9 @@ def _report_md(config: dict[str, Any], methods: dict[str, dict[str, Any]]) -> st
     )
 
 
-def write_outputs(out_dir: str | Path, result) -> dict[str, Path]:
-    """Write every output file of ``result`` (an ``EvalResult``) into ``out_dir``."""
+def write_outputs(out_dir: str | Path, result, baseline: str | None = None) -> dict[str, Path]:
+    """Write every output file of ``result`` (an ``EvalResult``) into ``out_dir``; the
+    intervals compare every method with ``baseline`` (default: the run's default blend)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -91,12 +154,17 @@ def write_outputs(out_dir: str | Path, result) -> dict[str, Path]:
         "report": out / "report.md",
         "quality_vs_ttft": out / "quality_vs_ttft.png",
     }
-    doc = {"config": result.config, "methods": result.summary}
+    intervals = interval_rows(result.records, baseline)
+    doc = {
+        "config": result.config,
+        "methods": result.summary,
+        "intervals": {m: [r.as_dict() for r in rows] for m, rows in intervals.items()},
+    }
     paths["results"].write_text(json.dumps(doc, indent=2) + "\n")
     with paths["per_example"].open("w") as f:
         for record in result.records:
             f.write(json.dumps(record) + "\n")
-    paths["report"].write_text(_report_md(result.config, result.summary))
+    paths["report"].write_text(_report_md(result.config, result.summary) + _intervals_md(intervals))
     _plot_quality_vs_ttft(result.summary, paths["quality_vs_ttft"])
     sweeps = _blend_sweeps(result.summary)
     if sweeps:
