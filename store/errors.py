@@ -37,6 +37,15 @@ class CorruptValueError(StoreError):
     """A stored value failed its header or checksum check (the store treats it as a miss)."""
 
 
+class CodecMismatchError(CorruptValueError):
+    """A value encoded with another K/V codec than the store's (``blendkv.store.codecs``):
+    refused on a write; on a read it is a corrupt value (a miss). Names both codecs."""
+
+    def __init__(self, message: str, value_codec: str = "", store_codec: str = "") -> None:
+        super().__init__(message)
+        self.value_codec, self.store_codec = value_codec, store_codec
+
+
 class EmbedderMismatchError(StoreError):
     """A saved FAISS index was built with another embedder (name or dimension)."""
 

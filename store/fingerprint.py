@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .codecs import CODECS
+
 
 def canonical_json(value: Any) -> str:
     """JSON with sorted keys and no whitespace: equal values give equal strings."""
@@ -27,6 +29,10 @@ class ModelFingerprint:
     ``rope`` may be given as a dict (e.g. the HF ``rope_scaling`` plus ``rope_theta``); it is
     stored as its canonical JSON string so the dataclass stays hashable and stable.
     ``anchor_token_ids`` are the tokens every chunk was prefilled behind (BOS or system prefix).
+    ``kv_codec`` is how the store encodes K/V (:mod:`blendkv.store.codecs`): a store serves
+    and takes values of its own codec only. It is a property of the store, not of the model's
+    K/V, so it is left out of :meth:`digest` (chunk keys do not change with the codec) and out
+    of the JSON when it is ``none`` (stores made before codecs read as ``none``).
     """
 
     architecture: str
@@ -38,6 +44,7 @@ class ModelFingerprint:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_codec: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope, dict):
@@ -52,10 +59,14 @@ class ModelFingerprint:
         for name in ("architecture", "weights_hash", "dtype", "tokenizer_hash"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
+        if self.kv_codec not in CODECS:
+            raise ValueError(f"kv_codec must be one of {CODECS}, got {self.kv_codec!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["anchor_token_ids"] = list(self.anchor_token_ids)
+        if d["kv_codec"] == "none":
+            del d["kv_codec"]
         return d
 
     def to_json(self) -> str:
@@ -65,13 +76,20 @@ class ModelFingerprint:
     def from_json(cls, text: str | bytes) -> ModelFingerprint:
         d = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) != names:
+        if set(d) | {"kv_codec"} != names:
             raise ValueError(f"fingerprint fields {sorted(d)} != expected {sorted(names)}")
         return cls(**d)
 
     def digest(self) -> str:
-        """Stable hex digest (blake2b-128 of the canonical JSON); equal across processes."""
-        return hashlib.blake2b(self.to_json().encode(), digest_size=16).hexdigest()
+        """Stable hex digest (blake2b-128 of the canonical JSON without ``kv_codec``); equal
+        across processes and codecs."""
+        model = self.to_dict()
+        model.pop("kv_codec", None)
+        return hashlib.blake2b(canonical_json(model).encode(), digest_size=16).hexdigest()
+
+    def with_codec(self, kv_codec: str) -> ModelFingerprint:
+        """This fingerprint for a store of codec ``kv_codec``."""
+        return dataclasses.replace(self, kv_codec=kv_codec)
 
     def diff(self, other: ModelFingerprint) -> tuple[str, ...]:
         """Names of the fields whose values differ, in declaration order."""
@@ -89,6 +107,13 @@ def mismatch_message(location: object, given: ModelFingerprint, stored: ModelFin
     dtype) names the dtype to pass; any other difference needs the model it was built with.
     """
     fields = given.diff(stored)
+    if fields == ("kv_codec",):
+        return (
+            f"store {location} holds K/V encoded with codec {stored.kv_codec!r}, not "
+            f"{given.kv_codec!r}: open it with kv_codec={stored.kv_codec!r} (or leave kv_codec "
+            f"unset to follow the store), or re-encode it with `blendkv store convert SRC DST "
+            f"--codec {given.kv_codec}`"
+        )
     if fields == ("dtype",):
         return (
             f"store {location} was built with dtype {stored.dtype}; this model is "

@@ -24,10 +24,11 @@ import torch
 
 from blendkv.sizes import format_size
 
+from . import codecs, opening, txn_ops
 from . import format as fmt
-from . import opening, txn_ops
 from .capacity import store_full_error
-from .errors import CorruptValueError, StoreError, StoreFullError
+from .codecs import EncodedKV, decode_reference
+from .errors import CodecMismatchError, CorruptValueError, StoreError, StoreFullError
 from .fingerprint import ModelFingerprint
 from .locking import locked
 from .memory_tier import MemoryTier
@@ -146,11 +147,16 @@ class KVStore(StoreTransactions, StoreQueries):
         if self.inspect_only:
             raise StoreError(f"store {self.path} was opened without a fingerprint (inspect mode)")
 
+    @property
+    def kv_codec(self) -> str:
+        """How this store encodes K/V (:mod:`blendkv.store.codecs`); from its fingerprint."""
+        return self.fingerprint.kv_codec
+
     def _check_shape(self, chunk: NewChunk) -> None:
         fp, kv = self.fingerprint, chunk.kv
         want = (fp.num_layers, 2, None, fp.num_kv_heads, fp.head_dim)
         pairs = zip(want, kv.shape, strict=False)
-        if kv.ndim != 5 or any(w is not None and w != s for w, s in pairs):
+        if len(kv.shape) != 5 or any(w is not None and w != s for w, s in pairs):
             raise ValueError(
                 f"chunk K/V shape {tuple(kv.shape)} does not match [num_layers={fp.num_layers}, "
                 f"2, num_tokens, num_kv_heads={fp.num_kv_heads}, head_dim={fp.head_dim}]"
@@ -173,7 +179,7 @@ class KVStore(StoreTransactions, StoreQueries):
         encoded = []
         for chunk in chunks:
             self._check_shape(chunk)
-            encoded.append(fmt.encode_value(chunk.kv))
+            encoded.append(fmt.encode_value(encode_for(self.kv_codec, chunk.kv, self.path)))
         new_bytes = sum(len(v) for v in encoded)
         if self.max_bytes is not None and new_bytes > self.max_bytes:
             raise StoreFullError(
@@ -252,7 +258,7 @@ class KVStore(StoreTransactions, StoreQueries):
         once = self.verify_reads == "once"
         full = self.verify_reads is True or (once and key not in self._verified)
         try:
-            header = fmt.check_value(buf, verify_checksum=full)
+            header = fmt.check_value(buf, verify_checksum=full, codec=self.kv_codec)
             if once and full:
                 if len(self._verified) > 1_000_000:  # bound the memory: just re-verify later
                     self._verified.clear()
@@ -273,24 +279,34 @@ class KVStore(StoreTransactions, StoreQueries):
     pin_memory = False
     reads_in_place = True  # values are viewed in LMDB's memory map (snapshot, warm)
 
-    @locked
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
-        """The chunk's K/V, or None on a miss or a corrupt value.
+        """The chunk's K/V (decoded to the model dtype), or None on a miss or a corrupt value.
 
         The tensor owns its memory (it is not tied to any LMDB transaction) but may be shared
-        with the memory tier: treat it as read-only.
+        with the memory tier (codec ``none``): treat it as read-only.
         """
+        value = self.get_encoded(key, skip_memory_tier=skip_memory_tier)
+        return None if value is None else ChunkKV(key, decode_reference(value))
+
+    @locked
+    def get_encoded(
+        self, key: bytes, *, skip_memory_tier: bool = False
+    ) -> torch.Tensor | EncodedKV | None:
+        """The chunk's value as stored: the raw tensor (codec ``none``) or its
+        :class:`EncodedKV` (decode it while loading: nothing here decodes). None on a miss or a
+        corrupt value. Owns its memory (pinned with ``pin_memory``), may be shared with the
+        memory tier: read-only."""
         self._check_servable()
         use_tier = self.memory_tier.max_bytes and not skip_memory_tier
-        tensor = self.memory_tier.get(key) if use_tier else None
-        if tensor is None:
-            tensor = self._load(key, None)
-            if tensor is None:
+        value = self.memory_tier.get(key) if use_tier else None
+        if value is None:
+            value = self._load(key, None)
+            if value is None:
                 return None
-            self.memory_tier.put(key, tensor)
+            self.memory_tier.put(key, value)
         self.hits += 1
         self._record_use(key)
-        return ChunkKV(key, tensor)
+        return value
 
     def warm(self, key: bytes) -> bool:
         """Bring ``key``'s value into the OS page cache ahead of its use, without holding the
@@ -313,27 +329,49 @@ class KVStore(StoreTransactions, StoreQueries):
         self._check_servable()
         tensor = self.memory_tier.get(key) if self.memory_tier.max_bytes else None
         if tensor is not None:
-            if tensor.shape != out.shape or tensor.dtype != out.dtype:
+            if tuple(tensor.shape) != tuple(out.shape) or tensor.dtype != out.dtype:
                 raise ValueError(
                     f"out is {out.dtype}{tuple(out.shape)}, stored {tensor.dtype}"
                     f"{tuple(tensor.shape)}"
                 )
-            out.copy_(tensor)
+            out.copy_(decode_reference(tensor))
         else:
-            if self._load(key, out) is None:
+            value = self._load(key, out, keep_encoded=admit)
+            if value is None:
                 return False
             if admit and self.memory_tier.max_bytes:
-                self.memory_tier.put(key, out.detach().to("cpu", copy=True))
+                if not isinstance(value, EncodedKV):
+                    value = out.detach().to("cpu", copy=True)
+                self.memory_tier.put(key, value)
         self.hits += 1
         self._record_use(key)
         return True
 
-    def _load(self, key: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
-        """Read from LMDB into ``out`` (or a new tensor); None on miss/corruption."""
+    def _load(
+        self, key: bytes, out: torch.Tensor | None, *, keep_encoded: bool = False
+    ) -> torch.Tensor | EncodedKV | None:
+        """Read from LMDB into ``out`` (decoded) or, without ``out``, a new tensor (codec
+        ``none``) or :class:`EncodedKV` (copied out of the map). With ``out`` and
+        ``keep_encoded`` an encoded value is also returned copied. None on miss/corruption."""
         corrupt_before = self.corrupt
         with self._read() as txn:
             found = checked_value(self, txn, key)
-            if found is not None:
+            if found is not None and found[1].codec != "none":
+                buf, header = found
+                value = fmt.decode_value(buf, header)
+                if out is not None:
+                    check_out(out, header)
+                    out.copy_(decode_reference(value, out.dtype))
+                    if not keep_encoded:
+                        value = out
+                if value is not out:
+                    payload = torch.empty(
+                        header.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory
+                    )
+                    payload.copy_(fmt.payload_view(buf))
+                    value = fmt.decode_payload(payload, header)
+                out = value
+            elif found is not None:
                 buf, header = found
                 if out is None:
                     out = torch.empty(header.shape, dtype=header.dtype, pin_memory=self.pin_memory)
@@ -352,3 +390,28 @@ class KVStore(StoreTransactions, StoreQueries):
             return None
         self.lmdb_hits += 1
         return out
+
+
+def check_out(out: torch.Tensor, header: fmt.ValueHeader) -> None:
+    """ValueError unless ``out`` has the stored value's decoded shape and dtype."""
+    if tuple(out.shape) != header.shape or out.dtype != header.dtype:
+        raise ValueError(
+            f"out is {out.dtype}{tuple(out.shape)}, stored {header.dtype}{header.shape}"
+        )
+
+
+def encode_for(
+    codec: str, kv: torch.Tensor | EncodedKV, location: object
+) -> torch.Tensor | EncodedKV:
+    """``kv`` encoded with the store's ``codec``; an already encoded value must be of it
+    (:class:`CodecMismatchError` naming both otherwise)."""
+    if isinstance(kv, EncodedKV):
+        if kv.codec != codec:
+            raise CodecMismatchError(
+                f"store {location} holds K/V of codec {codec!r}; refusing a value of codec "
+                f"{kv.codec!r}",
+                kv.codec,
+                codec,
+            )
+        return kv
+    return codecs.encode(kv, codec)

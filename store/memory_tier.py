@@ -1,7 +1,9 @@
 """A bounded in-RAM LRU of hot chunk K/V, in front of LMDB.
 
 Values are content-addressed, so an entry can never be stale in content; it can at most outlive
-its LMDB entry (evicted by another process), which is harmless. Thread-safe.
+its LMDB entry (evicted by another process), which is harmless. Thread-safe. A store with a K/V
+codec keeps values here encoded (:class:`~blendkv.store.codecs.EncodedKV`) and the budget counts
+their encoded bytes, so the same budget holds more chunks.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ from collections import OrderedDict
 
 import torch
 
+from .codecs import EncodedKV, kv_nbytes
+
+StoredKV = torch.Tensor | EncodedKV  # a raw tensor (codec none) or an encoded chunk
+
 
 class MemoryTier:
-    """LRU cache ``key -> tensor`` bounded by ``max_bytes`` of tensor data.
+    """LRU cache ``key -> value`` (a tensor or an :class:`EncodedKV`) bounded by ``max_bytes``
+    of tensor data.
 
-    Tensors handed in are kept as they are (not copied); callers must treat tensors returned
+    Values handed in are kept as they are (not copied); callers must treat values returned
     by :meth:`get` as read-only.
     """
 
@@ -23,7 +30,7 @@ class MemoryTier:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[bytes, StoredKV] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -55,7 +62,7 @@ class MemoryTier:
         with self._lock:
             return list(self._entries)
 
-    def get(self, key: bytes) -> torch.Tensor | None:
+    def get(self, key: bytes) -> StoredKV | None:
         with self._lock:
             tensor = self._entries.get(key)
             if tensor is None:
@@ -65,18 +72,18 @@ class MemoryTier:
             self.hits += 1
             return tensor
 
-    def put(self, key: bytes, tensor: torch.Tensor) -> bool:
+    def put(self, key: bytes, tensor: StoredKV) -> bool:
         """Admit ``tensor``; returns False if it is larger than the whole budget."""
-        size = tensor.numel() * tensor.element_size()
+        size = kv_nbytes(tensor)
         if size > self.max_bytes:
             return False
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= old.numel() * old.element_size()
+                self._bytes -= kv_nbytes(old)
             while self._entries and self._bytes + size > self.max_bytes:
                 _, victim = self._entries.popitem(last=False)
-                self._bytes -= victim.numel() * victim.element_size()
+                self._bytes -= kv_nbytes(victim)
                 self.evictions += 1
             self._entries[key] = tensor
             self._bytes += size
@@ -86,7 +93,7 @@ class MemoryTier:
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= old.numel() * old.element_size()
+                self._bytes -= kv_nbytes(old)
 
     def clear(self) -> None:
         with self._lock:

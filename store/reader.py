@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from . import format as fmt
+from .codecs import decode_reference
 from .errors import CorruptValueError, StoreError
 from .records import ChunkKV
 
@@ -28,16 +29,21 @@ def checked_value(store, txn, key: bytes) -> tuple[memoryview, fmt.ValueHeader] 
     return None if header is None else (buf, header)
 
 
-def _view(store, txn, key: bytes) -> ChunkKV | None:
-    """``key``'s value as a zero-copy tensor."""
+def _view_value(store, txn, key: bytes):
+    """``key``'s stored value, zero-copy: a tensor (codec ``none``) or an ``EncodedKV``."""
     found = checked_value(store, txn, key)
     if found is None:
         return None
     buf, header = found
     store.hits += 1
     store.lmdb_hits += 1
-    tensor = fmt.payload_view(buf).view(header.dtype).view(header.shape)
-    return ChunkKV(key, tensor)
+    return fmt.decode_value(buf, header)
+
+
+def _view(store, txn, key: bytes) -> ChunkKV | None:
+    """``key``'s value as a zero-copy tensor (an encoded value is decoded: a copy)."""
+    value = _view_value(store, txn, key)
+    return None if value is None else ChunkKV(key, decode_reference(value))
 
 
 class ZeroCopyReader:
@@ -80,6 +86,23 @@ class ReadSnapshot:
                 return None
             store._record_use(key, flush=False)
             return chunk
+
+    def view_encoded(self, key: bytes):
+        """The chunk's value as stored, zero-copy over the map: a tensor (codec ``none``) or
+        an :class:`~blendkv.store.codecs.EncodedKV` whose tensors view the map (decode it
+        while loading). None on a miss or a corrupt value; valid until :meth:`close`."""
+        store = self._store
+        with store._lock:
+            if self.closed:
+                raise StoreError("the read snapshot is closed")
+            corrupt_before = store.corrupt
+            value = _view_value(store, self.txn, key)
+            if value is None:
+                if store.corrupt != corrupt_before:
+                    store._deferred_deletes.add(key)
+                return None
+            store._record_use(key, flush=False)
+            return value
 
     def warm(self, key: bytes) -> bool:
         """Fault ``key``'s value into the OS page cache (py-lmdb's get touches every page of a
