@@ -7,7 +7,13 @@ vLLM: layers take and return ``(hidden_states, residual)``, the add inside the n
 
 ``LlamaModel.forward`` holds the only loop over decoder layers; plain steps, blended prefills
 and chunk precompute differ only in the row plan and layer hooks (:mod:`blendkv.models.hooks`).
-Mistral's ``sliding_window`` is not applied: exact up to the window, so cap ``max_model_len``.
+
+Other families (Mistral, Qwen2, Gemma, ...) are configurations of these classes: a family picks
+its decoder-layer class (``LlamaModel.decoder_layer_cls``), the layer picks its attention, norm
+and MLP (``attention_cls``, ``norm_cls``, ``make_mlp``) and per-layer attention options
+(:meth:`LlamaDecoderLayer.attention_kwargs`: sliding window, soft-cap, scaling); the model picks
+each layer's rotary table (:meth:`LlamaModel.layer_rotary`) and scales embeddings
+(:meth:`LlamaModel.embed`); the causal LM soft-caps final logits when the config asks.
 """
 
 from __future__ import annotations
@@ -44,25 +50,73 @@ class LayerRows(NamedTuple):
         return LayerRows(md.positions, md)
 
 
+def layer_windows(config, applies: bool = True) -> list[int | None]:
+    """Each layer's sliding window (a row attends to the ``window`` latest positions, itself
+    included, as transformers' ``sliding_window``), None for a global layer.
+
+    ``layer_types`` names the windowed layers (``"sliding_attention"``); without it every layer
+    is windowed (Mistral). ``applies=False`` (a family that ignores the field): all None.
+    """
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not applies or not window:
+        return [None] * n
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [int(window)] * n
+    if len(types) != n:
+        raise ModelLoadError(f"layer_types has {len(types)} entries for {n} layers")
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer: input norm, attention, post-attention norm (adding the
+    residual), MLP. Subclasses swap the classes below or override :meth:`finish`."""
+
+    attention_cls: type[Attention] = Attention
+    norm_cls: type[RMSNorm] = RMSNorm
+    # The family honours ``config.sliding_window`` (Llama has none; Qwen2's is off by default).
+    applies_sliding_window = False
+
     def __init__(
         self,
         config,
+        layer_idx: int,
         rotary_emb: RotaryEmbedding,
         attn_backend: AttentionBackend,
         qkv_bias: bool,
         o_bias: bool,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary_emb, attn_backend, qkv_bias, o_bias)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = GatedMLP(
+        self.layer_idx = layer_idx
+        self.input_layernorm = self.make_norm(config)
+        self.self_attn = self.attention_cls(
+            config,
+            rotary_emb,
+            attn_backend,
+            qkv_bias,
+            o_bias,
+            **self.attention_kwargs(config, layer_idx),
+        )
+        self.post_attention_layernorm = self.make_norm(config)
+        self.mlp = self.make_mlp(config)
+
+    def make_norm(self, config, size: int | None = None) -> RMSNorm:
+        return self.norm_cls(size or config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_mlp(self, config) -> GatedMLP:
+        return GatedMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
             bias=getattr(config, "mlp_bias", False),
         )
+
+    def attention_kwargs(self, config, layer_idx: int) -> dict:
+        """Keyword options for this layer's attention; only those that differ from the plain
+        causal softmax are passed (``sliding_window``, ``logits_soft_cap``, ``scaling``)."""
+        window = layer_windows(config, self.applies_sliding_window)[layer_idx]
+        return {} if window is None else {"sliding_window": window}
 
     def input_norm(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -123,17 +177,35 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embeddings, the decoder layers, the final norm. ``rotary_emb`` is the model's (global
+    layers') RoPE; :meth:`layer_rotary` gives each layer's."""
+
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(
         self, config, attn_backend: AttentionBackend, qkv_bias: bool, o_bias: bool
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = self.make_rotary(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, attn_backend, qkv_bias, o_bias)
-            for _ in range(config.num_hidden_layers)
+            self.decoder_layer_cls(
+                config, i, self.layer_rotary(config, i), attn_backend, qkv_bias, o_bias
+            )
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = self.decoder_layer_cls.norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_rotary(self, config) -> RotaryEmbedding:
+        return RotaryEmbedding(config)
+
+    def layer_rotary(self, config, layer_idx: int) -> RotaryEmbedding:
+        """The RoPE of layer ``layer_idx`` (one table for all layers here)."""
+        return self.rotary_emb
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> the residual stream entering layer 0 (Gemma scales it)."""
+        return self.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -163,7 +235,7 @@ class LlamaModel(nn.Module):
         if kv_caches is not None and len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv_caches, got {len(kv_caches)}")
         rows = LayerRows(positions, attn_metadata)
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.embed(input_ids)
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -194,11 +266,13 @@ class LlamaForCausalLM(nn.Module):
     """Causal LM over flattened tokens: ``forward`` gives final hidden states, then
     ``compute_logits`` on the rows that need them (vLLM style)."""
 
+    model_cls: type[LlamaModel] = LlamaModel
+
     def __init__(self, config, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
         qkv_bias, o_bias = self.attention_bias(config)
-        self.model = LlamaModel(config, attn_backend, qkv_bias, o_bias)
+        self.model = self.model_cls(config, attn_backend, qkv_bias, o_bias)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -242,8 +316,14 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return self.lm_head(hidden_states).float()
+        """[N, hidden_size] -> float32 logits [N, vocab_size]; with the config's
+        ``final_logit_softcapping`` c, ``c * tanh(logits / c)`` in the model dtype first, as
+        transformers computes it."""
+        logits = self.lm_head(hidden_states)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -301,5 +381,16 @@ def _head(names: list[str], n: int = 5) -> str:
     return f"[{shown}{f', ... ({len(names)} total)' if len(names) > n else ''}]"
 
 
-# Mistral's module tree and checkpoint keys are Llama's.
-MistralForCausalLM = LlamaForCausalLM
+class MistralDecoderLayer(LlamaDecoderLayer):
+    applies_sliding_window = True
+
+
+class MistralModel(LlamaModel):
+    decoder_layer_cls = MistralDecoderLayer
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's module tree and checkpoint keys, with ``sliding_window`` (when set) applied on
+    every layer."""
+
+    model_cls = MistralModel
