@@ -12,9 +12,9 @@ flattened into one dimension (no batch dimension), vLLM-style::
     positions:        per token, the absolute position of that token in its sequence
 
 Masking rule (the only one): a query token at position ``p`` sees exactly the keys of its own
-sequence at positions ``<= p``. Query positions need not be contiguous (CacheBlend recomputes
-scattered rows), and keys at positions that are not being computed this step must already be in
-the paged cache.
+sequence at positions ``<= p`` (and ``> p - window`` on a sliding-window layer). Query
+positions need not be contiguous (CacheBlend recomputes scattered rows), and keys at positions
+that are not being computed this step must already be in the paged cache.
 """
 
 from __future__ import annotations
@@ -265,6 +265,24 @@ class AttentionBackend(ABC):
         for i in range(kv.shape[0]):
             self.write_kv(kv_caches[first_layer + i], rotated[i], kv[i, 1], slots)
 
+    def load_encoded_kv(
+        self,
+        kv_caches: list[torch.Tensor],
+        first_layer: int,
+        chunk: Any,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """:meth:`load_rotated_kv` of an encoded chunk (an ``int8`` / ``int4`` store's value,
+        :class:`blendkv.kernels.kv_decode.EncodedChunk`), decoded as it is written. This is the
+        reference (decode, then :meth:`load_rotated_kv`'s reference); backends decode in their
+        load kernels instead, writing the same bits."""
+        from blendkv.kernels.kv_decode import load_encoded_reference
+
+        load_encoded_reference(self, kv_caches, first_layer, chunk, positions, slots, cos, sin)
+
     @abstractmethod
     def write_kv(
         self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -310,6 +328,9 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata | None,
         scale: float,
+        *,
+        window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write this layer's new K/V into the pool, then attend.
 
@@ -319,6 +340,11 @@ class AttentionBackend(ABC):
             kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], or None for a pass
                 without a pool (dense metadata, or ``attn_metadata=None``: one sequence).
             scale: softmax scale (usually head_dim ** -0.5).
+            window: sliding window (per layer): a query at position ``p`` sees keys at
+                ``p - window < j <= p`` (transformers' rule); None: every key ``<= p``.
+            soft_cap: logit soft-capping: scores ``cap * tanh(scale * q.k / cap)`` before the
+                softmax (Gemma 2); None: none. A backend path that cannot honour ``window`` or
+                ``soft_cap`` raises ``NotImplementedError`` naming itself, never ignores them.
 
         Returns:
             [num_tokens, num_heads, head_dim].
@@ -333,11 +359,17 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         slots: torch.Tensor,
         visible_prefix: int = 0,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
+        soft_cap: float | None = None,
     ) -> None:
         """``scores`` [S] float32 += the softmax attention ``q`` [Q, H, D] (RoPE applied, rows
         at ``q_positions``) pays each key of positions ``0..S-1``, read from ``kv_cache`` at
         ``slots`` [S] (the query rows' own K already written), summed over rows and heads.
         ``visible_prefix``: how many leading keys every row sees (spares their masking).
+        ``scale`` (None: ``D ** -0.5``), ``window``, ``soft_cap``: the layer's, as in
+        :meth:`forward`.
 
         ProphetKV's query pass calls it before each layer's attention on backends without
         :attr:`scores_in_attention`. This is the reference (dense torch)."""
@@ -345,7 +377,10 @@ class AttentionBackend(ABC):
         flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads * head_dim)
         keys = flat_k.index_select(0, slots).view(-1, num_kv_heads, head_dim)  # K only
         key_positions = torch.arange(len(slots), device=slots.device)
-        scores += query_attention_mass(q, keys, q_positions, key_positions, visible_prefix)
+        scores += query_attention_mass(
+            q, keys, q_positions, key_positions, visible_prefix, scale=scale, window=window,
+            soft_cap=soft_cap,
+        )  # fmt: skip
 
     def shift_kept_rows(
         self,

@@ -85,6 +85,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 return
         super().load_rotated_kv(kv_caches, first_layer, kv, positions, slots, cos, sin)
 
+    def load_encoded_kv(self, kv_caches, first_layer, chunk, positions, slots, cos, sin) -> None:
+        """Decoded while written, by ``decode_rope_write_kv`` (``kernels/cpu/rope_write.cpp``)."""
+        from blendkv.kernels.kv_decode import cpu_decode_rope_write
+
+        args = (kv_caches, first_layer, chunk, positions, slots, cos, sin)
+        if self.ops is not None and cpu_decode_rope_write(self.ops, *args):
+            return
+        super().load_encoded_kv(*args)
+
     def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
                         sin, attention_scaling) -> bool:  # fmt: skip
         return self.ops is not None and cpu_blend.shift_kept_rows(
@@ -92,28 +101,33 @@ class CpuAttentionBackend(TorchAttentionBackend):
             attention_scaling)  # fmt: skip
 
     # ---- attention ----------------------------------------------------------------------
-    def _causal(self, q, k, v, scale, out) -> None:
-        if self._takes(self.rows_kernel, "prefill", q.dtype):
+    def _causal(self, q, k, v, scale, out, **wc) -> None:
+        if not wc and self._takes(self.rows_kernel, "prefill", q.dtype):
             self.rows_kernel.causal(q, k, v, scale, out)
         else:
-            super()._causal(q, k, v, scale, out)
+            super()._causal(q, k, v, scale, out, **wc)
 
     def _rows_layout(self, positions, group, dtype) -> Any:
         if self._takes(self.rows_kernel, "prefill", dtype):
             return None  # the kernel needs no layout
         return super()._rows_layout(positions, group, dtype)
 
-    def _rows(self, q, keys, values, positions, scale, out, layout) -> None:
-        if self._takes(self.rows_kernel, "prefill", q.dtype):
+    def _rows(self, q, keys, values, positions, scale, out, layout, **wc) -> None:
+        if not wc and self._takes(self.rows_kernel, "prefill", q.dtype):
             self.rows_kernel(q, keys, values, positions, scale, out)
         else:
-            super()._rows(q, keys, values, positions, scale, out, layout)
+            super()._rows(q, keys, values, positions, scale, out, layout, **wc)
 
-    def _query_rows(self, q, keys, values, positions, visible_prefix, out) -> torch.Tensor:
-        if not self._takes(self.rows_kernel, "prefill", q.dtype):
-            return super()._query_rows(q, keys, values, positions, visible_prefix, out)
+    def _query_rows(
+        self, q, keys, values, positions, visible_prefix, out, scale=None, **wc
+    ) -> torch.Tensor:
+        if wc or not self._takes(self.rows_kernel, "prefill", q.dtype):
+            return super()._query_rows(
+                q, keys, values, positions, visible_prefix, out, scale=scale, **wc
+            )
         mass = torch.zeros(keys.shape[0], dtype=torch.float32, device=keys.device)
-        self.rows_kernel(q, keys, values, positions, q.shape[-1] ** -0.5, out, mass)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        self.rows_kernel(q, keys, values, positions, scale, out, mass)
         return mass
 
     def _decode_layout(self, md: AttentionMetadata, seqs, cache_shape, q) -> Any:

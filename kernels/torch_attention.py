@@ -228,17 +228,18 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     # ---- attention ----------------------------------------------------------------------
-    def forward(self, q, k, v, kv_cache, attn_metadata, scale):
+    def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None):
         md: AttentionMetadata | None = attn_metadata
+        wc = {} if window is None and soft_cap is None else {"window": window, "soft_cap": soft_cap}
         if kv_cache is None:
             if md is None or md.num_seqs == 1:
                 out = torch.empty_like(q)
-                self._causal(q, k, v, scale, out)
+                self._causal(q, k, v, scale, out, **wc)
                 return out
             out = torch.empty_like(q)
             starts = md.query_start_loc_cpu
             for lo, hi in zip(starts, starts[1:], strict=False):
-                self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi])
+                self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi], **wc)
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
         layout = self._step_layouts.get(
@@ -246,9 +247,11 @@ class TorchAttentionBackend(AttentionBackend):
         )
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
+        # the query rows' scale is D ** -0.5 unless the layer has its own
+        mass_kw = {"scale": scale, **wc} if wc or scale != q.shape[-1] ** -0.5 else {}
         for lo, hi in layout.fresh_ranges:
             # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
-            self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi])
+            self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi], **wc)
         others = zip(
             layout.other_seqs,
             layout.row_groups,
@@ -265,39 +268,60 @@ class TorchAttentionBackend(AttentionBackend):
                 keys, values = flat[:, first : first + md.seq_lens_cpu[i]]
             if mid > lo:
                 positions = md.positions[lo:mid]
-                self._rows(q[lo:mid], keys, values, positions, scale, out[lo:mid], groups)
+                self._rows(q[lo:mid], keys, values, positions, scale, out[lo:mid], groups, **wc)
             if mid < hi:  # ProphetKV's query rows: their output and their score, one call
                 request = md.query_mass[i]
                 mass = self._query_rows(
                     q[mid:hi], keys, values, md.positions[mid:hi], request.visible_prefix,
-                    out[mid:hi],
+                    out[mid:hi], **mass_kw,
                 )  # fmt: skip
                 request.scores.add_(mass)
-        if layout.decode is not None:
+        if layout.decode is not None and not wc:
             self._decode(q, kv_cache, layout.decode, out, scale)
+        elif layout.decode is not None:
+            self._decode_windowed(q, kv_cache, md, layout, out, scale, window, soft_cap)
         return out
 
     # ---- one method per kind of rows (the cpu backend overrides them) -------------------
-    def _causal(self, q, k, v, scale, out) -> None:
+    # A window or soft cap comes as the ``window``/``soft_cap`` keywords, only when one is set
+    # (the plain path stays as it is); here the dense oracle runs them.
+    def _causal(self, q, k, v, scale, out, window=None, soft_cap=None) -> None:
         """``out`` = causal attention of one fresh sequence (positions 0..n-1)."""
-        out.copy_(dense_causal_attention(q, k, v, scale))
+        if window is None and soft_cap is None:
+            out.copy_(dense_causal_attention(q, k, v, scale))
+            return
+        positions = torch.arange(q.shape[0], device=q.device)
+        self._rows(q, k, v, positions, scale, out, None, window=window, soft_cap=soft_cap)
 
     def _rows_layout(self, positions: torch.Tensor, group: int, dtype: torch.dtype) -> Any:
         """What :meth:`_rows` reuses across a step's layers for rows at ``positions``."""
         return build_row_groups(positions, group, dtype) if self._flash_cpu else None
 
-    def _rows(self, q, keys, values, positions, scale, out, layout) -> None:
+    def _rows(
+        self, q, keys, values, positions, scale, out, layout, window=None, soft_cap=None
+    ) -> None:
         """``out`` = rows of one sequence at ascending ``positions`` over ``keys``/``values``
         (its context, positions 0..S-1); ``layout``: :meth:`_rows_layout` of the positions."""
-        if layout is None:
+        if window is not None or soft_cap is not None:
+            out[:], _ = attention_with_mass(
+                q, keys, values, positions, scale=scale, window=window, soft_cap=soft_cap
+            )
+        elif layout is None:
             out.copy_(masked_attention(q, keys, values, positions, scale))
         else:
             out.copy_(split_masked_attention(q, keys, values, positions, scale, layout))
 
-    def _query_rows(self, q, keys, values, positions, visible_prefix, out) -> torch.Tensor:
+    def _query_rows(
+        self, q, keys, values, positions, visible_prefix, out, scale=None, window=None,
+        soft_cap=None,
+    ) -> torch.Tensor:  # fmt: skip
         """Query rows' attention into ``out`` and the mass [S] float32 they pay each key
-        (scale ``D ** -0.5``, :func:`~blendkv.kernels.attention_mass.attention_with_mass`)."""
-        out[:], mass = attention_with_mass(q, keys, values, positions, visible_prefix)
+        (scale ``D ** -0.5`` unless given,
+        :func:`~blendkv.kernels.attention_mass.attention_with_mass`)."""
+        out[:], mass = attention_with_mass(
+            q, keys, values, positions, visible_prefix, scale=scale, window=window,
+            soft_cap=soft_cap,
+        )  # fmt: skip
         return mass
 
     def _decode_layout(self, md: AttentionMetadata, seqs: list[int], cache_shape, q) -> Any:
@@ -307,6 +331,20 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, q, kv_cache, layout, out, scale) -> None:
         """``out`` at the decode rows of ``layout`` (:meth:`_decode_layout`)."""
         decode_attention(q, kv_cache, layout, out, scale)
+
+    def _decode_windowed(self, q, kv_cache, md, layout, out, scale, window, soft_cap) -> None:
+        """The decode rows on a layer with a window or a soft cap: the dense oracle over each
+        row's last ``window`` keys (the blocks before them are not read)."""
+        for i in layout.decode_seqs:
+            row, seq_len = md.query_start_loc_cpu[i], md.seq_lens_cpu[i]
+            bs = kv_cache.shape[2]
+            first = 0 if window is None else max(0, seq_len - window) // bs * bs
+            keys, values = gather_kv(kv_cache, md.block_table[i, first // bs :], seq_len - first)
+            position = md.positions[row : row + 1] - first
+            out[row : row + 1], _ = attention_with_mass(
+                q[row : row + 1], keys, values, position, scale=scale,
+                window=window, soft_cap=soft_cap,
+            )  # fmt: skip
 
     def _build_layout(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepLayout:
         fresh, decode, other = split_by_kind(md)
@@ -328,7 +366,7 @@ class TorchAttentionBackend(AttentionBackend):
             runs = [block_runs(md, i, cache_shape[2]) for i in other]
             slots = [r[0][0] if len(r) == 1 else None for r in runs]
         decode_rows = self._decode_layout(md, decode, cache_shape, q) if decode else None
-        return _StepLayout(fresh, other, row_layouts, decode_rows, slots, scored_from)
+        return _StepLayout(fresh, other, row_layouts, decode_rows, slots, scored_from, decode)
 
 
 @dataclass(frozen=True)
@@ -344,3 +382,4 @@ class _StepLayout:
     other_slots: list[int | None]
     # per other seq: the row where its query rows scored in attention begin (its end if none)
     scored_from: list[int]
+    decode_seqs: list[int]  # the sequences of the decode rows

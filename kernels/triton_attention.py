@@ -89,9 +89,24 @@ class TritonAttentionBackend(TorchAttentionBackend):
         in one launch (see :func:`blendkv.kernels.triton.rope_load.rope_load`)."""
         self._ops.rope_load(kv_caches, first_layer, kv, positions, slots, cos, sin)
 
-    def add_query_mass(self, scores, q, q_positions, kv_cache, slots, visible_prefix=0) -> None:
+    def load_encoded_kv(self, kv_caches, first_layer, chunk, positions, slots, cos, sin) -> None:
+        """Decoded in the RoPE-at-load kernel, in one launch
+        (:func:`blendkv.kernels.triton.rope_load.decode_rope_load`)."""
+        from blendkv.kernels.triton.rope_load import decode_rope_load
+
+        decode_rope_load(kv_caches, first_layer, chunk, positions, slots, cos, sin)
+
+    def add_query_mass(
+        self, scores, q, q_positions, kv_cache, slots, visible_prefix=0, *, scale=None,
+        window=None, soft_cap=None,
+    ) -> None:  # fmt: skip
         """Two launches reading the keys in place (:mod:`blendkv.kernels.triton.query_mass`)."""
         from blendkv.kernels.triton.query_mass import add_query_mass
+
+        if scale is not None or window is not None or soft_cap is not None:
+            raise NotImplementedError(
+                "the triton query-mass kernel takes no scale, window or soft cap yet"
+            )
 
         if self._first_use("query_mass", add_query_mass, scores, q, q_positions, kv_cache, slots):
             return
@@ -138,8 +153,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return True
 
     # ---- attention ----------------------------------------------------------------------
-    def forward(self, q, k, v, kv_cache, attn_metadata, scale):
+    def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None):
         md: AttentionMetadata | None = attn_metadata
+        if window is not None or soft_cap is not None:
+            raise NotImplementedError(
+                "the triton attention backend takes no sliding window or soft cap yet"
+            )
         if kv_cache is None:
             if md is None or md.num_seqs == 1:
                 return dense_causal_attention(q, k, v, scale)

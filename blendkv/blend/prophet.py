@@ -89,8 +89,9 @@ class QueryPassRowPlan(RowPlan):
             # the backend reads every key in place.
             self.backend.write_kv(kv_cache, kr, v[rows], row_slots)
             self.backend.add_query_mass(
-                sb.query_scores, qr[query], query_positions, kv_cache, slots, visible
-            )
+                sb.query_scores, qr[query], query_positions, kv_cache, slots, visible,
+                **attn.mass_kwargs(),
+            )  # fmt: skip
         return None
 
     def finish(self) -> None:

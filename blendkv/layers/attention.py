@@ -21,7 +21,12 @@ from blendkv.layers.rotary import RotaryEmbedding, head_dim_of
 
 
 class Attention(nn.Module):
-    """Parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) equal HF checkpoint keys."""
+    """Parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) equal HF checkpoint keys.
+
+    Per-layer attention constants, handed to every backend call that attends or scores:
+    ``sliding_window`` (a query at ``p`` sees keys ``p - w < j <= p``, transformers' rule;
+    None: all keys ``<= p``), ``logits_soft_cap`` (scores ``cap * tanh(s / cap)`` before the
+    softmax, Gemma 2), ``scaling`` (the softmax scale; None: ``head_dim ** -0.5``)."""
 
     def __init__(
         self,
@@ -30,6 +35,10 @@ class Attention(nn.Module):
         attn_backend: AttentionBackend,
         qkv_bias: bool = False,
         o_bias: bool = False,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        scaling: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -40,7 +49,13 @@ class Attention(nn.Module):
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        self.scaling = self.head_dim**-0.5
+        self.scaling = self.head_dim**-0.5 if scaling is None else float(scaling)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+        self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         hidden = config.hidden_size
         self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -92,8 +107,25 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
         """:meth:`attend` on q/k already rotated."""
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scaling)
+        out = self.attn_backend.forward(
+            q, k, v, kv_cache, attn_metadata, self.scaling, **self.attention_kwargs()
+        )
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
+    def attention_kwargs(self) -> dict:
+        """``window``/``soft_cap`` for the backend when this layer has either, else ``{}`` (the
+        plain path, and backends' older signatures, untouched)."""
+        if self.sliding_window is None and self.logits_soft_cap is None:
+            return {}
+        return {"window": self.sliding_window, "soft_cap": self.logits_soft_cap}
+
+    def mass_kwargs(self) -> dict:
+        """:meth:`attention_kwargs` plus ``scale`` when it is not ``head_dim ** -0.5``: the
+        keywords of ``AttentionBackend.add_query_mass`` for this layer."""
+        kwargs = self.attention_kwargs()
+        if self.scaling != self.head_dim**-0.5:
+            kwargs["scale"] = self.scaling
+        return kwargs
 
     def rotate_and_write(
         self,
