@@ -1,4 +1,5 @@
-"""RMSNorm computed in float32 like transformers, with vLLM's fused residual add."""
+"""RMSNorm computed in float32 like transformers, with vLLM's fused residual add; Gemma's
+``(1 + w)`` variant."""
 
 from __future__ import annotations
 
@@ -51,3 +52,22 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``normalize(x) * (1 + weight)`` all in float32, cast back last (the
+    checkpoint stores ``weight`` as an offset from 1), exactly as transformers computes it.
+
+    Never takes :class:`RMSNorm`'s one-launch kernel (that one multiplies by ``weight`` after
+    the cast): ``blendkv.layers.fused_kernels`` matches exact types, and ``kernel`` stays None.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).type_as(x)
