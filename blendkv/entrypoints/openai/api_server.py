@@ -1,20 +1,21 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn), ``blendkv serve``.
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /metrics``. Every HTTP request is a request in the engine's
-continuous batch (:class:`~blendkv.entrypoints.async_llm.AsyncLLM`). The server answers at once;
-the model loads in a background thread and routes answer 503 until it is ready.
+Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /version``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /metrics``. Every HTTP request
+is a request in the engine's continuous batch (:class:`~blendkv.entrypoints.async_llm.AsyncLLM`).
+The server answers at once; the model loads in a background thread and routes answer 503 until
+it is ready. SIGTERM drains (:mod:`.shutdown`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import logging
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
@@ -25,7 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blendkv.entrypoints.async_llm import AsyncLLM
+from blendkv.engine.detokenizer import logprob_token
+from blendkv.entrypoints.async_llm import AsyncLLM, RequestStream
 from blendkv.entrypoints.llm import LLM
 from blendkv.entrypoints.openai import responses, serving
 from blendkv.entrypoints.openai.errors import APIError, api_error, loading_error
@@ -34,6 +36,7 @@ from blendkv.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     MetricsMiddleware,
+    RequestIdMiddleware,
 )
 from blendkv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -46,7 +49,9 @@ from blendkv.store.capacity import default_request_cache_bytes
 
 logger = logging.getLogger(__name__)
 
-ROUTES = {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics"}
+ROUTES = {
+    "/health", "/v1/models", "/version", "/v1/completions", "/v1/chat/completions", "/metrics",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,8 +63,11 @@ class ServeConfig:
     request_cache_bytes: the bound of the cache that keeps the K/V of documents sent in
         requests (never in the store). None: min(2 GiB, 10 % of the temporary directory's free
         disk).
-    max_waiting: requests waiting for a place in the batch before new ones get 429.
-    max_body_bytes: larger request bodies get 413.
+    max_waiting: requests waiting for a place in the batch before new ones get 429 (at least
+        1: with 0 every request would be refused; None: no limit).
+    max_body_bytes: larger request bodies get 413 (at least 1 KiB, or no request fits).
+    shutdown_timeout: on SIGTERM / Ctrl-C, seconds in-flight requests may take to finish
+        (new ones get 503, ``/health`` too) before the rest are aborted.
     """
 
     api_key: str | None = None
@@ -69,12 +77,17 @@ class ServeConfig:
     request_cache_bytes: int | None = None
     max_waiting: int | None = 256
     max_body_bytes: int = 16 << 20
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(
+                f"max_waiting must be >= 1 (a request waits before it runs), got {self.max_waiting}"
+            )
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         for name in ("store_max_bytes", "request_cache_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -91,6 +104,9 @@ class ServerState:
         self._llm: LLM | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
+        self.draining = False  # shutting down: in-flight requests finish, new ones get 503
+        self._streams: set[RequestStream] = set()  # requests added and maybe not finished
+        self._streams_lock = threading.Lock()
 
     def start_loading(self) -> None:
         self._thread = threading.Thread(target=self._load, name="blendkv-load", daemon=True)
@@ -101,6 +117,10 @@ class ServerState:
         return self.served is not None
 
     def require(self) -> serving.Served:
+        if self.draining:
+            raise APIError(
+                503, "the server is shutting down", "server_error", code="server_shutting_down"
+            )
         if self.served is not None:
             return self.served
         if self.load_error is not None:
@@ -120,12 +140,12 @@ class ServerState:
                 rag = RAGPipeline(
                     self.config.store_dir, llm=llm, store_max_bytes=self.config.store_max_bytes
                 )
-            # The HTTP side's own tokenizer (logprob token texts): the engine thread uses the
-            # engine's, and a HF fast tokenizer used by two threads at once can fail
+            # The HTTP side's own tokenizer (logprob tokens, chat templates): the engine thread
+            # uses the engine's, and a HF fast tokenizer used by two threads at once can fail
             # ("Already borrowed").
             tokenizer = copy.deepcopy(llm.tokenizer)
-            token_text = functools.lru_cache(maxsize=1 << 16)(
-                lambda t: tokenizer.decode([t], skip_special_tokens=False)
+            token = functools.lru_cache(maxsize=1 << 16)(
+                functools.partial(logprob_token, tokenizer)
             )
             engine = AsyncLLM.from_llm(llm, max_waiting=self.config.max_waiting)
             self.metrics.attach(engine)
@@ -134,7 +154,9 @@ class ServerState:
                 model_name=self.config.served_model_name or llm.engine.info.model_name,
                 max_model_len=llm.engine.info.max_model_len,
                 rag=rag,
-                token_text=token_text,
+                logprob_token=token,
+                vocab_size=llm.engine.info.vocab_size,
+                tokenizer=tokenizer,
             )
             logger.info("model %s loaded; serving", self.served.model_name)
             if self._closing.is_set():  # the server stopped while the model loaded
@@ -150,6 +172,16 @@ class ServerState:
                 llm.close()
             if self.on_load_error is not None:
                 self.on_load_error(exc)
+
+    def track(self, stream: RequestStream) -> None:
+        with self._streams_lock:
+            self._streams = {s for s in self._streams if not s.finished}
+            self._streams.add(stream)
+
+    def open_streams(self) -> list[RequestStream]:
+        """The requests added whose last output was not delivered yet."""
+        with self._streams_lock:
+            return [s for s in self._streams if not s.finished]
 
     def close(self) -> None:
         """Stop the engine (open requests are aborted), close the store and the model."""
@@ -187,6 +219,7 @@ def create_app(load: Callable[[], LLM] | LLM, config: ServeConfig | None = None)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=ROUTES)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -228,10 +261,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(503, "the engine loop has stopped", "server_error")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/version")
+    async def version() -> Response:
+        from blendkv import __version__
+
+        return JSONResponse({"version": __version__})
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         served = state.require()
         return ModelList(data=[ModelCard(id=served.model_name, max_model_len=served.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        served = state.require()
+        served.check_model(model_id)
+        return ModelCard(id=served.model_name, max_model_len=served.max_model_len)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -243,53 +288,59 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(req: CompletionRequest, request: Request) -> Response:
         served = state.require()
         served.check_model(req.model)
-        prompt = serving.completion_prompt(req)
-        top_n = req.logprobs or 0
-        params = serving.sampling_params(req, req.max_tokens, req.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await _add(served, prompt, params, rid)
-        headers = {"x-request-id": rid}
+        prompt = serving.completion_prompt(req, served.vocab_size)
+        params = serving.sampling_params(
+            req, req.max_tokens, req.logprobs, vocab_size=served.vocab_size
+        )
+        opts = _reply_options(req, f"cmpl-{uuid.uuid4().hex}", params.n)
+        stream = await _add(state, served, prompt, params, opts.rid)
+        headers = {"x-request-id": opts.rid}
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = responses.completion_stream(
-                rid, int(time.time()), served, stream, top_n, include_usage
-            )
-            return _sse(events, headers)
+            return _sse(responses.completion_stream(served, stream, opts), headers)
         out = await _until_disconnected(request, _last_output(stream))
         if out is None:
             return Response(status_code=499)
-        body = responses.completion_response(rid, served, out, top_n)
+        body = responses.completion_response(served, out, opts)
         return JSONResponse(body.model_dump(), headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         served = state.require()
         served.check_model(req.model)
-        params = serving.chat_params(req)
+        params = serving.chat_params(req, served.vocab_size)
         prompt, kwargs = serving.chat_prompt(req, served)
-        top_n = req.top_logprobs or 0
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await _add(served, prompt, params, rid, **kwargs)
-        headers = {"x-request-id": rid}
+        opts = _reply_options(req, f"chatcmpl-{uuid.uuid4().hex}", params.n)
+        opts = dataclasses.replace(opts, top_n=req.top_logprobs or 0)
+        stream = await _add(state, served, prompt, params, opts.rid, **kwargs)
+        headers = {"x-request-id": opts.rid}
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = responses.chat_stream(
-                rid, int(time.time()), served, stream, top_n, include_usage, n=params.n
-            )
-            return _sse(events, headers)
+            return _sse(responses.chat_stream(served, stream, opts), headers)
         out = await _until_disconnected(request, _last_output(stream))
         if out is None:
             return Response(status_code=499)
-        body = responses.chat_response(rid, served, out, stream, top_n)
+        body = responses.chat_response(served, out, stream, opts)
         headers.update(responses.blend_headers(out))
         return JSONResponse(body.model_dump(), headers=headers)
 
 
-async def _add(served, prompt, params, rid, **kwargs):
+def _reply_options(req, rid: str, n: int) -> responses.ReplyOptions:
+    so = req.stream_options
+    return responses.ReplyOptions(
+        rid=rid,
+        as_ids=req.return_tokens_as_token_ids,
+        include_usage=bool(so and so.include_usage),
+        continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
+        n=n,
+    )
+
+
+async def _add(state: ServerState, served, prompt, params, rid, **kwargs):
     try:
-        return await served.engine.add_request(prompt, params, rid, **kwargs)
+        stream = await served.engine.add_request(prompt, params, rid, **kwargs)
     except Exception as exc:
         raise api_error(exc) from exc
+    state.track(stream)
+    return stream
 
 
 def _sse(events, headers: dict[str, str]) -> StreamingResponse:

@@ -17,6 +17,7 @@ from blendkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from blendkv.errors import (
     BlendKVError,
     ConfigError,
+    EmptyPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
     PromptTooLongError,
@@ -57,6 +58,8 @@ def api_error(exc: BaseException, param_names: dict[str, str] | None = None) -> 
     if isinstance(exc, APIError):
         return exc
     message = str(exc)
+    if isinstance(exc, EmptyPromptError):  # e.g. a prompt of text that tokenizes to nothing
+        return APIError(400, f"The decoder prompt cannot be empty ({message})", param="prompt")
     if isinstance(exc, PromptTooLongError):
         return APIError(413, message, code="context_length_exceeded")
     if isinstance(exc, InvalidSamplingParamsError):

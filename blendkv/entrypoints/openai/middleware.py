@@ -1,4 +1,5 @@
-"""Pure ASGI middleware of the server, outermost first: metrics, API key, body size limit.
+"""Pure ASGI middleware of the server, outermost first: request id, metrics, API key, body size
+limit.
 
 Written against ASGI directly (not Starlette's ``BaseHTTPMiddleware``) so a streamed response
 passes through untouched and a client's disconnect still reaches the route.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
+import uuid
 
 from blendkv.entrypoints.openai.errors import APIError
 
@@ -20,6 +23,32 @@ async def _send_error(send, error: APIError) -> None:
     headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+_CLIENT_ID = re.compile(rb"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
+
+
+class RequestIdMiddleware:
+    """Every response carries ``x-request-id`` (errors, 404s and 401s included): the route's own
+    (``cmpl-...``), else the client's ``x-request-id`` if it is a sane token, else a new one."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        rid = given if _CLIENT_ID.match(given) else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class MetricsMiddleware:

@@ -6,7 +6,9 @@ own: ``documents`` (vLLM's chat field), ``blend`` (a :class:`~blendkv.blend.conf
 ``rag`` (retrieve from the server's store), and ``blendkv`` in responses (the blend stats).
 Ranges are checked by the engine's own validation (``SamplingParams``, ``BlendConfig``), not
 repeated here; pydantic checks types. Unknown request fields are ignored, as OpenAI-compatible
-servers do.
+servers do. Every string of a request body (values and object keys, at any depth) is cleaned
+once, before validation: lone surrogates (which JSON's ``\\ud800`` escapes can produce and no
+tokenizer or UTF-8 encoder accepts) become U+FFFD, as in :mod:`blendkv.text`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from blendkv.text import replace_lone_surrogates
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range (a torch.long)
 
 
 class OpenAIModel(BaseModel):
@@ -39,12 +45,33 @@ class StrictModel(OpenAIModel):
 
 
 # --------------------------------------------------------------------------- requests
+def clean_strings(value: Any, where: str = "request") -> Any:
+    """``value`` (parsed JSON) with lone surrogates in every string and key replaced."""
+    if isinstance(value, str):
+        return replace_lone_surrogates(value, where)
+    if isinstance(value, list):
+        return [clean_strings(v, where) for v in value]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            k = clean_strings(k, where)
+            out[k] = clean_strings(v, f"{where}.{k[:40]}" if isinstance(k, str) else where)
+        return out
+    return value
+
+
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
 class SamplingRequest(OpenAIModel):
     """Fields completions and chat share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clean_text(cls, data: Any) -> Any:
+        return clean_strings(data)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -54,7 +81,7 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -68,6 +95,7 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:<id>"
 
 
 class CompletionRequest(SamplingRequest):
@@ -191,6 +219,7 @@ class CompletionChoice(OpenAIModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or token id
 
 
 class CompletionResponse(OpenAIModel):
@@ -228,6 +257,7 @@ class ChatChoice(OpenAIModel):
     message: ResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or token id
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -252,6 +282,7 @@ class ChatChunkChoice(OpenAIModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or token id
 
 
 class ChatCompletionChunk(OpenAIModel):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from blendkv.entrypoints.async_llm import RequestStream
@@ -61,57 +63,107 @@ def blend_headers(out: RequestOutput) -> dict[str, str]:
     }
 
 
+_MIN_LOGPROB = -9999.0  # OpenAI's floor: JSON has no -inf
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
 def _ranked(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:
     # The engine gives the sampled token first, then the top-n it did not cover.
     return sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
 
 
-def chat_logprobs(entries: list[dict[int, float]], top_n: int, text: Callable) -> ChatLogprobs:
+def token_namer(served: Served, as_ids: bool) -> Callable[[int], tuple[str, bytes]]:
+    """token id -> (its string in logprobs, its bytes); ``as_ids``: vLLM's
+    ``return_tokens_as_token_ids`` (the string is ``token_id:<id>``)."""
+    if not as_ids:
+        return served.logprob_token
+    return lambda t: (f"token_id:{t}", served.logprob_token(t)[1])
+
+
+def chat_logprobs(
+    entries: list[dict[int, float]], top_n: int, token: Callable[[int], tuple[str, bytes]]
+) -> ChatLogprobs:
+    """OpenAI's chat logprobs: per token its string, real bytes and the ``top_n`` most likely
+    tokens (sorted; the sampled one appears there only if it is among them, as in OpenAI)."""
     content = []
     for entry in entries:
         tid, lp = next(iter(entry.items()))
-        top = [
-            TopLogprob(token=text(t), logprob=v, bytes=list(text(t).encode()))
-            for t, v in _ranked(entry, top_n)
-        ]
-        s = text(tid)
-        content.append(TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=top))
+        top = []
+        for t, v in _ranked(entry, top_n):
+            text, raw = token(t)
+            top.append(TopLogprob(token=text, logprob=_lp(v), bytes=list(raw)))
+        text, raw = token(tid)
+        content.append(TokenLogprob(token=text, logprob=_lp(lp), bytes=list(raw), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
 def completion_logprobs(
-    entries: list[dict[int, float]], top_n: int, text: Callable, offset: int = 0
+    entries: list[dict[int, float]],
+    token: Callable[[int], tuple[str, bytes]],
+    offset: int = 0,
 ) -> CompletionLogprobs:
+    """Legacy completions' logprobs as vLLM gives them: each ``top_logprobs`` dict holds the
+    sampled token and the ``logprobs`` most likely ones (so ``logprobs`` or ``logprobs + 1``
+    entries; ``logprobs=0``: the sampled token alone). Its keys are token strings; a token
+    whose string another token of the same dict already uses is keyed ``token_id:<id>``, so
+    distinct tokens are never merged into one key."""
     lp = CompletionLogprobs()
     for entry in entries:
         tid, value = next(iter(entry.items()))
-        s = text(tid)
-        lp.tokens.append(s)
-        lp.token_logprobs.append(value)
-        lp.top_logprobs.append({text(t): v for t, v in _ranked(entry, top_n)})
+        text, raw = token(tid)
+        lp.tokens.append(text)
+        lp.token_logprobs.append(_lp(value))
+        top: dict[str, float] = {}
+        for t, v in entry.items():  # the sampled token first, as the engine gives it
+            key = token(t)[0]
+            top[f"token_id:{t}" if key in top else key] = _lp(v)
+        lp.top_logprobs.append(top)
         lp.text_offset.append(offset)
-        offset += len(s)
+        offset += len(raw.decode("utf-8", "ignore"))  # part of a character: no text yet
     return lp
 
 
+@dataclass(frozen=True)
+class ReplyOptions:
+    """How one request's answer is shaped (from its request body)."""
+
+    rid: str
+    top_n: int = 0  # chat: top_logprobs (completions return the engine's whole entry)
+    as_ids: bool = False  # return_tokens_as_token_ids
+    include_usage: bool = False  # streams: a final usage chunk
+    continuous_usage: bool = False  # streams: usage in every chunk too (vLLM)
+    n: int = 1
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _choice_logprobs(comp, sent: int, opts: ReplyOptions, served: Served, chat: bool, offset=0):
+    if comp.logprobs is None or len(comp.logprobs) <= sent:
+        return None
+    new, token = comp.logprobs[sent:], token_namer(served, opts.as_ids)
+    if chat:
+        return chat_logprobs(new, opts.top_n, token)
+    return completion_logprobs(new, token, offset)
+
+
 def chat_response(
-    rid: str, served: Served, out: RequestOutput, stream: RequestStream, top_n: int
+    served: Served, out: RequestOutput, stream: RequestStream, opts: ReplyOptions
 ) -> ChatCompletionResponse:
-    choices = []
-    for comp in out.outputs:
-        logprobs = None
-        if comp.logprobs is not None:
-            logprobs = chat_logprobs(comp.logprobs, top_n, served.token_text)
-        choices.append(
-            ChatChoice(
-                index=comp.index,
-                message=ResponseMessage(content=comp.text),
-                logprobs=logprobs,
-                finish_reason=comp.finish_reason,
-            )
+    choices = [
+        ChatChoice(
+            index=comp.index,
+            message=ResponseMessage(content=comp.text),
+            logprobs=_choice_logprobs(comp, 0, opts, served, chat=True),
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
         )
+        for comp in out.outputs
+    ]
     return ChatCompletionResponse(
-        id=rid,
+        id=opts.rid,
+        created=opts.created,
         model=served.model_name,
         choices=choices,
         usage=usage(out),
@@ -120,23 +172,25 @@ def chat_response(
 
 
 def completion_response(
-    rid: str, served: Served, out: RequestOutput, top_n: int
+    served: Served, out: RequestOutput, opts: ReplyOptions
 ) -> CompletionResponse:
-    choices = []
-    for comp in out.outputs:
-        logprobs = None
-        if comp.logprobs is not None:
-            logprobs = completion_logprobs(comp.logprobs, top_n, served.token_text)
-        choices.append(
-            CompletionChoice(
-                index=comp.index,
-                text=comp.text,
-                logprobs=logprobs,
-                finish_reason=comp.finish_reason,
-            )
+    choices = [
+        CompletionChoice(
+            index=comp.index,
+            text=comp.text,
+            logprobs=_choice_logprobs(comp, 0, opts, served, chat=False),
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
         )
+        for comp in out.outputs
+    ]
     return CompletionResponse(
-        id=rid, model=served.model_name, choices=choices, usage=usage(out), blendkv=None
+        id=opts.rid,
+        created=opts.created,
+        model=served.model_name,
+        choices=choices,
+        usage=usage(out),
+        blendkv=None,
     )
 
 
@@ -145,55 +199,65 @@ def sse(payload: Any) -> str:
     return f"data: {data}\n\n"
 
 
-async def chat_stream(
-    rid: str,
-    created: int,
-    served: Served,
-    stream: RequestStream,
-    top_n: int,
-    include_usage: bool,
-    n: int = 1,
-) -> AsyncIterator[str]:
-    """Server-sent events of a chat completion (``n`` choices); closing it early aborts the
-    request. A choice that ends before the others gets its finish chunk when it ends."""
+def _so_far(out: RequestOutput | None) -> Usage:
+    """Continuous usage: the prompt and the tokens generated so far (0 before the first)."""
+    n_in = 0 if out is None else len(out.prompt_token_ids)
+    n_out = 0 if out is None else sum(len(c.token_ids) for c in out.outputs)
+    return Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
 
-    def chunk(choices, **kw) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=rid, created=created, model=served.model_name, choices=choices, **kw
+
+async def chat_stream(
+    served: Served, stream: RequestStream, opts: ReplyOptions
+) -> AsyncIterator[str]:
+    """Server-sent events of a chat completion (``opts.n`` choices); closing it early aborts
+    the request. A choice's last text and its ``finish_reason`` share one chunk (vLLM's
+    clients read the text there); a choice that ends before the others gets it when it ends.
+    With continuous usage the role chunk waits for the first output (it needs the prompt's
+    token count)."""
+
+    def chunk(choices, out, **kw) -> str:
+        if opts.continuous_usage and "usage" not in kw:
+            kw["usage"] = _so_far(out)
+        return sse(
+            ChatCompletionChunk(
+                id=opts.rid, created=opts.created, model=served.model_name, choices=choices, **kw
+            )
         )
 
     try:
-        roles = [
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-            for i in range(n)
-        ]
-        yield sse(chunk(roles))
+        if not opts.continuous_usage:
+            yield chunk(_role_choices(opts.n), None)
         last, sent, ended = None, {}, set()  # per choice index: logprobs sent; finish sent
         async for out in stream:
-            last = out
+            if last is None and opts.continuous_usage:
+                yield chunk(_role_choices(opts.n), None, usage=_prompt_only(out))
+            last, pieces = out, []
             for comp in out.outputs:
-                i, logprobs = comp.index, None
-                if comp.logprobs is not None and len(comp.logprobs) > sent.get(i, 0):
-                    new = comp.logprobs[sent.get(i, 0) :]
-                    logprobs = chat_logprobs(new, top_n, served.token_text)
+                i = comp.index
+                logprobs = _choice_logprobs(comp, sent.get(i, 0), opts, served, chat=True)
+                if comp.logprobs is not None:
                     sent[i] = len(comp.logprobs)
-                if comp.delta_text or logprobs is not None:
-                    delta = DeltaMessage(content=comp.delta_text)
-                    yield sse(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)]))
-                if comp.finish_reason is not None and not out.finished and i not in ended:
-                    ended.add(i)  # a choice that ends before the others
-                    end = ChatChunkChoice(
-                        index=i, delta=DeltaMessage(), finish_reason=comp.finish_reason
+                finish = comp.finish_reason if i not in ended else None
+                if comp.delta_text or logprobs is not None or finish is not None:
+                    if finish is not None:
+                        ended.add(i)
+                    choice = ChatChunkChoice(
+                        index=i,
+                        delta=DeltaMessage(content=comp.delta_text),
+                        logprobs=logprobs,
+                        finish_reason=finish,
+                        stop_reason=comp.stop_reason if finish is not None else None,
                     )
-                    yield sse(chunk([end]))
-        ends = [
-            ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)
-            for c in last.outputs
-            if c.index not in ended
-        ]
-        yield sse(chunk(ends, blendkv=blend_info(last, stream)))
-        if include_usage:
-            yield sse(chunk([], usage=usage(last)))
+                    pieces.append(choice)
+            for k, choice in enumerate(pieces):
+                extra = {}
+                if out.finished and k == len(pieces) - 1:
+                    extra["blendkv"] = blend_info(out, stream)
+                yield chunk([choice], out, **extra)
+            if out.finished and not pieces:
+                yield chunk([], out, blendkv=blend_info(out, stream))
+        if opts.include_usage:
+            yield chunk([], last, usage=usage(last))
         yield "data: [DONE]\n\n"
     except Exception as exc:  # after the 200 header: the error goes into the stream
         yield sse(api_error(exc).body())
@@ -202,17 +266,27 @@ async def chat_stream(
         stream.close()
 
 
+def _role_choices(n: int) -> list[ChatChunkChoice]:
+    return [
+        ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)
+    ]
+
+
+def _prompt_only(out: RequestOutput) -> Usage:
+    n_in = len(out.prompt_token_ids)
+    return Usage(prompt_tokens=n_in, completion_tokens=0, total_tokens=n_in)
+
+
 async def completion_stream(
-    rid: str,
-    created: int,
-    served: Served,
-    stream: RequestStream,
-    top_n: int,
-    include_usage: bool,
+    served: Served, stream: RequestStream, opts: ReplyOptions
 ) -> AsyncIterator[str]:
-    def chunk(choices, **kw) -> CompletionResponse:
-        return CompletionResponse(
-            id=rid, created=created, model=served.model_name, choices=choices, **kw
+    def chunk(choices, out, **kw) -> str:
+        if opts.continuous_usage and "usage" not in kw:
+            kw["usage"] = _so_far(out)
+        return sse(
+            CompletionResponse(
+                id=opts.rid, created=opts.created, model=served.model_name, choices=choices, **kw
+            )
         )
 
     try:
@@ -220,25 +294,27 @@ async def completion_stream(
         async for out in stream:
             last = out
             for comp in out.outputs:
-                i, logprobs = comp.index, None
-                if comp.logprobs is not None and len(comp.logprobs) > sent.get(i, 0):
-                    new = comp.logprobs[sent.get(i, 0) :]
-                    logprobs = completion_logprobs(new, top_n, served.token_text, offset.get(i, 0))
+                i = comp.index
+                logprobs = _choice_logprobs(
+                    comp, sent.get(i, 0), opts, served, chat=False, offset=offset.get(i, 0)
+                )
+                if logprobs is not None:
                     sent[i] = len(comp.logprobs)
-                    offset[i] = offset.get(i, 0) + sum(map(len, logprobs.tokens))
-                newly_ended = comp.finish_reason is not None and i not in ended
-                if comp.delta_text or logprobs is not None or newly_ended:
-                    if newly_ended:
+                    offset[i] = offset.get(i, 0) + len(comp.delta_text)
+                finish = comp.finish_reason if i not in ended else None
+                if comp.delta_text or logprobs is not None or finish is not None:
+                    if finish is not None:
                         ended.add(i)
                     choice = CompletionChoice(
                         index=i,
                         text=comp.delta_text,
                         logprobs=logprobs,
-                        finish_reason=comp.finish_reason,
+                        finish_reason=finish,
+                        stop_reason=comp.stop_reason if finish is not None else None,
                     )
-                    yield sse(chunk([choice]))
-        if include_usage:
-            yield sse(chunk([], usage=usage(last)))
+                    yield chunk([choice], out)
+        if opts.include_usage:
+            yield chunk([], last, usage=usage(last))
         yield "data: [DONE]\n\n"
     except Exception as exc:
         yield sse(api_error(exc).body())

@@ -42,7 +42,12 @@ class Served:
     model_name: str
     max_model_len: int
     rag: Any = None  # a RAGPipeline over the engine's LLM (``--store``), or None
-    token_text: Callable[[int], str] = str  # token id -> its text (logprobs)
+    # token id -> (its string, its bytes) in logprobs (engine.detokenizer.logprob_token)
+    logprob_token: Callable[[int], tuple[str, bytes]] = lambda t: (str(t), str(t).encode())
+    vocab_size: int | None = None
+    # The HTTP side's own tokenizer (the engine thread uses the engine's): chat templates of
+    # conversations with documents are rendered with it, as text.
+    tokenizer: Any = None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -60,7 +65,18 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     param_names: dict[str, str] | None = None,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options needs stream: true", param="stream_options")
+    if vocab_size is not None and req.stop_token_ids:
+        bad = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"stop_token_ids {bad[:5]} are out of vocabulary [0, {vocab_size})",
+                param="stop_token_ids",
+            )
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -103,7 +119,10 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
+EMPTY_PROMPT = "The decoder prompt cannot be empty"  # vLLM's words
+
+
+def completion_prompt(req: CompletionRequest, vocab_size: int | None = None) -> str | list[int]:
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
     if req.suffix:
@@ -117,18 +136,30 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(
-                400, f"one prompt per request, got {len(prompt)}; send them separately", "prompt"
+                400,
+                f"one prompt per request, got {len(prompt)}; send them separately",
+                param="prompt",
             )
         prompt = prompt[0]
+    if len(prompt) == 0:
+        raise APIError(400, EMPTY_PROMPT, param="prompt")
+    if isinstance(prompt, list) and vocab_size is not None:
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"token ids {bad[:5]} are out of vocabulary [0, {vocab_size})",
+                param="prompt",
+            )
     return prompt
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, vocab_size: int | None = None) -> SamplingParams:
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
-        raise APIError(400, f"response_format {fmt!r} is not supported", "response_format")
+        raise APIError(400, f"response_format {fmt!r} is not supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -138,7 +169,7 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
         max_tokens = req.max_tokens
     else:
         names["max_tokens"] = "max_completion_tokens"
-    return sampling_params(req, max_tokens, logprobs, names)
+    return sampling_params(req, max_tokens, logprobs, names, vocab_size)
 
 
 def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, dict]:
