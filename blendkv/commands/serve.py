@@ -42,6 +42,28 @@ def register(sub) -> None:
         "--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)"
     )
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (new ones and /health "
+        "get 503) before the rest are aborted (default 30)",
+    )
+    p.add_argument(
+        "--max-request-documents",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most documents one chat request may carry (default 1024)",
+    )
+    p.add_argument(
+        "--max-document-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most tokens the documents of one request may take in all (default max_model_len)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_model_args(p, ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"))
     p.set_defaults(func=run)
@@ -52,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
+        from blendkv.entrypoints.openai.shutdown import DrainingServer
     except ImportError as exc:
         raise ConfigError(
             f"blendkv serve needs the serve extra ({exc}); pip install 'blendkv[serve]'"
@@ -70,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
             request_cache_bytes=args.request_cache_bytes,
             max_waiting=args.max_waiting,
             max_body_bytes=args.max_body_bytes,
+            max_request_documents=args.max_request_documents,
+            max_document_tokens=args.max_document_tokens,
+            shutdown_timeout=args.shutdown_timeout,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
@@ -82,10 +108,12 @@ def run(args: argparse.Namespace) -> int:
         return LLM(args.model, **kwargs)
 
     app = create_app(load, config)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    )
     state = app.state.blendkv
+    server = DrainingServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
+        state,
+        config.shutdown_timeout,
+    )
 
     def stop(exc: BaseException) -> None:
         server.should_exit = True

@@ -44,6 +44,7 @@ from blendkv.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from blendkv.entrypoints.openai.request_limits import RequestLimits
 from blendkv.rag import RAGPipeline
 from blendkv.store.capacity import default_request_cache_bytes
 
@@ -68,6 +69,8 @@ class ServeConfig:
     max_body_bytes: larger request bodies get 413 (at least 1 KiB, or no request fits).
     shutdown_timeout: on SIGTERM / Ctrl-C, seconds in-flight requests may take to finish
         (new ones get 503, ``/health`` too) before the rest are aborted.
+    max_request_documents, max_document_tokens: per-request limits on chat ``documents``
+        (None: 1024 documents, max_model_len tokens; :mod:`.request_limits`).
     """
 
     api_key: str | None = None
@@ -78,6 +81,8 @@ class ServeConfig:
     max_waiting: int | None = 256
     max_body_bytes: int = 16 << 20
     shutdown_timeout: float = 30.0
+    max_request_documents: int | None = None
+    max_document_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -88,7 +93,12 @@ class ServeConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        for name in ("store_max_bytes", "request_cache_bytes"):
+        for name in (
+            "store_max_bytes",
+            "request_cache_bytes",
+            "max_request_documents",
+            "max_document_tokens",
+        ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -99,6 +109,7 @@ class ServerState:
     def __init__(self, load: Callable[[], LLM], config: ServeConfig, metrics: ServerMetrics):
         self.load, self.config, self.metrics = load, config, metrics
         self.served: serving.Served | None = None
+        self.limits: RequestLimits | None = None  # set with served
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
         self._llm: LLM | None = None
@@ -148,6 +159,11 @@ class ServerState:
                 functools.partial(logprob_token, tokenizer)
             )
             engine = AsyncLLM.from_llm(llm, max_waiting=self.config.max_waiting)
+            self.limits = RequestLimits.for_model(
+                llm.engine.info.max_model_len,
+                self.config.max_request_documents,
+                self.config.max_document_tokens,
+            )
             self.metrics.attach(engine)
             self.served = serving.Served(
                 engine=engine,
@@ -288,6 +304,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(req: CompletionRequest, request: Request) -> Response:
         served = state.require()
         served.check_model(req.model)
+        state.limits.check_completion(req.prompt)  # before anything is tokenised
         prompt = serving.completion_prompt(req, served.vocab_size)
         params = serving.sampling_params(
             req, req.max_tokens, req.logprobs, vocab_size=served.vocab_size
@@ -307,6 +324,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         served = state.require()
         served.check_model(req.model)
+        state.limits.check_chat(req.messages, req.documents)  # before anything is tokenised
         params = serving.chat_params(req, served.vocab_size)
         prompt, kwargs = serving.chat_prompt(req, served)
         opts = _reply_options(req, f"chatcmpl-{uuid.uuid4().hex}", params.n)
@@ -336,7 +354,9 @@ def _reply_options(req, rid: str, n: int) -> responses.ReplyOptions:
 
 async def _add(state: ServerState, served, prompt, params, rid, **kwargs):
     try:
-        stream = await served.engine.add_request(prompt, params, rid, **kwargs)
+        stream = await served.engine.add_request(
+            prompt, params, rid, check=state.limits.check_prepared, **kwargs
+        )
     except Exception as exc:
         raise api_error(exc) from exc
     state.track(stream)
