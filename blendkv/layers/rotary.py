@@ -1,16 +1,28 @@
 """Rotary position embedding (RoPE), gathered at arbitrary absolute positions.
 
-Inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` (every rope type and its
-``attention_scaling``). cos/sin are precomputed in float32 and *gathered* at ``positions``, so
-query rows may be scattered (CacheBlend) and stored keys re-rotated at load
-(:meth:`RotaryEmbedding.rotate_k`). HF's ``rotate_half`` convention, not GPT-J's interleaving.
-Limit: ``dynamic``/``longrope`` keep their short-context frequencies past the original context.
+Inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` (``llama3``,
+``linear``, ``yarn``, ``longrope``, ... and their ``attention_scaling``). cos/sin are precomputed
+in float32 and *gathered* at ``positions``, so query rows may be scattered (CacheBlend) and stored
+keys re-rotated at load (:meth:`RotaryEmbedding.rotate_k`). HF's ``rotate_half`` convention, not
+GPT-J's interleaving.
+
+A position's rotation must not depend on the sequence length (stored and cached K keep it), so
+``longrope`` uses its short factors below ``original_max_position_embeddings`` and its long ones
+from there on (vLLM's choice; transformers switches the whole sequence to the long factors once
+it is longer). ``dynamic`` keeps its original-context frequencies at every length.
+
+Partial rotary (``partial_rotary_factor`` < 1, Phi-4-mini) keeps the tables ``head_dim`` wide, so
+every kernel that takes them is unchanged: the model permutes each head's q/k dims at load
+(:meth:`RotaryEmbedding.head_layout`) so that rotary pairs sit ``head_dim // 2`` apart, and the
+pass-through dims get cos = ``attention_scaling``, sin = 0 (their weights divided by it).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from blendkv.errors import ModelLoadError
 
 _MEMO_SIZE = 4  # cos/sin gathers remembered (positions tensors, by identity)
 
@@ -30,25 +42,50 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def compute_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rotary_dim // 2] float32, attention_scaling) exactly as transformers computes."""
+def rotary_dim_of(config) -> int:
+    """The rotated dims of a head: ``head_dim * partial_rotary_factor`` (as transformers)."""
+    factor = rope_parameters(config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", 1.0)
+    return int(head_dim_of(config) * factor)
+
+
+# Rope types whose frequencies are fixed per position (``dynamic``: see the module doc).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
+def compute_inv_freq(config, long: bool = False) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim // 2] float32, attention_scaling) exactly as transformers computes;
+    ``long``: ``longrope``'s long-context factors. Unknown rope types raise ModelLoadError."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = rope_parameters(config)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         # Transformers keeps "default" in each model file (LlamaRotaryEmbedding); same formula.
-        dim = head_dim_of(config)
+        dim = rotary_dim_of(config)
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(
-            f"rope_type {rope_type!r} is not known to transformers "
-            f"(known: default, {', '.join(ROPE_INIT_FUNCTIONS)})"
+    if rope_type not in SUPPORTED_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(
+            f"rope_type {rope_type!r} is not supported "
+            f"(blendkv supports: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    kwargs = {}
+    if long:
+        kwargs["seq_len"] = params["original_max_position_embeddings"] + 1
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, attention_scaling = init(config, torch.device("cpu"), **kwargs)
     return inv_freq.float().cpu(), float(attention_scaling)
+
+
+def _longrope_switch(config) -> int | None:
+    """The first position of ``longrope``'s long factors; None for other rope types."""
+    params = rope_parameters(config)
+    if params.get("rope_type") != "longrope" or params.get("long_factor") is None:
+        return None
+    return int(params["original_max_position_embeddings"])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -81,18 +118,28 @@ class RotaryEmbedding(nn.Module):
         # Real CPU tensors even when the model is built under `with torch.device("meta")`.
         with torch.device("cpu"):
             inv_freq, self.attention_scaling = compute_inv_freq(config)
+            switch = _longrope_switch(config)
+            long_inv_freq = compute_inv_freq(config, long=True)[0] if switch else inv_freq
         self.rotary_dim = 2 * inv_freq.numel()
-        if self.rotary_dim != self.head_dim:
-            raise ValueError(
-                f"partial rotary embeddings are not supported "
-                f"(rotary_dim {self.rotary_dim} != head_dim {self.head_dim})"
+        if self.rotary_dim > self.head_dim or (self.head_dim - self.rotary_dim) % 2:
+            raise ModelLoadError(
+                f"rotary_dim {self.rotary_dim} does not fit head_dim {self.head_dim} "
+                "(partial rotary needs an even number of pass-through dims)"
             )
         # Same float32 product as transformers (position * inv_freq), so cos/sin match bit for bit.
         with torch.device("cpu"):
             positions = torch.arange(self.max_position, dtype=torch.float32)
-            freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+            freqs = positions[:, None] * inv_freq[None, :]  # [max_position, rotary_dim // 2]
+            if switch is not None and switch < self.max_position:
+                freqs[switch:] = positions[switch:, None] * long_inv_freq[None, :]
             cos = freqs.cos() * self.attention_scaling
             sin = freqs.sin() * self.attention_scaling
+            # Pass-through dims (partial rotary): x * scaling + 0 (weights divided at load).
+            num_pass = (self.head_dim - self.rotary_dim) // 2
+            cos = torch.cat(
+                (cos, cos.new_full((self.max_position, num_pass), self.attention_scaling)), -1
+            )
+            sin = torch.cat((sin, sin.new_zeros(self.max_position, num_pass)), -1)
             # Both halves stored, so a lookup is one gather (no per-layer concatenation).
             self._cos = torch.cat((cos, cos), dim=-1)
             self._sin = torch.cat((sin, sin), dim=-1)
@@ -102,6 +149,43 @@ class RotaryEmbedding(nn.Module):
         self._memo: list[tuple] = []
         # One-launch RoPE of q and k (blendkv.layers.fused_kernels, GPUs); None = torch ops.
         self.kernel = None
+
+    @property
+    def is_partial(self) -> bool:
+        return self.rotary_dim < self.head_dim
+
+    def head_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(perm [head_dim] int64, scale [head_dim] float32) for partial rotary: row ``j`` of a
+        head's q/k projection here is checkpoint row ``perm[j]`` times ``scale[j]``.
+
+        transformers rotates dims ``[0, r)`` as pairs ``(i, i + r/2)`` and passes ``[r, D)``
+        through; here pairs are ``(j, j + D/2)`` (``rotate_half`` over the whole head)::
+
+            here:        [ rot 0..r/2 | pass 1st half | rot r/2..r | pass 2nd half ]
+            checkpoint:  [ rot 0..r   | pass r..D ]
+
+        Pass-through rows are divided by ``attention_scaling``, which their table entries
+        multiply back. q.k sums over all dims, so scores are unchanged; identity for full
+        rotary.
+        """
+        d, r = self.head_dim, self.rotary_dim
+        h, p = d // 2, (d - r) // 2
+        rot = torch.arange(r // 2)
+        pas = torch.arange(p)
+        perm = torch.cat((rot, r + pas, r // 2 + rot, r + p + pas))
+        scale = torch.ones(d)
+        scale[r // 2 : h] = scale[h + r // 2 :] = 1.0 / self.attention_scaling
+        return perm, scale
+
+    def to_head_layout(self, weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """A q or k projection's checkpoint rows [num_heads * head_dim, ...] (weight or bias)
+        in :meth:`head_layout`; unchanged without partial rotary."""
+        if not self.is_partial:
+            return weight
+        perm, scale = self.head_layout()
+        shaped = weight.reshape(num_heads, self.head_dim, *weight.shape[1:])
+        scale = scale.to(weight.dtype).reshape(-1, *([1] * (weight.dim() - 1)))
+        return (shaped[:, perm] * scale).reshape(weight.shape)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin gathered at ``positions``: [T, 1, head_dim] each, cast to ``dtype``."""
@@ -160,4 +244,7 @@ class RotaryEmbedding(nn.Module):
         return self.apply_rotary(positions, q, k)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_position={self.max_position}"
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+            f"max_position={self.max_position}"
+        )
