@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 # No warm-up request at load (blendkv.entrypoints.warmup): the suite builds hundreds of engines
 # and times none of their first requests; tests/entrypoints/test_warmup.py turns it on.
 os.environ.setdefault("BLENDKV_WARMUP", "0")
+os.environ.setdefault("BLENDKV_BLEND_GATE", "0")  # tests that want it ask for it
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(

@@ -215,6 +215,9 @@ class BlendConnectorConfig:
             LMDB on the CPU; a Redis store on the CPU only with a core torch leaves free.
         prefetch_kv_bytes: the most prefetched K/V held in memory at once (Redis; LMDB on
             CUDA).
+        blend_start_gate: at engine start, check that a blend at ratio 1.0 of a canned prompt
+            is full prefill, else refuse to blend (:mod:`blendkv.blend.start_gate`). None: on
+            unless the environment sets ``BLENDKV_BLEND_GATE=0``.
     """
 
     kv_store_dir: str | None = None
@@ -227,6 +230,7 @@ class BlendConnectorConfig:
     pipeline_kv_load: bool | None = None
     prefetch_kv: bool | None = None
     prefetch_kv_bytes: int = 1 << 30
+    blend_start_gate: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_store_max_bytes", "request_cache_bytes"):
@@ -236,7 +240,7 @@ class BlendConnectorConfig:
         n = self.prefetch_kv_bytes
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ConfigError(f"prefetch_kv_bytes must be an integer > 0, got {n!r}")
-        for name in ("prefetch_kv", "pipeline_kv_load"):
+        for name in ("prefetch_kv", "pipeline_kv_load", "blend_start_gate"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(
                     f"{name} must be None, True or False, got {getattr(self, name)!r}"

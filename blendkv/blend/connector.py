@@ -22,6 +22,7 @@ from blendkv.blend.prefetch import ChunkPrefetcher
 from blendkv.blend.prophet import run_query_pass
 from blendkv.blend.request_state import BlendRequestState, BlendStats
 from blendkv.blend.row_plan import BlendRowPlan
+from blendkv.blend.start_gate import refused_prompt
 from blendkv.engine.kv_connector import (
     ConnectorPrompt,
     ForwardInputs,
@@ -81,6 +82,7 @@ class BlendConnector(KVConnectorBase):
         self._prefetcher = None  # reads queued requests' chunks ahead (prefetch_kv)
         # None picks per device and store; benchmarks switch it between requests.
         self.prefetch = self.config.prefetch_kv
+        self.blend_refused: str | None = None  # why the start gate refused to blend (start_gate)
 
     @property
     def manager(self):
@@ -138,6 +140,8 @@ class BlendConnector(KVConnectorBase):
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: dict, options) -> ConnectorPrompt:
         state = self.manager.prepare(prompt, options)
+        if self.blend_refused:  # the start gate failed: full prefill of the same tokens
+            return refused_prompt(state, self.blend_refused)
         return ConnectorPrompt(
             state.prompt.token_ids,
             cache_salt=state.salt,

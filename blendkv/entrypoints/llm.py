@@ -54,6 +54,9 @@ class LLM:
         self.engine = LLMEngine(self.config)
         if warmup_enabled(warmup):  # the first request's TTFT is then its own
             warm_up(self.engine)
+        from blendkv.blend.start_gate import gate_at_start  # not at import: blendkv.blend
+
+        self.start_gate = gate_at_start(self.engine)  # blend@1.0 is full prefill, or no blending
         # Every step's outputs go to their own request's consumer: interleaved streams (and a
         # generate call between two stream items) never lose each other's tokens.
         self._router = OutputRouter()
