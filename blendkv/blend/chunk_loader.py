@@ -72,8 +72,11 @@ class ChunkLoader:
         first = config.first_partial_layer
         spans = state.prompt.chunk_spans
         todo = [i for i, (_, e) in enumerate(spans) if e > start]
-        missing = [i for i in todo if not self.manager.has(state.chunk_keys[i])]
-        computed = self._compute(state, missing)
+        computed = state.take_precomputed()  # computed in earlier steps (precompute work)
+        missing = [
+            i for i in todo if i not in computed and not self.manager.has(state.chunk_keys[i])
+        ]
+        computed.update(self._compute(state, missing))
         table = torch.tensor(block_table, dtype=torch.long)
         reused = torch.zeros(num_new, dtype=torch.bool)
         writes: list[ChunkWrite] = []

@@ -157,6 +157,7 @@ class BlendConnector(KVConnectorBase):
             if prefetcher is not None and kv_transfer_params.chunk_keys:
                 prefetcher.submit(request_id, self._to_read(kv_transfer_params.chunk_keys))
 
+            self.manager.find_missing(kv_transfer_params)  # computed as precompute work
     def _to_read(self, keys: list[bytes]) -> list[bytes]:
         """The keys a prefetch reads: stored (a miss is computed in the step), not waiting in
         the background writer, nor (when values are held) in the memory tier already."""
@@ -198,6 +199,12 @@ class BlendConnector(KVConnectorBase):
         prefetcher = self._prefetcher
         return prefetcher is None or prefetcher.ready(seq.request_id)
 
+    def get_precompute_work(self, seq) -> list[tuple[int, int]]:
+        state = self._states.get(seq.request_id)
+        if state is None or not state.missing:
+            return []
+        return state.precompute_work(len(self.manager.anchor_ids))
+
     def fused_prefill_cost(self, seq, num_computed_tokens: int, num_new_tokens: int):
         state = self._states.get(seq.request_id)
         if state is None or not state.needs_fusion(num_computed_tokens):
@@ -221,6 +228,13 @@ class BlendConnector(KVConnectorBase):
         meta = self._metadata
         self._step = []
         if meta is None or not meta.fused:
+    def run_precompute(self, work) -> None:
+        by_request: dict[str, list[int]] = {}
+        for w in work:
+            by_request.setdefault(w.request_id, []).append(w.index)
+        for request_id, indices in by_request.items():
+            self.manager.run_precompute(self._states[request_id], indices)
+
             return
         self.manager  # noqa: B018  (the store and loader exist from here on)
         writes = []

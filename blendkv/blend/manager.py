@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -312,6 +313,36 @@ class BlendManager:
 
     def precompute(
         self, chunks: list[list[int]], texts=None, doc_id=None, progress=None, contexts=None
+    def find_missing(self, state: BlendRequestState) -> None:
+        """Note the request's chunks whose K/V is neither stored nor waiting in the writer
+        (``state.missing``; a chunk given twice is computed once)."""
+        seen: set[bytes] = set()
+        missing = []
+        for i, key in enumerate(state.chunk_keys):
+            if key not in seen and not self.has(key):
+                missing.append(i)
+            seen.add(key)
+        state.missing = missing
+
+    def run_precompute(self, state: BlendRequestState, indices: list[int]) -> None:
+        """Compute the request's missed chunks ``indices`` (one forward each), hand them to the
+        background writer and keep them on ``state`` for its fused prefill. A chunk another
+        request computed meanwhile is left to the prefill's loading (a store hit)."""
+        t0 = time.perf_counter()
+        contexts = state.chunk_contexts
+        for i in indices:
+            key = state.chunk_keys[i]
+            if self.has(key):
+                continue
+            chunk = state.prompt.chunks[i]
+            kv = self.compute_kv([chunk], [contexts[i]] if contexts else None)[0]
+            self.write_back([key], [chunk], [kv])
+            state.precomputed[i] = kv
+            state.stats.chunks_missed += 1
+        done = set(indices)
+        state.missing = [i for i in state.missing if i not in done]
+        state.stats.precompute_seconds += time.perf_counter() - t0
+
     ) -> list:
         """Ingest: compute and store the K/V of chunks not stored yet (synchronously, in
         batches of one forward each), each behind its context (default: the anchor). Returns a

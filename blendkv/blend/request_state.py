@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from blendkv.blend.config import BlendConfig
 from blendkv.blend.prompt import BlendedPrompt
@@ -36,6 +37,7 @@ class BlendStats:
     chunks_hit: int = 0  # K/V found in the store (memory tier or LMDB)
     chunks_missed: int = 0  # computed now behind the anchor and written back
     tokens_reused: int = 0  # chunk tokens whose stored K/V was loaded
+    window_skipped_tokens: int = 0  # of which no sliding-window layer reads: not loaded
     tokens_recomputed: int = 0  # prompt tokens recomputed through the last layer
     reused_tokens_recomputed: int = 0  # of which were reused tokens picked for repair
     prefix_cached_tokens: int = 0  # tokens served by the engine's prefix cache instead
@@ -109,6 +111,25 @@ class BlendRequestState:
     stats: BlendStats = field(default_factory=BlendStats)
     # What each chunk is precomputed behind (BlendManager.chunk_contexts); None: the anchor.
     chunk_contexts: list[list[int]] | None = None
+    # Chunks whose K/V was not stored when the request came and is not computed yet, by index:
+    # the scheduler runs them as precompute work (BlendManager.run_precompute) before admission.
+    missing: list[int] = field(default_factory=list)
+    # Chunks computed by that work, index -> K/V, until the fused prefill uses them.
+    precomputed: dict[int, Any] = field(default_factory=dict)
+
+    def precompute_work(self, anchor_len: int) -> list[tuple[int, int]]:
+        """(chunk index, tokens its forward runs: context + chunk) of each missing chunk."""
+        contexts = self.chunk_contexts
+        chunks = self.prompt.chunks
+        return [
+            (i, (len(contexts[i]) if contexts else anchor_len) + len(chunks[i]))
+            for i in self.missing
+        ]
+
+    def take_precomputed(self) -> dict[int, Any]:
+        """The chunks precomputed so far (handed over once: the fused prefill uses them)."""
+        done, self.precomputed = self.precomputed, {}
+        return done
 
     def needs_fusion(self, num_computed_tokens: int) -> bool:
         """True while some chunk token has no K/V in the request's blocks yet."""

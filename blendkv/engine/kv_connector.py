@@ -6,11 +6,13 @@ implementation, a test's dict-backed connector another. Configured with
 ``EngineConfig(kv_connector=...)``.
 
     request in ──prepare_prompt / add_request──▶ connector keeps per-request state
-    scheduler ──kv_ready───────────────────▶ False: its K/V is still being read (it may wait)
+    scheduler ──get_precompute_work────────▶ side work first (document chunks), as prefill
+              ──kv_ready───────────────────▶ False: its K/V is still being read (it may wait)
               ──get_num_new_matched_tokens──▶ tokens whose K/V comes from outside (skipped)
               ──fused_prefill_cost─────────▶ prefills that must run whole, and their cost
               ──update_state_after_alloc───▶ blocks are allocated: remember what to load
               ──build_connector_meta───────▶ KVConnectorMetadata, carried on SchedulerOutput
+    runner    ──run_precompute (the step's side work, before the batch)
     runner    ──bind_connector_metadata, start_load_kv (K/V into the request's blocks)
               ──row_plan──────────────────▶ rows each layer computes (None = all)
     forward   ──wait_for_layer_load(l) / save_kv_layer(l)   (LayerHooks, per layer)
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from blendkv.config import EngineConfig
-    from blendkv.engine.scheduler_output import SchedulerOutput
+    from blendkv.engine.scheduler_output import PrecomputeWork, SchedulerOutput
     from blendkv.engine.sequence import Sequence
     from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
     from blendkv.models.hooks import RowPlan
@@ -107,6 +109,13 @@ class KVConnectorBase(LayerHooks, ABC):
         """Flush what is pending and release resources (the engine is shutting down)."""
 
     # ---- scheduler side -----------------------------------------------------------------
+    def get_precompute_work(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Work the connector must run before ``seq`` can be admitted, not yet done: (item
+        index, token cost) pairs, each one forward (a document chunk whose K/V is not stored).
+        The scheduler spreads them over steps under its token budget and holds ``seq``
+        (no blocks) until this is empty. Pure ints; called again after every step."""
+        return []
+
     def kv_ready(self, seq: Sequence) -> bool:
         """False while the connector is still reading a waiting request's K/V ahead of its
         step (asynchronous loading): the scheduler then lets it wait while other work runs,
@@ -138,6 +147,10 @@ class KVConnectorBase(LayerHooks, ABC):
 
     def clear_connector_metadata(self) -> None:
         self._metadata = None
+
+    def run_precompute(self, work: list[PrecomputeWork]) -> None:
+        """Run the step's precompute items (from :meth:`get_precompute_work`), before the
+        batch's forward; a finished item is no longer returned by ``get_precompute_work``."""
 
     def start_load_kv(self, inputs: ForwardInputs) -> None:
         """Start bringing this step's external K/V into the blocks (before the forward)."""

@@ -11,7 +11,6 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -23,6 +22,7 @@ from blendkv.config import (
 )
 from blendkv.engine.block_manager import BlockManager
 from blendkv.engine.cuda_graphs import DecodeGraphs
+from blendkv.engine.input_processor import InputProcessor, PreparedRequest
 from blendkv.engine.kv_connector import KVConnectorContext, create_kv_connector
 from blendkv.engine.model_runner import ModelRunner
 from blendkv.engine.parallel_sampling import (
@@ -35,35 +35,15 @@ from blendkv.engine.runtime_info import runtime_info
 from blendkv.engine.sampler import Sampler
 from blendkv.engine.scheduler import Scheduler
 from blendkv.engine.sequence import Sequence, SequenceStatus
-from blendkv.errors import (
-    ConfigError,
-    EmptyPromptError,
-    InvalidRequestError,
-    InvalidSamplingParamsError,
-    PromptTooLongError,
-)
+from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.kernels.attention import KVCacheSpec
 from blendkv.kernels.backends import get_attention_backend
 from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning, gemm_override
 from blendkv.models.model_files import load_model, load_tokenizer, resolve_model
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
-from blendkv.text import replace_lone_surrogates
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PreparedRequest:
-    """A validated request, ready to queue."""
-
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    request_id: str | None = None
-    prompt: str | None = None
-    kv_transfer_params: Any = None  # the KV connector's payload for a dict prompt
-    cache_salt: bytes = b""
-    logits_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,11 +51,12 @@ class EngineStats:
     """Counts of the engine's state now (pure ints; read them from the engine's thread)."""
 
     num_running: int
-    num_waiting: int
+    num_waiting: int  # precomputing ones included
     num_kv_blocks_used: int
     num_kv_blocks: int
     last_step_num_scheduled: int  # requests (decodes and prefill pieces) in the last step
     num_generated_tokens: int  # output tokens sampled since the engine started (all samples)
+    num_precomputing: int = 0  # waiting for their documents' K/V (hold no blocks)
 
 
 class LLMEngine:
@@ -155,6 +136,9 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
         self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
         self._ids = itertools.count()
+        self.processor = InputProcessor(
+            self.tokenizer, self.info, config.max_num_seqs, self.kv_connector, self._id_in_use
+        )
         self._last_step_num_scheduled = 0
         self._num_generated_tokens = 0
 
@@ -164,50 +148,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            prompt = replace_lone_surrogates(prompt, "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise InvalidRequestError(
-                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        bad = [t for t in prompt if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token ids out of range [0, {self.info.vocab_size}): {bad[:5]}"
-            )
-        return list(prompt)
+        return self.processor.tokenize(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: object) -> SamplingParams:
         """Raise a typed error for a request that cannot be served; the engine is untouched."""
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidSamplingParamsError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-            )
-        bad = sorted(t for t in params.logit_bias if t >= self.info.vocab_size)
-        if bad:
-            raise InvalidSamplingParamsError(
-                f"SamplingParams.logit_bias names token ids outside the vocabulary "
-                f"[0, {self.info.vocab_size}): {bad[:5]}"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidSamplingParamsError(
-                f"SamplingParams.n={params.n} exceeds max_num_seqs={self.config.max_num_seqs} "
-                "(the n samples run together); lower n or raise max_num_seqs"
-            )
-        if not prompt_token_ids:
-            raise EmptyPromptError("the prompt is empty (zero tokens)")
-        if len(prompt_token_ids) >= self.info.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
-                f"{self.info.max_model_len} (room for at least one output token is needed); "
-                "shorten the prompt or raise max_model_len / the KV pool size"
-            )
-        return params
+        return self.processor.validate(prompt_token_ids, params)
 
     def prepare_request(
         self,
@@ -222,37 +167,11 @@ class LLMEngine:
 
         A dict prompt is a blended prompt (see :mod:`blendkv.blend`), ``blend`` its
         :class:`~blendkv.blend.BlendConfig`. ``logits_from`` asks for the logits of every prompt
-        position from that one on (``RequestOutput.extra["prompt_logits"]``).
+        position from that one on (``RequestOutput.extra["prompt_logits"]``). Touches no engine
+        state: it may run on another thread than the engine's (:mod:`.input_processor`).
         """
-        connector_prompt = None
-        if isinstance(prompt, dict):
-            connector_prompt = self.kv_connector.prepare_prompt(prompt, blend)
-            token_ids = connector_prompt.token_ids
-        elif blend is not None:
-            raise InvalidRequestError("a blend config needs a blended prompt (a dict)")
-        else:
-            token_ids = self.tokenize(prompt)
-        params = self.validate(token_ids, sampling_params)
-        if request_id is not None and self._id_in_use(request_id):
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if logits_from is not None and not 0 <= logits_from < len(token_ids):
-            raise InvalidRequestError(f"logits_from={logits_from} is outside the prompt")
-        if connector_prompt is not None and logits_from is not None:
-            if logits_from < connector_prompt.min_logits_position:
-                raise InvalidRequestError(
-                    f"logits_from={logits_from}: this prompt has logits only from position "
-                    f"{connector_prompt.min_logits_position} on (reused chunk rows are not "
-                    "computed through every layer)"
-                )
-        prompt_text = prompt if isinstance(prompt, str) else None
-        return PreparedRequest(
-            token_ids,
-            params,
-            request_id,
-            prompt_text,
-            kv_transfer_params=connector_prompt and connector_prompt.kv_transfer_params,
-            cache_salt=connector_prompt.cache_salt if connector_prompt is not None else b"",
-            logits_from=logits_from,
+        return self.processor.prepare_request(
+            prompt, sampling_params, request_id, blend=blend, logits_from=logits_from
         )
 
     def add_prepared(self, req: PreparedRequest) -> str:
@@ -261,6 +180,8 @@ class LLMEngine:
         With ``n > 1`` the request is n sequences (:mod:`blendkv.engine.parallel_sampling`);
         only the first is queued, the others are forked from it once its prompt is computed.
         """
+        if req.request_id is not None and self._id_in_use(req.request_id):
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         request_id = req.request_id if req.request_id is not None else str(next(self._ids))
         while req.request_id is None and self._id_in_use(request_id):
             request_id = str(next(self._ids))
@@ -344,7 +265,9 @@ class LLMEngine:
         """Schedule and run one batch; return outputs of requests that produced a token."""
         out = self.scheduler.schedule()
         self._last_step_num_scheduled = len(out.scheduled)
-        if out.is_empty:
+        self.runner.run_precompute(out)
+        if not out.scheduled:
+            self.scheduler.update_from_output(out)
             return []
         result = self.runner.execute(out)
         sampled_seqs, sampled = result.sampled_seqs, result.sampled
@@ -389,15 +312,18 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.precomputing),
             num_kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
             num_kv_blocks=bm.num_blocks,
             last_step_num_scheduled=self._last_step_num_scheduled,
             num_generated_tokens=self._num_generated_tokens,
+            num_precomputing=len(self.scheduler.precomputing),
         )
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
         for seq in self.scheduler.running:
             assert seq.status == SequenceStatus.RUNNING
+        for seq in self.scheduler.precomputing:
+            assert seq.status == SequenceStatus.PRECOMPUTING and not seq.block_table
             assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens

@@ -127,6 +127,12 @@ class ModelRunner:
 
     # -------------------------------------------------------------- execute
     @torch.inference_mode()
+    def run_precompute(self, out: SchedulerOutput) -> None:
+        """The step's connector side work (document chunks), before the batch's forward."""
+        if out.precompute:
+            self.connector.run_precompute(out.precompute)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step: external K/V in, forward (one layer loop), logits, sampling."""
         self.attn_backend.copy_blocks(self.kv_caches, out.blocks_to_copy)

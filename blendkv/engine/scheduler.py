@@ -2,15 +2,23 @@
 
 Every step it fills one token budget (``max_num_batched_tokens``) with, in order:
 
-1. running sequences — a decode token each, or the next piece of a chunked prefill; when the
-   block pool runs dry the most recently admitted running sequence is preempted (its blocks
-   freed, its tokens recomputed later) until the current one fits;
+1. running sequences — a decode token each, or the next piece of a chunked prefill (while
+   other requests wait, running prefills take at most half the budget, so a long prompt
+   cannot hold up new requests until it is done); when the block pool runs dry the most
+   recently admitted running sequence is preempted (its blocks freed, its tokens recomputed
+   later) until the current one fits;
 2. waiting sequences (new or preempted), first-come first-served, while budget, blocks and
    ``max_num_seqs`` allow, after taking their prefix-cache hits and the tokens a KV connector
    supplies (``get_num_new_matched_tokens``). A prefill the connector must run whole (a fused
    blended prefill, ``fused_prefill_cost``) is never chunked. A request whose K/V the
    connector is still reading (``kv_ready``) lets the requests behind it pass, unless nothing
-   else would run.
+   else would run;
+3. precompute the KV connector asks for before a request can be admitted (a blended request's
+   documents whose K/V is not stored: ``get_precompute_work``), first-come first-served, each
+   item costing its tokens; an item larger than the whole budget runs alone among the step's
+   prefills. Such a request is ``PRECOMPUTING`` (in :attr:`Scheduler.precomputing`, holding no
+   blocks) until its last item ran, then it joins the waiting queue. Spread over steps this
+   way, a request with many new documents never stalls the decodes and prefills of others.
 
 A request with ``n > 1`` samples is one sequence until its prompt is computed: in the step that
 computes the prompt's last token, its other samples (``Sequence.pending_children``) are forked
@@ -28,7 +36,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from blendkv.engine.block_manager import BlockManager
-from blendkv.engine.scheduler_output import SchedulerOutput
+from blendkv.engine.scheduler_output import PrecomputeWork, SchedulerOutput
 from blendkv.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -51,15 +59,21 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Requests whose connector precompute is not done (no blocks), in arrival order.
+        self.precomputing: list[Sequence] = []
 
     # ------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.connector is not None and self.connector.get_precompute_work(seq):
+            seq.status = SequenceStatus.PRECOMPUTING
+            self.precomputing.append(seq)
+        else:
+            self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a request wherever it is; returns it, or None if unknown or finished."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.precomputing, self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -74,7 +88,7 @@ class Scheduler:
         self._finish(seq, status)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.precomputing)
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -82,7 +96,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget)
+        self._schedule_precompute(out, budget)
         self._fork(out)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         if self.connector is not None:
@@ -90,11 +105,20 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Others waiting (admission or precompute): prefill pieces leave them half the budget.
+        others = (self.waiting and self._num_seq_slots() < self.max_num_seqs) or self.precomputing
+        prefill_room = max(1, budget // 2) if others else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert num_new > 0, f"running sequence with nothing to compute: {seq}"
+            num_left = seq.num_tokens - seq.num_computed_tokens
+            assert num_left > 0, f"running sequence with nothing to compute: {seq}"
+            num_new = min(num_left, budget if num_left == 1 else min(prefill_room, budget))
+            if num_new == 0:  # a prefill piece, and the prefills' share is spent
+                i += 1
+                continue
+            if num_left > 1:
+                prefill_room -= num_new
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # lowest priority: admitted last, not yet scheduled
                 self._preempt(victim)
@@ -106,7 +130,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         conn = self.connector
         reading = []  # waiting requests whose K/V the connector is still reading
         while self.waiting and budget > 0 and self._num_seq_slots() < self.max_num_seqs:
@@ -114,13 +138,34 @@ class Scheduler:
             if conn is not None and not conn.kv_ready(seq):
                 reading.append(self.waiting.popleft())
                 continue
-            budget = self._admit(seq, out, budget)
-            if budget is None:
+            left = self._admit(seq, out, budget)
+            if left is None:
                 break
+            budget = left
         self.waiting.extendleft(reversed(reading))
         if reading and not out.scheduled and not self.running:
             # Nothing else would run: waiting for the reads would only idle the engine.
-            self._admit(self.waiting[0], out, budget)
+            left = self._admit(self.waiting[0], out, budget)
+            budget = budget if left is None else left
+        return budget
+
+    def _schedule_precompute(self, out: SchedulerOutput, budget: int) -> None:
+        """Fill what is left of the budget with precompute items, oldest request first. An
+        item that does not fit stops the queue (no later item passes it) unless it could never
+        fit: then it goes alone, without other prefills or precompute in the step."""
+        if not self.precomputing or budget <= 0:
+            return
+        prefills = any(n > 1 for _, n in out.scheduled)
+        for seq in self.precomputing:
+            for index, cost in self.connector.get_precompute_work(seq):
+                if cost > budget:
+                    oversized = cost > self.max_num_batched_tokens
+                    if not (oversized and not prefills and not out.precompute):
+                        return
+                out.precompute.append(PrecomputeWork(seq.request_id, index, cost))
+                budget -= cost
+                if budget <= 0:
+                    return
 
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
         """Schedule ``seq``, the head of the waiting queue: the budget left, or None if it did
@@ -179,6 +224,12 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
             if seq.num_computed_tokens == seq.num_tokens:
                 ready.append(seq)
+        worked = {w.request_id for w in out.precompute}
+        for seq in [s for s in self.precomputing if s.request_id in worked]:
+            if not self.connector.get_precompute_work(seq):  # its documents are ready
+                self.precomputing.remove(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.append(seq)
         return ready
 
     # -------------------------------------------------------------- helpers

@@ -22,6 +22,8 @@ class SchedulerOutput:
     this step are positions ``[num_computed_tokens, num_computed_tokens + n)``. ``forked`` maps
     a scheduled sequence's request id to the sequences forked from it this step (``n > 1``):
     they run no tokens, and each samples its first token from the same logits row.
+    ``precompute`` lists the KV connector's side work this step (a request's document chunks,
+    one forward each, run before the batch; see :class:`PrecomputeWork`).
     """
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -29,11 +31,26 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     forked: dict[str, list[Sequence]] = field(default_factory=dict)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    precompute: list[PrecomputeWork] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
     @property
+    def num_precompute_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.precompute)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.precompute
+
+
+@dataclass(frozen=True)
+class PrecomputeWork:
+    """One unit of a request's precompute: the connector's item ``index`` (a document chunk)
+    of request ``request_id``, costing ``num_tokens`` of the step's token budget."""
+
+    request_id: str
+    index: int
+    num_tokens: int

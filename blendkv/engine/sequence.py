@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 
 class SequenceStatus(enum.Enum):
+    # Its documents' K/V is being precomputed (KV connector work scheduled like prefill); it
+    # holds no blocks until every chunk is ready, then becomes WAITING.
+    PRECOMPUTING = "precomputing"
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"

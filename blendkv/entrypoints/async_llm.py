@@ -2,14 +2,16 @@
 
 ::
 
-    asyncio callers (event loop)                    engine thread (owns LLMEngine + tokenizer)
-    ───────────────────────────                     ─────────────────────────────────────────
-    add_request ── command: prepare + add ──▶ queue ──▶ run commands (add, abort)
-        ▲                                                     │
-        │ RequestStream (one asyncio.Queue per request)       ▼
-        └──── loop.call_soon_threadsafe(put) ◀── OutputRouter ◀── LLMEngine.step()
+    asyncio callers (event loop)      prepare thread               engine thread (LLMEngine)
+    ───────────────────────────       ──────────────────           ─────────────────────────
+    add_request ── prompt ──▶ tokenise + validate ── command: add ──▶ run commands (add, abort)
+        ▲                                                                 │
+        │ RequestStream (one asyncio.Queue per request)                   ▼
+        └──── loop.call_soon_threadsafe(put) ◀────── OutputRouter ◀── LLMEngine.step()
 
 One thread owns the (not thread-safe) engine; why a thread: docs/architecture.md, Engine.
+Requests are tokenised and validated (``LLMEngine.prepare_request``, which touches no engine
+state) on a second thread, so a large request never holds up the steps of the others.
 Closing a :class:`RequestStream` early aborts its request and frees its blocks.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import queue
@@ -25,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from blendkv.engine.input_processor import PreparedRequest
 from blendkv.entrypoints.llm import LLM
 from blendkv.entrypoints.router import OutputRouter
 from blendkv.errors import BlendKVError
@@ -57,6 +61,7 @@ class EngineStats:
     num_aborted: int = 0
     max_step_requests: int = 0
     num_generated_tokens: int = 0  # output tokens sampled so far (every sample of n > 1)
+    num_precomputing: int = 0  # of the waiting, those whose documents are being precomputed
 
 
 StepListener = Callable[[list[RequestOutput]], None]
@@ -143,6 +148,11 @@ class AsyncLLM:
         self._num_steps = 0
         self._dead: BaseException | None = None
         self.stats = EngineStats(num_kv_blocks=llm.engine.info.num_kv_blocks)
+        # Tokenising here first makes a fast tokenizer's one-time settings change (truncation,
+        # padding off) happen before two threads use it: later encodes and the engine thread's
+        # decodes only read it, which HF tokenizers allow from several threads at once.
+        llm.tokenizer.encode("warm up", add_special_tokens=False)
+        self._prepare = concurrent.futures.ThreadPoolExecutor(1, "blendkv-prepare")
         self._thread = threading.Thread(target=self._run, name="blendkv-engine", daemon=True)
         self._thread.start()
 
@@ -169,14 +179,17 @@ class AsyncLLM:
         prompt: Any,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        check: Callable[[PreparedRequest], None] | None = None,
         **request_kwargs: Any,
     ) -> RequestStream:
         """Validate and queue a request; its typed errors (``InvalidRequestError``, ...) are
         raised here, before any output. Returns the stream of its outputs.
 
         ``prompt`` is what ``LLM.generate`` takes, or a callable ``(stream) -> prompt`` called
-        on the engine thread (to render a chat template or retrieve chunks with the engine's
-        tokenizer; it may leave results in ``stream.extra``). ``request_kwargs`` are those of
+        on the prepare thread (to render a chat template or retrieve chunks; it may leave
+        results in ``stream.extra``). ``check(prepared)`` runs there too, after tokenising
+        (server limits; it raises to refuse). ``request_kwargs`` are those of
         ``LLMEngine.prepare_request`` (``blend``, ``logits_from``).
         """
         self._check_alive()
@@ -189,10 +202,15 @@ class AsyncLLM:
         stream = RequestStream(rid, self)
         engine = self.llm.engine
 
-        def add() -> None:
+        def prepare() -> PreparedRequest:  # on the prepare thread
+            p = prompt(stream) if callable(prompt) else prompt
+            req = engine.prepare_request(p, sampling_params, rid, **request_kwargs)
+            if check is not None:
+                check(req)
+            return req
+
+        def add(req: PreparedRequest) -> None:  # on the engine thread
             try:
-                p = prompt(stream) if callable(prompt) else prompt
-                req = engine.prepare_request(p, sampling_params, rid, **request_kwargs)
                 self._router.register(rid, stream._put)  # before any step can route to it
                 try:
                     engine.add_prepared(req)
@@ -204,8 +222,21 @@ class AsyncLLM:
                 with self._lock:
                     self._pending_adds -= 1
 
+        with self._lock:  # counted as waiting from now on (max_waiting), until it is added
+            self._check_alive()
+            self._pending_adds += 1
         try:
-            await self._submit(add, is_add=True)
+            try:
+                prepared = asyncio.get_running_loop().run_in_executor(self._prepare, prepare)
+            except RuntimeError as exc:  # the prepare thread is shut down
+                raise EngineDeadError("the engine was shut down") from exc
+            req = await prepared
+        except BaseException:
+            with self._lock:
+                self._pending_adds -= 1
+            raise
+        try:
+            await self._submit(functools.partial(add, req), counted=True)
         except asyncio.CancelledError:
             self.abort(rid)  # the add still runs after the caller gave up: undo it
             raise
@@ -234,6 +265,7 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stop the engine thread (unfinished requests are aborted); close an owned LLM."""
+        self._prepare.shutdown(wait=True, cancel_futures=True)
         if self._thread.is_alive():
             self._commands.put(None)
             self._thread.join()
@@ -241,12 +273,17 @@ class AsyncLLM:
             self.llm.close()
 
     # ------------------------------------------------------------------ engine thread
-    async def _submit(self, fn: Callable[[], Any], *, is_add: bool = False) -> Any:
+    async def _submit(self, fn: Callable[[], Any], *, counted: bool = False) -> Any:
+        """Run ``fn`` on the engine thread. ``counted``: an add counted in ``_pending_adds``,
+        uncounted here if it is never queued."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self._check_alive()
-            if is_add:  # counted as waiting from now on (max_waiting), until it runs
-                self._pending_adds += 1
+            try:
+                self._check_alive()
+            except EngineDeadError:
+                if counted:
+                    self._pending_adds -= 1
+                raise
             self._commands.put(_Command(fn, fut))
         return await asyncio.wrap_future(fut)
 
@@ -304,6 +341,7 @@ class AsyncLLM:
             num_aborted=self._num_aborted,
             max_step_requests=self._max_step_requests,
             num_generated_tokens=now.num_generated_tokens,
+            num_precomputing=now.num_precomputing,
         )
 
     def _stop(self, exc: BaseException) -> None:

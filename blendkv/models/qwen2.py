@@ -1,17 +1,21 @@
-"""Qwen2: Llama's architecture with biases on q/k/v_proj (none on o_proj)."""
+"""Qwen2: Llama's architecture with biases on q/k/v_proj (none on o_proj); ``sliding_window``
+(off unless ``use_sliding_window``) on the layers ``layer_types`` marks ``sliding_attention``."""
 
 from __future__ import annotations
 
-from blendkv.errors import ModelLoadError
-from blendkv.models.llama import LlamaForCausalLM
+from blendkv.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    applies_sliding_window = True
+
+
+class Qwen2Model(LlamaModel):
+    decoder_layer_cls = Qwen2DecoderLayer
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config, attn_backend) -> None:
-        layer_types = getattr(config, "layer_types", None) or []
-        if getattr(config, "use_sliding_window", False) and "sliding_attention" in layer_types:
-            raise ModelLoadError("Qwen2 sliding-window attention layers are not supported")
-        super().__init__(config, attn_backend)
+    model_cls = Qwen2Model
 
     @staticmethod
     def attention_bias(config) -> tuple[bool, bool]:

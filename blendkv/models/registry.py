@@ -5,18 +5,24 @@ from __future__ import annotations
 from torch import nn
 
 from blendkv.errors import ModelLoadError
-from blendkv.models.llama import LlamaForCausalLM
+from blendkv.models.llama import LlamaForCausalLM, MistralForCausalLM
+from blendkv.models.phi3 import Phi3ForCausalLM
 from blendkv.models.qwen2 import Qwen2ForCausalLM
+from blendkv.models.qwen3 import Qwen3ForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
