@@ -97,7 +97,10 @@ class RequestState:
             return {}
         import torch
 
-        return {"prompt_logits": torch.cat(self.prompt_logits)}
+        # A preempted request recomputes its prompt from ``logits_from`` (prefix matching stops
+        # there), so its rows arrive again from the first one: the last pass is the whole set.
+        rows = self.seq.num_prompt_tokens - self.seq.logits_from
+        return {"prompt_logits": torch.cat(self.prompt_logits)[-rows:]}
 
     def completion(self, index: int) -> CompletionOutput:
         """This sequence's completion so far; its ``delta_text`` is the text made visible since

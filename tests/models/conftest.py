@@ -9,12 +9,15 @@ persistent directory in CI to keep later runs fast.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from blendkv.kernels.attention import AttentionMetadata
+
+sys.path.insert(0, str(Path(__file__).parent))  # parity.py, the per-family gate's harness
 
 
 @pytest.fixture(scope="session")
