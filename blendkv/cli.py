@@ -50,7 +50,13 @@ ENGINE_FLAGS = (
     "device",
     "attention_backend",
 )
-CONNECTOR_FLAGS = ("kv_store_memory_bytes", "pipeline_kv_load", "prefetch_kv", "prefetch_kv_bytes")
+CONNECTOR_FLAGS = (
+    "kv_store_memory_bytes",
+    "kv_codec",
+    "pipeline_kv_load",
+    "prefetch_kv",
+    "prefetch_kv_bytes",
+)
 DEVICE_FLAGS = ("device", "attention_backend")
 # Older flag names that keep working beside the generated ones.
 FLAG_ALIASES = {"enable_prefix_caching": ("--prefix-caching",)}

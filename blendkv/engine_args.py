@@ -135,15 +135,22 @@ def follow_store_dtype(options: dict[str, Any], location: Any) -> dict[str, Any]
     store at ``location`` was built with: its K/V serves only a model in that dtype, and
     ``auto`` may resolve otherwise on another machine (bf16 only where the CPU has it
     natively). An explicit dtype, no ``location`` or no store there yet: ``options`` as given.
+    An unset ``kv_codec`` likewise follows the store's codec (an explicit other one is refused
+    when the store opens, naming both).
     """
-    if location is None or options.get("dtype", "auto") != "auto":
+    follow_dtype = options.get("dtype", "auto") == "auto"
+    follow_codec = options.get("kv_codec") is None
+    if location is None or not (follow_dtype or follow_codec):
         return options
     from blendkv.store.backends import stored_fingerprint  # deferred: the store loads torch
 
     fingerprint = stored_fingerprint(location)
     if fingerprint is None:
         return options
-    return {**options, "dtype": fingerprint.dtype}
+    options = {**options, "dtype": fingerprint.dtype} if follow_dtype else dict(options)
+    if follow_codec and fingerprint.kv_codec != "none":
+        options["kv_codec"] = fingerprint.kv_codec
+    return options
 
 
 def create_engine_config(**options: Any) -> EngineConfig:

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .codecs import EncodedKV
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
@@ -29,6 +30,10 @@ class StoreSnapshot(Protocol):
     def view(self, key: bytes) -> ChunkKV | None:
         """The chunk's K/V as a zero-copy, read-only tensor; None on a miss or a corrupt
         value."""
+
+    def view_encoded(self, key: bytes) -> torch.Tensor | EncodedKV | None:
+        """The chunk's value as stored, zero-copy (a tensor for codec ``none``, else an
+        :class:`~blendkv.store.codecs.EncodedKV` viewing the map); None on a miss."""
 
     def warm(self, key: bytes) -> bool:
         """Fault the value into memory ahead of its use; False on a miss or a corrupt value."""
@@ -49,9 +54,18 @@ class ChunkKVStore(Protocol):
     # are read whole by :meth:`get` / :meth:`read_into`, ``snapshot`` is None, ``warm`` a no-op.
     reads_in_place: bool
 
+    kv_codec: str  # how values are encoded (blendkv.store.codecs): "none", "int8", "int4"
+
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
-        """A chunk's K/V (read-only tensor), or None on a miss or a corrupt value.
+        """A chunk's K/V (read-only tensor, decoded), or None on a miss or a corrupt value.
         ``skip_memory_tier``: read from storage even if the memory tier holds it."""
+
+    def get_encoded(
+        self, key: bytes, *, skip_memory_tier: bool = False
+    ) -> torch.Tensor | EncodedKV | None:
+        """A chunk's value as stored: the raw tensor (codec ``none``) or its
+        :class:`~blendkv.store.codecs.EncodedKV`, for a loader that decodes while it writes
+        the pool; None on a miss or a corrupt value. Read-only."""
 
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = False) -> bool:
         """Copy a chunk's K/V into ``out`` (the stored shape and dtype, any device); False on a

@@ -39,6 +39,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .errors import CodecMismatchError
+
 CODECS = ("none", "int8", "int4")
 INT4_KEY_GT = 32  # tokens per int4 key group (one scale per channel per 32 tokens)
 INT4_VALUE_GD = 64  # channels per int4 value group (one scale per token per 64 channels)
@@ -242,11 +244,15 @@ def encode(
     codec: str,
     *,
     outlier_threshold: float = INT4_OUTLIER_REL_ERROR,
+    groups: tuple[tuple[int, int], tuple[int, int]] | None = None,
+    asymmetric: tuple[bool, bool] = (True, True),
 ) -> torch.Tensor | EncodedKV:
     """Encode one chunk's ``kv [L, 2, T, H, D]`` with ``codec``; ``none`` returns ``kv``.
 
     ``outlier_threshold``: int4's outlier-head rule (relative Frobenius error of a head's keys
-    over the chunk); ``math.inf`` disables outlier heads.
+    over the chunk); ``math.inf`` disables outlier heads. ``groups`` (K's and V's ``(gt, gd)``)
+    and ``asymmetric`` (K's, V's) override the codec's defaults (for measuring; a decoder
+    reads whatever the value records).
     """
     check_codec(codec)
     if codec == "none":
@@ -255,12 +261,16 @@ def encode(
         raise ValueError(f"K/V must be [L, 2, T, H, D], got {tuple(kv.shape)}")
     L, _, T, H, D = kv.shape
     k, v = kv[:, 0], kv[:, 1]
+    bits = 8 if codec == "int8" else 4
+    if groups is None:
+        if codec == "int8":
+            groups = ((T, 1), (1, D))
+        else:
+            groups = ((INT4_KEY_GT, 1), (1, min(INT4_VALUE_GD, D)))
+    kp = quantize_part(k, bits, groups[0], asymmetric=asymmetric[0])
+    vp = quantize_part(v, bits, groups[1], asymmetric=asymmetric[1])
     if codec == "int8":
-        kp = quantize_part(k, 8, (T, 1))
-        vp = quantize_part(v, 8, (1, D))
         return EncodedKV(codec, (L, 2, T, H, D), kv.dtype, kp, vp)
-    kp = quantize_part(k, 4, (INT4_KEY_GT, 1))
-    vp = quantize_part(v, 4, (1, min(INT4_VALUE_GD, D)))
     heads = _outlier_heads(k, kp, outlier_threshold)
     if not bool(heads.any()):
         return EncodedKV(codec, (L, 2, T, H, D), kv.dtype, kp, vp)
@@ -285,3 +295,20 @@ def decode_reference(enc: torch.Tensor | EncodedKV, dtype: torch.dtype | None = 
         keys = out[:, 0].permute(0, 2, 1, 3)  # [L, H, T, D] view of the decoded keys
         keys[enc.outlier_heads] = enc.outlier_k.to(dtype)
     return out
+
+
+def encode_for_store(
+    codec: str, kv: torch.Tensor | EncodedKV, location: object
+) -> torch.Tensor | EncodedKV:
+    """``kv`` encoded with the store's ``codec``; an already encoded value must be of it
+    (:class:`CodecMismatchError` naming both otherwise)."""
+    if isinstance(kv, EncodedKV):
+        if kv.codec != codec:
+            raise CodecMismatchError(
+                f"store {location} holds K/V of codec {codec!r}; refusing a value of codec "
+                f"{kv.codec!r}",
+                kv.codec,
+                codec,
+            )
+        return kv
+    return encode(kv, codec)

@@ -32,6 +32,10 @@ class LayeredSnapshot:
         found = self.main.view(key)
         return found if found is not None else self.cache.view(key)
 
+    def view_encoded(self, key: bytes):
+        found = self.main.view_encoded(key)
+        return found if found is not None else self.cache.view_encoded(key)
+
     def warm(self, key: bytes) -> bool:
         return self.main.warm(key) or self.cache.warm(key)
 
@@ -80,6 +84,14 @@ class LayeredKVStore:
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         found = self.main.get(key, skip_memory_tier=skip_memory_tier)
         return found if found is not None else self.cache.get(key)
+
+    @property
+    def kv_codec(self) -> str:
+        return self.main.kv_codec
+
+    def get_encoded(self, key: bytes, *, skip_memory_tier: bool = False):
+        found = self.main.get_encoded(key, skip_memory_tier=skip_memory_tier)
+        return found if found is not None else self.cache.get_encoded(key)
 
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = False) -> bool:
         return self.main.read_into(key, out, admit=admit) or self.cache.read_into(key, out)

@@ -108,5 +108,5 @@ class StoreQueries:
         """Re-check every value's header and checksum and the cross-database consistency."""
         report = VerifyReport()
         with self._read() as txn:
-            verify_txn(txn, self._dbs, report)
+            verify_txn(txn, self._dbs, report, self.kv_codec)
         return report

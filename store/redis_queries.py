@@ -62,7 +62,7 @@ class RedisQueries:
                 report.add("missing_value", key.hex(), "a part was evicted")
                 continue
             try:
-                fmt.check_value(b"".join(parts), verify_checksum=True)
+                fmt.check_value(b"".join(parts), verify_checksum=True, codec=self.kv_codec)
             except CorruptValueError as e:
                 report.add("corrupt_value", key.hex(), str(e))
                 continue

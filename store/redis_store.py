@@ -33,8 +33,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from . import codecs, layout
 from . import format as fmt
-from . import layout
+from .codecs import EncodedKV, decode_reference
 from .errors import CorruptValueError, FingerprintMismatchError, StoreError, StoreFormatError
 from .fingerprint import ModelFingerprint, mismatch_message
 from .memory_tier import MemoryTier
@@ -184,14 +185,14 @@ class RedisKVStore(RedisQueries):
     def _put_one(self, chunk: NewChunk) -> PutResult:
         fp = self.fingerprint
         kv = chunk.kv
-        if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != (
+        if len(kv.shape) != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != (
             fp.num_layers, 2, fp.num_kv_heads, fp.head_dim,
         ):  # fmt: skip
             raise ValueError(f"chunk K/V shape {tuple(kv.shape)} does not match the store")
         raw = self.client.get(self._chunk(chunk.key, "m"))
         if raw is not None:
             return PutResult(json.loads(raw)["chunk_id"], False, ())
-        value = fmt.encode_value(kv)
+        value = fmt.encode_value(codecs.encode_for_store(self.kv_codec, kv, self.url))
         cid = int(self.client.incr(self._k("next_id")))
         meta = ChunkMeta(
             chunk_id=cid,
@@ -305,7 +306,7 @@ class RedisKVStore(RedisQueries):
             self._delete_one(key)
             return None
         try:
-            fmt.check_value(value, verify_checksum=True)
+            fmt.check_value(value, verify_checksum=True, codec=self.kv_codec)
         except CorruptValueError as e:
             with self._lock:
                 self.corrupt += 1
@@ -315,7 +316,12 @@ class RedisKVStore(RedisQueries):
             return None
         return value
 
-    def _load(self, key: bytes, skip_memory_tier: bool = False) -> torch.Tensor | None:
+    @property
+    def kv_codec(self) -> str:
+        """How this store encodes K/V (:mod:`blendkv.store.codecs`); from its fingerprint."""
+        return self.fingerprint.kv_codec
+
+    def _load(self, key: bytes, skip_memory_tier: bool = False) -> torch.Tensor | EncodedKV | None:
         use_tier = self.memory_tier.max_bytes and not skip_memory_tier
         tensor = self.memory_tier.get(key) if use_tier else None
         if tensor is None:
@@ -326,9 +332,9 @@ class RedisKVStore(RedisQueries):
                 return None
             header = fmt.decode_header(value)
             payload = torch.frombuffer(value, dtype=torch.uint8, offset=fmt.HEADER_SIZE)
-            tensor = payload.view(header.dtype).view(header.shape)
             if self.pin_memory:
-                tensor = tensor.pin_memory()
+                payload = payload.pin_memory()
+            tensor = fmt.decode_payload(payload, header)
             self.memory_tier.put(key, tensor)
         with self._lock:
             self.hits += 1
@@ -341,18 +347,26 @@ class RedisKVStore(RedisQueries):
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         self._check_servable()
         tensor = self._load(key, skip_memory_tier)
-        return None if tensor is None else ChunkKV(key, tensor)
+        return None if tensor is None else ChunkKV(key, decode_reference(tensor))
+
+    def get_encoded(
+        self, key: bytes, *, skip_memory_tier: bool = False
+    ) -> torch.Tensor | EncodedKV | None:
+        """:meth:`KVStore.get_encoded <blendkv.store.KVStore.get_encoded>`: the value as
+        stored (a tensor for codec ``none``, else an :class:`EncodedKV`), not decoded."""
+        self._check_servable()
+        return self._load(key, skip_memory_tier)
 
     def read_into(self, key: bytes, out: torch.Tensor, *, admit: bool = True) -> bool:
         self._check_servable()
         tensor = self._load(key)
         if tensor is None:
             return False
-        if tensor.shape != out.shape or tensor.dtype != out.dtype:
+        if tuple(tensor.shape) != tuple(out.shape) or tensor.dtype != out.dtype:
             raise ValueError(
                 f"out is {out.dtype}{tuple(out.shape)}, stored {tensor.dtype}{tuple(tensor.shape)}"
             )
-        out.copy_(tensor)
+        out.copy_(decode_reference(tensor))
         return True
 
     def warm(self, key: bytes) -> bool:

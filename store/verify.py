@@ -1,5 +1,6 @@
-"""Full consistency check of a store: every value's header and checksum, and the agreement of
-values, metadata, id map, LRU and document index, and of the byte counter."""
+"""Full consistency check of a store: every value's header, checksum and codec (an encoded
+value's sections are decoded as far as their layout: sizes, outlier-head mask), and the
+agreement of values, metadata, id map, LRU and document index, and of the byte counter."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ from .layout import Counters, be64, doc_entry, from_be64, unpack_usage
 from .records import VerifyReport
 
 
-def verify_txn(txn, dbs: dict, report: VerifyReport) -> dict[int, bytes]:
-    """Check everything visible in read transaction ``txn``; returns ``{chunk_id: key}``."""
+def verify_txn(txn, dbs: dict, report: VerifyReport, codec: str | None = None) -> dict[int, bytes]:
+    """Check everything visible in read transaction ``txn`` (values of another ``codec`` than
+    the store's are problems); returns ``{chunk_id: key}``."""
     counters = Counters.read(txn, dbs["store"])
     value_sizes: dict[bytes, int] = {}
     for key, value in txn.cursor(db=dbs["values"]):
         key = bytes(key)
         value_sizes[key] = len(value)
         try:
-            fmt.check_value(value)
+            header = fmt.check_value(value, codec=codec)
+            fmt.decode_value(value, header)
         except CorruptValueError as e:
             report.add("corrupt_value", key.hex(), str(e))
 

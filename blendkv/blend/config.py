@@ -3,7 +3,7 @@ strategies beyond it in :mod:`blendkv.blend.selection` and :mod:`blendkv.blend.c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blendkv.errors import ConfigError
 
@@ -201,6 +201,8 @@ class BlendConnectorConfig:
             ``kv_store_dir``, never in it (the server sets it). None: they go into the store.
         kv_store_memory_bytes: the in-RAM tier in front of the store (Redis stores and CUDA
             reads fill it; on the CPU, LMDB chunks are read in place from the page cache).
+        kv_codec: how a new store encodes chunk K/V: none (raw), int8 or int4
+            (docs/guide/codecs.md). Unset: an existing store's codec, else none.
         anchor_system: the system prompt of the chat-template prefix every chunk is
             precomputed behind.
         anchor_instruction: the instruction of that prefix.
@@ -223,6 +225,7 @@ class BlendConnectorConfig:
     kv_store_dir: str | None = None
     kv_store_max_bytes: int | None = None
     kv_store_memory_bytes: int = 256 << 20
+    kv_codec: str | None = field(default=None, metadata={"choices": ("none", "int8", "int4")})
     request_cache_bytes: int | None = None
     anchor_system: str | None = None
     anchor_instruction: str | None = None
@@ -237,6 +240,8 @@ class BlendConnectorConfig:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
+        if self.kv_codec not in (None, "none", "int8", "int4"):
+            raise ConfigError(f"kv_codec must be none, int8 or int4, got {self.kv_codec!r}")
         n = self.prefetch_kv_bytes
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ConfigError(f"prefetch_kv_bytes must be an integer > 0, got {n!r}")

@@ -99,6 +99,7 @@ class BlendConnector(KVConnectorBase):
                 store_dir=conf.kv_store_dir,
                 store_max_bytes=conf.kv_store_max_bytes,
                 memory_tier_bytes=conf.kv_store_memory_bytes,
+                kv_codec=conf.kv_codec,
                 request_cache_bytes=conf.request_cache_bytes,
                 anchor_system=conf.anchor_system,
                 anchor_instruction=conf.anchor_instruction,
@@ -114,6 +115,9 @@ class BlendConnector(KVConnectorBase):
                 self.controller,
                 ctx.model.model.embed_tokens.weight.dtype,
             )
+            self._loader.layer_windows = [
+                getattr(layer.self_attn, "sliding_window", None) for layer in ctx.model.model.layers
+            ]
         return self._manager
 
     @property
@@ -153,11 +157,11 @@ class BlendConnector(KVConnectorBase):
     def add_request(self, request_id: str, kv_transfer_params) -> None:
         if isinstance(kv_transfer_params, BlendRequestState):
             self._states[request_id] = kv_transfer_params
+            self.manager.find_missing(kv_transfer_params)  # computed as precompute work
             prefetcher = self.prefetcher
             if prefetcher is not None and kv_transfer_params.chunk_keys:
                 prefetcher.submit(request_id, self._to_read(kv_transfer_params.chunk_keys))
 
-            self.manager.find_missing(kv_transfer_params)  # computed as precompute work
     def _to_read(self, keys: list[bytes]) -> list[bytes]:
         """The keys a prefetch reads: stored (a miss is computed in the step), not waiting in
         the background writer, nor (when values are held) in the memory tier already."""
@@ -195,15 +199,15 @@ class BlendConnector(KVConnectorBase):
             self._manager = self._loader = None
 
     # ---- scheduler side -----------------------------------------------------------------
-    def kv_ready(self, seq) -> bool:
-        prefetcher = self._prefetcher
-        return prefetcher is None or prefetcher.ready(seq.request_id)
-
     def get_precompute_work(self, seq) -> list[tuple[int, int]]:
         state = self._states.get(seq.request_id)
         if state is None or not state.missing:
             return []
         return state.precompute_work(len(self.manager.anchor_ids))
+
+    def kv_ready(self, seq) -> bool:
+        prefetcher = self._prefetcher
+        return prefetcher is None or prefetcher.ready(seq.request_id)
 
     def fused_prefill_cost(self, seq, num_computed_tokens: int, num_new_tokens: int):
         state = self._states.get(seq.request_id)
@@ -224,10 +228,6 @@ class BlendConnector(KVConnectorBase):
         return meta
 
     # ---- worker side --------------------------------------------------------------------
-    def start_load_kv(self, inputs: ForwardInputs) -> None:
-        meta = self._metadata
-        self._step = []
-        if meta is None or not meta.fused:
     def run_precompute(self, work) -> None:
         by_request: dict[str, list[int]] = {}
         for w in work:
@@ -235,6 +235,10 @@ class BlendConnector(KVConnectorBase):
         for request_id, indices in by_request.items():
             self.manager.run_precompute(self._states[request_id], indices)
 
+    def start_load_kv(self, inputs: ForwardInputs) -> None:
+        meta = self._metadata
+        self._step = []
+        if meta is None or not meta.fused:
             return
         self.manager  # noqa: B018  (the store and loader exist from here on)
         writes = []
@@ -262,7 +266,10 @@ class BlendConnector(KVConnectorBase):
         self._layer_load = LayerwiseLoad(
             ctx.attn_backend,
             inputs.kv_caches,
-            ctx.model.model.rotary_emb.tables(ctx.info.device),
+            [
+                layer.self_attn.rotary_emb.tables(ctx.info.device)
+                for layer in ctx.model.model.layers
+            ],
             writes,
             pipelined=self.pipelined,
             stream=self._load_stream,

@@ -69,6 +69,7 @@ class BlendManager:
         anchor_system: str | None = None,
         anchor_instruction: str | None = None,
         anchor_boundary_tokens: int = 0,
+        kv_codec: str | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -89,6 +90,7 @@ class BlendManager:
             num_layers=self.num_layers,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
+            kv_codec=kv_codec or "none",  # unset: engine_args.follow_store_dtype filled it in
         )
         self.request_cache_bytes = request_cache_bytes
         self._tmpdirs: list[tempfile.TemporaryDirectory] = []
@@ -311,8 +313,6 @@ class BlendManager:
             ]
         )
 
-    def precompute(
-        self, chunks: list[list[int]], texts=None, doc_id=None, progress=None, contexts=None
     def find_missing(self, state: BlendRequestState) -> None:
         """Note the request's chunks whose K/V is neither stored nor waiting in the writer
         (``state.missing``; a chunk given twice is computed once)."""
@@ -343,6 +343,8 @@ class BlendManager:
         state.missing = [i for i in state.missing if i not in done]
         state.stats.precompute_seconds += time.perf_counter() - t0
 
+    def precompute(
+        self, chunks: list[list[int]], texts=None, doc_id=None, progress=None, contexts=None
     ) -> list:
         """Ingest: compute and store the K/V of chunks not stored yet (synchronously, in
         batches of one forward each), each behind its context (default: the anchor). Returns a

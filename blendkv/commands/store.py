@@ -1,9 +1,10 @@
-"""``blendkv store stats|verify|compact --store DIR``: inspect or compact a store without
-loading a model.
+"""``blendkv store stats|verify|compact --store DIR``, ``blendkv store convert SRC DST
+--codec C``: inspect, compact or re-encode a store without loading a model.
 
 ``verify`` checks every value, the index against the store, and the document catalog against
 the store (:mod:`blendkv.rag.consistency`); it exits 1 on any problem. ``compact`` gives the
 pages of deleted and evicted chunks back to the disk (:mod:`blendkv.store.compact`).
+``convert`` writes a new store with another K/V codec (:mod:`blendkv.store.convert`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ def register(sub) -> None:
     )
     add_store_arg(a)
     a.set_defaults(func=run_compact)
+    a = action.add_parser(
+        "convert", help="write a copy of a store with another K/V codec, then verify it"
+    )
+    a.add_argument("src", metavar="SRC", help="the store to read: LMDB directory or redis:// URL")
+    a.add_argument("dst", metavar="DST", help="the new store: LMDB directory or redis:// URL")
+    a.add_argument(
+        "--codec", required=True, choices=["none", "int8", "int4"], help="DST's K/V codec"
+    )
+    a.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a.set_defaults(func=run_convert)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +84,8 @@ def _stats(args, store, catalog) -> int:
         "map_used_bytes": s.map_used,
         "disk_bytes": None if store.shared else (Path(args.store) / "data.mdb").stat().st_size,
         "model": {"architecture": fp.architecture, "dtype": fp.dtype, "layers": fp.num_layers},
+        "kv_codec": fp.kv_codec,
+        "bytes_per_token": _bytes_per_token(store.kv, s.bytes),
         "embedder": store.index.embedder_name,
     }
     if args.json:
@@ -86,10 +99,36 @@ def _stats(args, store, catalog) -> int:
     print(f"chunks     {s.entries} stored, {record['indexed_chunks']} indexed")
     limit = format_size(s.max_bytes) if s.max_bytes else "none"
     print(f"kv bytes   {format_size(s.bytes)} (limit: {limit}), {s.evictions} evictions")
+    per_token = record["bytes_per_token"]
+    print(f"kv codec   {fp.kv_codec}, {per_token or 0:.0f} bytes per token")
     if record["disk_bytes"] is not None:
         on_disk = format_size(record["disk_bytes"])
         print(f"on disk    {on_disk} (`blendkv store compact` gives unused pages back)")
     return 0
+
+
+def _bytes_per_token(kv, total_bytes: int) -> float | None:
+    """Stored value bytes per chunk token (header included); None for an empty store."""
+    tokens = sum(m.num_tokens for m in kv.iter_meta())
+    return total_bytes / tokens if tokens else None
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    if not _exists(args.src):
+        return 2
+    from tqdm import tqdm
+
+    from blendkv.store.convert import convert_store
+
+    with tqdm(desc="convert", unit="chunk", disable=args.no_progress) as bar:
+        result = convert_store(args.src, args.dst, args.codec, progress=bar.update)
+    print(
+        f"converted {args.src} ({result.src_codec}, {format_size(result.src_bytes)}) -> "
+        f"{args.dst} ({result.dst_codec}, {format_size(result.dst_bytes)}): {result.chunks} "
+        f"chunks, {result.src_bytes / max(result.dst_bytes, 1):.2f}x smaller"
+    )
+    print(f"{args.dst}: {result.report}")
+    return 0 if result.report.ok else 1
 
 
 def run_compact(args: argparse.Namespace) -> int:
