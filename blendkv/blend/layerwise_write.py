@@ -91,7 +91,7 @@ class LayerwiseLoad:
         self,
         backend,
         kv_caches: list[torch.Tensor],
-        rotary_tables: tuple[torch.Tensor, torch.Tensor],
+        rotary_tables: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]],
         writes: list[ChunkWrite],
         pipelined: bool | None,
         stream=None,
@@ -101,7 +101,10 @@ class LayerwiseLoad:
         buffers would be allocated afresh every time)."""
         self.backend = backend
         self.kv_caches = kv_caches
-        self.cos, self.sin = rotary_tables
+        # (cos, sin) of every layer, or one per layer (Gemma 3's sliding layers have their own).
+        if not isinstance(rotary_tables, list):
+            rotary_tables = [rotary_tables] * len(kv_caches)
+        self.tables = rotary_tables
         self.writes = writes
         self.device = kv_caches[0].device
         self.pipelined = resolve_pipelined(pipelined, self.device, backend) and bool(writes)
@@ -217,9 +220,16 @@ class LayerwiseLoad:
         kv = w.kv[i : i + count]
         if kv.device != self.device:  # pinned host source (CUDA): copy on this stream
             kv = kv.to(self.device, non_blocking=True)
-        self.backend.load_rotated_kv(
-            self.kv_caches, layer, kv, w.positions, w.slots, self.cos, self.sin
-        )
+        start = layer  # one backend call per run of layers sharing their RoPE tables
+        for end in range(layer + 1, layer + count + 1):
+            if end < layer + count and self.tables[end][0] is self.tables[start][0]:
+                continue
+            cos, sin = self.tables[start]
+            part = kv if end - start == count else kv[start - layer : end - layer]
+            self.backend.load_rotated_kv(
+                self.kv_caches, start, part, w.positions, w.slots, cos, sin
+            )
+            start = end
 
     # ---- the forward's side -------------------------------------------------------------
     def wait(self, layer: int) -> None:

@@ -113,7 +113,8 @@ class DecodeGraphs:
             ids = self.input_ids[:size]
 
             def forward(ids=ids, md=md):
-                self.model.model.rotary_emb.clear_memo()  # no stale cos/sin baked in
+                for layer in self.model.model.layers:  # no stale cos/sin baked in
+                    layer.self_attn.rotary_emb.clear_memo()  # (Gemma 3: two RoPE tables)
                 return self.model(ids, md.positions, self.kv_caches, md)
 
             forward()  # warm-up: the backend builds its layout for this metadata object
