@@ -1,15 +1,16 @@
 """OpenAI requests -> engine requests (responses: :mod:`.responses`).
 
 Validation lives where it already is: ``SamplingParams`` and ``BlendConfig`` check ranges,
-``LLMEngine.prepare_request`` checks prompts (on the engine thread). Here only what the OpenAI
-API adds is checked: unsupported features (``n > 1``, tools, ...), ``logit_bias`` keys (token ids
-as strings), the model name and the shape of a blended chat.
+``LLMEngine.prepare_request`` checks prompts (on AsyncLLM's prepare thread), size limits come
+first (:mod:`.request_limits`). Here only what the OpenAI API adds is checked: unsupported
+features (``n > 1``, tools, ...), ``logit_bias`` keys (token ids as strings), the model name and
+the shape of a blended chat.
 
 A chat request with ``documents`` (or ``rag``) becomes the engine's blended prompt::
 
     system messages  ─▶ "system"      (joined; None when there is none)
     documents[i]     ─▶ "documents"   ("title\\ntext" when a title is given)
-    last user turn   ─▶ "query"
+    last user turn   ─▶ "query"       (a conversation: its turns, see :mod:`.conversation`)
 """
 
 from __future__ import annotations
@@ -20,18 +21,16 @@ from typing import Any
 
 from blendkv.blend.config import BlendConfig
 from blendkv.entrypoints.async_llm import AsyncLLM, RequestStream
+from blendkv.entrypoints.openai.conversation import split_blended_chat
 from blendkv.entrypoints.openai.errors import APIError, api_error
 from blendkv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     SamplingRequest,
 )
 from blendkv.errors import InvalidRequestError
 from blendkv.rag.chunk_order import ChunkOrderError, check_chunk_order
 from blendkv.sampling_params import SamplingParams
-
-_SYSTEM_ROLES = ("system", "developer")
 
 
 @dataclass
@@ -173,7 +172,7 @@ def chat_params(req: ChatCompletionRequest, vocab_size: int | None = None) -> Sa
 
 
 def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, dict]:
-    """``(prompt factory for the engine thread, add_request keyword arguments)``."""
+    """``(prompt factory for the prepare thread, add_request keyword arguments)``."""
     for m in req.messages:
         if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
             raise APIError(400, "only text content parts are supported", param="messages")
@@ -185,7 +184,7 @@ def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, d
         return lambda stream: render_chat(served, messages), {}
     if req.documents is not None and req.rag is not None:
         raise APIError(400, "give documents or rag, not both", param="rag")
-    system, query = blended_turns(req.messages)
+    system, question, query = split_blended_chat(req.messages, served.tokenizer)
     blend = blend_config(req)
     if req.documents is not None:
         docs = [f"{d.title}\n{d.text}" if d.title else d.text for d in req.documents]
@@ -201,10 +200,13 @@ def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, d
         except ChunkOrderError as exc:
             raise APIError(400, str(exc), param="rag.chunk_order") from exc
 
-    def retrieve(stream: RequestStream) -> dict:  # runs on the engine thread
-        sources = rag.order_sources(rag.retrieve(query, top_k, doc_filter), order)
+    def retrieve(stream: RequestStream) -> dict:  # runs on the prepare thread
+        sources = rag.order_sources(rag.retrieve(question, top_k, doc_filter), order)
         stream.extra["sources"] = [s.to_dict() for s in sources]
-        return rag.blended_prompt(query, sources, system)
+        prompt = rag.blended_prompt(question, sources, system)
+        if query != question:  # a conversation: its turns follow the retrieved chunks
+            prompt["query"] = query
+        return prompt
 
     return retrieve, {"blend": blend}
 
@@ -220,20 +222,6 @@ def render_chat(served: Served, messages: list[dict]) -> list[int]:
         if isinstance(exc, InvalidRequestError):
             raise
         raise InvalidRequestError(f"this model cannot chat: {exc}; use /v1/completions") from exc
-
-
-def blended_turns(messages: list[ChatMessage]) -> tuple[str | None, str]:
-    """(system, query) of a blended chat: system messages, then one user message."""
-    systems = [m for m in messages[:-1] if m.role in _SYSTEM_ROLES]
-    if len(systems) != len(messages) - 1 or messages[-1].role != "user":
-        raise APIError(
-            400,
-            "a chat request with documents (or rag) takes system messages and then one user "
-            "message, the query; earlier turns cannot be blended",
-            param="messages",
-        )
-    system = "\n\n".join(m.text() for m in systems) if systems else None
-    return system, messages[-1].text()
 
 
 def blend_config(req: ChatCompletionRequest) -> BlendConfig:
