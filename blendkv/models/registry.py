@@ -5,12 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from blendkv.errors import ModelLoadError
+from blendkv.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from blendkv.models.llama import LlamaForCausalLM, MistralForCausalLM
 from blendkv.models.phi3 import Phi3ForCausalLM
 from blendkv.models.qwen2 import Qwen2ForCausalLM
 from blendkv.models.qwen3 import Qwen3ForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
@@ -18,6 +21,8 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 _MODEL_TYPES: dict[str, str] = {
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",

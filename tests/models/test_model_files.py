@@ -11,7 +11,8 @@ import transformers
 from blendkv.errors import ModelLoadError
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 from blendkv.models import model_files
-from blendkv.models.llama import LlamaForCausalLM
+from blendkv.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from blendkv.models.llama import LlamaForCausalLM, MistralForCausalLM
 from blendkv.models.model_files import load_model, resolve_model, weights_hash
 from blendkv.models.qwen2 import Qwen2ForCausalLM
 from blendkv.models.registry import get_model_class
@@ -87,10 +88,12 @@ def test_registry():
         return transformers.PretrainedConfig(architectures=archs, model_type=model_type)
 
     assert get_model_class(cfg(["LlamaForCausalLM"], "llama")) is LlamaForCausalLM
-    assert get_model_class(cfg(["MistralForCausalLM"], "mistral")) is LlamaForCausalLM
+    assert get_model_class(cfg(["MistralForCausalLM"], "mistral")) is MistralForCausalLM
+    assert get_model_class(cfg(["Gemma2ForCausalLM"], "gemma2")) is Gemma2ForCausalLM
+    assert get_model_class(cfg(None, "gemma3_text")) is Gemma3ForCausalLM
     assert get_model_class(cfg(["Qwen2ForCausalLM"], "qwen2")) is Qwen2ForCausalLM
     assert get_model_class(cfg(None, "qwen2")) is Qwen2ForCausalLM
-    with pytest.raises(ModelLoadError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2"):
+    with pytest.raises(ModelLoadError, match="Gemma2.*Gemma3.*Llama.*Mistral.*Qwen2"):
         get_model_class(cfg(["GPT2LMHeadModel"], "gpt2"))
 
 
