@@ -102,8 +102,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     # ---- attention ----------------------------------------------------------------------
     def _causal(self, q, k, v, scale, out, **wc) -> None:
-        if not wc and self._takes(self.rows_kernel, "prefill", q.dtype):
-            self.rows_kernel.causal(q, k, v, scale, out)
+        if self._takes(self.rows_kernel, "prefill", q.dtype):
+            self.rows_kernel.causal(q, k, v, scale, out, **wc)
         else:
             super()._causal(q, k, v, scale, out, **wc)
 
@@ -113,21 +113,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return super()._rows_layout(positions, group, dtype)
 
     def _rows(self, q, keys, values, positions, scale, out, layout, **wc) -> None:
-        if not wc and self._takes(self.rows_kernel, "prefill", q.dtype):
-            self.rows_kernel(q, keys, values, positions, scale, out)
+        if self._takes(self.rows_kernel, "prefill", q.dtype):
+            self.rows_kernel(q, keys, values, positions, scale, out, **wc)
         else:
             super()._rows(q, keys, values, positions, scale, out, layout, **wc)
 
     def _query_rows(
         self, q, keys, values, positions, visible_prefix, out, scale=None, **wc
     ) -> torch.Tensor:
-        if wc or not self._takes(self.rows_kernel, "prefill", q.dtype):
+        if not self._takes(self.rows_kernel, "prefill", q.dtype):
             return super()._query_rows(
                 q, keys, values, positions, visible_prefix, out, scale=scale, **wc
             )
         mass = torch.zeros(keys.shape[0], dtype=torch.float32, device=keys.device)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        self.rows_kernel(q, keys, values, positions, scale, out, mass)
+        self.rows_kernel(q, keys, values, positions, scale, out, mass, **wc)
         return mass
 
     def _decode_layout(self, md: AttentionMetadata, seqs, cache_shape, q) -> Any:
@@ -140,3 +140,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self.decode_kernel(q, kv_cache, layout, out, scale)
         else:
             super()._decode(q, kv_cache, layout, out, scale)
+
+    def _decode_windowed(self, q, kv_cache, md, layout, out, scale, window, soft_cap) -> None:
+        if isinstance(layout.decode, DenseDecode):
+            self.decode_kernel(q, kv_cache, layout.decode, out, scale, window, soft_cap)
+        else:
+            super()._decode_windowed(q, kv_cache, md, layout, out, scale, window, soft_cap)

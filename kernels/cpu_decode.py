@@ -32,14 +32,22 @@ def dense_decode_attention(
     slots: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The kernel's reference, dense: ``q`` [R, Hkv, G, D]; ``keys``/``values`` [pool slots,
     Hkv, D] (one layer's pool); ``slots`` [R, L] int64; ``lens`` [R] real keys per row (>= 1)
-    -> [R, Hkv, G, D]."""
+    -> [R, Hkv, G, D]. ``window``: a row sees its last ``window`` keys; ``soft_cap``: scores
+    ``cap * tanh(s / cap)``."""
     k = keys[slots]  # [R, L, Hkv, D]
     v = values[slots]
     scores = (q[:, None] * k[:, :, :, None, :]).sum(-1) * scale  # [R, L, Hkv, G]
-    visible = torch.arange(slots.shape[1], device=slots.device)[None, :] < lens[:, None]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    key_idx = torch.arange(slots.shape[1], device=slots.device)[None, :]
+    visible = key_idx < lens[:, None]
+    if window is not None:
+        visible &= key_idx >= lens[:, None] - window
     scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=1)
     return (probs[..., None] * v[:, :, :, None, :]).sum(1)
@@ -76,13 +84,18 @@ class DecodeKernel:
             ops = load_ops()
         self.ops = ops
 
-    def __call__(self, q, kv_cache, layout: DenseDecode, out, scale) -> None:
+    def __call__(
+        self, q, kv_cache, layout: DenseDecode, out, scale, window=None, soft_cap=None
+    ) -> None:
+        """``window``: each row reads its last ``window`` keys only (the slots before them, and
+        so whole blocks outside the window, are never read); ``soft_cap``: capped scores."""
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         pool = kv_cache.view(2, -1, num_kv_heads, head_dim)
         q = q.contiguous()
         dst = out if out.is_contiguous() else torch.empty_like(q)
         self.ops.decode_attention(
-            q, pool[0], pool[1], layout.rows, layout.slots, layout.lens, scale, dst
-        )
+            q, pool[0], pool[1], layout.rows, layout.slots, layout.lens, scale, dst,
+            0 if window is None else int(window), 0.0 if soft_cap is None else float(soft_cap),
+        )  # fmt: skip
         if dst is not out:
             out[layout.rows] = dst[layout.rows]

@@ -38,6 +38,8 @@ class RowsKernel:
         scale: float,
         out: torch.Tensor,
         mass: torch.Tensor | None = None,
+        window: int | None = None,
+        soft_cap: float | None = None,
     ) -> None:
         """``out`` [n, Hq, D] = attention of ``q`` [n, Hq, D] (rows at strictly ascending
         ``positions`` [n]) over ``keys``/``values`` [S, Hkv, D] at positions 0..S-1.
@@ -45,7 +47,10 @@ class RowsKernel:
         ``mass`` [S] float32 (contiguous): adds the softmax probability the rows pay each key,
         summed over rows and query heads (ProphetKV's score,
         :func:`~blendkv.kernels.attention_mass.query_attention_mass`), from a second pass over
-        the scores (no P.V): the query rows' attention and their score in one call."""
+        the scores (no P.V): the query rows' attention and their score in one call.
+
+        ``window``: a row at ``p`` sees keys ``p - window < j <= p`` (the keys before every
+        row's window are not read); ``soft_cap``: scores ``cap * tanh(s / cap)``."""
         dst = out if out.is_contiguous() else torch.empty_like(q)
         self.ops.rows_attention(
             q.contiguous(),
@@ -56,10 +61,13 @@ class RowsKernel:
             BLOCK_ROWS,
             dst,
             mass,
+            0 if window is None else int(window),
+            0.0 if soft_cap is None else float(soft_cap),
         )
         if dst is not out:
             out.copy_(dst)
 
-    def causal(self, q, k, v, scale, out) -> None:
+    def causal(self, q, k, v, scale, out, window=None, soft_cap=None) -> None:
         """A fresh prefill: rows and keys both at positions 0..n-1."""
-        self(q, k, v, torch.arange(q.shape[0], device=q.device), scale, out)
+        positions = torch.arange(q.shape[0], device=q.device)
+        self(q, k, v, positions, scale, out, window=window, soft_cap=soft_cap)

@@ -13,6 +13,11 @@ Which sequence goes where, and the tile tables of ``prefill_attention``, depend 
 metadata, so they are built once per metadata object from its Python mirrors (no device sync)
 and memoised for the other layers of the step (:class:`_StepLayout`). Triton and xFormers are
 imported when the backend is built, never at module import.
+
+A layer with a sliding window or a logit soft cap sends its fresh prefills through
+``prefill_attention`` too (it takes both; SDPA and xFormers' causal masks do not), its decode
+rows through ``decode_attention`` with the window (blocks before it are not read); a pass
+without a pool runs the torch reference's dense path.
 """
 
 from __future__ import annotations
@@ -103,17 +108,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
         """Two launches reading the keys in place (:mod:`blendkv.kernels.triton.query_mass`)."""
         from blendkv.kernels.triton.query_mass import add_query_mass
 
-        if scale is not None or window is not None or soft_cap is not None:
-            raise NotImplementedError(
-                "the triton query-mass kernel takes no scale, window or soft cap yet"
-            )
-
-        if self._first_use("query_mass", add_query_mass, scores, q, q_positions, kv_cache, slots):
+        layer = {"scale": scale, "window": window, "soft_cap": soft_cap}
+        args = (scores, q, q_positions, kv_cache, slots)
+        if self._first_use("query_mass", lambda *a: add_query_mass(*a, **layer), *args):
             return
         if self._kernel_ok["query_mass"]:
-            add_query_mass(scores, q, q_positions, kv_cache, slots)
+            add_query_mass(*args, **layer)
         else:
-            super().add_query_mass(scores, q, q_positions, kv_cache, slots, visible_prefix)
+            super().add_query_mass(*args, visible_prefix, **layer)
 
     fused_chunk_shift = True
     scores_in_attention = False  # its forward scores nothing: the pass scores in kernels
@@ -155,10 +157,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
     # ---- attention ----------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None):
         md: AttentionMetadata | None = attn_metadata
-        if window is not None or soft_cap is not None:
-            raise NotImplementedError(
-                "the triton attention backend takes no sliding window or soft cap yet"
-            )
+        windowed = window is not None or soft_cap is not None
+        if kv_cache is None and windowed:  # the pool-less pass: the dense torch reference
+            return super().forward(q, k, v, None, md, scale, window=window, soft_cap=soft_cap)
         if kv_cache is None:
             if md is None or md.num_seqs == 1:
                 return dense_causal_attention(q, k, v, scale)
@@ -167,7 +168,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
             self._dense_prefill(q, k, v, list(zip(starts, starts[1:], strict=False)), out, scale)
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
-        layout = self._layout(md, q.shape[1] // kv_cache.shape[3])
+        layout = self._layout(md, q.shape[1] // kv_cache.shape[3], windowed)
         if layout.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
             # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
             return dense_causal_attention(q, k, v, scale)
@@ -184,6 +185,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
             layout.decode_seq_ids,
             scale,
             layout.num_splits,
+            window,
+            soft_cap,
         )
         self._ops.prefill_attention(
             out,
@@ -197,19 +200,27 @@ class TritonAttentionBackend(TorchAttentionBackend):
             layout.tile_starts,
             layout.block_q,
             scale,
+            window,
+            soft_cap,
         )
         return out
 
     # ---- per-step layout ------------------------------------------------------------------
-    def _layout(self, md: AttentionMetadata, group: int) -> _StepLayout:
-        return self._layouts.get(md, group, lambda: self._build_layout(md, group))
+    def _layout(self, md: AttentionMetadata, group: int, windowed: bool = False) -> _StepLayout:
+        """``windowed``: for a layer with a window or a soft cap (fresh prefills are tiles)."""
+        key = (group, windowed) if windowed else group
+        return self._layouts.get(md, key, lambda: self._build_layout(md, group, windowed))
 
-    def _build_layout(self, md: AttentionMetadata, group: int) -> _StepLayout:
+    def _build_layout(self, md: AttentionMetadata, group: int, windowed: bool) -> _StepLayout:
         from blendkv.kernels.triton.decode_attention import default_num_splits
         from blendkv.kernels.triton.prefill_attention import block_q_for, build_tiles
 
         starts = md.query_start_loc_cpu
         fresh, decode, other = split_by_kind(md)
+        if windowed:  # fresh prefills go through prefill_attention, which takes both
+            seq_of = {starts[i]: i for i in range(md.num_seqs) if starts[i + 1] > starts[i]}
+            other = sorted([*other, *(seq_of[lo] for lo, _ in fresh)])
+            fresh = []
         block_q = block_q_for(group, _PREFILL_BLOCK_M)
         tile_seq_ids, tile_starts = build_tiles(starts, other, block_q, md.positions.device)
         max_decode_len = max((md.seq_lens_cpu[i] for i in decode), default=1)

@@ -14,6 +14,8 @@
 // scores in a buffer (softmax over exactly lens[r] keys, no padding), and accumulates in
 // float32 for float32 and bfloat16 pools alike. Common (G, D) pairs are compiled with constant
 // sizes so the compiler unrolls and vectorises the inner loops; others take the generic loop.
+// A sliding window (window > 0) starts a row at its key lens - window: the slots before it
+// (whole blocks outside the window among them) are never read. soft_cap > 0 caps the scores.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +45,8 @@ struct Args {
   void* out;
   int64_t num_kv_heads, num_q_heads, max_len, group, head_dim;
   float scale;
+  int64_t window;  // > 0: a row reads only its last `window` keys (a sliding-window layer)
+  float soft_cap;  // > 0: scores soft_cap * tanh(score / soft_cap)
 };
 
 // GT, DT: the group size and head dim as constants (0 = read them from args).
@@ -57,8 +61,10 @@ void run_tasks(const Args& a, Queue& queue) {
   const int64_t blocks_per_row = Hkv / queue.heads;
   for (int64_t t = queue.next++; t < queue.size; t = queue.next++) {
     const int64_t task = queue.order[t], r = task / blocks_per_row;
-    const int64_t row = a.rows[r], n = a.lens[r];
-    const int64_t* slots = a.slots + r * a.max_len;
+    // A window: the row's keys start at lens - window (the slots before are never read).
+    const int64_t skip = a.window > 0 ? std::max<int64_t>(0, a.lens[r] - a.window) : 0;
+    const int64_t row = a.rows[r], n = a.lens[r] - skip;
+    const int64_t* slots = a.slots + r * a.max_len + skip;
     const int64_t first_head = (task % blocks_per_row) * queue.heads;
     for (int64_t h = first_head; h < first_head + queue.heads; ++h) {
       const scalar_t* qr = q + (row * a.num_q_heads + h * G) * D;
@@ -71,6 +77,7 @@ void run_tasks(const Args& a, Queue& queue) {
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(k[d]);
+          if (a.soft_cap > 0.f) s = a.soft_cap * std::tanh(s / a.soft_cap);
           scores[g * n + j] = s;
         }
       }
@@ -116,7 +123,7 @@ void dispatch(const Args& a, Queue& queue) {
 
 void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                       const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& lens,
-                      double scale, at::Tensor out) {
+                      double scale, at::Tensor out, int64_t window, double soft_cap) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(),
               "decode_attention: q [T, Hq, D], keys/values [S, Hkv, D]");
   TORCH_CHECK(out.sizes() == q.sizes(), "decode_attention: out must have q's shape");
@@ -133,6 +140,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
   const int64_t num_rows = rows.size(0);
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == num_rows && lens.size(0) == num_rows,
               "decode_attention: slots [R, L] and lens [R] for R rows");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "decode_attention: window, soft_cap >= 0");
   if (num_rows == 0) return;
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -142,7 +150,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
   Args a{q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows.data_ptr<int64_t>(),
          slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr(), keys.size(1),
          q.size(1), slots.size(1), q.size(1) / keys.size(1), q.size(2),
-         static_cast<float>(scale)};
+         static_cast<float>(scale), window, static_cast<float>(soft_cap)};
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "decode_attention: float32 or bfloat16 only");
@@ -172,6 +180,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
 TORCH_LIBRARY(blendkv_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor keys, Tensor values, Tensor rows, Tensor slots, "
-      "Tensor lens, float scale, Tensor(a!) out) -> ()");
+      "Tensor lens, float scale, Tensor(a!) out, int window=0, float soft_cap=0.0) -> ()");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

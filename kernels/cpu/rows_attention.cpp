@@ -23,6 +23,11 @@
 // and a second pass over the scores alone (add_mass, one task per key block) adds the
 // probability every row and query head pays each key: the rows' output and their score in one
 // call.
+//
+// A sliding window (window > 0: a row at p sees keys p - window < j <= p) starts a task's key
+// walk at its first row's first key (rounded down to a register block): the keys before every
+// row's window are never read; blocks that reach below a row's window are masked from below
+// too. soft_cap > 0 caps every score (soft_cap * tanh(score / soft_cap)) before the softmax.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -69,7 +74,18 @@ struct RowsArgs {
   int64_t num_rows, num_kv_heads, num_q_heads, group, head_dim, block_rows;
   float scale;
   float* lse = nullptr;  // [n, Hq]: each row's log-sum-exp of its scaled scores (mass pass)
+  int64_t window = 0;    // > 0: a row at p sees keys p - window < j <= p
+  float soft_cap = 0.f;  // > 0: scores soft_cap * tanh(score / soft_cap)
 };
+
+// The soft cap on rows [0, rows) x keys [0, nk) of a scores block (rows BK floats apart).
+inline void cap_scores(float* s, int64_t rows, int64_t nk, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* si = s + i * BK;
+    for (int64_t j = 0; j < nk; ++j) si[j] = cap * std::tanh(si[j] * inv);
+  }
+}
 
 // s[i][j] = sum_d qf[i][d] * kt[d * ldk + j] for i < mpad (a multiple of RI), j < kpad (of KJ):
 // RI rows x KJ keys of accumulators in registers, two key loads and RI broadcasts per d.
@@ -159,6 +175,29 @@ inline void softmax_row(float* si, int64_t n, int64_t nk, float& m, float& l, fl
   for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
 }
 
+// softmax_row over keys [lo, n) of the block only (a sliding window's lower edge); the rest
+// zeroed. A row that sees none of them keeps its state.
+inline void softmax_row_window(float* si, int64_t lo, int64_t n, int64_t nk, float& m, float& l,
+                               float* o, int64_t D) {
+  if (lo >= n) {
+    std::fill(si, si + nk, 0.f);
+    return;
+  }
+  float mx = m;
+  for (int64_t j = lo; j < n; ++j) mx = std::max(mx, si[j]);
+  const float alpha = std::exp(m - mx);
+  float total = 0.f;
+  for (int64_t j = lo; j < n; ++j) {
+    si[j] = std::exp(si[j] - mx);
+    total += si[j];
+  }
+  std::fill(si, si + lo, 0.f);
+  std::fill(si + n, si + nk, 0.f);
+  l = l * alpha + total;
+  m = mx;
+  for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+}
+
 // GT, DT: the group size and head dim as constants (0 = read them from args).
 template <typename scalar_t, int64_t GT, int64_t DT>
 void run_rows(const RowsArgs& a, RowsQueue& queue) {
@@ -185,13 +224,17 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
     std::fill(o.begin(), o.end(), 0.f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.f);
-    const int64_t first = pos[r0], end = pos[r1 - 1] + 1;
+    const int64_t first = pos[r0], end = pos[r1 - 1] + 1, win = a.window;
     const float* kt = a.kt + h * D * a.ldk;
-    for (int64_t k0 = 0; k0 < end; k0 += BK) {
+    // A window: from the first row's first key, rounded down to a register block of keys.
+    const int64_t kstart = win > 0 ? std::max<int64_t>(0, first - win + 1) / KJ * KJ : 0;
+    for (int64_t k0 = kstart; k0 < end; k0 += BK) {
       const int64_t nk = std::min(BK, end - k0);
-      if (k0 + nk - 1 <= first) {  // every row sees every key of the block
+      // every row sees every key of the block (a window: the last row's window starts by k0)
+      if (k0 + nk - 1 <= first && (win == 0 || k0 > end - 1 - win)) {
         const int64_t kpad = (nk + KJ - 1) / KJ * KJ;
         scores_block(qf.data(), kt + k0, a.ldk, s.data(), mrows, kpad, D);
+        if (a.soft_cap > 0.f) cap_scores(s.data(), mrows, nk, a.soft_cap);
         for (int64_t i = 0; i < mrows; ++i) {
           softmax_row(s.data() + i * BK, i < rows ? nk : 0, nk, m[i], l[i], o.data() + i * D, D);
         }
@@ -207,10 +250,17 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
         const int64_t kpad = (nki + KJ - 1) / KJ * KJ;
         float* si = s.data() + i0 * BK;
         scores_block(qf.data() + i0 * D, kt + k0, a.ldk, si, RI, kpad, D);
+        if (a.soft_cap > 0.f) cap_scores(si, RI, nki, a.soft_cap);
         for (int64_t i = i0; i < i0 + RI; ++i) {
           const int64_t n =
               i < rows ? std::clamp<int64_t>(pos[r0 + i / G] - k0 + 1, 0, nki) : 0;
-          softmax_row(s.data() + i * BK, n, nki, m[i], l[i], o.data() + i * D, D);
+          if (win > 0) {
+            const int64_t lo = i < rows ? std::clamp<int64_t>(pos[r0 + i / G] - win + 1 - k0, 0, n)
+                                        : 0;
+            softmax_row_window(s.data() + i * BK, lo, n, nki, m[i], l[i], o.data() + i * D, D);
+          } else {
+            softmax_row(s.data() + i * BK, n, nki, m[i], l[i], o.data() + i * D, D);
+          }
         }
         values_block(si, a.values + k0 * a.ldv + h * D, a.ldv, o.data() + i0 * D, RI, nki, D);
       }
@@ -257,13 +307,16 @@ void add_mass(const RowsArgs& a, const float* qs, int64_t used, float* mass) {
           if (nki == 0) continue;
           scores_block(qh + i0 * D, a.kt + h * D * a.ldk + k0, a.ldk, s.data(), RI,
                        (nki + KJ - 1) / KJ * KJ, D);
+          if (a.soft_cap > 0.f) cap_scores(s.data(), RI, nki, a.soft_cap);
           for (int64_t i = i0; i <= last; ++i) {
             const int64_t r = i / G, g = i % G;
             const int64_t ni = std::clamp<int64_t>(a.positions[r] - k0 + 1, 0, nki);
+            const int64_t j0 =
+                a.window > 0 ? std::clamp<int64_t>(a.positions[r] - a.window + 1 - k0, 0, ni) : 0;
             const float lse = a.lse[r * Hq + h * G + g];
             const float* si = s.data() + (i - i0) * BK;
 #pragma omp simd
-            for (int64_t j = 0; j < ni; ++j) acc[j] += std::exp(si[j] - lse);
+            for (int64_t j = j0; j < ni; ++j) acc[j] += std::exp(si[j] - lse);
           }
         }
       }
@@ -274,7 +327,8 @@ void add_mass(const RowsArgs& a, const float* qs, int64_t used, float* mass) {
 
 void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                     const at::Tensor& positions, double scale, int64_t block_rows,
-                    at::Tensor out, const std::optional<at::Tensor>& mass) {
+                    at::Tensor out, const std::optional<at::Tensor>& mass, int64_t window,
+                    double soft_cap) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(),
               "rows_attention: q [n, Hq, D], keys/values [S, Hkv, D]");
   TORCH_CHECK(out.sizes() == q.sizes(), "rows_attention: out must have q's shape");
@@ -288,6 +342,7 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
                   positions.is_cpu() && positions.dim() == 1 && positions.size(0) == q.size(0),
               "rows_attention: positions: [n] contiguous int64 CPU tensor");
   TORCH_CHECK(block_rows >= 1, "rows_attention: block_rows >= 1");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "rows_attention: window, soft_cap >= 0");
   TORCH_CHECK(!mass || (mass->is_contiguous() && mass->scalar_type() == at::kFloat &&
                         mass->is_cpu() && mass->dim() == 1 && mass->size(0) == keys.size(0)),
               "rows_attention: mass: [S] contiguous float32 CPU tensor");
@@ -332,6 +387,8 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   });
   RowsArgs a{q.data_ptr(), ktp, vf.data_ptr<float>(), ldk, Hkv * D, pp, out.data_ptr(), n, Hkv,
              q.size(1), q.size(1) / Hkv, D, block_rows, static_cast<float>(scale)};
+  a.window = window;
+  a.soft_cap = static_cast<float>(soft_cap);
   at::Tensor lse;
   if (mass) {
     lse = at::empty({n, q.size(1)}, q.options().dtype(at::kFloat));
@@ -372,6 +429,7 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(blendkv_cpu, m) {
   m.def(
       "rows_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale, "
-      "int block_rows, Tensor(a!) out, Tensor(b!)? mass=None) -> ()");
+      "int block_rows, Tensor(a!) out, Tensor(b!)? mass=None, int window=0, "
+      "float soft_cap=0.0) -> ()");
   m.impl("rows_attention", c10::DispatchKey::CPU, TORCH_FN(rows_attention));
 }

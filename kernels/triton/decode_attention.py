@@ -12,6 +12,9 @@ One query row per decoding sequence, K/V read straight from the blocks through `
              combines the splits' partials with weights exp2(lse - max lse).
 
 Keys are gathered token by token (``block_table[n // block_size]``), so any block size works.
+A sliding window (``window``) splits only the last ``window`` keys of a sequence: the blocks
+before them are never read. ``soft_cap`` caps the logits (``cap * tanh(s / cap)``). Both are
+constants of a layer, passed as kernel arguments (a CUDA graph records them per launch).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from blendkv.kernels.attention_mass import attention_with_mass
 from blendkv.kernels.torch_attention import gather_kv, masked_attention
+from blendkv.kernels.triton.attn_math import soft_cap as _soft_cap
 
 LOG2E = 1.4426950408889634
 
@@ -36,6 +41,8 @@ def _decode_stage1_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    window,
+    cap_log2,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -53,6 +60,8 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_CAP: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,8 +70,12 @@ def _decode_stage1_kernel(
     seq = tl.load(decode_seq_ptr + i)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * keys_per_split
+    if USE_WINDOW:  # the last `window` keys only: the splits start at the window's first key
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = 0
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -88,6 +101,8 @@ def _decode_stage1_kernel(
         kv_mask = d_mask[:, None] & n_mask[None, :]
         k_t = tl.load(cache_ptr + kv_off[None, :] + d[:, None] * stride_cd, mask=kv_mask, other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [G, N], base-2 logits
+        if USE_CAP:
+            s = _soft_cap(s, cap_log2)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -171,9 +186,12 @@ def decode_attention(
     decode_seq_ids: torch.Tensor,
     scale: float,
     num_splits: int,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """Attention of each decoding sequence's single row over its ``seq_lens[seq]`` keys (a
-    sequence with ``seq_lens[seq] == 0``, a padding row, gets zeros).
+    sequence with ``seq_lens[seq] == 0``, a padding row, gets zeros); with ``window``, over
+    its last ``window`` keys; ``soft_cap``: logits ``cap * tanh(s / cap)``.
 
     Args:
         out: [num_tokens, num_heads, head_dim]; row ``query_start_loc[seq]`` of each listed
@@ -206,6 +224,8 @@ def decode_attention(
         part_out,
         part_lse,
         scale * LOG2E,
+        0 if window is None else int(window),
+        1.0 if soft_cap is None else float(soft_cap) * LOG2E,
         *q.stride(),
         *kv_cache.stride(),
         block_table.stride(0),
@@ -217,6 +237,8 @@ def decode_attention(
         BLOCK_N=32,
         BLOCK_D=block_d,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        USE_WINDOW=window is not None,
+        USE_CAP=soft_cap is not None,
     )
     _decode_stage2_kernel[(num_decode, num_heads)](
         out,
@@ -241,11 +263,20 @@ def decode_attention_reference(
     query_start_loc: torch.Tensor,
     decode_seq_ids: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
-    """Torch reference of :func:`decode_attention` (gather the blocks, masked SDPA)."""
+    """Torch reference of :func:`decode_attention` (gather the blocks, masked SDPA; the dense
+    oracle with a window or a soft cap)."""
     for seq in decode_seq_ids.tolist():
         row = int(query_start_loc[seq])
         seq_len = int(seq_lens[seq])
         keys, values = gather_kv(kv_cache, block_table[seq], seq_len)
         position = torch.tensor([seq_len - 1], device=q.device)
-        out[row : row + 1] = masked_attention(q[row : row + 1], keys, values, position, scale)
+        if window is None and soft_cap is None:
+            out[row : row + 1] = masked_attention(q[row : row + 1], keys, values, position, scale)
+        else:
+            out[row : row + 1], _ = attention_with_mass(
+                q[row : row + 1], keys, values, position, scale=scale, window=window,
+                soft_cap=soft_cap,
+            )  # fmt: skip

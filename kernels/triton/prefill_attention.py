@@ -14,6 +14,10 @@ recomputed rows and decode rows are all the same case. Grid and tiles::
 
 ``tile_seq_ids`` / ``tile_starts`` (which sequence, first row) are built on the host from the
 metadata's Python mirrors (:func:`build_tiles`), so a launch needs no device-to-host sync.
+
+A sliding window (``window``: a row at ``p`` sees keys ``p - window < j <= p``) starts a tile's
+key loop at its first row's first key (the keys before every row's window are not read);
+``soft_cap`` caps the logits. Fresh prefills on such a layer go through this kernel too.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from blendkv.kernels.attention_mass import attention_with_mass
 from blendkv.kernels.torch_attention import gather_kv, masked_attention
+from blendkv.kernels.triton.attn_math import soft_cap as _soft_cap
 
 LOG2E = 1.4426950408889634
 
@@ -39,6 +45,8 @@ def _prefill_kernel(
     tile_seq_ptr,
     tile_start_ptr,
     qk_scale,
+    window,
+    cap_log2,
     stride_ot,
     stride_oh,
     stride_od,
@@ -59,6 +67,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,7 +98,11 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(0, key_end, BLOCK_N):
+    if USE_WINDOW:  # from the first row's first key: the keys before every window are unread
+        key_start = tl.maximum(tl.load(positions_ptr + first) - window + 1, 0)
+    else:
+        key_start = 0
+    for n0 in range(key_start, key_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < key_end
         block = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
@@ -99,10 +113,16 @@ def _prefill_kernel(
             other=0.0,
         )
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # base-2 logits
+        if USE_CAP:
+            s = _soft_cap(s, cap_log2)
         visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
+        if USE_WINDOW:
+            visible = visible & (n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         # Key 0 is in the first tile and visible to every row, so m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if USE_WINDOW:  # not so with a window: a row may see no key of a tile yet
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = tl.load(
@@ -114,6 +134,8 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
+    if USE_WINDOW:  # padding rows (never stored) may have seen no key
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
@@ -156,8 +178,11 @@ def prefill_attention(
     tile_starts: torch.Tensor,
     block_q: int,
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
-    """Attention of the rows covered by the tiles (:func:`build_tiles`) over the paged cache.
+    """Attention of the rows covered by the tiles (:func:`build_tiles`) over the paged cache;
+    ``window``/``soft_cap``: the layer's sliding window and logit cap (None: none).
 
     Args:
         out: [num_tokens, num_heads, head_dim]; only rows covered by a tile are written.
@@ -185,6 +210,8 @@ def prefill_attention(
         tile_seq_ids,
         tile_starts,
         scale * LOG2E,
+        0 if window is None else int(window),
+        1.0 if soft_cap is None else float(soft_cap) * LOG2E,
         *out.stride(),
         *q.stride(),
         *kv_cache.stride(),
@@ -197,6 +224,8 @@ def prefill_attention(
         BLOCK_N=32,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        USE_WINDOW=window is not None,
+        USE_CAP=soft_cap is not None,
     )
 
 
@@ -210,6 +239,8 @@ def prefill_attention_reference(
     positions: torch.Tensor,
     seq_ids: list[int],
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """Torch reference of :func:`prefill_attention` for the rows of ``seq_ids``."""
     for seq in seq_ids:
@@ -217,4 +248,10 @@ def prefill_attention_reference(
         if hi == lo:
             continue
         keys, values = gather_kv(kv_cache, block_table[seq], seq_lens_cpu[seq])
-        out[lo:hi] = masked_attention(q[lo:hi], keys, values, positions[lo:hi], scale)
+        if window is None and soft_cap is None:
+            out[lo:hi] = masked_attention(q[lo:hi], keys, values, positions[lo:hi], scale)
+        else:
+            out[lo:hi], _ = attention_with_mass(
+                q[lo:hi], keys, values, positions[lo:hi], scale=scale, window=window,
+                soft_cap=soft_cap,
+            )  # fmt: skip

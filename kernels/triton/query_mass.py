@@ -12,6 +12,9 @@ layer; here it is two launches and no copy:
 2. ``_mass_kernel``, grid ``(key blocks,)``: for its keys, ``exp(q.k * scale - lse)`` summed over
    every row and head, added to the scores. Each key belongs to one program: no atomics, so
    the sums (and the rows ProphetKV picks from them) are the same on every run.
+
+On a sliding-window layer a row sees only keys ``p - window < j <= p``; a soft cap caps the
+logits (``cap * tanh(s / cap)``), both as the layer's attention does.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 
 from blendkv.kernels.attention_mass import query_attention_mass
+from blendkv.kernels.triton.attn_math import soft_cap as _soft_cap
 
 LOG2E = 1.4426950408889634
 
@@ -60,6 +64,8 @@ def _lse_kernel(
     slots_ptr,
     lse_ptr,
     scale_log2,
+    window,
+    cap_log2,
     num_q,
     num_keys,
     stride_qt,
@@ -74,6 +80,8 @@ def _lse_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_CAP: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     rows = group * num_q
@@ -90,8 +98,15 @@ def _lse_kernel(
         k = _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch,
                     block_size, d, head_dim)  # fmt: skip
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(key_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+        if USE_CAP:
+            s = _soft_cap(s, cap_log2)
+        seen = key_ok[None, :] & (n[None, :] <= qpos[:, None])
+        if USE_WINDOW:
+            seen = seen & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if USE_WINDOW:  # a row may see no key of a block yet
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
         m_i = m_new
     tl.store(lse_ptr + kvh * rows + m, m_i + tl.log2(l_i), mask=row_ok)
@@ -106,6 +121,8 @@ def _mass_kernel(
     lse_ptr,
     out_ptr,
     scale_log2,
+    window,
+    cap_log2,
     num_q,
     num_keys,
     num_kv_heads,
@@ -121,6 +138,8 @@ def _mass_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_CAP: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = n < num_keys
@@ -137,7 +156,11 @@ def _mass_kernel(
             qpos = tl.load(qpos_ptr + i, mask=row_ok, other=-1)
             lse = tl.load(lse_ptr + kvh * rows + m, mask=row_ok, other=0.0)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            if USE_CAP:
+                s = _soft_cap(s, cap_log2)
             seen = row_ok[:, None] & key_ok[None, :] & (n[None, :] <= qpos[:, None])
+            if USE_WINDOW:
+                seen = seen & (n[None, :] > qpos[:, None] - window)
             acc += tl.sum(tl.where(seen, tl.exp2(s - lse[:, None]), 0.0), axis=0)
     old = tl.load(out_ptr + n, mask=key_ok, other=0.0)
     tl.store(out_ptr + n, old + acc, mask=key_ok)
@@ -149,10 +172,15 @@ def add_query_mass(
     q_positions: torch.Tensor,
     kv_cache: torch.Tensor,
     slots: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """``scores`` [S] float32 += the attention mass of ``q`` [Q, H, D] (RoPE applied, at
     ``q_positions`` [Q]) over the keys of positions ``0..S-1``, at ``slots`` [S] of ``kv_cache``
-    [2, num_blocks, block_size, kv_heads, head_dim] (the query rows' own K written)."""
+    [2, num_blocks, block_size, kv_heads, head_dim] (the query rows' own K written).
+    ``scale`` (None: ``head_dim ** -0.5``), ``window``, ``soft_cap``: the layer's."""
     num_q, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_keys = slots.numel()
@@ -166,16 +194,21 @@ def add_query_mass(
     block_d = max(16, triton.next_power_of_2(head_dim))
     lse = torch.empty(num_kv_heads * rows, dtype=torch.float32, device=q.device)
     k_cache = kv_cache[0]
-    scale_log2 = head_dim**-0.5 * LOG2E  # the reference's scale (head_dim ** -0.5)
+    # the reference's scale (head_dim ** -0.5) unless the layer has its own
+    scale_log2 = (head_dim**-0.5 if scale is None else scale) * LOG2E
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     common = (*q.stride()[:2], *k_cache.stride()[:3], block_size, group, head_dim)
+    layer = (0 if window is None else int(window),
+             1.0 if soft_cap is None else float(soft_cap) * LOG2E)  # fmt: skip
+    flags = {"USE_WINDOW": window is not None, "USE_CAP": soft_cap is not None}
     _lse_kernel[(num_kv_heads, triton.cdiv(rows, block_m))](
-        q, q_positions, k_cache, slots, lse, scale_log2, num_q, num_keys, *common,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+        q, q_positions, k_cache, slots, lse, scale_log2, *layer, num_q, num_keys, *common,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision, **flags,
     )  # fmt: skip
     _mass_kernel[(triton.cdiv(num_keys, block_n),)](
-        q, q_positions, k_cache, slots, lse, scores, scale_log2, num_q, num_keys, num_kv_heads,
-        *common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+        q, q_positions, k_cache, slots, lse, scores, scale_log2, *layer, num_q, num_keys,
+        num_kv_heads, *common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=precision, **flags,
     )  # fmt: skip
 
 

@@ -128,7 +128,8 @@ def test_bf16_and_gqa(make_step, device, backend_name):
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize(("window", "soft_cap"), CASES[:2], ids=CASE_IDS[:2])
 def test_decode_steps_past_many_windows(make_step, device, backend_name, window, soft_cap):
-    """Decode rows alone (the decode kernels, which skip the blocks before the window)."""
+    """Decode rows alone (the decode kernels): blocks wholly before a row's window are never
+    read (poisoned with NaN, the answer stays the same)."""
     step = make_step([3, 20, 37, 9], [1, 1, 1, 1], block_size=4, num_kv_heads=1, group=4)
     backend = make_backend(backend_name, device)
     pool = step.pool.clone()
@@ -136,6 +137,15 @@ def test_decode_steps_past_many_windows(make_step, device, backend_name, window,
         step.q, step.k, step.v, pool, step.md, SCALE, window=window, soft_cap=soft_cap
     )
     assert_close(out, oracle_step(step, pool, SCALE, window, soft_cap), torch.float32)
+    poisoned = pool.clone()
+    for i, seq_len in enumerate(step.md.seq_lens_cpu):
+        outside = step.md.block_table[i, : max(0, seq_len - window) // 4].long()
+        poisoned[:, outside] = float("nan")
+    assert torch.isnan(poisoned).any()
+    again = backend.forward(
+        step.q, step.k, step.v, poisoned, step.md, SCALE, window=window, soft_cap=soft_cap
+    )
+    torch.testing.assert_close(again, out)
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -194,3 +204,5 @@ def test_add_query_mass(make_step, device, backend_name, window, soft_cap):
     keys, values = gather_kv(pool, step.md.block_table[0], 19)
     _, probs = oracle_rows(step.q[12:], keys, values, q_pos, SCALE, window, soft_cap)
     torch.testing.assert_close(scores.double(), probs.sum((0, 1)), atol=1e-5, rtol=1e-5)
+    if backend_name == "triton":  # the kernels ran (a failing one falls back to torch)
+        assert backend._kernel_ok["query_mass"]
