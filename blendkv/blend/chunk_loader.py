@@ -23,6 +23,7 @@ from blendkv.blend.layerwise_write import ChunkWrite
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.request_state import BlendRequestState
 from blendkv.blend.row_plan import SeqBlend
+from blendkv.blend.window_skip import computed_rows, skipped_prefixes, uniform_window
 
 
 class ChunkLoader:
@@ -48,6 +49,9 @@ class ChunkLoader:
         self.defer_reads = True
         # Reads made while the request was queued (:mod:`blendkv.blend.prefetch`), or None.
         self.prefetcher = None
+        # Per layer, its sliding window or None (set by the connector): a full-reuse blend does
+        # not load what no window reads (:mod:`blendkv.blend.window_skip`).
+        self.layer_windows: list[int | None] = []
 
     def load(
         self,
@@ -84,11 +88,19 @@ class ChunkLoader:
         chunk_ids = torch.full((num_new,), -1, dtype=torch.long)
         chunk_offsets = torch.full((num_new,), -1, dtype=torch.long)
         num_layers, kv_heads, head_dim = self.kv_shape
+        skips = self._window_skips(state, todo, start, first)
         # Last chunk first: a prefetch thread still reading this request's chunks goes from the
         # first, so the two meet in the middle instead of queueing behind each other.
         for i in reversed(todo):
             s, e = spans[i]
             lo = max(s, start)
+            reused[lo - start : e - start] = True
+            chunk_ids[lo - start : e - start] = i
+            chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
+            lo += skips[i]  # a prefix no sliding window reads: reused, not loaded
+            stats.window_skipped_tokens += skips[i]
+            if lo == e:
+                continue
             keep = (slice(first, None), slice(None), slice(lo - s, None))  # layers, positions
             kv, tier, fetch, recover = computed.get(i), "computed", None, None
             t_fetch = time.perf_counter()
@@ -119,9 +131,6 @@ class ChunkLoader:
                     recover=recover,
                 )
             )
-            reused[lo - start : e - start] = True
-            chunk_ids[lo - start : e - start] = i
-            chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
             layer_nbytes = 2 * (e - lo) * kv_heads * head_dim * self.itemsize
             stats.kv_bytes_loaded += (num_layers - first) * layer_nbytes
             if tier != "computed" and num_layers > first:
@@ -191,6 +200,21 @@ class ChunkLoader:
         if self.device.type == "cpu" or kv.is_pinned():
             return kv
         return kv.to(self.device, non_blocking=True)
+
+    def _window_skips(
+        self, state: BlendRequestState, todo: list[int], start: int, first: int
+    ) -> dict[int, int]:
+        """Per chunk of ``todo``, how many leading tokens (past ``start``) no layer from
+        ``first`` on reads: only when every such layer has one window and no reused row is ever
+        recomputed (full reuse); else 0."""
+        window = uniform_window(self.layer_windows, first)
+        if window is None or not state.config.full_reuse:
+            return dict.fromkeys(todo, 0)
+        loaded = [(max(state.prompt.chunk_spans[i][0], start), state.prompt.chunk_spans[i][1])
+                  for i in todo]  # fmt: skip
+        seq_len = len(state.prompt.token_ids)
+        rows = computed_rows(loaded, start, seq_len)
+        return dict(zip(todo, skipped_prefixes(loaded, rows, seq_len, window), strict=True))
 
     def end_step(self) -> None:
         """The step's writes are done: release its read snapshot (views into it die)."""
