@@ -6,7 +6,9 @@ the background writer. Sources are used in place (on the CPU, LMDB values are ze
 through one read snapshot per step). On the CPU, LMDB reads are deferred to a thread behind the
 full layer; a value found evicted or corrupt then is computed before the first layer reads it.
 The writes themselves: :mod:`blendkv.blend.layerwise_write`. Call :meth:`ChunkLoader.end_step`
-once the step's writes are done.
+once the step's writes are done. Values of an ``int8`` / ``int4`` store are read as stored
+(``get_encoded`` / ``view_encoded``) and stay encoded (:func:`~blendkv.kernels.kv_decode.as_chunk`)
+until the load kernel decodes them into the pool.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from blendkv.blend.manager import BlendManager
 from blendkv.blend.request_state import BlendRequestState
 from blendkv.blend.row_plan import SeqBlend
 from blendkv.blend.window_skip import computed_rows, skipped_prefixes, uniform_window
+from blendkv.kernels.kv_decode import EncodedChunk, as_chunk
 
 
 class ChunkLoader:
@@ -165,9 +168,12 @@ class ChunkLoader:
         )
         return blend, writes
 
-    def _fetch(self, key: bytes, stats) -> tuple[torch.Tensor | Callable, str] | None:
-        """A stored chunk's K/V (read-only, shared with the memory tier) and its tier; for an
-        LMDB view read later (``defer_reads``), a function that reads it instead."""
+    def _fetch(
+        self, key: bytes, stats
+    ) -> tuple[torch.Tensor | EncodedChunk | Callable, str] | None:
+        """A stored chunk's K/V (read-only, shared with the memory tier; encoded as stored) and
+        its tier; for an LMDB view read later (``defer_reads``), a function that reads it
+        instead."""
         tensor = self.manager.pending(key)
         if tensor is not None:
             return tensor, "memory"
@@ -176,7 +182,7 @@ class ChunkLoader:
             stats.chunks_prefetched += 1
             stats.prefetch_seconds += got.seconds
             if got.kv is not None:  # held: read while the request waited
-                return self._placed(got.kv), "memory"
+                return self._placed(as_chunk(got.kv)), "memory"
         store = self.manager.store
         tiers = ["memory", store.tier] if key in store.memory_tier else [store.tier]
         tier = self.controller.choose_tier(tiers)
@@ -186,15 +192,15 @@ class ChunkLoader:
                 self._snapshot = store.snapshot()
             if self._snapshot is not None:
                 if self.defer_reads:
-                    return functools.partial(self._snapshot.view, key), tier
-                chunk = self._snapshot.view(key)
-                return None if chunk is None else (chunk.kv, tier)
-        chunk = store.get(key, skip_memory_tier=tier != "memory")
-        if chunk is None:
+                    return functools.partial(self._snapshot.view_encoded, key), tier
+                value = self._snapshot.view_encoded(key)
+                return None if value is None else (as_chunk(value), tier)
+        value = store.get_encoded(key, skip_memory_tier=tier != "memory")
+        if value is None:
             return None
-        return self._placed(chunk.kv), tier
+        return self._placed(as_chunk(value)), tier
 
-    def _placed(self, kv: torch.Tensor) -> torch.Tensor:
+    def _placed(self, kv: torch.Tensor | EncodedChunk) -> torch.Tensor | EncodedChunk:
         """A host tensor where the writes take it from: as it is on the CPU or when pinned (the
         side stream copies it), else copied to the device now."""
         if self.device.type == "cpu" or kv.is_pinned():
@@ -236,12 +242,14 @@ class ChunkLoader:
         return dict(zip(misses, kvs, strict=True))
 
 
-def _deferred_fetch(view: Callable, keep: tuple) -> Callable[[], torch.Tensor | None]:
+def _deferred_fetch(
+    view: Callable, keep: tuple
+) -> Callable[[], torch.Tensor | EncodedChunk | None]:
     """Reads a chunk viewed later: its kept layers and positions, or None if it is gone."""
 
-    def fetch() -> torch.Tensor | None:
-        chunk = view()
-        return None if chunk is None else chunk.kv[keep]
+    def fetch() -> torch.Tensor | EncodedChunk | None:
+        value = view()
+        return None if value is None else as_chunk(value)[keep]
 
     return fetch
 

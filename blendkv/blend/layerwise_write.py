@@ -10,8 +10,10 @@ Rotating K to the fused positions and writing K/V into the request's blocks, in 
 - **serial**: everything before the forward, one backend call per chunk.
 
 Deferred reads (``ChunkWrite.fetch``) are fetched by a thread behind the full layer; a chunk
-found evicted or corrupt is recomputed (``ChunkWrite.recover``). The written bits are the same
-in every mode. ``busy`` / ``waited``: seconds the writes took / the forward blocked.
+found evicted or corrupt is recomputed (``ChunkWrite.recover``). A chunk from an ``int8`` /
+``int4`` store stays encoded (:class:`~blendkv.kernels.kv_decode.EncodedChunk`) up to the
+backend's load kernel, which decodes it as it writes (``load_encoded_kv``). The written bits
+are the same in every mode. ``busy`` / ``waited``: seconds the writes took / the forward blocked.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from blendkv.kernels.kv_decode import EncodedChunk, is_encoded
 
 
 def spare_cpu_core() -> bool:
@@ -66,10 +70,10 @@ def _timing_event(stream):
 @dataclass
 class ChunkWrite:
     """One chunk's K/V to write: ``kv`` [L', 2, T, kv_heads, head_dim] holds layers
-    ``first_layer ..`` (K before RoPE), on the device or (CUDA) in host memory; None until a
-    deferred read (``fetch``) ran."""
+    ``first_layer ..`` (K before RoPE), a tensor or an encoded chunk standing for one, on the
+    device or (CUDA) in host memory; None until a deferred read (``fetch``) ran."""
 
-    kv: torch.Tensor | None
+    kv: torch.Tensor | EncodedChunk | None
     first_layer: int
     positions: torch.Tensor  # [T] int64 on the device
     slots: torch.Tensor  # [T] int64 on the device
@@ -78,12 +82,18 @@ class ChunkWrite:
     seconds: float = 0.0  # time spent writing it (CPU modes)
     # A deferred read (CPU, LMDB): returns ``kv`` or None (evicted or corrupt since the lookup);
     # then ``recover`` computes it, in the forward's thread.
-    fetch: Callable[[], torch.Tensor | None] | None = None
+    fetch: Callable[[], torch.Tensor | EncodedChunk | None] | None = None
     recover: Callable[[], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+        """Bytes written into the pool (decoded: what the loading controller's rates are in)."""
+        if self.kv is None:
+            return 0
+        if is_encoded(self.kv):
+            shape = self.kv.shape
+            return shape[0] * shape[1] * shape[2] * shape[3] * shape[4] * self.kv.dtype.itemsize
+        return self.kv.numel() * self.kv.element_size()
 
 
 class LayerwiseLoad:
@@ -220,15 +230,14 @@ class LayerwiseLoad:
         kv = w.kv[i : i + count]
         if kv.device != self.device:  # pinned host source (CUDA): copy on this stream
             kv = kv.to(self.device, non_blocking=True)
+        load = self.backend.load_encoded_kv if is_encoded(kv) else self.backend.load_rotated_kv
         start = layer  # one backend call per run of layers sharing their RoPE tables
         for end in range(layer + 1, layer + count + 1):
             if end < layer + count and self.tables[end][0] is self.tables[start][0]:
                 continue
             cos, sin = self.tables[start]
             part = kv if end - start == count else kv[start - layer : end - layer]
-            self.backend.load_rotated_kv(
-                self.kv_caches, start, part, w.positions, w.slots, cos, sin
-            )
+            load(self.kv_caches, start, part, w.positions, w.slots, cos, sin)
             start = end
 
     # ---- the forward's side -------------------------------------------------------------

@@ -3,7 +3,8 @@
 While a blended request waits in the queue, :class:`ChunkPrefetcher`'s thread reads its chunk
 keys in arrival order, so the reads leave the step that prefills it. ``hold=False`` (LMDB on the
 CPU) only faults the value into the page cache and checks it; ``hold=True`` (Redis; LMDB on
-CUDA) reads it and holds it, within ``max_bytes``, until its step loads it or the request ends.
+CUDA) reads it as stored (encoded, for an ``int8`` / ``int4`` store) and holds it, within
+``max_bytes``, until its step loads it or the request ends.
 A key is read once; a step takes (:meth:`take`) what the thread has not started on and reads it
 itself. Failures are logged and left to the loader.
 """
@@ -16,6 +17,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from blendkv.store.codecs import kv_nbytes
 
 if TYPE_CHECKING:
     from blendkv.store.base import ChunkKVStore
@@ -46,7 +49,8 @@ class _Entry:
 
 class ChunkPrefetcher:
     def __init__(self, store: ChunkKVStore, *, hold: bool, max_bytes: int) -> None:
-        """``store``: the manager's chunk store (``warm`` when ``hold`` is False, else ``get``);
+        """``store``: the manager's chunk store (``warm`` when ``hold`` is False, else
+        ``get_encoded``);
         ``max_bytes``: the most held K/V at once (``hold`` only)."""
         self.store = store
         self.hold = hold
@@ -157,8 +161,7 @@ class ChunkPrefetcher:
             kv, ok = None, False
             try:
                 if self.hold:
-                    chunk = self.store.get(key)
-                    kv = None if chunk is None else chunk.kv
+                    kv = self.store.get_encoded(key)
                 else:
                     self.store.warm(key)
                 ok = True
@@ -171,7 +174,7 @@ class ChunkPrefetcher:
                 entry.read = ok
                 if kv is not None:
                     entry.kv = kv
-                    entry.nbytes = kv.numel() * kv.element_size()
+                    entry.nbytes = kv_nbytes(kv)
                     self._held_bytes += entry.nbytes
                 self._finish(entry)
                 if not entry.requests:  # released while it was read

@@ -171,3 +171,194 @@ def rope_load_reference(
         x1, x2 = k.chunk(2, dim=-1)
         rotated = k * c + torch.cat((-x2, x1), dim=-1) * s
         write_kv_cache(kv_caches[first_layer + i], rotated, v, slots)
+
+
+# ---- decode at load ----------------------------------------------------------------------
+@triton.jit
+def _decode_rows(q_ptr, s_ptr, z_ptr, layer, t, h, d, mask, num_tokens, num_kv_heads,
+                 head_dim, gt, gd, groups_t, groups_d, BITS: tl.constexpr,
+                 HAS_ZERO: tl.constexpr):  # fmt: skip
+    """float32 ``(q - zero) * scale`` of rows ``(layer, t, h)`` at channels ``d`` (contiguous
+    codes and groups, :mod:`blendkv.store.codecs`' layout)."""
+    row = (layer * num_tokens + t) * num_kv_heads + h
+    if BITS == 8:
+        code = tl.load(q_ptr + row * head_dim + d, mask=mask, other=0).to(tl.float32)
+    else:  # two's-complement nibbles, low = even d
+        byte = tl.load(q_ptr + row * (head_dim // 2) + d // 2, mask=mask, other=0).to(tl.int32)
+        nib = (byte >> ((d % 2) * 4)) & 0xF
+        code = tl.where(nib >= 8, nib - 16, nib).to(tl.float32)
+    g = ((layer * groups_t + t // gt) * num_kv_heads + h) * groups_d + d // gd
+    scale = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        zero = tl.load(z_ptr + g, mask=mask, other=0.0).to(tl.float32)
+        return (code - zero) * scale
+    else:
+        return code * scale
+
+
+@triton.jit
+def _decode_rope_load_kernel(
+    kq_ptr,
+    ks_ptr,
+    kz_ptr,
+    vq_ptr,
+    vs_ptr,
+    vz_ptr,
+    outlier_index_ptr,
+    outlier_k_ptr,
+    positions_ptr,
+    slots_ptr,
+    cos_ptr,
+    sin_ptr,
+    cache_ptr,
+    num_tokens,  # the encoded chunk's, T (codes address tokens token_lo + program_id(0))
+    token_lo,
+    k_gt,
+    k_gd,
+    k_groups_t,
+    k_groups_d,
+    v_gt,
+    v_gd,
+    v_groups_t,
+    v_groups_d,
+    stride_cl,
+    stride_c2,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_cd,
+    stride_rope,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    K_ZERO: tl.constexpr,
+    V_ZERO: tl.constexpr,
+    OUTLIERS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    if slot < 0:
+        return
+    t = token_lo + i
+    position = tl.load(positions_ptr + i).to(tl.int64)
+    half = head_dim // 2
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+    first_half = d < half
+    partner = tl.where(first_half, d + half, d - half)
+    dt = cache_ptr.dtype.element_ty
+    # K and its rotate_half partner, decoded in float32, each cast once to the pool dtype.
+    x = _decode_rows(kq_ptr, ks_ptr, kz_ptr, layer, t, h, d, mask, num_tokens, num_kv_heads,
+                     head_dim, k_gt, k_gd, k_groups_t, k_groups_d, K_BITS, K_ZERO)  # fmt: skip
+    x_p = _decode_rows(kq_ptr, ks_ptr, kz_ptr, layer, t, h, partner, mask, num_tokens,
+                       num_kv_heads, head_dim, k_gt, k_gd, k_groups_t, k_groups_d, K_BITS,
+                       K_ZERO)  # fmt: skip
+    x = x.to(dt).to(tl.float32)
+    x_p = x_p.to(dt).to(tl.float32)
+    if OUTLIERS:  # heads kept in the pool dtype: [n, T, D] rows
+        row = tl.load(outlier_index_ptr + layer * num_kv_heads + h, mask=h < num_kv_heads, other=-1)
+        src = outlier_k_ptr + (row * num_tokens + t) * head_dim
+        is_out = mask & (row >= 0)
+        x = tl.where(is_out, tl.load(src + d, mask=is_out, other=0.0).to(tl.float32), x)
+        x_p = tl.where(is_out, tl.load(src + partner, mask=is_out, other=0.0).to(tl.float32), x_p)
+    # rotate_half as the reference computes it in the pool dtype: each product and the sum
+    # rounded to it (no-ops for float32; launched without FMA contraction).
+    x_rot = tl.where(first_half, -x_p, x_p)
+    cos = tl.load(cos_ptr + position * stride_rope + d, mask=d < head_dim, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_rope + d, mask=d < head_dim, other=0.0)
+    cos = cos.to(dt).to(tl.float32)
+    sin = sin.to(dt).to(tl.float32)
+    p1 = (x * cos).to(dt).to(tl.float32)
+    p2 = (x_rot * sin).to(dt).to(tl.float32)
+    k = (p1 + p2).to(dt)
+    v = _decode_rows(vq_ptr, vs_ptr, vz_ptr, layer, t, h, d, mask, num_tokens, num_kv_heads,
+                     head_dim, v_gt, v_gd, v_groups_t, v_groups_d, V_BITS, V_ZERO)  # fmt: skip
+    dst = (
+        cache_ptr
+        + layer * stride_cl
+        + (slot // block_size) * stride_cb
+        + (slot % block_size) * stride_co
+        + h * stride_ch
+        + d * stride_cd
+    )
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_c2, v.to(dt), mask=mask)
+
+
+def decode_rope_load(
+    kv_caches: list[torch.Tensor],
+    first_layer: int,
+    chunk,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """:func:`rope_load` of an encoded chunk (:class:`blendkv.kernels.kv_decode.EncodedChunk`,
+    on the caches' device): decoded in the kernel, in one launch per layer group. Torch
+    reference: :func:`decode_rope_load_reference` (the same bits)."""
+    num_layers, _, num_new, num_kv_heads, head_dim = chunk.shape
+    caches = kv_caches[first_layer : first_layer + num_layers]
+    assert len(caches) == num_layers and num_new == positions.numel() == slots.numel()
+    assert cos.shape == sin.shape and cos.shape[1] == head_dim and cos.stride() == sin.stride()
+    assert cos.dtype == torch.float32 and cos.stride(1) == 1
+    if num_new == 0 or num_layers == 0:
+        return
+    enc = chunk.enc
+    num_tokens = enc.shape[2]
+    dtype = caches[0].dtype
+    index = chunk.outlier_index()
+    outlier_k = enc.outlier_k.to(dtype).contiguous() if index is not None else None
+
+    def part(p):
+        gt, gd = p.group
+        zero = p.scale if p.zero is None else p.zero.contiguous()
+        groups = (p.scale.shape[1], p.scale.shape[3])
+        return p.q.contiguous(), p.scale.contiguous(), zero, (gt, gd, *groups)
+
+    kq, ks, kz, kg = part(enc.k)
+    vq, vs, vz, vg = part(enc.v)
+    stacked = stacked_layers(caches)
+    groups = [(stacked, 0, num_layers)] if stacked is not None else [
+        (c[None], i, i + 1) for i, c in enumerate(caches)
+    ]  # fmt: skip
+    for cache, lo, hi in groups:
+        # Layers lo..hi of the codes: offsets into contiguous [L, ...] tensors.
+        def at(x, lo=lo):
+            return x[lo:]
+
+        _decode_rope_load_kernel[(num_new, hi - lo)](
+            at(kq), at(ks), at(kz), at(vq), at(vs), at(vz),
+            at(index) if index is not None else ks,
+            outlier_k[int(enc.outlier_heads[:lo].sum()) :] if index is not None else ks,
+            positions, slots, cos, sin, cache,
+            num_tokens, chunk.token_lo, *kg, *vg,
+            *cache.stride(), cos.stride(0), cache.shape[3], num_kv_heads, head_dim,
+            K_BITS=enc.k.bits, V_BITS=enc.v.bits,
+            K_ZERO=enc.k.zero is not None, V_ZERO=enc.v.zero is not None,
+            OUTLIERS=index is not None,
+            BLOCK_H=triton.next_power_of_2(num_kv_heads),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            enable_fp_fusion=False,
+        )  # fmt: skip
+
+
+def decode_rope_load_reference(
+    kv_caches: list[torch.Tensor],
+    first_layer: int,
+    chunk,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Torch reference of :func:`decode_rope_load`: ``decode_reference`` in the pool dtype, then
+    :func:`rope_load_reference`."""
+    kv = chunk.decode(kv_caches[first_layer].dtype)
+    rope_load_reference(kv_caches, first_layer, kv, positions, slots, cos, sin)

@@ -1,0 +1,97 @@
+"""``blendkv eval --kv-codec none,int8,int4``: every reuse/blend method once per stored-K/V codec.
+
+One engine, one chunk store per codec (``none`` is the engine's own store; the others are
+private stores made with that codec, :mod:`blendkv.store.codecs`). :meth:`CodecStores.use`
+points the blend manager at a codec's store for one request, so a method's runs on every codec
+interleave per example like the methods do (drift hits them alike) and share the model. Chunk
+keys do not depend on the codec, so each store holds the same chunks, encoded its way. A
+method run on codec ``c`` other than ``none`` is recorded as ``METHOD[c]``, next to ``METHOD``
+(the ``none`` run), which the report's paired intervals compare it with.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from blendkv.errors import ConfigError
+
+CODEC_NAMES = ("none", "int8", "int4")
+
+
+def parse_codecs(text: str) -> list[str]:
+    """``"none,int8"`` -> ``["none", "int8"]``; ``none`` always first (the reference)."""
+    codecs = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in codecs if c not in CODEC_NAMES]
+    if bad or not codecs:
+        raise ConfigError(
+            f"--kv-codec takes a comma-separated list of {', '.join(CODEC_NAMES)}, got {text!r}"
+        )
+    rest = [c for c in dict.fromkeys(codecs) if c != "none"]
+    return ["none", *rest]
+
+
+def codec_method_name(method: str, codec: str) -> str:
+    """The record name of ``method`` run on a ``codec`` store."""
+    return method if codec == "none" else f"{method}[{codec}]"
+
+
+def uses_store(kind: str) -> bool:
+    """Whether a method of ``kind`` reads stored chunk K/V (the others ignore the codec)."""
+    return kind in ("reuse", "blend")
+
+
+class CodecStores:
+    """One chunk store per codec behind one engine's blend manager."""
+
+    def __init__(self, manager, codecs: list[str]) -> None:
+        from blendkv.store import KVStore
+        from blendkv.store.writer import BackgroundWriter
+
+        self.manager = manager
+        self.codecs = codecs
+        self._tmp = tempfile.TemporaryDirectory(prefix="blendkv-eval-codecs-")
+        base = manager.fingerprint
+        self._sets = {"none": (base, manager.store, manager.writer)}
+        try:
+            for codec in codecs:
+                if codec == "none":
+                    continue
+                fingerprint = base.with_codec(codec)
+                store = KVStore(f"{self._tmp.name}/{codec}", fingerprint, sync=False)
+                self._sets[codec] = (fingerprint, store, BackgroundWriter(store))
+        except BaseException:
+            self.close()
+            raise
+
+    @contextmanager
+    def use(self, codec: str) -> Iterator[None]:
+        """Serve (and write back) chunk K/V from ``codec``'s store inside the block."""
+        m = self.manager
+        saved = (m.fingerprint, m.store, m.writer)
+        m.fingerprint, m.store, m.writer = self._sets[codec]
+        try:
+            yield
+        finally:
+            m.writer.flush()
+            m.fingerprint, m.store, m.writer = saved
+
+    def bytes_per_token(self, codec: str, keys: list[bytes], num_tokens: int) -> float | None:
+        """Stored bytes of the values of ``keys`` (what ``get_encoded`` returns: encoded values'
+        tensors, scales and outlier keys included) per token of them."""
+        from blendkv.store.codecs import kv_nbytes
+
+        store = self._sets[codec][1]
+        values = [store.get_encoded(k, skip_memory_tier=True) for k in keys]
+        if not num_tokens or any(v is None for v in values):
+            return None
+        return sum(kv_nbytes(v) for v in values) / num_tokens
+
+    def close(self) -> None:
+        for codec, (_, store, writer) in self._sets.items():
+            if codec != "none":  # the engine's own store closes with it
+                writer.close()
+                store.close()
+        self._sets = {k: v for k, v in self._sets.items() if k == "none"}
+        self._tmp.cleanup()
