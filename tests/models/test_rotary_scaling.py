@@ -1,6 +1,6 @@
-"""RoPE tables against transformers' rotary embeddings: ``llama3``, ``linear``, ``longrope``
-(short factors below the original context, long ones past it) with partial rotary; unknown
-rope types are refused."""
+"""RoPE tables against transformers' rotary embeddings: ``llama3``, ``linear``, ``dynamic``,
+``longrope`` (short factors below the original context, long ones past it) with partial rotary;
+unknown rope types are refused."""
 
 from __future__ import annotations
 
@@ -90,6 +90,8 @@ def test_partial_rotary_head_layout_preserves_scores():
     "rope",
     [
         dict(rope_type="linear", factor=4.0),
+        # within max_position_embeddings (256) transformers keeps the original frequencies too
+        dict(rope_type="dynamic", factor=4.0),
         dict(
             rope_type="llama3",
             factor=8.0,
