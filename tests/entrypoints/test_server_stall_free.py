@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(600)
 
 N_DOCS = 400
 MAX_DOCS = 500
+MAX_DOC_TOKENS = 9000
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,9 @@ def served(tmp_path_factory):
     config["chat_template"] = TINY_CHAT_TEMPLATE
     config_path.write_text(json.dumps(config))
     llm = LLM(str(path), dtype="float32", block_size=16, max_num_batched_tokens=64)
-    app = create_app(llm, ServeConfig(max_request_documents=MAX_DOCS))
+    app = create_app(
+        llm, ServeConfig(max_request_documents=MAX_DOCS, max_document_tokens=MAX_DOC_TOKENS)
+    )
     with running_server(app) as url:
         state = app.state.blendkv
         engine = state.served.engine
@@ -100,3 +103,15 @@ def test_size_limits_are_checked_before_tokenising(served):
         chat(client, "Which?", 1, stream=False, documents=docs)
     assert err.value.code == "too_many_documents" and "--max-request-documents" in str(err.value)
     assert str(MAX_DOCS) in err.value.message
+    # Under the byte bound (16 per token), over the token limit: refused once tokenised.
+    text = " ".join("abcdefghij"[i % 10] for i in range(7_000))
+    assert len(text.encode()) < 16 * MAX_DOC_TOKENS
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, "Which?", 1, stream=False, documents=[{"text": text}])
+    assert err.value.code == "documents_too_long" and "--max-document-tokens" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:  # over the bytes: before tokenising
+        chat(client, "Which?", 1, stream=False, documents=[{"text": "ab" * 16 * MAX_DOC_TOKENS}])
+    assert err.value.code == "documents_too_long" and "bytes" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, "x" * (limit + 1), 1, stream=False)
+    assert err.value.code == "prompt_too_large" and err.value.param == "messages"
