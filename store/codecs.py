@@ -14,7 +14,7 @@ it into an :class:`EncodedKV` holding, for K and for V separately (a :class:`Qua
   and a scale never exceeds ``max|x| / 7``, far inside float16's range for K/V.
 - ``group = (gt, gd)``: recorded per part; ``int8`` K: ``(T, 1)`` (per channel over the
   chunk's tokens), ``int8`` V: ``(1, D)`` (per token); ``int4`` K: ``(INT4_KEY_GT, 1)``,
-  ``int4`` V: ``(1, INT4_VALUE_GD)`` (capped at ``D``).
+  ``int4`` V: ``(1, INT4_VALUE_GD)`` (capped at ``D``). Any group sizes decode the same way.
 - ``outlier_heads``: ``int4`` only, bool ``[L, Hkv]`` (or None): those (layer, head) pairs'
   keys are kept in the model dtype in ``outlier_k [n, T, D]`` (``n`` = number of True entries,
   in row-major (layer, head) order) and override the decoded keys; their codes are still
@@ -42,10 +42,14 @@ import torch
 from .errors import CodecMismatchError
 
 CODECS = ("none", "int8", "int4")
-INT4_KEY_GT = 32  # tokens per int4 key group (one scale per channel per 32 tokens)
-INT4_VALUE_GD = 64  # channels per int4 value group (one scale per token per 64 channels)
-# A head's int4 keys stay in the model dtype when ||K - K_hat||_F / ||K||_F exceeds this.
+# Group sizes and asymmetric groups everywhere: the choice with the lowest reconstruction error
+# that stays >= 3.5x smaller with room for outlier heads (docs/guide/codecs.md has the table).
+INT4_KEY_GT = 128  # tokens per int4 key group (one scale and zero per channel per 128 tokens)
+INT4_VALUE_GD = 64  # channels per int4 value group (one scale and zero per token per 64)
+# A head's int4 keys stay in the model dtype when ||K - K_hat||_F / ||K||_F exceeds this,
+# the worst INT4_MAX_OUTLIER_FRACTION of a chunk's (layer, head) pairs at most (at least one).
 INT4_OUTLIER_REL_ERROR = 0.1
+INT4_MAX_OUTLIER_FRACTION = 0.02
 _MIN_SCALE = 2.0**-14  # smallest normal float16
 
 
@@ -231,12 +235,26 @@ def dequantize_part(part: QuantizedPart, num_tokens: int, head_dim: int) -> torc
     return (codes - _expand(part.zero.float(), gt, gd, num_tokens, head_dim)) * scale
 
 
-def _outlier_heads(k: torch.Tensor, part: QuantizedPart, threshold: float) -> torch.Tensor:
-    """bool ``[L, H]``: heads whose decoded keys' relative error exceeds ``threshold``."""
+def head_errors(k: torch.Tensor, part: QuantizedPart) -> torch.Tensor:
+    """float32 ``[L, H]``: each head's ``||K - K_hat||_F / ||K||_F`` over the chunk."""
     L, T, H, D = k.shape
     err = (dequantize_part(part, T, D) - k.float()).square().sum(dim=(1, 3))
-    norm = k.float().square().sum(dim=(1, 3))
-    return err > (threshold**2) * norm
+    norm = k.float().square().sum(dim=(1, 3)).clamp_min(1e-30)
+    return (err / norm).sqrt()
+
+
+def _outlier_heads(k: torch.Tensor, part: QuantizedPart, threshold: float) -> torch.Tensor:
+    """bool ``[L, H]``: heads whose keys' relative error exceeds ``threshold``, the worst
+    ``INT4_MAX_OUTLIER_FRACTION`` of them at most (so the size bound holds)."""
+    rel = head_errors(k, part)
+    over = rel > threshold
+    cap = max(1, int(INT4_MAX_OUTLIER_FRACTION * rel.numel()))
+    if int(over.sum()) > cap:
+        worst = rel.flatten().topk(cap).indices
+        over = torch.zeros_like(over).flatten()
+        over[worst] = True
+        over = over.view(rel.shape)
+    return over
 
 
 def encode(
