@@ -190,3 +190,30 @@ def test_body_of_a_json_error_is_json(server):
     status, headers, body = raw_request(server, "POST", CHAT, {"messages": []})
     assert status == 400 and headers["content-type"] == "application/json"
     assert json.dumps(body) and body["error"]["param"] == "messages"
+
+
+UNSUPPORTED = {
+    "prompt_logprobs": 1,
+    "truncate_prompt_tokens": 8,
+    "use_beam_search": True,
+    "structured_outputs": {"choice": ["a", "b"]},
+    "guided_json": {"type": "object"},
+    "guided_choice": ["a", "b"],
+}
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_features_not_built_are_refused_naming_the_parameter(server, route):
+    base = {"prompt": "fox"} if route == "completions" else {"messages": HELLO}
+    url = "/v1/completions" if route == "completions" else CHAT
+    cases = dict(UNSUPPORTED)
+    if route == "chat":
+        cases.update(echo=True, tool_choice="auto", response_format={"type": "json_schema"})
+    for name, value in cases.items():
+        status, _, err = raw_request(server, "POST", url, {**base, name: value})
+        assert status == 400 and err["error"]["param"] == name, (name, err)
+    for path in ("/invocations", "/load"):
+        status, _, err = raw_request(server, "POST", path, base)
+        assert status == 400 and path[1:] in err["error"]["message"]
+    ok = {**base, "prompt_logprobs": None, "use_beam_search": False, "max_tokens": 1}
+    assert raw_request(server, "POST", url, ok)[0] == 200

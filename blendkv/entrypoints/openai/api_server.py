@@ -294,6 +294,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         served.check_model(model_id)
         return ModelCard(id=served.model_name, max_model_len=served.max_model_len)
 
+    @app.api_route("/invocations", methods=["GET", "POST"])
+    @app.api_route("/load", methods=["GET", "POST"])
+    async def not_built(request: Request) -> Response:  # vLLM routes blendkv does not have
+        path = request.url.path
+        raise APIError(
+            400,
+            f"{path} is not supported by blendkv; use /v1/chat/completions or /v1/completions "
+            "(load: /metrics)",
+            param=path.lstrip("/"),
+        )
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST

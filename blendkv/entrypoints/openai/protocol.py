@@ -96,6 +96,20 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:<id>"
+    # OpenAI / vLLM features blendkv does not have: a value other than None / False is refused
+    # with a 400 naming the field (serving.refuse_unsupported), never silently ignored.
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "structured_outputs",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    )  # fmt: skip
 
 
 class CompletionRequest(SamplingRequest):
@@ -169,6 +183,13 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[Document] | None = None
     blend: BlendOptions | None = None
     rag: RAGOptions | None = None
+    tool_choice: Any = None  # only "none" (tools are refused)
+    echo: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        *SamplingRequest.UNSUPPORTED, "echo", "continue_final_message", "chat_template",
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------- responses

@@ -66,6 +66,7 @@ def sampling_params(
     param_names: dict[str, str] | None = None,
     vocab_size: int | None = None,
 ) -> SamplingParams:
+    refuse_unsupported(req)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options needs stream: true", param="stream_options")
     if vocab_size is not None and req.stop_token_ids:
@@ -99,6 +100,16 @@ def sampling_params(
         )
     except InvalidRequestError as exc:
         raise api_error(exc, param_names) from exc
+
+
+def refuse_unsupported(req: SamplingRequest) -> None:
+    """A 400 naming the first field of a feature blendkv does not have (docs/guide/serving.md
+    lists them)."""
+    for name in req.UNSUPPORTED:
+        if getattr(req, name) not in (None, False):
+            raise APIError(400, f"{name} is not supported by blendkv", param=name)
+    if getattr(req, "tool_choice", None) not in (None, "none"):
+        raise APIError(400, "tool_choice is not supported (no tools)", param="tool_choice")
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
