@@ -206,3 +206,31 @@ def test_add_query_mass(make_step, device, backend_name, window, soft_cap):
     torch.testing.assert_close(scores.double(), probs.sum((0, 1)), atol=1e-5, rtol=1e-5)
     if backend_name == "triton":  # the kernels ran (a failing one falls back to torch)
         assert backend._kernel_ok["query_mass"]
+
+
+def test_attention_layer_passes_its_constants(device):
+    """A layer with neither window nor cap passes no keywords (the goldens' path); with them,
+    every backend call carries them, and a custom scale reaches the query mass."""
+    from types import SimpleNamespace
+
+    from blendkv.layers.attention import Attention
+
+    config = SimpleNamespace(
+        num_attention_heads=4, num_key_value_heads=2, hidden_size=32, head_dim=8
+    )
+    backend = TorchAttentionBackend(device)
+    plain = Attention(config, None, backend)
+    assert plain.attention_kwargs() == {} and plain.mass_kwargs() == {}
+    layer = Attention(config, None, backend, sliding_window=4, logits_soft_cap=2.0, scaling=0.3)
+    assert layer.attention_kwargs() == {"window": 4, "soft_cap": 2.0}
+    assert layer.mass_kwargs() == {"window": 4, "soft_cap": 2.0, "scale": 0.3}
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(9, 4, 8, generator=gen)
+    k, v = (torch.randn(9, 2, 8, generator=gen) for _ in range(2))
+    out = layer.attend_rotated(q, k, v, None, None)
+    attn, _ = oracle_rows(q, k, v, torch.arange(9), 0.3, 4, 2.0)
+    expected = layer.o_proj(attn.float().reshape(9, 32))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for bad in ({"sliding_window": 0}, {"logits_soft_cap": 0.0}):
+        with pytest.raises(ValueError):
+            Attention(config, None, backend, **bad)
