@@ -40,6 +40,33 @@ class BlendedPrompt:
         return sum(len(c) for c in self.chunks)
 
 
+def fold_system(messages: list[dict]) -> list[dict] | None:
+    """``messages`` with a leading system message folded into the first user turn as
+    ``system + "\n\n" + user`` (what Gemma 3's template does itself); None if there is no
+    system message followed by a user one."""
+    if len(messages) < 2 or messages[0].get("role") != "system":
+        return None
+    system, user = messages[0], messages[1]
+    if user.get("role") != "user" or not isinstance(user.get("content"), str):
+        return None
+    content = f"{system.get('content') or ''}\n\n{user['content']}"
+    return [{**user, "content": content}, *messages[2:]]
+
+
+def apply_template(tokenizer, messages: list[dict], **kwargs):
+    """``tokenizer.apply_chat_template(messages, **kwargs)``; a template that refuses a system
+    role (Gemma 2's raises) gets the system text folded into the first user turn instead."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except TemplateError:
+        folded = fold_system(messages)
+        if folded is None:
+            raise
+        return tokenizer.apply_chat_template(folded, **kwargs)
+
+
 class PromptBuilder:
     """Builds blended prompts for one tokenizer (and its chat template)."""
 
@@ -67,9 +94,7 @@ class PromptBuilder:
             return ([bos] if bos is not None else []), []
         messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": _SENTINEL})
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        text = apply_template(self.tokenizer, messages, tokenize=False, add_generation_prompt=True)
         before, sep, after = text.partition(_SENTINEL)
         assert sep, "the chat template dropped the user content"
         return self.encode(before), self.encode(after)

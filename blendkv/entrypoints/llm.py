@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from blendkv.blend.prompt import apply_template
 from blendkv.engine.llm_engine import LLMEngine
 from blendkv.engine_args import create_engine_config
 from blendkv.entrypoints.router import OutputRouter
@@ -175,8 +176,8 @@ class LLM:
             else m
             for i, m in enumerate(messages)
         ]
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        ids = apply_template(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
