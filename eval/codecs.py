@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from typing import Any
 
 from blendkv.errors import ConfigError
 
@@ -38,8 +40,20 @@ def codec_method_name(method: str, codec: str) -> str:
 
 
 def uses_store(kind: str) -> bool:
-    """Whether a method of ``kind`` reads stored chunk K/V (the others ignore the codec)."""
-    return kind in ("reuse", "blend")
+    """Whether a method of ``kind`` reads stored chunk K/V (``reuse`` is a blend at 0.0; the
+    others ignore the codec)."""
+    return kind == "blend"
+
+
+def codec_variants(methods: list, codecs: list[str]) -> list[tuple[Any, str]]:
+    """``(method, codec)`` pairs to run: every method on ``none``, then each store-reading
+    method on each other codec, renamed ``METHOD[codec]``."""
+    out = [(m, "none") for m in methods]
+    for codec in codecs:
+        if codec != "none":
+            out += [(replace(m, name=codec_method_name(m.name, codec)), codec)
+                    for m in methods if uses_store(m.kind)]  # fmt: skip
+    return out
 
 
 class CodecStores:
@@ -64,6 +78,10 @@ class CodecStores:
         except BaseException:
             self.close()
             raise
+
+    def using(self, codec: str):
+        """:meth:`use`, or nothing for ``none`` (the engine's own store)."""
+        return nullcontext() if codec == "none" else self.use(codec)
 
     @contextmanager
     def use(self, codec: str) -> Iterator[None]:

@@ -59,6 +59,11 @@ def register_eval(sub) -> None:
     )  # fmt: skip
     add_config_args(p, BlendConnectorConfig, ("kv_store_dir",))
     p.add_argument(
+        "--kv-codec", default="none", metavar="CODECS",
+        help="stored-K/V codecs, comma-separated (none, int8, int4): reuse and blend methods "
+        "run once per codec, from a store of that codec, as METHOD[codec]",
+    )  # fmt: skip
+    p.add_argument(
         "--baseline", default=None, metavar="METHOD",
         help="the method the report's bootstrap intervals compare every method with "
         "(default: the default blend, when the run has it)",
@@ -92,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
         anchor=args.anchor,
         anchor_boundary=args.anchor_boundary,
         chunk_order=args.chunk_order,
+        kv_codecs=args.kv_codec,
     )  # validates the method names before the model loads
-    names = [m.name for m in config.method_list]
+    names = [m.name for m, _ in config.variants]
     if args.baseline is not None and args.baseline not in names:
         raise ConfigError(
             f"--baseline {args.baseline!r} is not one of --methods ({', '.join(names)})"

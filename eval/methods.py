@@ -84,8 +84,14 @@ def parse_strategy(text: str) -> dict[str, Any]:
 def parse_method(name: str) -> Method:
     """``"full"``, ``"prefix"``, ``"reuse"``, ``"hf"``, ``"blend@R"`` with R in [0, 1], or
     ``"blend@R:STRATEGY"`` with STRATEGY a selection of
-    :data:`~blendkv.blend.config.SELECTIONS` and options (:func:`parse_strategy`)."""
+    :data:`~blendkv.blend.config.SELECTIONS` and options (:func:`parse_strategy`). A record
+    name ``METHOD[codec]`` (``eval --kv-codec``, :mod:`blendkv.eval.codecs`) is METHOD."""
     name = name.strip()
+    base, bracket, codec = name.partition("[")
+    if bracket and codec.endswith("]") and base:
+        from dataclasses import replace
+
+        return replace(parse_method(base), name=name)
     if name in ("full", "prefix", "hf"):
         return Method(name, name)
     if name == "reuse":

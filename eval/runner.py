@@ -22,6 +22,7 @@ from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
 from blendkv.eval import metrics
+from blendkv.eval.codecs import CodecStores, codec_variants, parse_codecs
 from blendkv.eval.datasets import dataset_kind, load_dataset
 from blendkv.eval.journal import Journal
 from blendkv.eval.methods import (
@@ -77,6 +78,8 @@ class EvalConfig:
     # Passage order in the prompt (blendkv.eval.ordering): the data set's, or ranked by the
     # pipeline's embedder with the best passage first or last.
     chunk_order: str = "source"
+    # Stored-K/V codecs (blendkv.eval.codecs): reuse/blend methods run once per codec.
+    kv_codecs: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "answer_tokens"):
@@ -90,6 +93,9 @@ class EvalConfig:
         if isinstance(self.anchor_boundary, bool) or self.anchor_boundary < 0:
             raise ConfigError(f"anchor_boundary must be >= 0, got {self.anchor_boundary!r}")
         check_chunk_order(self.chunk_order)
+        parse_codecs(self.kv_codecs)
+        if "[" in self.methods:
+            raise ConfigError("a method name takes no [codec]: list codecs with --kv-codec")
         parse_methods(self.methods)  # raise MethodError now, before any model loads
 
     @property
@@ -98,6 +104,11 @@ class EvalConfig:
         if all(m.name != "full" for m in methods):
             methods.insert(0, parse_methods("full")[0])  # the fidelity reference
         return sorted(methods, key=lambda m: m.name != "full")  # full first
+
+    @property
+    def variants(self) -> list[tuple[Method, str]]:
+        """``(method, codec)`` runs: :attr:`method_list` on ``none``, then ``METHOD[codec]``."""
+        return codec_variants(self.method_list, parse_codecs(self.kv_codecs))
 
 
 @dataclass
@@ -123,7 +134,7 @@ def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None 
     else:  # everything is in the journal: aggregate only, no model
         result = EvalResult(config={**journal.run_config, "num_examples": len(examples)})
     result.records[:0] = done
-    for m in methods:
+    for m, _ in config.variants:
         rows = [r for r in result.records if r["method"] == m.name]
         result.summary[m.name] = summarize_method(rows)
     _add_speedups(result.summary)
@@ -143,8 +154,10 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         anchor_instruction=anchor_instruction(config.anchor, spec.system),
         anchor_boundary_tokens=config.anchor_boundary,
     )
+    stores = None
     try:
         manager = llm.blend_manager()
+        stores = CodecStores(manager, parse_codecs(config.kv_codecs))
         prompts = [_example_prompt(manager, render_prompt(ex, spec)) for ex in examples]
         hf = None
         if any(m.kind == "hf" for m in methods):
@@ -161,19 +174,38 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
             journal.start(result.config)
         if not examples:
             return result
-        _warm_up(llm, hf, methods, prompts, progress)
+        for codec in stores.codecs:
+            with stores.using(codec):
+                _warm_up(llm, hf, methods, prompts, progress)
+        result.config["store_bytes_per_token"] = _store_bytes(stores, prompts)
         params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
         bar = tqdm(list(zip(examples, prompts, strict=True)), desc="eval", disable=not progress)
+        variants = config.variants
         for ex, prompt in bar:
-            runs, rows = _run_example(llm, hf, methods, prompt, params, config.answer_tokens)
-            records = _score_example(methods, ex, prompt, runs, rows, config)
+            runs, rows = _run_example(llm, hf, variants, stores, prompt, params,
+                                      config.answer_tokens)  # fmt: skip
+            records = _score_example([m for m, _ in variants], ex, prompt, runs, rows, config)
             if journal is not None:
                 journal.append(records)
             result.records.extend(records)
             bar.set_postfix({m: f"{r.ttft:.2f}s" for m, r in runs.items()})
         return result
     finally:
+        if stores is not None:
+            stores.close()
         llm.close()
+
+
+def _store_bytes(stores: CodecStores, prompts: list[ExamplePrompt]) -> dict[str, float | None]:
+    """Stored bytes per chunk token of the run's chunks, per codec."""
+    manager = stores.manager
+    chunks: dict[bytes, int] = {}
+    for p in prompts:
+        state = manager.prepare(p.blended, None)
+        for key, ids in zip(state.chunk_keys, state.prompt.chunks, strict=True):
+            chunks[key] = len(ids)
+    keys, n = list(chunks), sum(chunks.values())
+    return {c: stores.bytes_per_token(c, keys, n) for c in stores.codecs}
 
 
 def _example_prompt(manager, rendered) -> ExamplePrompt:
@@ -206,18 +238,20 @@ def _warm_up(llm, hf, methods: list[Method], prompts: list[ExamplePrompt], progr
         run_method(llm, hf, m, tiny, SamplingParams(max_tokens=2))
 
 
-def _run_example(llm, hf, methods, prompt, params, answer_tokens: int):
-    """Every method's timed run, each followed at once by its teacher-forced logits along full
-    prefill's answer (``full`` runs first), so that request reuses the run's own prompt K/V."""
+def _run_example(llm, hf, variants, stores, prompt, params, answer_tokens: int):
+    """Every method's timed run (on each codec's store), each followed at once by its
+    teacher-forced logits along full prefill's answer (``full`` runs first), so that request
+    reuses the run's own prompt K/V."""
     runs: dict[str, MethodRun] = {}
     rows: dict[str, Any] = {}
-    for m in methods:
-        runs[m.name] = run_method(llm, hf, m, prompt, params)
-        answer = runs["full"].token_ids[:answer_tokens]
-        if m.kind == "prefix":  # exact K/V of the same tokens: full's rows (teacher_forced_rows)
-            rows[m.name] = rows["full"]
-        else:
-            rows[m.name] = teacher_forced_rows(llm, hf, m, prompt, answer).rows
+    for m, codec in variants:
+        with stores.using(codec):
+            runs[m.name] = run_method(llm, hf, m, prompt, params)
+            answer = runs["full"].token_ids[:answer_tokens]
+            if m.kind == "prefix":  # exact K/V of the same tokens: full's (teacher_forced_rows)
+                rows[m.name] = rows["full"]
+            else:
+                rows[m.name] = teacher_forced_rows(llm, hf, m, prompt, answer).rows
     return runs, rows
 
 
