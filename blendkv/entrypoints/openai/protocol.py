@@ -238,6 +238,7 @@ class CompletionLogprobs(OpenAIModel):
 class CompletionChoice(OpenAIModel):
     index: int = 0
     text: str
+    prompt_logprobs: None = None  # vLLM's field; prompt_logprobs requests are refused
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM: the stop string or token id

@@ -10,33 +10,14 @@ import json
 import openai
 import pytest
 from helpers import make_tokenizer
-from server_helpers import make_tiny_chat_model_dir, raw_request, running_server
-
-from blendkv import LLM
-from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
+from server_helpers import raw_request
 
 pytestmark = pytest.mark.timeout(300)
 
-MODEL = "tiny"
-ENGINE = dict(
-    dtype="float32", block_size=4, max_model_len=256, max_num_seqs=8, attention_backend="torch"
-)
+MODEL = "tiny"  # conftest.py's server
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "Hello"}]
 EMOJI = "😀"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = make_tiny_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"))
-    app = create_app(lambda: LLM(str(model_dir), **ENGINE), ServeConfig(served_model_name=MODEL))
-    with running_server(app) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def test_seed_outside_int64_is_refused(server, client):

@@ -1,0 +1,173 @@
+"""vLLM's OpenAI-server tests (``tests/entrypoints/openai/``: completion, chat, prompt
+validation), adapted to blendkv's tiny model: the behaviour each checks, written here. Tests of
+features blendkv does not build are kept as skips naming the reason (the parameter table in
+docs/guide/serving.md), or check the clean 400 that replaces the feature."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "tiny"  # conftest.py's server
+NO_EOS = {"ignore_eos": True}
+SESSION = [
+    {"role": "system", "content": "you are a helpful assistant"},
+    {"role": "user", "content": "what is 1+1?"},
+]
+
+
+# ------------------------------------------------------------------------- completions
+def test_single_completion(client):
+    c = client.completions.create(
+        model=MODEL, prompt="Hello, my name is", max_tokens=5, temperature=0, extra_body=NO_EOS
+    )
+    assert c.id and len(c.choices) == 1 and c.choices[0].finish_reason == "length"
+    u = c.usage
+    assert u.completion_tokens == 5 and u.total_tokens == u.prompt_tokens + 5
+    assert u.prompt_tokens_details is not None
+    by_ids = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8, 9], max_tokens=5)
+    assert by_ids.choices[0].prompt_logprobs is None
+
+
+def test_no_zero_some_and_too_many_logprobs(client):
+    kw = dict(model=MODEL, prompt=[5, 6, 7, 8, 9], max_tokens=5, temperature=0)
+    assert client.completions.create(**kw, logprobs=None).choices[0].logprobs is None
+    zero = client.completions.create(**kw, logprobs=0).choices[0].logprobs
+    assert zero.token_logprobs and len(zero.top_logprobs[0]) == 1
+    some = client.completions.create(**kw, logprobs=5).choices[0].logprobs
+    assert 5 <= len(some.top_logprobs[0]) <= 6
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**kw, logprobs=21)
+    with pytest.raises(openai.BadRequestError):
+        list(client.completions.create(**kw, logprobs=30, stream=True))
+    assert client.completions.create(**kw).choices[0].finish_reason is not None
+
+
+def test_completion_streaming(client):
+    kw = dict(model=MODEL, prompt="What is an LLM?", max_tokens=5, temperature=0, extra_body=NO_EOS)
+    single = client.completions.create(**kw).choices[0].text
+    texts, finishes = [], 0
+    for chunk in client.completions.create(**kw, stream=True):
+        texts.append(chunk.choices[0].text)
+        finishes += chunk.choices[0].finish_reason is not None
+    assert finishes == 1 and chunk.choices[0].finish_reason == "length" and chunk.choices[0].text
+    assert "".join(texts) == single
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_sampling(client, stream):
+    kw = dict(model=MODEL, prompt="What is an LLM?", max_tokens=24, n=3, temperature=1.0, seed=42)
+    if not stream:
+        c = client.completions.create(**kw, logprobs=0)
+        assert [ch.index for ch in c.choices] == [0, 1, 2]
+        assert all(ch.finish_reason for ch in c.choices)
+        assert len({ch.text for ch in c.choices}) == 3
+        return
+    texts, finishes = ["", "", ""], 0
+    for chunk in client.completions.create(**kw, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+        finishes += chunk.choices[0].finish_reason is not None
+    assert finishes == 3 and len(set(texts)) == 3
+
+
+def test_completion_stream_options(client):
+    kw = dict(model=MODEL, prompt="The capital of France", max_tokens=5, temperature=0)
+    kw.update(stream=True, extra_body=NO_EOS)
+    for opts in ({"include_usage": False, "continuous_usage_stats": True}, {}):
+        assert all(c.usage is None for c in client.completions.create(**kw, stream_options=opts))
+    chunks = list(client.completions.create(**kw, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    for c in client.completions.create(**kw, stream_options=both):
+        assert c.usage.prompt_tokens > 0 and c.usage.completion_tokens > 0
+    for opts in ({"include_usage": None}, {"include_usage": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**{**kw, "stream": False}, stream_options=opts)
+
+
+def test_batch_completions_are_refused(client):
+    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
+        client.completions.create(model=MODEL, prompt=["Hello", "World"], max_tokens=3)
+
+
+@pytest.mark.skip(reason="prompt_logprobs is refused (400): the engine computes sampled ones only")
+def test_prompt_logprobs_completion():
+    pass
+
+
+@pytest.mark.skip(reason="truncate_prompt_tokens is refused (400): prompts are never cut")
+def test_completion_truncation():
+    pass
+
+
+def test_out_of_vocab_token_ids(client):
+    with pytest.raises(openai.BadRequestError, match="out of vocabulary"):
+        client.completions.create(model=MODEL, prompt=[999_999], max_tokens=5)
+
+
+# ------------------------------------------------------------------------------- chat
+def test_single_chat_session(client):
+    c = client.chat.completions.create(
+        model=MODEL, messages=SESSION, max_completion_tokens=10, logprobs=True, top_logprobs=5
+    )
+    assert c.id and len(c.choices) == 1
+    choice = c.choices[0]
+    assert choice.message.role == "assistant" and choice.logprobs.content
+    assert len(choice.logprobs.content[0].top_logprobs) == 5
+    assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    follow = [*SESSION, {"role": "assistant", "content": choice.message.content}]
+    follow.append({"role": "user", "content": "express your result in json"})
+    again = client.chat.completions.create(model=MODEL, messages=follow, max_completion_tokens=10)
+    assert again.choices[0].message.content is not None
+
+
+def test_chat_logprobs_none_zero_and_too_many(client):
+    kw = dict(model=MODEL, messages=SESSION, max_completion_tokens=5, temperature=0)
+    assert client.chat.completions.create(**kw, logprobs=False).choices[0].logprobs is None
+    zero = client.chat.completions.create(**kw, logprobs=True, top_logprobs=0)
+    assert (
+        zero.choices[0].logprobs.content and zero.choices[0].logprobs.content[0].top_logprobs == []
+    )
+    some = client.chat.completions.create(**kw, logprobs=True, top_logprobs=5)
+    assert len(some.choices[0].logprobs.content[0].top_logprobs) == 5
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**kw, logprobs=True, top_logprobs=21)
+
+
+def test_long_seed(client):
+    for seed in (-(2**63) - 1, 2**63):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=SESSION, seed=seed, max_tokens=2)
+
+
+def test_extra_fields_and_custom_role_and_content_parts(client):
+    kw = dict(model=MODEL, temperature=0, seed=0, max_tokens=6)
+    extra = [{"role": "user", "content": "what is 1+1?", "extra_field": "0"}]
+    assert client.chat.completions.create(**kw, messages=extra).choices[0].message.content
+    as_text = [{"role": "my-custom-role", "content": "what is 1+1?"}]
+    as_parts = [{"role": "my-custom-role", "content": [{"type": "text", "text": "what is 1+1?"}]}]
+    one = client.chat.completions.create(**kw, messages=as_text).choices[0].message.content
+    two = client.chat.completions.create(**kw, messages=as_parts).choices[0].message.content
+    assert one == two
+
+
+def test_response_format_text_is_accepted_the_others_refused(client):
+    kw = dict(model=MODEL, messages=SESSION, max_completion_tokens=5)
+    assert client.chat.completions.create(**kw, response_format={"type": "text"}).choices
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**kw, response_format=fmt)
+        assert err.value.body["param"] == "response_format"
+
+
+@pytest.mark.skip(reason="structured outputs (json, regex, choice, grammar) are refused (400)")
+def test_structured_outputs():
+    pass
+
+
+@pytest.mark.skip(reason="tool calling is refused (400)")
+def test_tools():
+    pass
