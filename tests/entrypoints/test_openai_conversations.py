@@ -140,3 +140,24 @@ def test_conversations_that_cannot_hold_documents_are_refused(server, messages):
     body = {"model": MODEL, "messages": messages, "max_tokens": 2, **EXTRA}
     status, _, err = raw_request(server, "POST", "/v1/chat/completions", body)
     assert status == 400 and err["error"]["param"] == "messages", err
+
+
+NO_SYSTEM_ROLE = (  # a template that refuses a system role, as Gemma 2's does
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+    "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def test_turns_split_also_where_the_template_has_no_system_role():
+    from helpers import make_tokenizer
+
+    from blendkv.entrypoints.openai.conversation import split_blended_chat
+    from blendkv.entrypoints.openai.protocol import ChatMessage
+
+    tok = make_tokenizer(320)
+    tok.chat_template = NO_SYSTEM_ROLE
+    turns = [("system", "S"), ("user", "u1"), ("assistant", "a1"), ("user", "u2")]
+    messages = [ChatMessage(role=r, content=c) for r, c in turns]
+    assert split_blended_chat(messages, tok) == ("S", "u2", "u1\n<s>assistant: a1\n<s>user: u2")
+    assert split_blended_chat(messages[:2], tok) == ("S", "u1", "u1")  # one turn: the question
