@@ -107,7 +107,12 @@ def run_start_gate(engine) -> GateResult | None:
     if num_ids + GATE_TOKENS > engine.info.max_model_len:
         logger.info("start gate skipped: its %d-token prompt exceeds max_model_len", num_ids)
         return None
-    blend = _run(engine, prompt, params, config)
+    try:
+        blend = _run(engine, prompt, params, config)
+    except Exception as e:  # noqa: BLE001  (a blend path that crashes is refused, not fatal)
+        engine.abort_request(f"{GATE_REQUEST_ID}-blend")
+        _fresh_block_pool(engine)
+        return _refuse(engine, conn, [f"it raised {type(e).__name__}: {e}"], float("nan"), (), ())
     full = _run(engine, blend.prompt_token_ids, params, None)
     _fresh_block_pool(engine)  # no cached prefix of the gate's prompt stays
     kl = float(kl_divergence(full.extra["prompt_logits"][-1], blend.extra["prompt_logits"][-1]))
@@ -121,16 +126,21 @@ def run_start_gate(engine) -> GateResult | None:
     compared = len(full_tokens) if engine.info.dtype == "float32" else 1
     if full_tokens[:compared] != blend_tokens[:compared]:
         reasons.append(f"greedy tokens {list(blend_tokens)} != full prefill's {list(full_tokens)}")
-    reason = ""
-    if reasons:
-        model = engine.info.model_name
-        reason = (
-            f"start gate: blend at ratio 1.0 of {model} ({engine.info.architecture}) differs from "
-            f"full prefill ({'; '.join(reasons)}); blending is off, every request runs full prefill"
-        )
-        conn.blend_refused = reason
-        logger.warning("%s", reason)
-    return GateResult(not reasons, reason, kl, full_tokens, blend_tokens)
+    return _refuse(engine, conn, reasons, kl, full_tokens, blend_tokens)
+
+
+def _refuse(engine, conn, reasons: list[str], kl: float, full_tokens, blend_tokens) -> GateResult:
+    """The gate's result; with ``reasons``, blending is refused and the reason logged."""
+    if not reasons:
+        return GateResult(True, "", kl, full_tokens, blend_tokens)
+    reason = (
+        f"start gate: blend at ratio 1.0 of {engine.info.model_name} ({engine.info.architecture}) "
+        f"differs from full prefill ({'; '.join(reasons)}); blending is off, every request runs "
+        "full prefill"
+    )
+    conn.blend_refused = reason
+    logger.warning("%s", reason)
+    return GateResult(False, reason, kl, tuple(full_tokens), tuple(blend_tokens))
 
 
 def _run(engine, prompt, params, blend):

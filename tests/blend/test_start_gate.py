@@ -73,3 +73,19 @@ def test_switch(monkeypatch):
     monkeypatch.setenv("BLENDKV_BLEND_GATE", "1")
     assert gate_enabled(None, True) and not gate_enabled(None, False)
     assert not gate_enabled(False, True)
+
+
+def test_a_blend_path_that_raises_is_refused_not_fatal(llm, monkeypatch):
+    def crash(*args, **kwargs):
+        raise RuntimeError("unsupported layer")
+
+    monkeypatch.setattr(row_plan, "correct_kept_rows", crash)
+    gate = run_start_gate(llm.engine)
+    conn = llm.engine.kv_connector
+    try:
+        assert not gate.passed and "RuntimeError: unsupported layer" in gate.reason
+        assert not llm.engine.has_unfinished_requests()
+        out = llm.generate({"documents": DOCS, "query": QUERY}, SamplingParams(max_tokens=2))[0]
+        assert out.blend_stats.fallback == gate.reason
+    finally:
+        conn.blend_refused = None
