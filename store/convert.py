@@ -77,7 +77,7 @@ def convert_store(
         src_index = None
         if not is_redis_url(src) and (source.path / INDEX_FILE).exists():
             src_index = _load_index(source.path / INDEX_FILE)
-        options = {} if is_redis_url(dst) else {"max_bytes": source.max_bytes}
+        options = {} if is_redis_url(dst) else {"max_bytes": getattr(source, "max_bytes", None)}
         target = open_kv_store(dst, fingerprint.with_codec(codec), memory_tier_bytes=0, **options)
         try:
             index = _copy_chunks(source, target, src_index, batch_chunks, progress)
@@ -125,7 +125,7 @@ def _copy_chunks(source, target, src_index, batch_chunks, progress) -> ChunkInde
             )
         results = target.put_many(chunks)
         docs = [(m, r.chunk_id) for m, r in zip(batch, results, strict=True) if m.doc_id]
-        if docs:
+        if docs and (src_index is not None or not source.reads_in_place):
             vectors = _source_vectors(source, src_index, [m for m, _ in docs])
             if not target.reads_in_place:  # a Redis target keeps the embeddings: its index
                 target.put_embeddings([m.key for m, _ in docs], vectors)

@@ -111,3 +111,37 @@ def test_convert_equals_ingesting_with_the_codec(tiny_llama_dir, tmp_path):
     with KVStore(converted, stored_fingerprint(converted), readonly=True) as b:
         tokens = sum(m.num_tokens for m in b.iter_meta())
         assert _bytes_per_token(b, b.stats().bytes) == b.stats().bytes / tokens
+
+
+def test_convert_through_redis(redis_server, tmp_path):
+    """LMDB -> Redis (int8) -> LMDB (none): values decode the same, embeddings travel."""
+    from store_helpers import make_fingerprint, make_kv
+
+    from blendkv.rag.catalog import open_catalog
+    from blendkv.store import ChunkStore, NewChunk, open_kv_store
+
+    redis_server.flush()
+    fp = make_fingerprint()
+    chunks = [
+        NewChunk(bytes([i]) * 16, make_kv(i, 12), f"text {i}", tuple(range(12)), "doc", i)
+        for i in range(3)
+    ]
+    with ChunkStore(tmp_path / "src", fp, HashEmbedder()) as src:
+        src.add_chunks(chunks)
+        catalog = open_catalog(tmp_path / "src", src.kv)
+        catalog.put("doc", source="doc.txt", metadata={}, chunk_keys=[c.key for c in chunks])
+    shared = convert_store(tmp_path / "src", redis_server.url, "int8")
+    assert shared.report.ok and shared.dst_codec == "int8", shared.report
+    back = convert_store(redis_server.url, tmp_path / "back", "none")
+    assert back.report.ok and back.chunks == 3, back.report
+    with (
+        open_kv_store(redis_server.url, fp.with_codec("int8")) as red,
+        KVStore(tmp_path / "back", fp, readonly=True) as lmdb,
+    ):
+        assert len(red.embeddings([c.key for c in chunks])) == 3
+        for c in chunks:
+            assert same_bits(lmdb.get(c.key).kv, red.get(c.key).kv)
+            assert not same_bits(lmdb.get(c.key).kv, c.kv)  # int8 went in between
+    with pytest.raises(BlendKVError, match="already holds a store"):
+        convert_store(tmp_path / "src", tmp_path / "back", "int4")
+    assert open_catalog(redis_server.url, red).documents()["doc"]["source"] == "doc.txt"
