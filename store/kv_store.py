@@ -28,7 +28,7 @@ from . import codecs, opening, txn_ops
 from . import format as fmt
 from .capacity import store_full_error
 from .codecs import EncodedKV, decode_reference
-from .errors import CodecMismatchError, CorruptValueError, StoreError, StoreFullError
+from .errors import CorruptValueError, StoreError, StoreFullError
 from .fingerprint import ModelFingerprint
 from .locking import locked
 from .memory_tier import MemoryTier
@@ -179,7 +179,9 @@ class KVStore(StoreTransactions, StoreQueries):
         encoded = []
         for chunk in chunks:
             self._check_shape(chunk)
-            encoded.append(fmt.encode_value(encode_for(self.kv_codec, chunk.kv, self.path)))
+            encoded.append(
+                fmt.encode_value(codecs.encode_for_store(self.kv_codec, chunk.kv, self.path))
+            )
         new_bytes = sum(len(v) for v in encoded)
         if self.max_bytes is not None and new_bytes > self.max_bytes:
             raise StoreFullError(
@@ -398,20 +400,3 @@ def check_out(out: torch.Tensor, header: fmt.ValueHeader) -> None:
         raise ValueError(
             f"out is {out.dtype}{tuple(out.shape)}, stored {header.dtype}{header.shape}"
         )
-
-
-def encode_for(
-    codec: str, kv: torch.Tensor | EncodedKV, location: object
-) -> torch.Tensor | EncodedKV:
-    """``kv`` encoded with the store's ``codec``; an already encoded value must be of it
-    (:class:`CodecMismatchError` naming both otherwise)."""
-    if isinstance(kv, EncodedKV):
-        if kv.codec != codec:
-            raise CodecMismatchError(
-                f"store {location} holds K/V of codec {codec!r}; refusing a value of codec "
-                f"{kv.codec!r}",
-                kv.codec,
-                codec,
-            )
-        return kv
-    return codecs.encode(kv, codec)
