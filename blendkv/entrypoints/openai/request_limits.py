@@ -3,8 +3,9 @@
 Before tokenising (on the event loop, from byte lengths alone):
 
 - the prompt text (a completion's prompt, or the chat messages' text) may take at most
-  ``max_prompt_bytes``, by default :data:`BYTES_PER_TOKEN` bytes per token of ``max_model_len``:
-  no tokenizer packs more than that into a token, so a longer prompt can never fit;
+  ``max_prompt_bytes``, by default :data:`BYTES_PER_TOKEN` bytes per token of ``max_model_len``
+  (text averages a few bytes per token; only long runs of one character, such as spaces, pack
+  more), so a longer prompt would not fit anyway;
 - a chat request may carry at most ``max_request_documents`` documents, and their text at most
   ``BYTES_PER_TOKEN * max_document_tokens`` bytes.
 
@@ -20,7 +21,7 @@ from typing import Any
 
 from blendkv.entrypoints.openai.errors import APIError
 
-BYTES_PER_TOKEN = 16  # a generous bound: BPE tokens of real text average 3-5 bytes
+BYTES_PER_TOKEN = 16  # a generous bound on the bytes of text per token
 DEFAULT_MAX_REQUEST_DOCUMENTS = 1024
 
 
