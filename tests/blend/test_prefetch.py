@@ -46,7 +46,8 @@ def _until(condition, what: str) -> None:
 
 
 class GatedStore(KVStore):
-    """An LMDB store whose reads by the prefetcher (``get``, ``warm``) wait for ``gate``."""
+    """An LMDB store whose reads by the prefetcher (``get_encoded``, ``warm``) wait for
+    ``gate``."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -57,10 +58,10 @@ class GatedStore(KVStore):
         self.started.append(key)
         assert self.gate.wait(timeout=60), "the test never opened the gate"
 
-    def get(self, key, **kwargs):
+    def get_encoded(self, key, **kwargs):
         if threading.current_thread().name == "blendkv-kv-prefetch":
             self._wait(key)
-        return super().get(key, **kwargs)
+        return super().get_encoded(key, **kwargs)
 
     def warm(self, key):
         self._wait(key)
@@ -333,9 +334,9 @@ def test_aborting_a_request_being_read_drops_what_was_read_for_it(store):
         def __init__(self, inner) -> None:
             self.inner = inner
 
-        def get(self, key):
+        def get_encoded(self, key):
             assert gated.wait(timeout=60)
-            return self.inner.get(key)
+            return self.inner.get_encoded(key)
 
     p = ChunkPrefetcher(Gate(store), hold=True, max_bytes=1 << 20)
     p.submit("a", [key(0), key(1), key(2)])
