@@ -112,6 +112,7 @@ def compare_methods(
 ) -> list[MethodComparison]:
     """One row per method of ``records`` (in first-seen order), over the examples every method
     finished. ``baseline``/``reference`` absent from the records leave ``diff``/``ratio`` None."""
+    records = [r for r in records if "id" in r]  # only records of an example pair
     methods = list(dict.fromkeys(r["method"] for r in records))
     values: dict[str, dict[str, float]] = {m: {} for m in methods}
     for r in records:
