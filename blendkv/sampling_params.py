@@ -69,6 +69,66 @@ def _check_bool(name: str, value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's ``StructuredOutputsParams``); exactly one field is set.
+
+    json: a JSON schema (a dict or its JSON text); the output is JSON valid against it.
+    json_object: True: the output is any JSON object (``response_format`` ``json_object``).
+    regex: the output matches this regular expression.
+    choice: the output is exactly one of these strings.
+
+    The constraint is compiled (``xgrammar``) on construction, so a bad schema or regex raises
+    :class:`~blendkv.errors.InvalidSamplingParamsError` here, not in the engine.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+            )
+            if value is not None
+        ]
+        if len(set_fields) != 1:
+            raise InvalidSamplingParamsError(
+                "StructuredOutputsParams needs exactly one of json, json_object, regex, choice; "
+                f"got {set_fields or 'none'}"
+            )
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise _bad("structured_outputs.choice", self.choice, "a list of non-empty str")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise _bad("structured_outputs.regex", self.regex, "a str")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise _bad("structured_outputs.json", self.json, "a JSON schema (dict or str)")
+        from blendkv.engine.structured_output import check_grammar
+
+        check_grammar(self)
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the constraint (the compiled-grammar cache key)."""
+        import json
+
+        return json.dumps(
+            [self.json, self.json_object, self.regex, self.choice], sort_keys=True, default=str
+        )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick output tokens and when to stop.
 
@@ -102,6 +162,12 @@ class SamplingParams:
     n: output sequences (samples) per request, each a ``CompletionOutput`` (``index`` 0..n-1).
         The prompt is computed once and its KV blocks shared; with a ``seed``, sample i uses
         ``seed + i`` (vLLM's convention). Greedy samples are all equal.
+    structured_outputs: constrain the output to a JSON schema, any JSON object, a regex or one
+        of a list of strings (:class:`StructuredOutputsParams`); each sample of ``n > 1`` keeps
+        its own grammar state.
+    prompt_logprobs: None, or k >= 0: ``RequestOutput.prompt_logprobs`` holds, per prompt
+        token after the first, its logprob and the k most likely tokens' (vLLM's extension).
+        The prompt is then computed in full (no prefix-cache hit); blended prompts refuse it.
     """
 
     temperature: float = 1.0
@@ -122,6 +188,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are written with object.__setattr__.
@@ -171,6 +239,18 @@ class SamplingParams:
         put("n", _check_int("n", self.n, "an int >= 1", lambda v: v >= 1))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
+        if self.prompt_logprobs is not None:
+            put(
+                "prompt_logprobs",
+                _check_int(
+                    "prompt_logprobs", self.prompt_logprobs,
+                    f"None or an int in [0, {MAX_LOGPROBS}]", lambda v: 0 <= v <= MAX_LOGPROBS,
+                ),
+            )  # fmt: skip
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         if self.logprobs is not None:
             put(
                 "logprobs",

@@ -35,6 +35,7 @@ from blendkv.engine.runtime_info import runtime_info
 from blendkv.engine.sampler import Sampler
 from blendkv.engine.scheduler import Scheduler
 from blendkv.engine.sequence import Sequence, SequenceStatus
+from blendkv.engine.structured_output import StructuredOutputs
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.kernels.attention import KVCacheSpec
 from blendkv.kernels.backends import get_attention_backend
@@ -120,6 +121,7 @@ class LLMEngine:
             connector=self.kv_connector,
             prune_last_layer=config.prune_last_layer,
         )
+        self.runner.structured_outputs = StructuredOutputs(self.tokenizer)
         if (
             self.device.startswith("cuda")
             and self.attn_backend.supports_cuda_graphs

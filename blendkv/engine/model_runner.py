@@ -88,6 +88,8 @@ class ModelRunner:
         self.token_counts: TokenCounts | None = None
         # Captured decode steps (blendkv.engine.cuda_graphs), set up by the engine on CUDA.
         self.decode_graphs = None
+        # Grammar matchers for structured outputs (StructuredOutputs), set up by the engine.
+        self.structured_outputs = None
 
     # --------------------------------------------------------------- inputs
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
@@ -191,7 +193,14 @@ class ModelRunner:
             if self.token_counts is None:
                 self.token_counts = TokenCounts(logits.shape[-1], logits.device)
             penalties = self.token_counts.inputs(seqs)
-        return self.sampler.sample(logits, params, generators, num_output_tokens, penalties)
+        so = self.structured_outputs
+        bitmask = so.bitmask(seqs, logits.shape[-1], logits.device) if so is not None else None
+        out = self.sampler.sample(
+            logits, params, generators, num_output_tokens, penalties, token_bitmask=bitmask
+        )
+        if bitmask is not None:
+            so.accept(seqs, out.token_ids)
+        return out
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.sampling_params.seed
@@ -206,6 +215,8 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.structured_outputs is not None:
+            self.structured_outputs.release(request_id)
         if self.token_counts is not None:
             self.token_counts.release(request_id)
 

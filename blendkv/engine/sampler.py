@@ -2,6 +2,7 @@
 
 Per row, in this order (vLLM's and transformers')::
 
+    structured outputs:             tokens the row's grammar forbids -> -inf (greedy rows too)
     logit_bias:                     logits[token] += bias                   (greedy rows too)
     min_tokens not reached yet:     EOS and stop_token_ids logits -> -inf   (greedy rows too)
     penalties:                      repetition, frequency, presence         (greedy rows too)
@@ -27,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from blendkv.engine.penalties import PenaltyInputs, apply_logit_bias, apply_penalties
+from blendkv.engine.structured_output import apply_bitmask
 from blendkv.sampling_params import SamplingParams
 
 
@@ -62,6 +64,7 @@ class Sampler:
         generators: list[torch.Generator | None],
         num_output_tokens: list[int],
         penalties: PenaltyInputs | None = None,
+        token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[num_seqs, vocab]`` (any float dtype).
 
@@ -70,6 +73,8 @@ class Sampler:
         is how many tokens row i's request has generated before this one (for ``min_tokens``).
         ``penalties``: the token counts of the rows whose params have a penalty (required
         when any has one; :class:`~blendkv.engine.penalties.TokenCounts` builds them).
+        ``token_bitmask``: ``(bitmask, rows)``, the allowed tokens of the rows under a grammar
+        (:mod:`blendkv.engine.structured_output`); required when any row has one.
         """
         assert logits.dim() == 2, f"logits must be [num_seqs, vocab], got {tuple(logits.shape)}"
         num_seqs = logits.shape[0]
@@ -80,7 +85,7 @@ class Sampler:
             len(num_output_tokens),
         )
         raw = logits.float()
-        logits = self._processed_logits(raw, params, num_output_tokens, penalties)
+        logits = self._processed_logits(raw, params, num_output_tokens, penalties, token_bitmask)
         token_ids = logits.argmax(dim=-1)
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -101,8 +106,9 @@ class Sampler:
         params: list[SamplingParams],
         num_output_tokens: list[int],
         penalties: PenaltyInputs | None,
+        token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> torch.Tensor:
-        """``raw`` after logit_bias, the min-tokens mask and the penalties.
+        """``raw`` after the grammar mask, logit_bias, the min-tokens mask and the penalties.
 
         Returns ``raw`` itself when no row needs any, else a copy (the raw logits stay
         untouched for the logprobs).
@@ -111,9 +117,13 @@ class Sampler:
         has_bias = any(p.logit_bias for p in params)
         if penalties is None:
             assert not any(p.has_penalties for p in params), "penalised rows need their counts"
-        if not (stop_rows or has_bias or penalties is not None):
+        if token_bitmask is None:
+            assert not any(p.structured_outputs for p in params), "constrained rows need a mask"
+        if not (stop_rows or has_bias or penalties is not None or token_bitmask is not None):
             return raw
         logits = raw.clone()
+        if token_bitmask is not None:
+            apply_bitmask(logits, *token_bitmask)
         if has_bias:
             apply_logit_bias(logits, params)
         if stop_rows:
