@@ -63,6 +63,9 @@ class RequestOutput:
     # with ``n > 1`` each completion has its own ``delta_text``).
     delta_text: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: None, then per prompt token {token: logprob, top-k...};
+    # set once the prompt is computed (blendkv.engine.prompt_logprobs).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -120,6 +120,16 @@ class InputProcessor:
         params = self.validate(token_ids, sampling_params)
         if request_id is not None and self.id_in_use(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            if connector_prompt is not None:
+                raise InvalidSamplingParamsError(
+                    "SamplingParams.prompt_logprobs is not supported for a blended prompt "
+                    "(documents or rag): its reused chunks' rows are not computed through every "
+                    "layer, so their logprobs would not be the model's"
+                )
+            if logits_from not in (None, 0):
+                raise InvalidRequestError("prompt_logprobs and logits_from cannot be combined")
+            logits_from = 0
         if logits_from is not None and not 0 <= logits_from < len(token_ids):
             raise InvalidRequestError(f"logits_from={logits_from} is outside the prompt")
         if connector_prompt is not None and logits_from is not None:

@@ -68,4 +68,5 @@ class ParentRequest:
             blend_stats=blend_stats,
             delta_text=completions[0].delta_text,
             extra=first.extra(),
+            prompt_logprobs=first._take_prompt_logprobs(),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from blendkv.engine.detokenizer import IncrementalDetokenizer
+from blendkv.engine.prompt_logprobs import prompt_logprobs
 from blendkv.engine.sequence import Sequence, SequenceStatus
 from blendkv.engine.stop_checker import check_stop, stop_holdback_len
 from blendkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -36,8 +37,26 @@ class RequestState:
         self.prompt_logits: list = []  # [rows, vocab] tensors for Sequence.logits_from
         self.parent: ParentRequest | None = None  # set for the samples of an n > 1 request
 
+        self.prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs, once done
+
     def add_prompt_logits(self, logits) -> None:
-        self.prompt_logits.append(logits)
+        if self.prompt_logprobs is None:  # a recompute after preemption changes nothing then
+            self.prompt_logits.append(logits)
+
+    def _take_prompt_logprobs(self) -> list | None:
+        """The prompt logprobs once every prompt row has arrived (then the logits are freed)."""
+        k = self.seq.sampling_params.prompt_logprobs
+        if k is None or self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        n = self.seq.num_prompt_tokens
+        if sum(t.shape[0] for t in self.prompt_logits) < n:
+            return None
+        import torch
+
+        rows = torch.cat(self.prompt_logits)[-n:]  # the last pass after a preemption
+        self.prompt_logprobs = prompt_logprobs(rows, self.seq.prompt_token_ids, k)
+        self.prompt_logits = []
+        return self.prompt_logprobs
 
     def append(self, token_id, logprob, top_logprobs, now, eos_token_ids) -> SequenceStatus | None:
         """Record one sampled token; return the finished status if the request stops."""
@@ -89,11 +108,12 @@ class RequestState:
             blend_stats=blend_stats,
             delta_text=completion.delta_text,
             extra=self.extra(),
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
 
     def extra(self) -> dict:
         """``RequestOutput.extra``: the prompt logits asked for (``Sequence.logits_from``)."""
-        if not self.prompt_logits:
+        if not self.prompt_logits or self.seq.sampling_params.prompt_logprobs is not None:
             return {}
         import torch
 
