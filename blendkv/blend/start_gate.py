@@ -74,10 +74,8 @@ def gate_enabled(setting: bool | None, blending_configured: bool) -> bool:
 def gate_at_start(engine) -> GateResult | None:
     """Run the gate on a new ``engine`` when its blend connector's settings ask for it (see
     :func:`gate_enabled`; blending counts as configured when connector settings were given)."""
-    from blendkv.blend.connector import BlendConnector
-
     conn = engine.kv_connector
-    if not isinstance(conn, BlendConnector):
+    if not _is_blend_connector(conn):
         return None
     configured = engine.config.kv_connector_config is not None
     if not gate_enabled(conn.config.blend_start_gate, configured):
@@ -90,13 +88,12 @@ def run_start_gate(engine) -> GateResult | None:
     mismatch the blend connector refuses every later blend (``connector.blend_refused``).
     Returns None when the engine's connector is not the blend connector."""
     from blendkv.blend.config import BlendConfig
-    from blendkv.blend.connector import BlendConnector
     from blendkv.entrypoints.warmup import _fresh_block_pool
     from blendkv.rag.fidelity import kl_divergence
     from blendkv.sampling_params import SamplingParams
 
     conn = engine.kv_connector
-    if not isinstance(conn, BlendConnector):
+    if not _is_blend_connector(conn):
         return None
     assert not engine.has_unfinished_requests(), "gate an idle engine"
     conn.blend_refused = None
@@ -141,6 +138,12 @@ def _refuse(engine, conn, reasons: list[str], kl: float, full_tokens, blend_toke
     conn.blend_refused = reason
     logger.warning("%s", reason)
     return GateResult(False, reason, kl, tuple(full_tokens), tuple(blend_tokens))
+
+
+def _is_blend_connector(conn) -> bool:
+    """The blend connector (it has ``blend_refused``), told apart without importing it: the
+    connector imports this module."""
+    return hasattr(conn, "blend_refused") and hasattr(conn, "manager")
 
 
 def _run(engine, prompt, params, blend):
