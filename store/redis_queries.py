@@ -1,4 +1,5 @@
-"""Health queries of a :class:`~blendkv.store.redis_store.RedisKVStore`: stats and verify.
+"""Health queries of a :class:`~blendkv.store.redis_store.RedisKVStore`: stats and verify
+(on a Redis Cluster: ``INFO`` summed over the masters, markers scanned master by master).
 
 A mixin over the store's client, key helpers and counters; kept apart from the value paths.
 """
@@ -21,8 +22,8 @@ class RedisQueries:
             bytes=sum(m.nbytes for m in metas),
             max_bytes=None,
             map_size=0,
-            map_used=int(self._call(lambda: self.client.info("memory")["used_memory"], 0)),
-            evictions=int(self._call(lambda: self.client.info("stats")["evicted_keys"], 0)),
+            map_used=int(self._call(lambda: self._info_sum("memory", "used_memory"), 0)),
+            evictions=int(self._call(lambda: self._info_sum("stats", "evicted_keys"), 0)),
             hits=self.hits,
             misses=self.misses,
             corrupt=self.corrupt,
@@ -30,6 +31,30 @@ class RedisQueries:
             lmdb_hits=0,
             lmdb_misses=0,
         )
+
+    def _info_sum(self, section: str, field: str) -> int:
+        """An ``INFO`` field, summed over a cluster's masters."""
+        if not self.cluster:
+            return int(self.client.info(section)[field])
+        found = self.client.info(section, target_nodes=self.client.PRIMARIES)
+        if field in found:  # one master: redis-py answers that node's dict
+            return int(found[field])
+        return sum(int(node[field]) for node in found.values())
+
+    def _markers(self, report: VerifyReport) -> set[bytes]:
+        """The keys of every stored chunk marker; on a cluster, each master scanned alone (one
+        that is down is reported unreachable, its chunks then count as missing)."""
+        match = f"{self.namespace}:c:*:m"
+        if not self.cluster:
+            names = list(self.client.scan_iter(match=match, count=1000))
+        else:
+            names = []
+            for node in self.client.get_primaries():
+                try:
+                    names += node.redis_connection.scan_iter(match=match, count=1000)
+                except self._redis_errors as e:
+                    report.add("unreachable", node.name, str(e))
+        return {bytes.fromhex(k.decode().rsplit("{", 1)[1].split("}")[0]) for k in names}
 
     def verify(self) -> VerifyReport:
         """Every chunk's value checked; sets, ids and markers agreeing; the server reachable."""
@@ -44,20 +69,20 @@ class RedisQueries:
     def _verify(self, report: VerifyReport) -> None:
         c = self.client
         members = {bytes.fromhex(h.decode()) for h in c.smembers(self._k("chunks"))}
-        markers = {
-            bytes.fromhex(k.decode().rsplit("{", 1)[1].split("}")[0])
-            for k in c.scan_iter(match=f"{self.namespace}:c:*:m", count=1000)
-        }
+        markers = self._markers(report)
         for key in sorted(markers - members):
             report.add("unindexed", key.hex(), "chunk stored but not in the chunk set")
         for key in sorted(members - markers):
-            report.add("missing_value", key.hex(), "in the chunk set but not stored (evicted?)")
+            report.add(
+                "missing_value", key.hex(), "in the chunk set but not stored (evicted, or on a "
+                "cluster node that is down?)",
+            )  # fmt: skip
         for key in sorted(markers & members):
             raw = c.get(self._chunk(key, "m"))
             if raw is None:
                 continue  # evicted meanwhile
             record = json.loads(raw)
-            parts = c.mget([self._chunk(key, f"p:{i}") for i in range(record["parts"])])
+            parts = self._mget([self._chunk(key, f"p:{i}") for i in range(record["parts"])])
             if any(p is None for p in parts):
                 report.add("missing_value", key.hex(), "a part was evicted")
                 continue

@@ -3,20 +3,26 @@
 The same interface as the LMDB :class:`~blendkv.store.KVStore` (``get``, ``read_into``,
 ``put_many``, ``in``, ``delete``, ``meta_for_id``, ``stats``, ``verify``, ``fingerprint``) and
 the same value bytes: a 64-byte header, the raw tensor bytes, an xxh3 checksum (never pickle).
-Keys live under one namespace (``blendkv`` by default)::
+Keys live under one namespace ``ns`` (``blendkv`` by default)::
 
     {ns}:format, {ns}:fp           store kind/version, the model fingerprint (JSON)
-    {ns}:c:{<key hex>}:m           chunk metadata (JSON, with "parts"): written LAST
-    {ns}:c:{<key hex>}:p:<i>       the value, split into parts of at most ``part_bytes``
-    {ns}:c:{<key hex>}:e           the chunk's text embedding (float32), for FAISS rebuilds
+    ns:c:{<key hex>}:m             chunk metadata (JSON, with "parts"): written LAST
+    ns:c:{<key hex>}:p:<i>         the value, split into parts of at most ``part_bytes``
+    ns:c:{<key hex>}:e             the chunk's text embedding (float32), for FAISS rebuilds
     {ns}:next_id, {ns}:id:<id>     chunk id counter, chunk id -> key hex
     {ns}:chunks, {ns}:doc:<doc>    sets of key hex: every chunk, a document's chunks
     {ns}:gen                       bumped on every add/delete (other processes re-sync FAISS)
 
-A chunk's parts and metadata share one hash tag (``{<key hex>}``), so Redis Cluster keeps them
-on one node, and are written in ONE ``MULTI``: a reader sees a whole chunk or none. The
-id/document sets are updated right after (a crash between the two leaves a chunk that
-``verify`` reports as unindexed). Eviction is Redis' own ``maxmemory`` policy: a chunk whose
+Two hash tags, so a Redis Cluster (:mod:`.redis_wire` follows its redirects) serves every
+multi-key operation from one slot: a chunk's parts and metadata share ``{<key hex>}`` and are
+written in ONE ``MULTI`` (a reader sees a whole chunk or none); the store-wide records share
+``{ns}`` (one slot: the fingerprint's ``MULTI``). The id/document sets are updated right after
+a chunk (a crash between the two leaves a chunk that ``verify`` reports as unindexed). Stores
+written before the ``{ns}`` tag (keys ``ns:fp`` ...) are renamed to it when first opened
+writable on a single server. On a cluster whose masters have replicas every write waits for
+one replica (``WAIT``), so a promoted replica holds every chunk a put returned; while a
+master is down its slots are misses (and failed writes), never errors reaching a request.
+Eviction is Redis' own ``maxmemory`` policy: a chunk whose
 parts were evicted is a miss (its remains are deleted), never an error. A lost connection makes
 reads misses and writes fail (the engine recomputes and says so in ``connection_errors``);
 redis-py reconnects on the next call, and the fingerprint is re-checked (re-created on a
@@ -73,7 +79,14 @@ class RedisKVStore(RedisQueries):
                 "a Redis store's size is bounded by the server's maxmemory (and its eviction "
                 "policy, e.g. allkeys-lru), not max_bytes"
             )
-        self._redis_errors = (redis.ConnectionError, redis.TimeoutError)
+        from redis.exceptions import ClusterError, RedisClusterException
+
+        # A cluster slot whose master is down (CLUSTERDOWN, TRYAGAIN, not covered) is a lost
+        # connection too: reads miss, writes fail, until a replica is promoted.
+        self._redis_errors = (
+            redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException,
+        )  # fmt: skip
+        self.wait_timeout_ms = int(socket_timeout * 1000)
         self.url = url
         self.path = url  # what messages and the CLI print
         self.namespace = namespace
@@ -83,9 +96,11 @@ class RedisKVStore(RedisQueries):
         self.hits = self.misses = self.corrupt = self.connection_errors = 0
         self._lock = threading.RLock()
         self._recheck = False
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
-        )
+        try:
+            self.client = _client_for(url, socket_timeout)
+        except self._redis_errors as e:
+            raise StoreError(f"cannot reach the Redis store at {url}: {e}") from e
+        self.cluster = not isinstance(self.client, redis.Redis)
         # Values are read into one buffer per chunk over connections of its own (per thread).
         self._bulk = bulk_reader_for(self.client, socket_timeout)
         try:
@@ -97,7 +112,27 @@ class RedisKVStore(RedisQueries):
 
     # ---- keys ---------------------------------------------------------------------------
     def _k(self, *parts: object) -> str:
-        return ":".join((self.namespace, *map(str, parts)))
+        """A store-wide key: all of them share the ``{ns}`` hash tag (one cluster slot)."""
+        return ":".join((f"{{{self.namespace}}}", *map(str, parts)))
+
+    def _mget(self, names: list[str]) -> list[bytes | None]:
+        """``MGET`` of keys that may lie in many slots (one ``MGET`` per node on a cluster)."""
+        if not names:
+            return []
+        return self.client.mget_nonatomic(names) if self.cluster else self.client.mget(names)
+
+    def _wait_replica(self, name: str) -> None:
+        """On a cluster, wait until one replica of ``name``'s master has every write so far
+        (``WAIT 1``); a master without replicas is not waited on."""
+        if not self.cluster:
+            return
+        slot = self.client.keyslot(name)
+        if len(self.client.nodes_manager.slots_cache.get(slot, ())) < 2:
+            return
+        node = self.client.get_node_from_key(name)
+        acked = self.client.execute_command("WAIT", 1, self.wait_timeout_ms, target_nodes=node)
+        if int(acked) < 1:
+            logger.warning("Redis store %s: no replica acknowledged a write to %s", self.url, name)
 
     def _chunk(self, key: bytes, suffix: str) -> str:
         return f"{self.namespace}:c:{{{key.hex()}}}:{suffix}"
@@ -106,6 +141,8 @@ class RedisKVStore(RedisQueries):
     def _open(self, given: ModelFingerprint | None, create: bool) -> ModelFingerprint:
         record = {"kind": layout.STORE_KIND, "version": layout.STORE_FORMAT_VERSION}
         raw_fp = self.client.get(self._k("fp"))
+        if raw_fp is None and self.client.get(f"{self.namespace}:fp") is not None:
+            raw_fp = self._migrate_legacy_keys()
         if raw_fp is None:
             if given is None or not create or self.readonly:
                 raise StoreFormatError(
@@ -129,6 +166,33 @@ class RedisKVStore(RedisQueries):
                 mismatch_message(self.url, given, stored), given.diff(stored)
             )
         return stored
+
+    def _migrate_legacy_keys(self) -> bytes | None:
+        """Rename a store written before the ``{ns}`` hash tag (``ns:fp``, ``ns:chunks`` ...)
+        to it, in one ``MULTI``; its chunk keys are unchanged. Only on a single server."""
+        import redis
+
+        ns = self.namespace
+        if self.readonly or self.cluster:
+            raise StoreFormatError(
+                f"{self.url} holds a blendkv store in the key layout before Redis Cluster "
+                f"support ({ns}:fp, {ns}:chunks ...; now {{{ns}}}:fp ...): open it once "
+                "writable on a single server to rename its keys"
+            )
+        old = [f"{ns}:{k}" for k in ("format", "fp", "next_id", "gen", "chunks")]
+        old += [k.decode() for p in ("id", "doc") for k in self.client.scan_iter(f"{ns}:{p}:*")]
+        pipe = self.client.pipeline(transaction=True)
+        for name in old:
+            if self.client.exists(name):
+                pipe.rename(name, self._k(name[len(ns) + 1 :]))
+        try:
+            pipe.execute()
+            logger.info(
+                "Redis store %s: renamed %d keys to the {%s} hash tag", self.url, len(old), ns
+            )
+        except redis.ResponseError:  # another process renamed them first
+            pass
+        return self.client.get(self._k("fp"))
 
     def _call(self, fn, on_error, *, locked: bool = True):
         """Run ``fn()`` under the lock (``locked``; a value read runs beside other threads'
@@ -215,6 +279,7 @@ class RedisKVStore(RedisQueries):
             pipe.set(self._chunk(chunk.key, f"p:{i}"), bytes(part))
         pipe.set(self._chunk(chunk.key, "m"), json.dumps(record))  # the marker, last
         pipe.execute()
+        self._wait_replica(self._chunk(chunk.key, "m"))
         index = self.client.pipeline(transaction=False)
         index.set(self._k("id", cid), chunk.key.hex())
         index.sadd(self._k("chunks"), chunk.key.hex())
@@ -222,6 +287,7 @@ class RedisKVStore(RedisQueries):
             index.sadd(self._k("doc", chunk.doc_id), chunk.key.hex())
         index.incr(self._k("gen"))
         index.execute()
+        self._wait_replica(self._k("gen"))
         return PutResult(cid, True, ())
 
     def put_embeddings(self, keys: Sequence[bytes], vectors) -> None:
@@ -237,7 +303,7 @@ class RedisKVStore(RedisQueries):
 
     def embeddings(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._call(
-            lambda: self.client.mget([self._chunk(k, "e") for k in keys]) if keys else [],
+            lambda: self._mget([self._chunk(k, "e") for k in keys]),
             StoreError,
         )
 
@@ -400,9 +466,7 @@ class RedisKVStore(RedisQueries):
 
     def _metas(self, hexkeys) -> list[ChunkMeta]:
         keys = [bytes.fromhex(h.decode()) for h in hexkeys]
-        raws = self._call(
-            lambda: self.client.mget([self._chunk(k, "m") for k in keys]) if keys else [], None
-        )
+        raws = self._call(lambda: self._mget([self._chunk(k, "m") for k in keys]), None)
         return [ChunkMeta.from_json(r) for r in raws or [] if r is not None]
 
     def iter_meta(self) -> Iterator[ChunkMeta]:
@@ -414,6 +478,27 @@ class RedisKVStore(RedisQueries):
     def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
         members = self._call(lambda: self.client.smembers(self._k("doc", doc_id)), set())
         return sorted(self._metas(members), key=lambda m: m.position)
+
+
+def _client_for(url: str, socket_timeout: float):
+    """A ``redis.Redis`` for a single server, or a ``redis.cluster.RedisCluster`` (redirects,
+    a pool per node) when the server at ``url`` says ``cluster_enabled:1`` (``INFO cluster``):
+    any node's URL reaches the whole cluster."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    kw = dict(socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+    client = redis.Redis.from_url(url, **kw)
+    if not url.startswith(("redis://", "rediss://")):  # a unix socket: never a cluster
+        return client
+    try:
+        enabled = int(client.info("cluster").get("cluster_enabled", 0))
+    except redis.ResponseError:  # INFO refused (ACL) or unknown section: a single server
+        enabled = 0
+    if not enabled:
+        return client
+    client.close()
+    return RedisCluster.from_url(url, require_full_coverage=False, **kw)
 
 
 def _joined(parts: list[bytes | None]) -> bytearray | None:

@@ -61,6 +61,17 @@ def redis_server(tmp_path_factory):
     server.kill()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real 3-master Redis Cluster with a replica each, for the session (flush between
+    tests; a test that kills a node builds its own: tests/redis_cluster.py)."""
+    from redis_cluster import RedisCluster
+
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_after_module():
     """Each module's engines (a KV pool each) are gone before the next module starts, even one

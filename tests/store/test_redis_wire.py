@@ -50,9 +50,9 @@ def test_a_missing_part_is_a_miss_and_the_connection_stays_in_step(redis_url, fp
         s.put_many([NewChunk(key_of(i), make_kv(i, num_tokens=64)) for i in range(2)])
         s.client.delete(s._chunk(key_of(0), "p:1"))  # evicted behind the store's back
         assert s.get(key_of(0)) is None and s.misses == 1
-        conn = s._bulk._local.conn
+        conn = s._bulk._local.conns.get(None)
         assert same_bits(s.get(key_of(1)).kv, make_kv(1, num_tokens=64))
-        assert s._bulk._local.conn is conn and s.connection_errors == 0
+        assert s._bulk._local.conns.get(None) is conn and s.connection_errors == 0
         assert key_of(0) not in s  # its remains were deleted
 
 
@@ -99,12 +99,12 @@ def test_a_restarted_server_is_read_from_again_at_once(tmp_path, fp):
         with open_kv_store(server.url, fp, memory_tier_bytes=0, socket_timeout=2.0) as s:
             s.put_many([NewChunk(key_of(1), make_kv(1))])
             assert same_bits(s.get(key_of(1)).kv, make_kv(1))  # its connection is made
-            stale = s._bulk._local.conn
+            stale = s._bulk._local.conns.get(None)
             server.kill()
             server.start()  # empty
             s.put_many([NewChunk(key_of(1), make_kv(1))])  # redis-py reconnects for writes
             errors = s.connection_errors
             assert same_bits(s.get(key_of(1)).kv, make_kv(1))
-            assert s.connection_errors == errors and s._bulk._local.conn is not stale
+            assert s.connection_errors == errors and s._bulk._local.conns.get(None) is not stale
     finally:
         server.kill()

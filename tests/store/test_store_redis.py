@@ -1,4 +1,5 @@
-"""The chunk-K/V store on a real redis-server: the same interface and bytes as LMDB."""
+"""The chunk-K/V store on a real redis-server and a real Redis Cluster: the same interface and
+bytes as LMDB."""
 
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ from blendkv.store import format as fmt
 from blendkv.store.redis_store import RedisKVStore
 
 
-@pytest.fixture
-def redis_url(redis_server):
-    redis_server.flush()
-    return redis_server.url
+@pytest.fixture(params=["server", "cluster"])
+def redis_url(request):
+    """The same tests on one redis-server and on a 3-master Redis Cluster (any node's URL)."""
+    server = request.getfixturevalue(
+        "redis_server" if request.param == "server" else "redis_cluster"
+    )
+    server.flush()
+    return server.url
 
 
 def test_round_trip_equals_lmdb_bit_for_bit(redis_url, tmp_path, fp):
