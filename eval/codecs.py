@@ -95,6 +95,22 @@ class CodecStores:
             m.writer.flush()
             m.fingerprint, m.store, m.writer = saved
 
+    def fill(self, keys: list[bytes]) -> None:
+        """Put ``none``'s values of ``keys`` into every other codec's store (each encodes them
+        its way): the same chunks without computing them again."""
+        manager = self.manager
+        manager.flush()
+        base = self._sets["none"][1]
+        for codec in self.codecs:
+            if codec == "none":
+                continue
+            store = self._sets[codec][1]
+            for key in keys:
+                if key not in store:
+                    chunk = base.get(key, skip_memory_tier=True)
+                    if chunk is not None:
+                        store.put(key, chunk.kv)
+
     def bytes_per_token(self, codec: str, keys: list[bytes], num_tokens: int) -> float | None:
         """Stored bytes of the values of ``keys`` (what ``get_encoded`` returns: encoded values'
         tensors, scales and outlier keys included) per token of them."""

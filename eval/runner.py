@@ -174,9 +174,7 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
             journal.start(result.config)
         if not examples:
             return result
-        for codec in stores.codecs:
-            with stores.using(codec):
-                _warm_up(llm, hf, methods, prompts, progress)
+        _warm_up(llm, hf, methods, prompts, progress)
         result.config["store_bytes_per_token"] = _store_bytes(stores, prompts)
         params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
         bar = tqdm(list(zip(examples, prompts, strict=True)), desc="eval", disable=not progress)
@@ -197,7 +195,8 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
 
 
 def _store_bytes(stores: CodecStores, prompts: list[ExamplePrompt]) -> dict[str, float | None]:
-    """Stored bytes per chunk token of the run's chunks, per codec."""
+    """Fills the codecs' stores with the run's (warmed) chunks; their stored bytes per chunk
+    token, per codec."""
     manager = stores.manager
     chunks: dict[bytes, int] = {}
     for p in prompts:
@@ -205,6 +204,7 @@ def _store_bytes(stores: CodecStores, prompts: list[ExamplePrompt]) -> dict[str,
         for key, ids in zip(state.chunk_keys, state.prompt.chunks, strict=True):
             chunks[key] = len(ids)
     keys, n = list(chunks), sum(chunks.values())
+    stores.fill(keys)  # the other codecs' stores: the warmed chunks, encoded
     return {c: stores.bytes_per_token(c, keys, n) for c in stores.codecs}
 
 
