@@ -59,7 +59,7 @@ class RedisCluster:
             args += ["--appendonly", "no", "--dir", node_dir, "--cluster-enabled", "yes"]
             args += ["--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"]
             args += ["--cluster-require-full-coverage", "no"]
-            args += ["--repl-diskless-sync-delay", "0"]
+            args += ["--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0"]
             self.procs[port] = subprocess.Popen(
                 args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
@@ -123,6 +123,16 @@ class RedisCluster:
             if start <= slot <= end:
                 return int(master[1])
         raise AssertionError(f"slot {slot} is not covered")
+
+    def replica_of(self, master_port: int) -> int:
+        """The port of a live replica of the master on ``master_port``."""
+        import redis
+
+        for port in self.procs:
+            info = redis.Redis(port=port).info("replication")
+            if info["role"] == "slave" and int(info["master_port"]) == master_port:
+                return port
+        raise AssertionError(f"no replica of {master_port}")
 
     def kill(self, port: int) -> None:
         proc = self.procs.pop(port)
