@@ -57,6 +57,10 @@ class EngineConfig:
         prune_last_layer: run attention and the MLP of the last layer only for the rows a
             step reads (every row's K/V is still written); False runs every row through every
             layer.
+        deterministic: batch-invariant mode: a request's greedy output (and seeded samples)
+            does not depend on what else is in the batch, on the chunking or on prefix-cache
+            hits: GEMMs in fixed row tiles, every query row attended as a decode row
+            (blendkv.kernels.batch_invariant). Off by default: it costs (docs/benchmarks.md).
     """
 
     model: str | None = None
@@ -79,6 +83,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     prune_last_layer: bool = True
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -208,6 +208,9 @@ class AttentionBackend(ABC):
     # Its :meth:`shift_kept_rows` takes the correction (the row plan then builds the
     # recomputed rows' chunk segments it needs); else the blend runs the torch code.
     fused_chunk_shift: bool = False
+    # Batch-invariant mode (EngineConfig.deterministic, set by get_attention_backend): every
+    # query row attended as its own decode row (blendkv.kernels.batch_invariant).
+    deterministic: bool = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -17,7 +17,17 @@ from blendkv.kernels.torch_attention import TorchAttentionBackend
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
+def get_attention_backend(
+    name: str = "auto", device: str = "cpu", deterministic: bool = False
+) -> AttentionBackend:
+    """The backend ``name`` on ``device``; ``deterministic``: batch-invariant attention
+    (:mod:`blendkv.kernels.batch_invariant`)."""
+    backend = _backend(name, device)
+    backend.deterministic = deterministic
+    return backend
+
+
+def _backend(name: str, device: str) -> AttentionBackend:
     """Pick an attention backend by name; ``auto`` is Triton on CUDA and ``cpu`` on the CPU.
 
     ``torch`` is the plain-torch reference (any device); ``cpu`` is it with the C++ kernels in

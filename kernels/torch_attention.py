@@ -29,6 +29,7 @@ from blendkv.kernels.attention import (
     split_by_kind,
 )
 from blendkv.kernels.attention_mass import attention_with_mass
+from blendkv.kernels.batch_invariant import PerRowMemo
 from blendkv.kernels.paged_decode import block_runs, decode_attention, decode_layout
 from blendkv.kernels.split_attention import available as split_available
 from blendkv.kernels.split_attention import build_row_groups, split_masked_attention
@@ -125,6 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         self._step_layouts = StepLayoutMemo()  # (metadata, pool blocks) -> _StepLayout
+        self._per_row = PerRowMemo()  # deterministic mode: metadata -> its per-row metadata
         self._flash_cpu = split_available(self.device)  # split attention, decode in place
         self.prefers_block_runs = self._flash_cpu  # the CPU path reads runs as slices
 
@@ -242,6 +244,8 @@ class TorchAttentionBackend(AttentionBackend):
                 self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi], **wc)
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
+        if self.deterministic and not md.query_mass:
+            md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
         layout = self._step_layouts.get(
             md, kv_cache.shape[1], lambda: self._build_layout(md, kv_cache.shape, q)
         )
@@ -276,7 +280,7 @@ class TorchAttentionBackend(AttentionBackend):
                     out[mid:hi], **mass_kw,
                 )  # fmt: skip
                 request.scores.add_(mass)
-        if layout.decode is not None and not wc:
+        if layout.decode is not None and not wc and not self.deterministic:
             self._decode(q, kv_cache, layout.decode, out, scale)
         elif layout.decode is not None:
             self._decode_windowed(q, kv_cache, md, layout, out, scale, window, soft_cap)

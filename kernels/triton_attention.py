@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from blendkv.kernels.attention import AttentionMetadata, StepLayoutMemo, split_by_kind
+from blendkv.kernels.batch_invariant import FIXED_NUM_SPLITS
 from blendkv.kernels.torch_attention import TorchAttentionBackend, dense_causal_attention
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
             self._dense_prefill(q, k, v, list(zip(starts, starts[1:], strict=False)), out, scale)
             return out
         self.write_kv(kv_cache, k, v, md.slot_mapping)
+        if self.deterministic and not md.query_mass:
+            md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
         layout = self._layout(md, q.shape[1] // kv_cache.shape[3], windowed)
         if layout.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
             # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
@@ -224,13 +227,15 @@ class TritonAttentionBackend(TorchAttentionBackend):
         block_q = block_q_for(group, _PREFILL_BLOCK_M)
         tile_seq_ids, tile_starts = build_tiles(starts, other, block_q, md.positions.device)
         max_decode_len = max((md.seq_lens_cpu[i] for i in decode), default=1)
+        # deterministic: a split that depends on the row alone, not on the step's longest row
+        splits = FIXED_NUM_SPLITS if self.deterministic else default_num_splits(max_decode_len)
         return _StepLayout(
             fresh_ranges=fresh,
             decode_seq_ids=_index_tensor(decode, md.positions.device),
             tile_seq_ids=tile_seq_ids,
             tile_starts=tile_starts,
             block_q=block_q,
-            num_splits=default_num_splits(max_decode_len),
+            num_splits=splits,
         )
 
     # ---- dense causal prefill -----------------------------------------------------------

@@ -65,7 +65,9 @@ def register(sub) -> None:
         help="most tokens the documents of one request may take in all (default max_model_len)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_model_args(p, ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"))
+    add_model_args(
+        p, ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "deterministic")
+    )
     p.set_defaults(func=run)
 
 

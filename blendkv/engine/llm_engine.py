@@ -39,6 +39,7 @@ from blendkv.engine.structured_output import StructuredOutputs
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.kernels.attention import KVCacheSpec
 from blendkv.kernels.backends import get_attention_backend
+from blendkv.layers.batch_invariant import enable_batch_invariance
 from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning, gemm_override
 from blendkv.models.model_files import load_model, load_tokenizer, resolve_model
 from blendkv.outputs import RequestOutput
@@ -72,7 +73,7 @@ class LLMEngine:
         self.torch_dtype = getattr(torch, self.dtype)
         backend = resolve_attention_backend(config.attention_backend, self.device)
         try:
-            self.attn_backend = get_attention_backend(backend, self.device)
+            self.attn_backend = get_attention_backend(backend, self.device, config.deterministic)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
@@ -81,6 +82,8 @@ class LLMEngine:
             self.model, self.torch_dtype, self.device, gemm=gemm_override()
         )
         apply_cpu_tuning(self.model, self.cpu_tuning)
+        if config.deterministic:  # after the tuning: row tiles replace its packed GEMMs
+            enable_batch_invariance(self.model)
         self.hf_config = self.model.config
         self.info = runtime_info(
             config, self.model, self.tokenizer, self.resolved.name, self.device, self.dtype

@@ -90,6 +90,24 @@ class OneDNNWeight:
         )
 
 
+def row_tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    """``F.linear`` through GEMMs of exactly ``rows`` rows each: a row's result does not depend
+    on how many rows came with it. GEMM libraries choose their kernel and reduction order by
+    the row count (a matrix-vector product for one row, other blockings for others); with the
+    count fixed every row goes through the same kernel, whose reduction over the inner
+    dimension is the same for each row of a tile."""
+    n = x.shape[0]
+    pad = -n % rows
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    out = x.new_empty(n + pad, weight.shape[0])
+    for start in range(0, n + pad, rows):
+        out[start : start + rows] = F.linear(x[start : start + rows], weight, bias)
+    return out[:n]
+
+
 class SmallBatchGemm:
     """The packing policy of one linear map: off until :meth:`enable` (MKL, small batches) or
     :meth:`enable_onednn` (every 2-D input), packed on first use."""
@@ -98,6 +116,7 @@ class SmallBatchGemm:
         self.rows = 0  # 0 = off
         self.onednn = False
         self.packed: PackedWeight | OneDNNWeight | None = None
+        self.tile_rows = 0  # batch-invariant row tiles (enable_row_tiles); 0 = off
 
     def enable(self, rows: int) -> None:
         self.rows, self.onednn, self.packed = rows, False, None
@@ -105,7 +124,14 @@ class SmallBatchGemm:
     def enable_onednn(self) -> None:
         self.rows, self.onednn, self.packed = 0, True, None
 
+    def enable_row_tiles(self, rows: int) -> None:
+        """Batch-invariant from now on (``EngineConfig.deterministic``): every GEMM in tiles
+        of exactly ``rows`` rows, the last one zero-padded (:func:`row_tiled_linear`)."""
+        self.rows, self.onednn, self.packed, self.tile_rows = 0, False, None, rows
+
     def __call__(self, x, weight, bias) -> torch.Tensor:
+        if self.tile_rows and x.dim() == 2:
+            return row_tiled_linear(x, weight, bias, self.tile_rows)
         if self.onednn and x.dim() == 2:
             if self.packed is None:
                 self.packed = OneDNNWeight(weight, bias)
