@@ -96,19 +96,19 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:<id>"
-    # OpenAI / vLLM features blendkv does not have: a value other than None / False is refused
-    # with a 400 naming the field (serving.refuse_unsupported), never silently ignored.
+    # vLLM's prompt logprobs and structured outputs (openai.structured checks them).
     prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
-    use_beam_search: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+    # OpenAI / vLLM features blendkv does not have: a value other than None / False is refused
+    # with a 400 naming the field (serving.refuse_unsupported), never silently ignored.
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
     guided_grammar: Any = None
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "structured_outputs",
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "truncate_prompt_tokens", "use_beam_search", "guided_grammar",
     )  # fmt: skip
 
 
@@ -238,7 +238,8 @@ class CompletionLogprobs(OpenAIModel):
 class CompletionChoice(OpenAIModel):
     index: int = 0
     text: str
-    prompt_logprobs: None = None  # vLLM's field; prompt_logprobs requests are refused
+    # vLLM's: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM: the stop string or token id
@@ -290,6 +291,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # as CompletionChoice's
     blendkv: dict[str, Any] | None = None
 
 

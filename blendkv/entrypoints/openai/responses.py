@@ -139,6 +139,27 @@ class ReplyOptions:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def prompt_logprobs(out: RequestOutput, served: Served) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {logprob,
+    rank, decoded_token}}``; rank counts from 1 within the entry's top tokens (the prompt token
+    outside them has the rank after the last of them: at least that)."""
+    if out.prompt_logprobs is None:
+        return None
+    result: list = []
+    for entry in out.prompt_logprobs:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        result.append(
+            {
+                str(t): {"logprob": _lp(v), "rank": r, "decoded_token": served.logprob_token(t)[0]}
+                for r, (t, v) in enumerate(ranked, start=1)
+            }
+        )
+    return result
+
+
 def _choice_logprobs(comp, sent: int, opts: ReplyOptions, served: Served, chat: bool, offset=0):
     if comp.logprobs is None or len(comp.logprobs) <= sent:
         return None
@@ -167,6 +188,7 @@ def chat_response(
         model=served.model_name,
         choices=choices,
         usage=usage(out),
+        prompt_logprobs=prompt_logprobs(out, served),
         blendkv=blend_info(out, stream),
     )
 
@@ -178,6 +200,7 @@ def completion_response(
         CompletionChoice(
             index=comp.index,
             text=comp.text,
+            prompt_logprobs=prompt_logprobs(out, served),
             logprobs=_choice_logprobs(comp, 0, opts, served, chat=False),
             finish_reason=comp.finish_reason,
             stop_reason=comp.stop_reason,

@@ -28,6 +28,7 @@ from blendkv.entrypoints.openai.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
+from blendkv.entrypoints.openai.structured import check_prompt_logprobs, structured_outputs
 from blendkv.errors import InvalidRequestError
 from blendkv.rag.chunk_order import ChunkOrderError, check_chunk_order
 from blendkv.sampling_params import SamplingParams
@@ -77,6 +78,9 @@ def sampling_params(
                 f"stop_token_ids {bad[:5]} are out of vocabulary [0, {vocab_size})",
                 param="stop_token_ids",
             )
+    blended = getattr(req, "documents", None) is not None or getattr(req, "rag", None) is not None
+    check_prompt_logprobs(req, blended)
+    constraint = structured_outputs(req)
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -97,6 +101,8 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             n=1 if req.n is None else req.n,
+            structured_outputs=constraint,
+            prompt_logprobs=req.prompt_logprobs,
         )
     except InvalidRequestError as exc:
         raise api_error(exc, param_names) from exc
@@ -167,9 +173,6 @@ def completion_prompt(req: CompletionRequest, vocab_size: int | None = None) -> 
 def chat_params(req: ChatCompletionRequest, vocab_size: int | None = None) -> SamplingParams:
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(400, f"response_format {fmt!r} is not supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

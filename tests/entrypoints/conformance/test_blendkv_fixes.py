@@ -93,7 +93,7 @@ def test_error_bodies_name_the_parameter_and_carry_a_request_id(server):
     cases = [
         ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
         ("/v1/completions", {"prompt": [[1], [2]]}, "prompt"),
-        (CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {"messages": HELLO, "response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/completions", {"prompt": "fox", "stop_token_ids": [100_000]}, "stop_token_ids"),
         (CHAT, {"messages": HELLO, "stop_token_ids": [-1]}, "stop_token_ids"),
         ("/v1/completions", {"prompt": [5, 99_999]}, "prompt"),
@@ -174,12 +174,9 @@ def test_body_of_a_json_error_is_json(server):
 
 
 UNSUPPORTED = {
-    "prompt_logprobs": 1,
     "truncate_prompt_tokens": 8,
     "use_beam_search": True,
-    "structured_outputs": {"choice": ["a", "b"]},
-    "guided_json": {"type": "object"},
-    "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= 'a'",
 }
 
 

@@ -5,6 +5,9 @@ docs/guide/serving.md), or check the clean 400 that replaces the feature."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import openai
 import pytest
 
@@ -93,9 +96,32 @@ def test_batch_completions_are_refused(client):
         client.completions.create(model=MODEL, prompt=["Hello", "World"], max_tokens=3)
 
 
-@pytest.mark.skip(reason="prompt_logprobs is refused (400): the engine computes sampled ones only")
-def test_prompt_logprobs_completion():
-    pass
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_prompt_logprobs_completion(client, k):
+    ids = [5, 6, 7, 8, 9, 10]
+    c = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, extra_body={"prompt_logprobs": k}
+    )
+    plp = c.choices[0].prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for i, entry in enumerate(plp[1:], start=1):
+        assert str(ids[i]) in entry and len(entry) in (max(k, 1), k + 1)
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in entry.values())
+    chat = client.chat.completions.create(
+        model=MODEL, messages=SESSION, max_completion_tokens=2, extra_body={"prompt_logprobs": 2}
+    )
+    assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    for bad in (-1, 21):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(
+                model=MODEL, prompt=ids, max_tokens=2, extra_body={"prompt_logprobs": bad}
+            )
+        assert err.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as err:  # vLLM streams them; blendkv refuses
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert err.value.body["param"] == "prompt_logprobs"
 
 
 @pytest.mark.skip(reason="truncate_prompt_tokens is refused (400): prompts are never cut")
@@ -154,18 +180,70 @@ def test_extra_fields_and_custom_role_and_content_parts(client):
     assert one == two
 
 
-def test_response_format_text_is_accepted_the_others_refused(client):
-    kw = dict(model=MODEL, messages=SESSION, max_completion_tokens=5)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 5},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_and_json_object(client):
+    kw = dict(model=MODEL, messages=SESSION, max_completion_tokens=40, temperature=1.0, n=2)
     assert client.chat.completions.create(**kw, response_format={"type": "text"}).choices
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    for choice in client.chat.completions.create(**kw, response_format=fmt, seed=1).choices:
+        value = json.loads(choice.message.content)
+        assert value["answer"] in ("yes", "no") and 0 <= value["score"] <= 5
+    # The mask keeps the text an object; whether a random model closes it within max tokens is
+    # chance (tests/engine/test_structured_output.py biases it to close and parses it).
+    obj = client.chat.completions.create(
+        **{**kw, "n": 1, "temperature": 0, "max_completion_tokens": 60},
+        response_format={"type": "json_object"},
+    )
+    text = obj.choices[0].message.content
+    assert text.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    for fmt in (
+        {"type": "json_schema", "json_schema": {"name": "x"}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        {"type": "grammar"},
+    ):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(**kw, response_format=fmt)
         assert err.value.body["param"] == "response_format"
 
 
-@pytest.mark.skip(reason="structured outputs (json, regex, choice, grammar) are refused (400)")
-def test_structured_outputs():
-    pass
+def test_structured_outputs_choice_regex_and_json(client):
+    choices = ["Paris", "Berlin", "New York"]
+    kw = dict(model=MODEL, max_tokens=20, temperature=1.0)
+    for body in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        c = client.completions.create(**kw, prompt="The capital is", n=3, extra_body=body)
+        assert all(ch.text in choices for ch in c.choices)
+    c = client.chat.completions.create(
+        **kw, messages=SESSION, extra_body={"guided_regex": "[a-c]{2}-[0-9]{2}"}
+    )
+    assert re.fullmatch("[a-c]{2}-[0-9]{2}", c.choices[0].message.content)
+    c = client.completions.create(
+        **{**kw, "max_tokens": 80},
+        prompt="JSON:",
+        extra_body={"structured_outputs": {"json": SCHEMA}},
+    )
+    assert c.choices[0].finish_reason == "stop"
+    assert json.loads(c.choices[0].text)["answer"] in ("yes", "no")
+    for body, param in (
+        ({"guided_regex": "(("}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**kw, prompt="x", extra_body=body)
+        assert err.value.body["param"] == param, body
 
 
 @pytest.mark.skip(reason="tool calling is refused (400)")
