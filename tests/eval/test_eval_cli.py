@@ -53,6 +53,18 @@ def test_writes_every_output_with_documented_keys(eval_dir):
     assert all(RECORD_KEYS <= set(r) for r in records)
     report = (eval_dir / "report.md").read_text()
     assert all(f"| {m} |" in report for m in METHODS)
+    # Bootstrap intervals: no default blend in METHODS, so ratios to reuse but no baseline.
+    assert "## Paired bootstrap 95 % intervals" in report
+    kl_rows = {r["method"]: r for r in results["intervals"]["answer_kl"]}
+    assert set(kl_rows) == set(METHODS) - {"full"}
+    assert kl_rows["reuse"]["ratio"]["point"] == pytest.approx(1.0)
+    assert all(r["diff"] is None and r["n"] == 2 for r in kl_rows.values())
+
+
+def test_baseline_must_be_a_method(tmp_path, capsys):
+    argv = ["eval", "--data", "synthetic", "--methods", "full,reuse", "--baseline", "blend@0.1"]
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    assert "--baseline 'blend@0.1' is not one of --methods" in capsys.readouterr().err
 
 
 def test_fidelity_orders_methods(eval_dir):
