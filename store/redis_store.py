@@ -12,6 +12,7 @@ Keys live under one namespace ``ns`` (``blendkv`` by default)::
     {ns}:next_id, {ns}:id:<id>     chunk id counter, chunk id -> key hex
     {ns}:chunks, {ns}:doc:<doc>    sets of key hex: every chunk, a document's chunks
     {ns}:gen                       bumped on every add/delete (other processes re-sync FAISS)
+    {ns}:catalog                   the RAG document catalog (blendkv.rag.catalog)
 
 Two hash tags, so a Redis Cluster (:mod:`.redis_wire` follows its redirects) serves every
 multi-key operation from one slot: a chunk's parts and metadata share ``{<key hex>}`` and are
@@ -179,7 +180,7 @@ class RedisKVStore(RedisQueries):
                 f"support ({ns}:fp, {ns}:chunks ...; now {{{ns}}}:fp ...): open it once "
                 "writable on a single server to rename its keys"
             )
-        old = [f"{ns}:{k}" for k in ("format", "fp", "next_id", "gen", "chunks")]
+        old = [f"{ns}:{k}" for k in ("format", "fp", "next_id", "gen", "chunks", "catalog")]
         old += [k.decode() for p in ("id", "doc") for k in self.client.scan_iter(f"{ns}:{p}:*")]
         pipe = self.client.pipeline(transaction=True)
         for name in old:

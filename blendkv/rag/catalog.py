@@ -106,12 +106,13 @@ class DocumentCatalog:
 
 
 class RedisDocumentCatalog(DocumentCatalog):
-    """The same catalog in a Redis hash (``{namespace}:catalog``, doc id -> JSON entry) of a
-    shared store, so every engine process sees the same document set. Reads go to Redis."""
+    """The same catalog in a Redis hash (``{namespace}:catalog``, doc id -> JSON entry, under
+    the store-wide hash tag) of a shared store, so every engine process sees the same document
+    set. Reads go to Redis."""
 
     def __init__(self, kv) -> None:
         self._client = kv.client
-        self._hash = f"{kv.namespace}:catalog"
+        self._hash = kv._k("catalog")
 
     @property
     def _docs(self) -> dict[str, dict[str, Any]]:
