@@ -95,10 +95,16 @@ def verdict(diff: Interval | None, metric: str) -> str:
 def default_baseline(methods: list[str]) -> str | None:
     """The run's method that is ``BlendConfig()``'s blend (whatever its name), or None."""
     from blendkv.blend.config import BlendConfig
-    from blendkv.eval.methods import _identity, parse_method
+    from blendkv.eval.methods import MethodError, _identity, parse_method
 
     want = _identity(parse_method(f"blend@{BlendConfig().recompute_ratio:g}"))
-    return next((m for m in methods if _identity(parse_method(m)) == want), None)
+    for m in methods:
+        try:
+            if _identity(parse_method(m)) == want:
+                return m
+        except MethodError:  # a row name that is no method, e.g. "reuse[int8]" (--kv-codec)
+            continue
+    return None
 
 
 def compare_methods(

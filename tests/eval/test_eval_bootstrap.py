@@ -86,6 +86,7 @@ def test_default_baseline_is_the_default_blend_whatever_its_name():
     assert default_baseline(["full", "reuse", "blend@0.10"]) == "blend@0.10"
     assert default_baseline(["full", "blend@0.1:prophet+ck+s32", "blend@0.15"]) is not None
     assert default_baseline(["full", "reuse", "blend@0.15"]) is None
+    assert default_baseline(["reuse[int8]", "blend@0.1[int8]", "blend@0.1"]) == "blend@0.1"
     assert verdict(None, "answer_kl") == ""
 
 
