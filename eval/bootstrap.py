@@ -98,11 +98,11 @@ def default_baseline(methods: list[str]) -> str | None:
     from blendkv.eval.methods import MethodError, _identity, parse_method
 
     want = _identity(parse_method(f"blend@{BlendConfig().recompute_ratio:g}"))
-    for m in methods:
+    for m in sorted(methods, key=lambda m: "[" in m):  # none's rows before --kv-codec's
         try:
             if _identity(parse_method(m)) == want:
                 return m
-        except MethodError:  # a row name that is no method, e.g. "reuse[int8]" (--kv-codec)
+        except MethodError:  # a row name that is no method
             continue
     return None
 
