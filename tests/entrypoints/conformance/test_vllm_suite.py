@@ -117,6 +117,12 @@ def test_prompt_logprobs_completion(client, k):
                 model=MODEL, prompt=ids, max_tokens=2, extra_body={"prompt_logprobs": bad}
             )
         assert err.value.body["param"] == "prompt_logprobs"
+    blended = {"prompt_logprobs": 1, "documents": [{"text": "Paris is in France."}]}
+    with pytest.raises(openai.BadRequestError) as err:  # reused chunks: no model values
+        client.chat.completions.create(
+            model=MODEL, messages=SESSION, max_completion_tokens=2, extra_body=blended
+        )
+    assert err.value.body["param"] == "prompt_logprobs"
     with pytest.raises(openai.BadRequestError) as err:  # vLLM streams them; blendkv refuses
         client.completions.create(
             model=MODEL, prompt=ids, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1}
