@@ -15,6 +15,7 @@ import redis
 from redis_cluster import RedisCluster
 from store_helpers import key_of, make_kv, same_bits
 
+from blendkv.cli import main
 from blendkv.store import NewChunk, open_kv_store
 
 
@@ -77,6 +78,7 @@ def test_two_processes_share_chunks_through_the_cluster(redis_cluster, fp):
 import sys
 sys.path[:0] = {sys.path[:0] + [p for p in sys.path if p.endswith(("tests", "store"))]!r}
 from store_helpers import key_of, make_kv, make_fingerprint
+from blendkv.cli import main
 from blendkv.store import NewChunk, open_kv_store
 with open_kv_store({redis_cluster.url!r}, make_fingerprint(), memory_tier_bytes=0) as s:
     s.put_many([NewChunk(key_of(i), make_kv(i), doc_id="d", position=i) for i in range(4)])
@@ -107,7 +109,7 @@ def test_a_single_server_store_in_the_old_key_layout_is_renamed_on_open(redis_se
         assert [m.key for m in s.document_chunks("d")] == [key_of(1)] and s.verify().ok
 
 
-def test_a_killed_master_is_misses_until_its_replica_is_promoted(tmp_path, fp):
+def test_a_killed_master_is_misses_until_its_replica_is_promoted(tmp_path, fp, capsys):
     cluster = RedisCluster(tmp_path).start()
     try:
         with open_kv_store(cluster.url, fp, memory_tier_bytes=0, socket_timeout=1.0) as s:
@@ -122,13 +124,9 @@ def test_a_killed_master_is_misses_until_its_replica_is_promoted(tmp_path, fp):
             found = {i: s.get(key_of(i)) for i in range(9)}  # misses, never errors
             assert all(found[i] is None for i in lost)
             assert all(same_bits(found[i].kv, make_kv(i)) for i in range(9) if i not in lost)
-            verify = subprocess.run(
-                [sys.executable, "-m", "blendkv.cli", "store", "verify", "--store", cluster.url]
-                + ["--json"],
-                capture_output=True,
-                check=False,
-            )
-            report = json.loads(verify.stdout.decode().strip().splitlines()[-1])
+            capsys.readouterr()
+            main(["store", "verify", "--store", cluster.url, "--json"])  # `blendkv store verify`
+            report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
             kinds = [p["kind"] for p in report["problems"]]
             assert not report["ok"] and "unreachable" in kinds, report
             assert kinds.count("missing_value") == len(lost), report
