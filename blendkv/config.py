@@ -61,6 +61,9 @@ class EngineConfig:
             does not depend on what else is in the batch, on the chunking or on prefix-cache
             hits: GEMMs in fixed row tiles, every query row attended as a decode row
             (blendkv.kernels.batch_invariant). Off by default: it costs (docs/benchmarks.md).
+        blend_audit_rate: the fraction of blended requests that also run full prefill after
+            their answer, when the engine is idle, to measure the first token's KL(full ||
+            blend) and top-1 agreement (blendkv.blend.audit); drawn with ``seed``. 0: never.
     """
 
     model: str | None = None
@@ -84,6 +87,7 @@ class EngineConfig:
     num_threads: int | None = None
     prune_last_layer: bool = True
     deterministic: bool = False
+    blend_audit_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -126,6 +130,9 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.kv_connector_config is not None and self.kv_connector is None:
             raise ConfigError("kv_connector_config needs a kv_connector (it is None)")
+        rate = self.blend_audit_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ConfigError(f"blend_audit_rate must be in [0, 1], got {rate!r}")
 
 
 def _valid_device(device: object) -> bool:

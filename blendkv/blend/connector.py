@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from blendkv.blend.audit import AUDIT_ID_PREFIX, BlendAuditor
 from blendkv.blend.chunk_loader import ChunkLoader
 from blendkv.blend.config import BlendConnectorConfig
 from blendkv.blend.controller import LoadingController
@@ -82,6 +83,8 @@ class BlendConnector(KVConnectorBase):
         self._prefetcher = None  # reads queued requests' chunks ahead (prefetch_kv)
         # None picks per device and store; benchmarks switch it between requests.
         self.prefetch = self.config.prefetch_kv
+        # Full prefill of a sampled share of blended requests, when idle (blendkv.blend.audit).
+        self.auditor = BlendAuditor(context.config.blend_audit_rate, context.config.seed)
         self.blend_refused: str | None = None  # why the start gate refused to blend (start_gate)
 
     @property
@@ -157,6 +160,8 @@ class BlendConnector(KVConnectorBase):
     def add_request(self, request_id: str, kv_transfer_params) -> None:
         if isinstance(kv_transfer_params, BlendRequestState):
             self._states[request_id] = kv_transfer_params
+            if kv_transfer_params.chunk_keys:  # a refused or chunkless prompt is full prefill
+                self.auditor.choose(request_id, kv_transfer_params.prompt.token_ids)
             self.manager.find_missing(kv_transfer_params)  # computed as precompute work
             prefetcher = self.prefetcher
             if prefetcher is not None and kv_transfer_params.chunk_keys:
@@ -187,6 +192,7 @@ class BlendConnector(KVConnectorBase):
 
     def request_finished(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self.auditor.request_finished(request_id)
         if self._prefetcher is not None:
             self._prefetcher.release(request_id)
 
@@ -204,6 +210,12 @@ class BlendConnector(KVConnectorBase):
         if state is None or not state.missing:
             return []
         return state.precompute_work(len(self.manager.anchor_ids))
+
+    def get_background_work(self) -> list[tuple[str, int]]:
+        return self.auditor.background_work()
+
+    def has_background_work(self) -> bool:
+        return self.auditor.has_work()
 
     def kv_ready(self, seq) -> bool:
         prefetcher = self._prefetcher
@@ -231,6 +243,10 @@ class BlendConnector(KVConnectorBase):
     def run_precompute(self, work) -> None:
         by_request: dict[str, list[int]] = {}
         for w in work:
+            if w.request_id.startswith(AUDIT_ID_PREFIX):
+                ctx = self.context
+                self.auditor.run(w.request_id, ctx.model, ctx.attn_backend)
+                continue
             by_request.setdefault(w.request_id, []).append(w.index)
         for request_id, indices in by_request.items():
             self.manager.run_precompute(self._states[request_id], indices)

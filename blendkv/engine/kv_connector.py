@@ -116,6 +116,15 @@ class KVConnectorBase(LayerHooks, ABC):
         (no blocks) until this is empty. Pure ints; called again after every step."""
         return []
 
+    def get_background_work(self) -> list[tuple[str, int]]:
+        """Low-priority work (a blend audit's full prefill): (work id, token cost) pairs the
+        scheduler hands out as precompute items only in a step where no request waits or
+        runs; run by :meth:`run_precompute`."""
+        return []
+
+    def has_background_work(self) -> bool:
+        return False
+
     def kv_ready(self, seq: Sequence) -> bool:
         """False while the connector is still reading a waiting request's K/V ahead of its
         step (asynchronous loading): the scheduler then lets it wait while other work runs,

@@ -210,10 +210,13 @@ class LLMEngine:
             states.append(RequestState(seq, req.prompt, self.tokenizer))
         first = states[0].seq
         first.logits_from = req.logits_from
+        self.kv_connector.add_request(request_id, req.kv_transfer_params)
+        auditor = getattr(self.kv_connector, "auditor", None)
+        if auditor is not None and params.n == 1:  # n > 1 is never audited
+            first.logits_from = auditor.wants_logits(request_id, req.logits_from)
         first.pending_children = [state.seq for state in states[1:]]
         if params.n > 1:
             self.parents[request_id] = ParentRequest(request_id, states)
-        self.kv_connector.add_request(request_id, req.kv_transfer_params)
         for state in states:
             self.requests[state.seq.request_id] = state
         self.scheduler.add(first)
@@ -276,7 +279,10 @@ class LLMEngine:
             return []
         result = self.runner.execute(out)
         sampled_seqs, sampled = result.sampled_seqs, result.sampled
+        auditor = getattr(self.kv_connector, "auditor", None)
         for request_id, logits in result.logits.items():
+            if auditor is not None and auditor.take_logits(request_id, logits):
+                continue  # asked for the blend audit only (blendkv.blend.audit)
             self.requests[request_id].add_prompt_logits(logits)
         self.scheduler.update_from_output(out)
         now = time.perf_counter()
@@ -312,6 +318,11 @@ class LLMEngine:
                 del self.parents[parent.request_id]
                 self.kv_connector.request_finished(parent.request_id)
         return outputs
+
+    def blend_audit_records(self) -> list:
+        """The blend audits landed so far, oldest first (:mod:`blendkv.blend.audit`)."""
+        auditor = getattr(self.kv_connector, "auditor", None)
+        return list(auditor.records) if auditor is not None else []
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

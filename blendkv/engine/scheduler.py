@@ -18,7 +18,9 @@ Every step it fills one token budget (``max_num_batched_tokens``) with, in order
    item costing its tokens; an item larger than the whole budget runs alone among the step's
    prefills. Such a request is ``PRECOMPUTING`` (in :attr:`Scheduler.precomputing`, holding no
    blocks) until its last item ran, then it joins the waiting queue. Spread over steps this
-   way, a request with many new documents never stalls the decodes and prefills of others.
+   way, a request with many new documents never stalls the decodes and prefills of others;
+4. the connector's background work (``get_background_work``: a blend audit's full prefill),
+   only in a step where no request runs, waits or precomputes.
 
 A request with ``n > 1`` samples is one sequence until its prompt is computed: in the step that
 computes the prompt's last token, its other samples (``Sequence.pending_children``) are forked
@@ -88,7 +90,9 @@ class Scheduler:
         self._finish(seq, status)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.precomputing)
+        if self.waiting or self.running or self.precomputing:
+            return True
+        return self.connector is not None and self.connector.has_background_work()
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -98,6 +102,9 @@ class Scheduler:
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
         self._schedule_precompute(out, budget)
+        if self.connector is not None and not (self.running or self.waiting or self.precomputing):
+            for work_id, cost in self.connector.get_background_work():
+                out.precompute.append(PrecomputeWork(work_id, -1, cost))
         self._fork(out)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         if self.connector is not None:

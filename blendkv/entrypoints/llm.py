@@ -183,6 +183,14 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
+    def blend_audit_records(self) -> list:
+        """The blend audits so far (``blend_audit_rate``; :mod:`blendkv.blend.audit`), oldest
+        first. Audits still pending run first: they wait for an idle engine."""
+        auditor = getattr(self.engine.kv_connector, "auditor", None)
+        if auditor is not None:
+            self._wait_for(lambda: not auditor.has_work())
+        return self.engine.blend_audit_records()
+
     # -------------------------------------------------------------- helpers
     def close(self) -> None:
         """Release the chunk-KV store (a private temporary store is deleted)."""

@@ -1,0 +1,168 @@
+"""The blend audit: a sampled fraction of blended requests also runs full prefill, off the
+critical path, to watch fusion quality in production (issue 41, item 4b).
+
+``EngineConfig.blend_audit_rate`` picks blended requests with a seeded draw (deterministic for a
+seed and an arrival order). An audited request's last prompt row logits (its first token's
+distribution) are kept when its fused prefill samples; its answer is untouched. When the request
+is finished (or aborted after its first token), the audit joins the blend connector's background
+work: the scheduler hands it out only in a step where nothing else waits or runs (no running,
+waiting or precomputing request), as one dense forward of the prompt (no KV pool, like chunk
+precompute). KL(full || blend) and top-1 agreement of the two distributions become an
+:class:`AuditRecord`, readable from ``engine.blend_audit_records()`` /
+``LLM.blend_audit_records()`` and ``/metrics`` histograms.
+
+Pending audits are bounded (``MAX_PENDING``): under a load that never idles the oldest are
+dropped (counted in ``num_dropped``) rather than growing without end.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["AUDIT_ID_PREFIX", "MAX_PENDING", "AuditRecord", "BlendAuditor"]
+
+AUDIT_ID_PREFIX = "blendkv-audit:"
+MAX_PENDING = 64  # audits waiting for an idle step; older ones are dropped beyond it
+MAX_RECORDS = 1024  # records kept for readers (the oldest go first)
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """One audited request: its first-token distribution under blend vs full prefill."""
+
+    request_id: str
+    kl: float  # KL(full || blend) of the last prompt row, nats
+    top1_agree: bool  # both distributions' argmax is the same token
+    full_top1: int
+    blend_top1: int
+    num_prompt_tokens: int
+
+
+@dataclass
+class _Audit:
+    request_id: str
+    token_ids: list[int]
+    blend_logits: object = None  # [V] tensor on the CPU, once the first token was sampled
+    done: bool = False  # the request finished: the audit may run
+
+
+class BlendAuditor:
+    """Chooses audited requests, keeps their blend logits, runs the full prefill and records.
+
+    Lives in the blend connector; the engine asks it which requests need their last prompt row's
+    logits (:meth:`wants_logits`) and hands them over (:meth:`take_logits`)."""
+
+    def __init__(self, rate: float, seed: int) -> None:
+        assert 0.0 <= rate <= 1.0
+        self.rate = rate
+        self._rng = random.Random(seed)
+        self._audits: dict[str, _Audit] = {}  # by request id, in arrival order
+        self._hidden: set[str] = set()  # requests whose prompt logits the user did not ask
+        self.records: deque[AuditRecord] = deque(maxlen=MAX_RECORDS)
+        self._new: list[AuditRecord] = []  # not yet taken by take_new_records
+        self.num_dropped = 0
+
+    # ---- requests -----------------------------------------------------------------------
+    def choose(self, request_id: str, token_ids: list[int]) -> bool:
+        """Draw for one blended request (one draw per request, in arrival order)."""
+        if self.rate <= 0.0 or request_id.startswith("blendkv-start-gate"):
+            return False
+        if self._rng.random() >= self.rate:
+            return False
+        self._audits[request_id] = _Audit(request_id, list(token_ids))
+        return True
+
+    def is_audited(self, request_id: str) -> bool:
+        return request_id in self._audits
+
+    def wants_logits(self, request_id: str, user_logits_from: int | None) -> int | None:
+        """The ``logits_from`` the engine sets on an audited sequence: the user's, else the last
+        prompt row (then hidden from the request's output)."""
+        audit = self._audits.get(request_id)
+        if audit is None or user_logits_from is not None:
+            return user_logits_from
+        self._hidden.add(request_id)
+        return len(audit.token_ids) - 1
+
+    def take_logits(self, request_id: str, logits) -> bool:
+        """Keep the last row of a step's prompt logits for ``request_id``; True when they were
+        only asked for the audit (the engine then does not hand them to the request)."""
+        audit = self._audits.get(request_id)
+        if audit is None:
+            return False
+        audit.blend_logits = logits[-1].float().clone()
+        return request_id in self._hidden
+
+    def request_finished(self, request_id: str) -> None:
+        """The answer is done: the audit may run if the blend's first token was sampled."""
+        self._hidden.discard(request_id)
+        audit = self._audits.get(request_id)
+        if audit is None:
+            return
+        if audit.blend_logits is None:  # aborted before its first token: nothing to compare
+            del self._audits[request_id]
+            return
+        audit.done = True
+        ready = [a for a in self._audits.values() if a.done]
+        for old in ready[: max(0, len(ready) - MAX_PENDING)]:
+            del self._audits[old.request_id]
+            self.num_dropped += 1
+
+    # ---- background work ----------------------------------------------------------------
+    def background_work(self) -> list[tuple[str, int]]:
+        """(work id, token cost) of the oldest audit ready to run, or nothing."""
+        for audit in self._audits.values():
+            if audit.done:
+                return [(AUDIT_ID_PREFIX + audit.request_id, len(audit.token_ids))]
+        return []
+
+    def has_work(self) -> bool:
+        return any(a.done for a in self._audits.values())
+
+    def run(self, work_id: str, model, attn_backend) -> AuditRecord:
+        """Full prefill of the audited prompt (one dense forward) and the comparison."""
+        import torch
+
+        from blendkv.rag.fidelity import kl_divergence
+
+        assert work_id.startswith(AUDIT_ID_PREFIX)
+        audit = self._audits.pop(work_id[len(AUDIT_ID_PREFIX) :])
+        with torch.inference_mode():
+            full = full_prefill_last_logits(model, attn_backend, audit.token_ids)
+        blend = audit.blend_logits
+        record = AuditRecord(
+            request_id=audit.request_id,
+            kl=float(kl_divergence(full, blend)),
+            top1_agree=int(full.argmax()) == int(blend.argmax()),
+            full_top1=int(full.argmax()),
+            blend_top1=int(blend.argmax()),
+            num_prompt_tokens=len(audit.token_ids),
+        )
+        self.records.append(record)
+        self._new.append(record)
+        return record
+
+    def take_new_records(self) -> list[AuditRecord]:
+        """Records landed since the last call (for one reader: the server's metrics)."""
+        new, self._new = self._new, []
+        return new
+
+    def recent_mean_kl(self, n: int) -> float | None:
+        """Mean KL of the last ``n`` records, None without any."""
+        recent = list(self.records)[-n:]
+        return sum(r.kl for r in recent) / len(recent) if recent else None
+
+
+def full_prefill_last_logits(model, attn_backend, token_ids: list[int]):
+    """Logits ``[V]`` (float32, CPU) of the last prompt row under plain full prefill: one
+    forward without the KV pool (dense metadata), as chunk precompute runs."""
+    import torch
+
+    device = attn_backend.device
+    md = attn_backend.dense_metadata([len(token_ids)])
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    last = torch.tensor([len(token_ids) - 1], dtype=torch.long, device=device)
+    hidden = model(ids, md.positions, None, md, output_rows=last)
+    return model.compute_logits(hidden[-1:])[0].float().cpu()
