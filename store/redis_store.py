@@ -88,6 +88,7 @@ class RedisKVStore(RedisQueries):
             redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException,
         )  # fmt: skip
         self.wait_timeout_ms = int(socket_timeout * 1000)
+        self._replicated: dict[str, tuple[bool, float]] = {}  # node -> (has a replica, when)
         self.url = url
         self.path = url  # what messages and the CLI print
         self.namespace = namespace
@@ -124,13 +125,19 @@ class RedisKVStore(RedisQueries):
 
     def _wait_replica(self, name: str) -> None:
         """On a cluster, wait until one replica of ``name``'s master has every write so far
-        (``WAIT 1``); a master without replicas is not waited on."""
+        (``WAIT 1``); a master without a connected replica (``INFO replication``, re-asked
+        every few seconds) is not waited on."""
         if not self.cluster:
             return
-        slot = self.client.keyslot(name)
-        if len(self.client.nodes_manager.slots_cache.get(slot, ())) < 2:
-            return
         node = self.client.get_node_from_key(name)
+        now = time.monotonic()
+        known = self._replicated.get(node.name)
+        if known is None or now - known[1] > 5.0:
+            info = self.client.info("replication", target_nodes=node)
+            info = info.get(node.name, info)  # redis-py may key the answer by node
+            known = self._replicated[node.name] = (int(info.get("connected_slaves", 0)) > 0, now)
+        if not known[0]:
+            return
         acked = self.client.execute_command("WAIT", 1, self.wait_timeout_ms, target_nodes=node)
         if int(acked) < 1:
             logger.warning("Redis store %s: no replica acknowledged a write to %s", self.url, name)

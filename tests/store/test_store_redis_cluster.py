@@ -118,6 +118,8 @@ def test_a_killed_master_is_misses_until_its_replica_is_promoted(tmp_path, fp, c
             index_master = cluster.master_port_of(s._k("chunks"))
             victim = next(p for p in master.values() if p != index_master)
             lost = [i for i in range(9) if master[i] == victim]
+            stats = redis.Redis(port=victim).info("commandstats")
+            assert stats["cmdstat_wait"]["calls"] >= len(lost)  # each put waited (WAIT 1)
             replica = redis.Redis(port=cluster.replica_of(victim))
             replica.config_set("cluster-replica-no-failover", "yes")  # hold the outage
             cluster.kill(victim)
