@@ -2,7 +2,8 @@
 
 Per row, in this order (vLLM's and transformers')::
 
-    structured outputs:             tokens the row's grammar forbids -> -inf (greedy rows too)
+    structured outputs:             tokens the row's grammar forbids -> -inf (greedy rows too;
+                                    a complete grammar's EOS outranks min_tokens)
     logit_bias:                     logits[token] += bias                   (greedy rows too)
     min_tokens not reached yet:     EOS and stop_token_ids logits -> -inf   (greedy rows too)
     penalties:                      repetition, frequency, presence         (greedy rows too)
@@ -130,7 +131,23 @@ class Sampler:
             logits[stop_rows, stop_cols] = float("-inf")
         if penalties is not None:
             apply_penalties(logits, params, penalties)
+        if token_bitmask is not None and stop_rows:
+            self._grammar_beats_min_tokens(logits, raw, token_bitmask)
         return logits
+
+    @staticmethod
+    def _grammar_beats_min_tokens(
+        logits: torch.Tensor, raw: torch.Tensor, token_bitmask: tuple[torch.Tensor, list[int]]
+    ) -> None:
+        """A complete grammar allows only EOS, which ``min_tokens`` forbids: such a row would
+        have no token left, so it gets the grammar's tokens back (the grammar wins)."""
+        bitmask, rows = token_bitmask
+        dead = torch.isneginf(logits[rows]).all(dim=-1).tolist()
+        for j, i in enumerate(rows):
+            if dead[j]:
+                row = raw[i : i + 1].clone()
+                apply_bitmask(row, bitmask[j : j + 1], [0])
+                logits[i] = row[0]
 
     def _stop_token_mask(
         self, vocab_size: int, params: list[SamplingParams], num_output_tokens: list[int]

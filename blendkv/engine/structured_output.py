@@ -77,6 +77,7 @@ class StructuredOutputs:
         self._vocab_size = 0
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self.matchers: dict[str, object] = {}
+        self._stop_ids: list[int] = []
 
     def _compile(self, spec: StructuredOutputsParams):
         compiled = self._compiled.get(spec.key)
@@ -113,11 +114,18 @@ class StructuredOutputs:
         if self._compiler is None or self._vocab_size != vocab_size:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab_size)
             self._compiler = xgr.GrammarCompiler(info)
+            self._stop_ids = [t for t in info.stop_token_ids if 0 <= t < vocab_size]
             self._vocab_size = vocab_size
             self._compiled.clear()
         mask = xgr.allocate_token_bitmask(len(rows), vocab_size)
         for j, i in enumerate(rows):
-            self._matcher(seqs[i]).fill_next_token_bitmask(mask, j)
+            m = self._matcher(seqs[i])
+            if m.is_terminated():  # EOS taken but the request goes on (min_tokens): EOS only
+                mask[j] = 0
+                for t in self._stop_ids:
+                    mask[j, t // 32] |= _bit(t % 32)
+            else:
+                m.fill_next_token_bitmask(mask, j)
         return mask.to(device), rows
 
     def accept(self, seqs: list[Sequence], token_ids: list[int]) -> None:
@@ -129,6 +137,11 @@ class StructuredOutputs:
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+
+
+def _bit(k: int) -> int:
+    """Bit ``k`` of an int32 word as a Python int in int32's range."""
+    return (1 << k) - (1 << 32 if k == 31 else 0)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -73,6 +73,11 @@ def test_choice_and_regex(llm):
     assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", texts[0])
 
 
+def test_a_complete_grammar_ends_even_below_min_tokens(llm):
+    texts, reasons = _gen(llm, StructuredOutputsParams(choice=["yes", "no"]), min_tokens=8)
+    assert texts[0] in ("yes", "no") and reasons == ["stop"]
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(json="{not json"), dict(json={"type": "nonsense"}), dict(regex="(("), dict(choice=[])],
