@@ -17,15 +17,29 @@ dropped (counted in ``num_dropped``) rather than growing without end.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["AUDIT_ID_PREFIX", "MAX_PENDING", "AuditRecord", "BlendAuditor"]
+__all__ = [
+    "AUDIT_ID_PREFIX",
+    "DEFAULT_WARN_KL",
+    "MAX_PENDING",
+    "AuditRecord",
+    "AuditWatch",
+    "BlendAuditor",
+]
+
+logger = logging.getLogger(__name__)
 
 AUDIT_ID_PREFIX = "blendkv-audit:"
 MAX_PENDING = 64  # audits waiting for an idle step; older ones are dropped beyond it
 MAX_RECORDS = 1024  # records kept for readers (the oldest go first)
+# `blendkv serve --blend-audit-warn-kl`: mean first-token KL(full || blend), nats, over the last
+# WARN_WINDOW audits above which the server warns (docs/guide/blending.md, "The blend audit").
+DEFAULT_WARN_KL = 0.25
+WARN_WINDOW = 50
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class _Audit:
     request_id: str
     token_ids: list[int]
     blend_logits: object = None  # [V] tensor on the CPU, once the first token was sampled
+    stats: object = None  # the request's BlendStats: the record lands in its ``audit``
     done: bool = False  # the request finished: the audit may run
 
 
@@ -65,13 +80,14 @@ class BlendAuditor:
         self.num_dropped = 0
 
     # ---- requests -----------------------------------------------------------------------
-    def choose(self, request_id: str, token_ids: list[int]) -> bool:
-        """Draw for one blended request (one draw per request, in arrival order)."""
+    def choose(self, request_id: str, token_ids: list[int], stats: object = None) -> bool:
+        """Draw for one blended request (one draw per request, in arrival order); ``stats``
+        (its BlendStats, seen by the user's outputs) gets the record as ``stats.audit``."""
         if self.rate <= 0.0 or request_id.startswith("blendkv-start-gate"):
             return False
         if self._rng.random() >= self.rate:
             return False
-        self._audits[request_id] = _Audit(request_id, list(token_ids))
+        self._audits[request_id] = _Audit(request_id, list(token_ids), stats=stats)
         return True
 
     def is_audited(self, request_id: str) -> bool:
@@ -142,6 +158,8 @@ class BlendAuditor:
         )
         self.records.append(record)
         self._new.append(record)
+        if audit.stats is not None:  # not a dataclass field: to_dict() stays as it was
+            audit.stats.audit = record
         return record
 
     def take_new_records(self) -> list[AuditRecord]:
@@ -166,3 +184,27 @@ def full_prefill_last_logits(model, attn_backend, token_ids: list[int]):
     last = torch.tensor([len(token_ids) - 1], dtype=torch.long, device=device)
     hidden = model(ids, md.positions, None, md, output_rows=last)
     return model.compute_logits(hidden[-1:])[0].float().cpu()
+
+
+class AuditWatch:
+    """Warns (once per crossing) when the mean KL of the last ``window`` audits passes
+    ``warn_kl``; warns again only after the mean fell back below it."""
+
+    def __init__(self, warn_kl: float = DEFAULT_WARN_KL, window: int = WARN_WINDOW) -> None:
+        self.warn_kl = warn_kl
+        self._recent: deque[float] = deque(maxlen=window)
+        self.warning = False  # the mean is above the threshold now
+
+    def observe(self, record: AuditRecord) -> None:
+        self._recent.append(record.kl)
+        mean = sum(self._recent) / len(self._recent)
+        if mean > self.warn_kl and not self.warning:
+            logger.warning(
+                "blend audit: mean first-token KL(full || blend) of the last %d audited requests "
+                "is %.3g nats, above --blend-audit-warn-kl %g: blending degrades answers on "
+                "this traffic (raise recompute_ratio, or check the model's blend support)",
+                len(self._recent),
+                mean,
+                self.warn_kl,
+            )
+        self.warning = mean > self.warn_kl

@@ -161,7 +161,8 @@ class BlendConnector(KVConnectorBase):
         if isinstance(kv_transfer_params, BlendRequestState):
             self._states[request_id] = kv_transfer_params
             if kv_transfer_params.chunk_keys:  # a refused or chunkless prompt is full prefill
-                self.auditor.choose(request_id, kv_transfer_params.prompt.token_ids)
+                state = kv_transfer_params
+                self.auditor.choose(request_id, state.prompt.token_ids, state.stats)
             self.manager.find_missing(kv_transfer_params)  # computed as precompute work
             prefetcher = self.prefetcher
             if prefetcher is not None and kv_transfer_params.chunk_keys:

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 
+from blendkv.blend.audit import DEFAULT_WARN_KL, WARN_WINDOW
 from blendkv.cli import add_model_args, engine_kwargs
 from blendkv.commands.ingest import add_store_max_bytes_arg
 from blendkv.config import resolve_device
@@ -64,9 +65,24 @@ def register(sub) -> None:
         metavar="N",
         help="most tokens the documents of one request may take in all (default max_model_len)",
     )
+    p.add_argument(
+        "--blend-audit-warn-kl",
+        type=float,
+        default=DEFAULT_WARN_KL,
+        metavar="NATS",
+        help="with --blend-audit-rate, warn when the mean first-token KL(full || blend) of the "
+        f"last {WARN_WINDOW} audited requests passes it (default {DEFAULT_WARN_KL})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_model_args(
-        p, ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "deterministic")
+        p,
+        (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "enable_prefix_caching",
+            "deterministic",
+            "blend_audit_rate",
+        ),
     )
     p.set_defaults(func=run)
 
@@ -98,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             max_request_documents=args.max_request_documents,
             max_document_tokens=args.max_document_tokens,
             shutdown_timeout=args.shutdown_timeout,
+            blend_audit_warn_kl=args.blend_audit_warn_kl,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

@@ -65,6 +65,7 @@ def test_audit_changes_neither_answer_nor_first_token_step(pair, ratio):
     record = audited.engine.blend_audit_records()[-1]
     assert record.request_id == rid
     assert record.num_prompt_tokens == len(a_out.prompt_token_ids)
+    assert a_out.blend_stats.audit == record  # lands in the answer's stats once it ran
     if ratio == 1.0:  # a blend that recomputes everything is full prefill
         assert record.kl < 1e-4 and record.top1_agree
     else:  # full reuse of chunks computed apart differs from full prefill
@@ -124,3 +125,19 @@ def test_choice_is_seeded_and_follows_the_rate():
         from blendkv.config import EngineConfig
 
         EngineConfig(blend_audit_rate=1.5)
+
+
+def test_watch_warns_once_per_crossing(caplog):
+    from blendkv.blend.audit import AuditRecord, AuditWatch
+
+    def record(kl):
+        return AuditRecord("r", kl, True, 1, 1, 10)
+
+    watch = AuditWatch(warn_kl=0.5, window=2)
+    with caplog.at_level("WARNING", logger="blendkv.blend.audit"):
+        for kl in (0.2, 0.6, 1.0, 2.0):  # means 0.2, 0.4, 0.8, 1.5: one crossing
+            watch.observe(record(kl))
+        assert caplog.text.count("blend audit") == 1 and watch.warning
+        for kl in (0.0, 0.0, 3.0):  # below again (0.0), then above (1.5): warns again
+            watch.observe(record(kl))
+    assert caplog.text.count("blend audit") == 2

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from blendkv.blend.audit import DEFAULT_WARN_KL
 from blendkv.engine.detokenizer import logprob_token
 from blendkv.entrypoints.async_llm import AsyncLLM, RequestStream
 from blendkv.entrypoints.llm import LLM
@@ -71,6 +72,8 @@ class ServeConfig:
         (new ones get 503, ``/health`` too) before the rest are aborted.
     max_request_documents, max_document_tokens: per-request limits on chat ``documents``
         (None: 1024 documents, max_model_len tokens; :mod:`.request_limits`).
+    blend_audit_warn_kl: with ``blend_audit_rate`` > 0, warn when the mean first-token KL of
+        the recent audits passes it (nats; :mod:`blendkv.blend.audit`).
     """
 
     api_key: str | None = None
@@ -83,6 +86,7 @@ class ServeConfig:
     shutdown_timeout: float = 30.0
     max_request_documents: int | None = None
     max_document_tokens: int | None = None
+    blend_audit_warn_kl: float = DEFAULT_WARN_KL
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -215,7 +219,7 @@ def create_app(load: Callable[[], LLM] | LLM, config: ServeConfig | None = None)
     """The ASGI app. ``load`` builds the LLM (called in a background thread at startup, routes
     answer 503 meanwhile) or is a loaded one; the server closes it at shutdown."""
     config = config or ServeConfig()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(blend_audit_warn_kl=config.blend_audit_warn_kl)
     state = ServerState(load if callable(load) else (lambda: load), config, metrics)
 
     @asynccontextmanager

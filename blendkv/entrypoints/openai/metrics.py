@@ -5,7 +5,8 @@ Three sources:
 * the HTTP layer: requests by route and status (:meth:`ServerMetrics.observe_http`);
 * the engine thread, after every step (:meth:`ServerMetrics.on_step`, an ``AsyncLLM`` step
   listener): tokens in/out, TTFT and end-to-end latency, blend counters, and how many requests
-  received a token in the step (the continuous batch at work);
+  received a token in the step (the continuous batch at work), and the blend audits that
+  landed (first-token KL and top-1 agreement histograms; ``blendkv.blend.audit``);
 * the engine's published :class:`~blendkv.entrypoints.async_llm.EngineStats`, read at scrape
   time: running/waiting requests, KV blocks used, steps, aborts.
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from blendkv.blend.audit import DEFAULT_WARN_KL, AuditWatch
 from blendkv.entrypoints.async_llm import AsyncLLM
 from blendkv.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_KL_BUCKETS = (1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1, 3)
 # Blend stats fields -> counter name suffix and help.
 _BLEND = {
     "chunks_hit": "chunks whose K/V was found in the store",
@@ -31,8 +34,20 @@ _BLEND = {
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, blend_audit_warn_kl: float = DEFAULT_WARN_KL) -> None:
         r = self.registry = CollectorRegistry()
+        self._auditor = None
+        self._audit_warn_kl = blend_audit_warn_kl
+        self.audit_watch = None
+        self.audit_kl = Histogram(
+            "blendkv_blend_audit_kl", "Audited blends: first-token KL(full prefill || blend), nats",
+            buckets=_KL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.audit_top1 = Histogram(
+            "blendkv_blend_audit_top1_agreement",
+            "Audited blends: 1 when the first token's argmax equals full prefill's, else 0",
+            buckets=(0.5,), registry=r,
+        )  # fmt: skip
         self.http_requests = Counter(
             "blendkv_http_requests", "HTTP requests by route and status", ["route", "status"],
             registry=r,
@@ -64,6 +79,9 @@ class ServerMetrics:
     def attach(self, engine: AsyncLLM) -> None:
         """Observe ``engine``'s steps and export its stats (once, when the model is loaded)."""
         engine.add_step_listener(self.on_step)
+        self._auditor = getattr(engine.llm.engine.kv_connector, "auditor", None)
+        if self._auditor is not None:
+            self.audit_watch = AuditWatch(self._audit_warn_kl)
         self.registry.register(_EngineCollector(engine))
 
     def observe_http(self, route: str, status: int) -> None:
@@ -74,6 +92,11 @@ class ServerMetrics:
         per sample that got one; generated tokens are counted by the engine)."""
         if outputs:
             self.step_requests.observe(len(outputs))
+        if self._auditor is not None:
+            for record in self._auditor.take_new_records():
+                self.audit_kl.observe(record.kl)
+                self.audit_top1.observe(1.0 if record.top1_agree else 0.0)
+                self.audit_watch.observe(record)
         for out in outputs:
             m = out.metrics
             if len(out.outputs[0].token_ids) == 1:  # the request's first token
