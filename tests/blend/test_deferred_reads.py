@@ -41,13 +41,13 @@ def _warm(llm, blend):
 def view_threads(monkeypatch):
     """Names of the threads that view LMDB values through a step's snapshot."""
     names: list[str] = []
-    original = ReadSnapshot.view
+    original = ReadSnapshot.view_encoded  # the loader reads values as stored
 
     def view(self, key):
         names.append(threading.current_thread().name)
         return original(self, key)
 
-    monkeypatch.setattr(ReadSnapshot, "view", view)
+    monkeypatch.setattr(ReadSnapshot, "view_encoded", view)
     return names
 
 
