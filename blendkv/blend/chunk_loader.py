@@ -25,7 +25,7 @@ from blendkv.blend.layerwise_write import ChunkWrite
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.request_state import BlendRequestState
 from blendkv.blend.row_plan import SeqBlend
-from blendkv.blend.window_skip import computed_rows, skipped_prefixes, uniform_window
+from blendkv.blend.window_skip import computed_rows, layer_skips
 from blendkv.kernels.kv_decode import EncodedChunk, as_chunk
 
 
@@ -100,10 +100,13 @@ class ChunkLoader:
             reused[lo - start : e - start] = True
             chunk_ids[lo - start : e - start] = i
             chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
-            lo += skips[i]  # a prefix no sliding window reads: reused, not loaded
-            stats.window_skipped_tokens += skips[i]
+            # per loaded layer, a prefix its sliding window never reads: reused, not loaded
+            base = min(skips[i], default=0)
+            lo += base
+            stats.window_skipped_tokens += sum(skips[i])
             if lo == e:
                 continue
+            own = [k - base for k in skips[i]]  # what each layer skips past ``lo``
             keep = (slice(first, None), slice(None), slice(lo - s, None))  # layers, positions
             kv, tier, fetch, recover = computed.get(i), "computed", None, None
             t_fetch = time.perf_counter()
@@ -132,10 +135,13 @@ class ChunkLoader:
                     fetch_seconds=time.perf_counter() - t_fetch,
                     fetch=fetch,
                     recover=recover,
+                    layer_skips=own if any(own) else None,
                 )
             )
-            layer_nbytes = 2 * (e - lo) * kv_heads * head_dim * self.itemsize
-            stats.kv_bytes_loaded += (num_layers - first) * layer_nbytes
+            token_nbytes = 2 * kv_heads * head_dim * self.itemsize
+            loaded_nbytes = sum(e - lo - k for k in own) * token_nbytes
+            stats.kv_bytes_loaded += loaded_nbytes
+            layer_nbytes = loaded_nbytes // max(1, num_layers - first)  # a mean layer's
             if tier != "computed" and num_layers > first:
                 layer_bytes[tier] = layer_bytes.get(tier, 0) + layer_nbytes
         stats.tokens_reused = int(reused.sum())
@@ -209,18 +215,20 @@ class ChunkLoader:
 
     def _window_skips(
         self, state: BlendRequestState, todo: list[int], start: int, first: int
-    ) -> dict[int, int]:
-        """Per chunk of ``todo``, how many leading tokens (past ``start``) no layer from
-        ``first`` on reads: only when every such layer has one window and no reused row is ever
-        recomputed (full reuse); else 0."""
-        window = uniform_window(self.layer_windows, first)
-        if window is None or not state.config.full_reuse:
-            return dict.fromkeys(todo, 0)
+    ) -> dict[int, list[int]]:
+        """Per chunk of ``todo``, per loaded layer (``first`` on), how many leading tokens (past
+        ``start``) that layer never reads: with a sliding window and no reused row ever
+        recomputed (full reuse; why not otherwise: :mod:`blendkv.blend.window_skip`); else 0."""
+        num_layers = self.kv_shape[0]
+        windows = list(self.layer_windows[first:num_layers])
+        unknown = len(windows) != num_layers - first  # windows not set (or not this model's)
+        if not state.config.full_reuse or unknown or all(w is None for w in windows):
+            return {i: [0] * (num_layers - first) for i in todo}
         loaded = [(max(state.prompt.chunk_spans[i][0], start), state.prompt.chunk_spans[i][1])
                   for i in todo]  # fmt: skip
         seq_len = len(state.prompt.token_ids)
         rows = computed_rows(loaded, start, seq_len)
-        return dict(zip(todo, skipped_prefixes(loaded, rows, seq_len, window), strict=True))
+        return dict(zip(todo, layer_skips(loaded, rows, seq_len, windows), strict=True))
 
     def end_step(self) -> None:
         """The step's writes are done: release its read snapshot (views into it die)."""

@@ -84,6 +84,9 @@ class ChunkWrite:
     # then ``recover`` computes it, in the forward's thread.
     fetch: Callable[[], torch.Tensor | EncodedChunk | None] | None = None
     recover: Callable[[], torch.Tensor] | None = None
+    # Per layer of ``kv``, its leading tokens not written (a sliding window never reads them:
+    # :mod:`blendkv.blend.window_skip`); None: every layer writes all of them.
+    layer_skips: list[int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -92,8 +95,17 @@ class ChunkWrite:
             return 0
         if is_encoded(self.kv):
             shape = self.kv.shape
-            return shape[0] * shape[1] * shape[2] * shape[3] * shape[4] * self.kv.dtype.itemsize
-        return self.kv.numel() * self.kv.element_size()
+            total = shape[0] * shape[1] * shape[2] * shape[3] * shape[4] * self.kv.dtype.itemsize
+        else:
+            total = self.kv.numel() * self.kv.element_size()
+        if self.layer_skips is None:
+            return total
+        layers, tokens = self.kv.shape[0], self.kv.shape[2]
+        return total * sum(tokens - k for k in self.layer_skips) // max(1, layers * tokens)
+
+    def skip_at(self, layer: int) -> int:
+        """Leading tokens layer ``layer`` (of the model) does not write."""
+        return 0 if self.layer_skips is None else self.layer_skips[layer - self.first_layer]
 
 
 class LayerwiseLoad:
@@ -231,13 +243,23 @@ class LayerwiseLoad:
         if kv.device != self.device:  # pinned host source (CUDA): copy on this stream
             kv = kv.to(self.device, non_blocking=True)
         load = self.backend.load_encoded_kv if is_encoded(kv) else self.backend.load_rotated_kv
-        start = layer  # one backend call per run of layers sharing their RoPE tables
+        # one backend call per run of layers sharing their RoPE tables and written tokens
+        start = layer
         for end in range(layer + 1, layer + count + 1):
-            if end < layer + count and self.tables[end][0] is self.tables[start][0]:
+            if (
+                end < layer + count
+                and self.tables[end][0] is self.tables[start][0]
+                and w.skip_at(end) == w.skip_at(start)
+            ):
                 continue
             cos, sin = self.tables[start]
             part = kv if end - start == count else kv[start - layer : end - layer]
-            load(self.kv_caches, start, part, w.positions, w.slots, cos, sin)
+            skip = w.skip_at(start)
+            if skip < len(w.positions):
+                if skip:
+                    part = part[:, :, skip:]
+                positions, slots = w.positions[skip:], w.slots[skip:]
+                load(self.kv_caches, start, part, positions, slots, cos, sin)
             start = end
 
     # ---- the forward's side -------------------------------------------------------------

@@ -37,7 +37,7 @@ class BlendStats:
     chunks_hit: int = 0  # K/V found in the store (memory tier or LMDB)
     chunks_missed: int = 0  # computed now behind the anchor and written back
     tokens_reused: int = 0  # chunk tokens whose stored K/V was loaded
-    window_skipped_tokens: int = 0  # of which no sliding-window layer reads: not loaded
+    window_skipped_tokens: int = 0  # token-layers not loaded: unread by that layer's window
     tokens_recomputed: int = 0  # prompt tokens recomputed through the last layer
     reused_tokens_recomputed: int = 0  # of which were reused tokens picked for repair
     prefix_cached_tokens: int = 0  # tokens served by the engine's prefix cache instead

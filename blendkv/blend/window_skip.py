@@ -8,6 +8,14 @@ the tokens the blend computes at that layer. When no reused token is ever recomp
 ``BlendConfig.full_reuse``) those are the prompt's non-reused tokens only; with recomputation
 any reused token may become a row, and nothing is skipped.
 
+Per layer: a global layer (no window) reads every stored token; on models that interleave the
+two (Gemma 2 / 3) the loader writes each layer its own range (:func:`layer_skips`). Why nothing is
+skipped with recomputation: selection may keep any reused row, and a kept row at ``p`` reads the
+stored keys of ``p - w < j < p``, so every stored token but a chunk's last has a possible reader
+one position later (and the last one a computed row or the next chunk's first); at a deviation-
+scored selection layer every candidate's stored K/V is read as well. (At ratio 1.0 no row is
+dropped: every stored value is overwritten by a fresh one before it is read, yet still loaded.)
+
 Pure functions of positions; :mod:`blendkv.blend.chunk_loader` applies them. The prefix cache
 stays safe: a blended prompt's blocks are salted with its chunk set and blend config, so a
 request that hits them has the same chunk layout and query start, hence the same readable set.
@@ -78,3 +86,12 @@ def uniform_window(windows: Sequence[int | None], first_layer: int) -> int | Non
     if not loaded or loaded[0] is None or any(w != loaded[0] for w in loaded):
         return None
     return loaded[0]
+
+
+def layer_skips(
+    spans: Sequence[Span], rows: Sequence[Span], seq_len: int, windows: Sequence[int | None]
+) -> list[list[int]]:
+    """Per loaded span, per layer of ``windows`` (the loaded layers' windows, None for a global
+    layer), how many leading tokens that layer never reads."""
+    by_window = {w: skipped_prefixes(spans, rows, seq_len, w) for w in set(windows)}
+    return [[by_window[w][i] for w in windows] for i in range(len(spans))]
