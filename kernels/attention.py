@@ -282,9 +282,10 @@ class AttentionBackend(ABC):
         :class:`blendkv.kernels.kv_decode.EncodedChunk`), decoded as it is written. This is the
         reference (decode, then :meth:`load_rotated_kv`'s reference); backends decode in their
         load kernels instead, writing the same bits."""
-        from blendkv.kernels.kv_decode import load_encoded_reference
-
-        load_encoded_reference(self, kv_caches, first_layer, chunk, positions, slots, cos, sin)
+        kv = chunk.decode(kv_caches[first_layer].dtype)
+        AttentionBackend.load_rotated_kv(
+            self, kv_caches, first_layer, kv, positions, slots, cos, sin
+        )
 
     @abstractmethod
     def write_kv(

@@ -155,9 +155,8 @@ def load_encoded_reference(
     (``AttentionBackend.load_rotated_kv``; what both kernels equal bit for bit)."""
     from blendkv.kernels.attention import AttentionBackend
 
-    kv = chunk.decode(kv_caches[first_layer].dtype)
-    args = (kv_caches, first_layer, kv, positions, slots, cos, sin)
-    AttentionBackend.load_rotated_kv(backend, *args)
+    args = (kv_caches, first_layer, chunk, positions, slots, cos, sin)
+    AttentionBackend.load_encoded_kv(backend, *args)
 
 
 def cpu_decode_rope_write(
