@@ -11,6 +11,7 @@ import transformers
 from parity import ATOL, BLEND_PROMPT, GREEDY, TINY, WINDOW, Family, ParityGate
 
 from blendkv.blend.config import BlendConfig
+from blendkv.blend.window_skip import computed_rows, layer_skips
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 from blendkv.models.model_files import load_model, resolve_model
 
@@ -110,12 +111,16 @@ def test_reused_k_rotated_with_each_layers_rope(gate):
         table = torch.tensor(seq.block_table)
         stored = llm.blend_manager().compute_kv(p.chunks, state.chunk_contexts)
         layers = engine.model.model.layers
-        for (s, e), kv in zip(p.chunk_spans, stored, strict=True):
-            positions = torch.arange(s, e)
-            slots = table[positions // bs] * bs + positions % bs
+        # a sliding layer does not load the chunk tokens its window never reads (window_skip)
+        n, windows = len(p.token_ids), engine.kv_connector._loader.layer_windows
+        rows = computed_rows(p.chunk_spans, 0, n)
+        skips = layer_skips(p.chunk_spans, rows, n, windows)
+        for (s, e), kv, skip in zip(p.chunk_spans, stored, skips, strict=True):
             for i, (cache, layer) in enumerate(zip(engine.runner.kv_caches, layers, strict=True)):
+                positions = torch.arange(s + skip[i], e)
+                slots = table[positions // bs] * bs + positions % bs
                 pooled = cache[0].view(-1, *cache.shape[-2:])[slots]
-                expected = layer.self_attn.rotary_emb.rotate_k(positions, kv[i, 0])
+                expected = layer.self_attn.rotary_emb.rotate_k(positions, kv[i, 0, skip[i] :])
                 torch.testing.assert_close(pooled, expected, atol=1e-5, rtol=0)
         engine.abort_request(rid)
     finally:
