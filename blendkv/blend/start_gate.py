@@ -142,8 +142,9 @@ def _refuse(engine, conn, reasons: list[str], kl: float, full_tokens, blend_toke
 
 def _is_blend_connector(conn) -> bool:
     """The blend connector (it has ``blend_refused``), told apart without importing it: the
-    connector imports this module."""
-    return hasattr(conn, "blend_refused") and hasattr(conn, "manager")
+    connector imports this module. ``manager`` is looked up on the class: the instance's
+    property opens the store, which must not happen before the gate is wanted."""
+    return hasattr(conn, "blend_refused") and hasattr(type(conn), "manager")
 
 
 def _run(engine, prompt, params, blend):
