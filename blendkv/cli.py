@@ -47,6 +47,7 @@ ENGINE_FLAGS = (
     "num_threads",
     "enforce_eager",
     "prune_last_layer",
+    "deterministic",
     "device",
     "attention_backend",
 )

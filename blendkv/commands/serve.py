@@ -80,7 +80,6 @@ def register(sub) -> None:
             "max_num_seqs",
             "max_num_batched_tokens",
             "enable_prefix_caching",
-            "deterministic",
             "blend_audit_rate",
         ),
     )
