@@ -72,6 +72,28 @@ def redis_cluster(tmp_path_factory):
     cluster.stop()
 
 
+def _rss_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_RSS_COLLECT_BYTES = 3 << 30
+
+
+@pytest.fixture(autouse=True)
+def _collect_when_large():
+    """Collect after a test once the process holds more than 3 GiB: engines a test left in a
+    reference cycle (a zeroed KV pool each) would otherwise wait for the module's end, and a
+    module building many of them ran the suite out of memory."""
+    yield
+    if _rss_bytes() > _RSS_COLLECT_BYTES:
+        gc.collect()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_after_module():
     """Each module's engines (a KV pool each) are gone before the next module starts, even one
