@@ -39,13 +39,19 @@ def runtime_info(
 ) -> RuntimeInfo:
     """The run-time facts of ``model`` loaded on ``device`` in ``dtype`` under ``config``."""
     cfg, conf = model.config, config
-    num_blocks = conf.num_kv_blocks or max(
-        1,
-        resolve_kv_cache_memory_bytes(conf, device)
-        // kv_block_bytes(cfg, conf.block_size, getattr(torch, dtype)),
-    )
     model_max = getattr(cfg, "max_position_embeddings", None) or 1 << 30
     max_model_len = min(conf.max_model_len or model_max, model_max)
+    # Never more blocks than max_num_seqs full-length sequences can hold: a small model would
+    # otherwise zero a whole kv_cache_memory_bytes pool it can never fill.
+    most_needed = conf.max_num_seqs * -(-max_model_len // conf.block_size)
+    num_blocks = conf.num_kv_blocks or max(
+        1,
+        min(
+            most_needed,
+            resolve_kv_cache_memory_bytes(conf, device)
+            // kv_block_bytes(cfg, conf.block_size, getattr(torch, dtype)),
+        ),
+    )
     # One sequence must always fit in the whole pool, or preemption could never resolve.
     max_model_len = min(max_model_len, num_blocks * conf.block_size)
     if not conf.enable_chunked_prefill:
