@@ -31,7 +31,8 @@ class EngineConfig:
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the pool; overrides kv_cache_memory_bytes.
         kv_cache_memory_bytes: bytes of the KV pool when num_kv_blocks and
-            gpu_memory_utilization are None.
+            gpu_memory_utilization are None (at most what max_num_seqs sequences of
+            max_model_len tokens can fill).
         gpu_memory_utilization: CUDA only (vLLM's option): the fraction of the GPU's memory
             this engine may hold; the KV pool gets what of it is left once the model is
             loaded (memory other processes hold counts as used). Overrides
