@@ -44,8 +44,8 @@ def gemma(request, tmp_path_factory):
 
 def _run(llm: LLM, config: BlendConfig, skip: bool):
     """The blended PROMPT's query-row logits and output, with the window skip on or off."""
+    start = llm.blend_manager().prepare(PROMPT, config).prompt.query_start  # makes the loader
     loader = llm.engine.kv_connector._loader
-    start = llm.blend_manager().prepare(PROMPT, config).prompt.query_start
     windows = loader.layer_windows
     if not skip:
         loader.layer_windows = []
