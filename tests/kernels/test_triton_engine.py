@@ -8,6 +8,8 @@ stand-in for the CUDA capture) must give the same tokens as eager steps.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import BLEND_DOCS, BLEND_QUERY
@@ -53,6 +55,16 @@ def with_decode_graphs(llm, max_num_seqs: int, capture) -> DecodeGraphs:
     return graphs
 
 
+def wait_for_prefetch(engine, request_id: str, timeout: float = 60.0) -> None:
+    """Wait until the connector's reader thread holds the request's stored chunks, so the
+    schedule does not depend on how fast that thread ran (a loaded CI machine is slow)."""
+    seq = engine.requests[request_id].seq
+    deadline = time.monotonic() + timeout
+    while not engine.kv_connector.kv_ready(seq):
+        assert time.monotonic() < deadline, "the prefetch of stored chunks never finished"
+        time.sleep(0.01)
+
+
 def run_mixed(llm) -> tuple[dict, list]:
     """Returns each request's greedy tokens and the step layouts."""
     engine = llm.engine
@@ -80,6 +92,7 @@ def run_mixed(llm) -> tuple[dict, list]:
     engine.step()
     engine.add_request(PREFIX + [90, 91, 92], GREEDY, request_id="hit")
     engine.add_request(BLEND, GREEDY, request_id="blend", blend=BlendConfig(recompute_ratio=0.3))
+    wait_for_prefetch(engine, "blend")
     engine.add_request([11 + i % 150 for i in range(300)], GREEDY, request_id="long")
     drain()
     engine.scheduler.schedule = schedule
