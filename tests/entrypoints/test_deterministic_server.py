@@ -21,7 +21,7 @@ from blendkv import LLM
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 
 WORDS = "the a river city capital France Paris over dog fox quick lazy museum park Berlin".split()
-N_CLIENTS = 10
+N_CLIENTS = 32
 
 
 @pytest.fixture(scope="module")
