@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/blendkv demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # On a CUDA machine: the GPU tests, then the kernels compiled (not interpreted) at small shapes.
 test-gpu: $(VENV)/.installed
