@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from blendkv.blend.config import BlendConfig
 from blendkv.engine_args import check_options, follow_store_dtype
 from blendkv.entrypoints.llm import LLM
 from blendkv.errors import ConfigError, InvalidRequestError
@@ -333,7 +332,7 @@ class RAGPipeline:
             sources,
             self.blended_prompt(question, sources, system),
             params,
-            blend or BlendConfig(),
+            blend,  # None: the engine's default, and its cost check (blend.cost_policy)
         )
 
     @staticmethod

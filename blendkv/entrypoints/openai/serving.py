@@ -238,8 +238,12 @@ def render_chat(served: Served, messages: list[dict]) -> list[int]:
         raise InvalidRequestError(f"this model cannot chat: {exc}; use /v1/completions") from exc
 
 
-def blend_config(req: ChatCompletionRequest) -> BlendConfig:
+def blend_config(req: ChatCompletionRequest) -> BlendConfig | None:
+    """The request's own ``BlendConfig``; None when it set no blend field (the engine's default,
+    which its cost check may run as full prefill: :mod:`blendkv.blend.cost_policy`)."""
     fields = req.blend.model_dump(exclude_none=True) if req.blend is not None else {}
+    if not fields:
+        return None
     try:
         return BlendConfig(**fields)
     except (TypeError, ValueError) as exc:
