@@ -17,6 +17,9 @@ if not torch.cuda.is_available():
 # and times none of their first requests; tests/entrypoints/test_warmup.py turns it on.
 os.environ.setdefault("BLENDKV_WARMUP", "0")
 os.environ.setdefault("BLENDKV_BLEND_GATE", "0")  # tests that want it ask for it
+# Nor the blend cost check (blendkv.blend.cost_policy): measured rates would turn tests' default
+# blends into full prefill at random; tests/blend/test_never_loses.py asks for it.
+os.environ.setdefault("BLENDKV_BLEND_COST_CHECK", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(

@@ -220,6 +220,10 @@ class BlendConnectorConfig:
         blend_start_gate: at engine start, check that a blend at ratio 1.0 of a canned prompt
             is full prefill, else refuse to blend (:mod:`blendkv.blend.start_gate`). None: on
             unless the environment sets ``BLENDKV_BLEND_GATE=0``.
+        blend_cost_check: before a blended request that passed no ``BlendConfig`` runs,
+            predict blend and full prefill from this engine's measurements and run the cheaper
+            (:mod:`blendkv.blend.cost_policy`); a request's own ``BlendConfig`` always runs as
+            given. None: on unless the environment sets ``BLENDKV_BLEND_COST_CHECK=0``.
     """
 
     kv_store_dir: str | None = None
@@ -234,6 +238,7 @@ class BlendConnectorConfig:
     prefetch_kv: bool | None = None
     prefetch_kv_bytes: int = 1 << 30
     blend_start_gate: bool | None = None
+    blend_cost_check: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_store_max_bytes", "request_cache_bytes"):
@@ -245,7 +250,7 @@ class BlendConnectorConfig:
         n = self.prefetch_kv_bytes
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ConfigError(f"prefetch_kv_bytes must be an integer > 0, got {n!r}")
-        for name in ("prefetch_kv", "pipeline_kv_load", "blend_start_gate"):
+        for name in ("prefetch_kv", "pipeline_kv_load", "blend_start_gate", "blend_cost_check"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(
                     f"{name} must be None, True or False, got {getattr(self, name)!r}"

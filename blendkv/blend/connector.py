@@ -17,6 +17,7 @@ from blendkv.blend.audit import AUDIT_ID_PREFIX, BlendAuditor
 from blendkv.blend.chunk_loader import ChunkLoader
 from blendkv.blend.config import BlendConnectorConfig
 from blendkv.blend.controller import LoadingController
+from blendkv.blend.cost_policy import ModelCosts, apply_choice, cost_check_enabled
 from blendkv.blend.layerwise_write import LayerwiseLoad, resolve_pipelined, spare_cpu_core
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.prefetch import ChunkPrefetcher
@@ -49,6 +50,8 @@ class FusedPrefill:
 @dataclass
 class BlendConnectorMetadata(KVConnectorMetadata):
     fused: list[FusedPrefill] = field(default_factory=list)
+    # Rows of a step of plain prefills only (no fused prefill, no decode): full prefill's rate
+    prefill_rows: int = 0
 
 
 def blend_connector_config(config: object) -> BlendConnectorConfig:
@@ -86,6 +89,9 @@ class BlendConnector(KVConnectorBase):
         # Full prefill of a sampled share of blended requests, when idle (blendkv.blend.audit).
         self.auditor = BlendAuditor(context.config.blend_audit_rate, context.config.seed)
         self.blend_refused: str | None = None  # why the start gate refused to blend (start_gate)
+        # Blend or full prefill by predicted cost (cost_policy); benchmarks may switch it.
+        self.cost_check = cost_check_enabled(self.config.blend_cost_check)
+        self._prefill_start: float | None = None
 
     @property
     def manager(self):
@@ -149,6 +155,12 @@ class BlendConnector(KVConnectorBase):
         state = self.manager.prepare(prompt, options)
         if self.blend_refused:  # the start gate failed: full prefill of the same tokens
             return refused_prompt(state, self.blend_refused)
+        if options is not None:  # the request's own config: quality is the user's call
+            state.stats.cost_reason = "the request's own BlendConfig: run as given"
+        elif self.cost_check:
+            state = self._choose(state)
+            if state.stats.cost_choice == "full_prefill":
+                return refused_prompt(state, state.stats.cost_reason)
         return ConnectorPrompt(
             state.prompt.token_ids,
             cache_salt=state.salt,
@@ -156,6 +168,14 @@ class BlendConnector(KVConnectorBase):
             # Rows before the query may stop being computed after the check layer.
             min_logits_position=state.prompt.query_start if state.prompt.chunks else 0,
         )
+
+    def _choose(self, state: BlendRequestState) -> BlendRequestState:
+        """``state`` with the cost check's choice in its stats (and config, when cheaper)."""
+        ctx, info = self.context, self.context.info
+        nbytes = 2 * info.num_kv_heads * info.head_dim * self._loader.itemsize
+        model = ModelCosts(info.num_layers, nbytes, _qkv_share(ctx.model))
+        overlapped = resolve_pipelined(self.pipelined, self._loader.device, ctx.attn_backend)
+        return apply_choice(state, self.manager, self.controller, model, overlapped)
 
     def add_request(self, request_id: str, kv_transfer_params) -> None:
         if isinstance(kv_transfer_params, BlendRequestState):
@@ -238,6 +258,11 @@ class BlendConnector(KVConnectorBase):
                         i, seq.request_id, seq.num_computed_tokens, num_new, tuple(seq.block_table)
                     )
                 )
+        scheduled = scheduler_output.scheduled
+        if not meta.fused and all(
+            s.num_computed_tokens + n <= s.num_prompt_tokens for s, n in scheduled
+        ):
+            meta.prefill_rows = sum(n for _, n in scheduled)
         return meta
 
     # ---- worker side --------------------------------------------------------------------
@@ -255,6 +280,8 @@ class BlendConnector(KVConnectorBase):
     def start_load_kv(self, inputs: ForwardInputs) -> None:
         meta = self._metadata
         self._step = []
+        plain = meta is not None and meta.prefill_rows > 0 and not meta.fused
+        self._prefill_start = time.perf_counter() if plain else None  # full prefill's rate
         if meta is None or not meta.fused:
             return
         self.manager  # noqa: B018  (the store and loader exist from here on)
@@ -319,6 +346,7 @@ class BlendConnector(KVConnectorBase):
         loading controller what this step measured."""
         load = self._layer_load
         if load is None:
+            self._record_prefill()
             return
         forward_seconds = time.perf_counter() - self._forward_start
         load.finish()
@@ -342,6 +370,13 @@ class BlendConnector(KVConnectorBase):
             # CUDA runs asynchronously: host time says nothing about the compute there.
             row_layers = self._row_plan.row_layers(self.context.info.num_layers)
             self.controller.record_compute(row_layers, forward_seconds - load.waited)
+
+    def _record_prefill(self) -> None:
+        """A step of plain prefills only: full prefill's rate (on the CPU: CUDA runs
+        asynchronously, host time says nothing about its compute)."""
+        if self._prefill_start is not None and self.context.info.device == "cpu":
+            rows = self._metadata.prefill_rows * self.context.info.num_layers
+            self.controller.record_full_compute(rows, time.perf_counter() - self._prefill_start)
 
     def clear_connector_metadata(self) -> None:
         meta = self._metadata

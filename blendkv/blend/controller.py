@@ -7,7 +7,8 @@ per-layer load, clamped to ``[min_recompute_ratio, max_recompute_ratio]``::
 
 Both rates are moving averages of what this machine measured (one bandwidth per storage tier);
 until then, and for loads that hide nothing (serial, reads before the forward), the floor.
-A chunk in several tiers is read from the one with the best measured bandwidth.
+A chunk in several tiers is read from the one with the best measured bandwidth. The same rates,
+with plain prefill's, predict whether a blend pays at all (:mod:`blendkv.blend.cost_policy`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ class LoadingController:
     # tier -> bytes/s of the part loaded layer by layer behind the forward
     layerwise: dict[str, RateEstimate] = field(default_factory=dict)
     compute: RateEstimate | None = None  # row-layers per second of fused prefills
+    # row-layers per second of plain prefill steps (blendkv.blend.cost_policy's full prefill)
+    full_compute: RateEstimate | None = None
 
     def __post_init__(self) -> None:
         if self.compute is None:
             self.compute = RateEstimate(self.alpha)
+        if self.full_compute is None:
+            self.full_compute = RateEstimate(self.alpha)
 
     # ---- measurements -------------------------------------------------------------------
     def record_load(
@@ -59,6 +64,10 @@ class LoadingController:
 
     def record_compute(self, row_layers: int, seconds: float) -> None:
         self.compute.update(row_layers, seconds)
+
+    def record_full_compute(self, row_layers: int, seconds: float) -> None:
+        """A step of plain prefill rows only (no fused prefill, no decode) took ``seconds``."""
+        self.full_compute.update(row_layers, seconds)
 
     # ---- decisions ----------------------------------------------------------------------
     def choose_tier(self, tiers: list[str]) -> str:

@@ -11,6 +11,7 @@ bounded too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import time
@@ -236,6 +237,12 @@ class BlendManager:
         state.stats.num_chunks = len(chunks)
         state.stats.num_prompt_tokens = len(built.token_ids)
         return state
+
+    def reconfigure(self, state: BlendRequestState, config: BlendConfig) -> BlendRequestState:
+        """``state`` blending with ``config`` instead (its prefix-cache salt follows)."""
+        config.validate_for(self.num_layers)
+        salt = self._salt(state.prompt, state.chunk_keys, config)
+        return dataclasses.replace(state, config=config, salt=salt)
 
     def _chunks(self, prompt: dict) -> list[list[int]]:
         given = [k for k in ("documents", "chunks", "chunk_ids") if k in prompt]

@@ -59,6 +59,11 @@ class BlendStats:
     # and what full prefill of the same rows costs.
     row_layers: float = 0.0
     full_row_layers: int = 0
+    # The engine's cost check (blendkv.blend.cost_policy), for a request that left its config
+    # to the engine: "blend", "cheaper_selection" or "full_prefill" ("": no choice made), and
+    # the predicted costs behind it, or why no choice was made.
+    cost_choice: str = ""
+    cost_reason: str = ""
 
     @property
     def recompute_fraction(self) -> float:
