@@ -83,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
     if args.chunk_order is not None:
         check_chunk_order(args.chunk_order)
     order = args.chunk_order
-    blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)
+    # No --ratio: the engine's default, which its cost check may turn into full prefill when
+    # blending would not pay (blend_stats says so). --compare-full compares the blend itself.
+    blend = None if args.ratio is None and not args.compare_full else BlendConfig()
+    if args.ratio is not None:
+        blend = BlendConfig(recompute_ratio=args.ratio)
     # The comparison's teacher-forced requests reuse each run's own prompt K/V through the
     # prefix cache (as `blendkv eval` does); every timed run starts from an empty cache.
     pipeline = open_pipeline(args, create=False, enable_prefix_caching=args.compare_full)
@@ -153,3 +157,5 @@ def print_sources(answer) -> None:
         f"TTFT {ttft}"
     )
     print(f"       {st.describe()} ({st.recompute_fraction:.0%} of the reused repaired)")
+    if st.cost_choice and st.cost_choice != "blend":
+        print(f"       cost check: {st.cost_choice.replace('_', ' ')} ({st.cost_reason})")
