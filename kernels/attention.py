@@ -59,6 +59,8 @@ class AttentionMetadata:
             ``seq_len - query_len .. seq_len - 1`` in order (ordinary prefill/decode).
         query_mass: per sequence index, a :class:`QueryMassRequest` (ProphetKV's query pass,
             backends with ``scores_in_attention``); not carried by :meth:`subset`.
+        positions_cpu: ``positions`` on the CPU, the copy the metadata was built from (None
+            where it was not kept): :meth:`host_positions` reads it without a host sync.
 
     Dense metadata (:meth:`AttentionBackend.dense_metadata`, no KV pool) has empty
     ``slot_mapping`` and ``block_table``: every sequence is a fresh prefill at 0..n-1.
@@ -76,6 +78,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     is_contiguous_prefill: list[bool]
     query_mass: dict[int, QueryMassRequest] | None = None
+    positions_cpu: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -84,6 +87,12 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+    def host_positions(self) -> torch.Tensor:
+        """``positions`` on the CPU: the host copy when kept (no sync), else read back."""
+        if self.positions_cpu is not None:
+            return self.positions_cpu
+        return self.positions.cpu()
 
     def row_seq_ids(self) -> torch.Tensor:
         """[num_tokens] int64: the index (in the step) of the sequence each row belongs to."""
@@ -109,10 +118,11 @@ class AttentionMetadata:
             bool(c) and self.is_contiguous_prefill[i] and c == old[i + 1] - old[i]
             for i, c in enumerate(counts)
         ]
-        keep = keep.to(self.positions.device)
+        keep = keep.cpu()
+        rows = kept_rows(keep, self.positions.device)
         return AttentionMetadata(
-            positions=self.positions[keep],
-            slot_mapping=self.slot_mapping[keep],
+            positions=self.positions[rows],
+            slot_mapping=self.slot_mapping[rows],
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.positions.device),
             seq_lens=self.seq_lens,
             block_table=self.block_table,
@@ -122,7 +132,16 @@ class AttentionMetadata:
             query_start_loc_cpu=starts,
             seq_lens_cpu=self.seq_lens_cpu,
             is_contiguous_prefill=contiguous,
+            positions_cpu=None if self.positions_cpu is None else self.positions_cpu[keep],
         )
+
+
+def kept_rows(keep: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The indices of a CPU bool mask's True rows, on ``device``, for gathering device rows:
+    indexing a device tensor with a device bool mask syncs the host (the result's size is read
+    back), a gather by index does not. Same rows, same order."""
+    assert keep.device.type == "cpu", "a device mask would be read back to find its rows"
+    return torch.nonzero(keep).flatten().to(device)
 
 
 def split_by_kind(md: AttentionMetadata) -> tuple[list[tuple[int, int]], list[int], list[int]]:

@@ -41,7 +41,7 @@ def per_row_metadata(md: AttentionMetadata) -> AttentionMetadata:
     if all_decode_rows(md):
         return md
     seq_ids = md.row_seq_ids().to(md.block_table.device)
-    positions_cpu = md.positions.cpu()
+    positions_cpu = md.host_positions()
     seq_lens_cpu = (positions_cpu + 1).tolist()
     n = len(seq_lens_cpu)
     dev = md.positions.device

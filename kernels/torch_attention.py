@@ -196,8 +196,9 @@ class TorchAttentionBackend(AttentionBackend):
         for i, table in enumerate(block_tables):
             block_table[i, : len(table)] = torch.tensor(table)
         dev = self.device
+        positions_cpu = torch.cat(positions)
         return AttentionMetadata(
-            positions=torch.cat(positions).to(dev),
+            positions=positions_cpu.to(dev),
             slot_mapping=torch.cat(slots).to(dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -208,6 +209,7 @@ class TorchAttentionBackend(AttentionBackend):
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             is_contiguous_prefill=[True] * len(query_lens),
+            positions_cpu=positions_cpu,
         )
 
     def dense_metadata(self, seq_lens):
@@ -215,8 +217,9 @@ class TorchAttentionBackend(AttentionBackend):
         for n in seq_lens:
             starts.append(starts[-1] + n)
         dev = self.device
+        positions_cpu = torch.cat([torch.arange(n) for n in seq_lens])
         return AttentionMetadata(
-            positions=torch.cat([torch.arange(n) for n in seq_lens]).to(dev),
+            positions=positions_cpu.to(dev),
             slot_mapping=torch.empty(0, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -227,6 +230,7 @@ class TorchAttentionBackend(AttentionBackend):
             query_start_loc_cpu=starts,
             seq_lens_cpu=list(seq_lens),
             is_contiguous_prefill=[True] * len(seq_lens),
+            positions_cpu=positions_cpu,
         )
 
     # ---- attention ----------------------------------------------------------------------

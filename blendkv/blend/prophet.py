@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from blendkv.blend.row_plan import SeqBlend
-from blendkv.kernels.attention import QueryMassRequest
+from blendkv.kernels.attention import QueryMassRequest, kept_rows
 from blendkv.models.hooks import RowPlan
 
 
@@ -49,7 +49,7 @@ class QueryPassRowPlan(RowPlan):
         # slots, keys every query row sees)
         self._seqs = []
         starts = md.query_start_loc_cpu
-        positions_cpu = md.positions.cpu()  # the pass's one host sync
+        positions_cpu = md.host_positions()
         self.positions_cpu = positions_cpu
         for sb in blends:
             seq_len = md.seq_lens_cpu[sb.index]
@@ -114,7 +114,7 @@ def run_query_pass(
         keep[starts[sb.index] : starts[sb.index + 1]] = ~sb.reused
     sub = md.subset(keep)
     plan = QueryPassRowPlan(sub, prophets, attn_backend)
-    ids = input_ids[keep.to(input_ids.device)]
+    ids = input_ids[kept_rows(keep, input_ids.device)]
     # Scoring in attention needs the last layer's attention too (its MLP is wasted: ~1/30th
     # of the pass); scoring before attention can stop after the last layer's projections.
     kv_only = not plan.in_attention

@@ -76,7 +76,7 @@ class BlendRowPlan(RowPlan):
         self.qkv_share = qkv_share
         self.rows = torch.arange(n)
         self.seq_ids = md.row_seq_ids()
-        self.positions = md.positions.cpu()  # before the layer loop: one copy per step
+        self.positions = md.host_positions()  # the host's copy: no device read
         self.reused = torch.zeros(n, dtype=torch.bool)
         for sb in blends:
             self.reused[starts[sb.index] : starts[sb.index + 1]] = sb.reused

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from blendkv.errors import ModelLoadError
-from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, kept_rows
 from blendkv.layers.attention import Attention
 from blendkv.layers.linear import Linear
 from blendkv.layers.mlp import GatedMLP
@@ -150,8 +150,8 @@ class LlamaDecoderLayer(nn.Module):
         keep = seam.select_projected(attn, q, k, v, kv_cache, rows.attn_metadata)
         if keep is not None:  # a CPU bool mask over the current rows
             rows = rows.subset(keep)
-            keep = keep.to(q.device)
-            residual, q, k, v = (t[keep] for t in (residual, q, k, v))
+            kept = kept_rows(keep, q.device)
+            residual, q, k, v = (t[kept] for t in (residual, q, k, v))
         md = rows.attn_metadata
         seam.before_attention(attn, q, k, v, kv_cache, md)
         if seam.kv_only:
@@ -249,9 +249,9 @@ class LlamaModel(nn.Module):
             keep = seam.select_unprojected(layer.self_attn, kv_cache, rows.attn_metadata)
             if keep is not None:
                 rows = rows.subset(keep)
-                keep = keep.to(hidden_states.device)
-                hidden_states = hidden_states[keep]
-                residual = None if residual is None else residual[keep]
+                kept = kept_rows(keep, hidden_states.device)
+                hidden_states = hidden_states[kept]
+                residual = None if residual is None else residual[kept]
             out = layer(hidden_states, residual, rows, kv_cache, seam)
             if out is None:  # kv_only: the hooks have the last layer's K/V
                 return None

@@ -7,16 +7,19 @@ per kernel, a few microseconds each. This counts those launches for one blended 
 full reuse and one full prefill of the same tokens, on a random-weight model with the given
 number of layers, the Triton attention backend (on the CPU under ``TRITON_INTERPRET=1``), warm
 chunk store: every aten op that would run a kernel (views, allocations and metadata-only ops
-excluded) plus every Triton launch, and the ops that make the host wait for the device
-(``.item()``, ``.cpu()`` / ``.tolist()`` of a device tensor, ``nonzero``). The counts depend on the
-code path, not on widths or token counts (within a prompt's few hundred tokens).
+excluded) plus every Triton launch, and the points where the host waits for the device
+(:class:`HostSyncs`: ``.item()``, ``.cpu()`` / ``.tolist()`` of a device tensor, ``nonzero``,
+boolean-mask indexing, ...), each listed with the file:line it happens at. The counts depend on
+the code path, not on widths or token counts (within a prompt's few hundred tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -25,7 +28,10 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
 # aten ops that launch nothing on a GPU (views, allocations, metadata)
 _NO_KERNEL = {
@@ -38,15 +44,19 @@ _NO_KERNEL = {
     # composites seen before they lower: their copies show up as _to_copy / clone / copy_
     "to", "reshape", "contiguous", "detach_",
 }  # fmt: skip
-# ops whose result the host reads (a device sync on a GPU)
-_SYNCS = {"_local_scalar_dense", "nonzero", "item"}
+# Ops whose output size depends on the values of a device input: the host waits for them.
+_DATA_DEPENDENT = {
+    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
+}  # fmt: skip
+# Tensor methods that copy a tensor's values to the host.
+_HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
+_PROJECT = (str(Path(__file__).resolve().parents[2]) + os.sep, "blendkv" + os.sep)
 
 
 class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
-        self.syncs = 0
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -54,30 +64,155 @@ class _Counter(TorchDispatchMode):
             name = func.__name__.split(".")[0]
             if name not in _NO_KERNEL:
                 self.ops[name] += 1
-            if name in _SYNCS:
-                self.syncs += 1
         return func(*args, **(kwargs or {}))
 
 
-def _count(run) -> dict:
-    """Count one call of ``run``: aten kernels, Triton launches, host syncs."""
+class HostSyncs(TorchFunctionMode):
+    """Counts the points where a GPU host would wait for the device, with where each happens.
+
+    On the CPU every tensor is a host tensor, so this follows which ones a GPU run would hold
+    on the device: the ``device_tensors`` given (weights, K/V pools), those made with an
+    explicit ``device=`` torch.device (``torch.tensor(ids, device=self.device)``) or moved with
+    ``.to(device)`` / ``.to(tensor)``, and every result of an op with a device input. A sync is
+    a host read of a device tensor (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+    ``.to("cpu")``, ``int()``/``bool()``/``float()``) or an op whose output size depends on
+    its values (``nonzero``, boolean-mask indexing, ``bincount``, ``repeat_interleave`` without
+    ``output_size``, ...). ``where`` counts them by the innermost project frame (file:line).
+    Host bookkeeping (CPU tensors a GPU run keeps on the CPU too) is not a sync, however it is
+    read.
+    """
+
+    def __init__(self, device_tensors=(), kernels: _Counter | None = None) -> None:
+        super().__init__()
+        self.kernels = kernels  # paused for the copies this mode makes itself
+        self.device = WeakIdKeyDictionary()
+        for t in device_tensors:
+            self.device[t] = True
+        self.where: Counter[str] = Counter()
+        self.paused = False
+
+    @contextlib.contextmanager
+    def quiet(self):
+        if self.kernels is None:
+            yield
+            return
+        paused, self.kernels.paused = self.kernels.paused, True
+        try:
+            yield
+        finally:
+            self.kernels.paused = paused
+
+    @property
+    def count(self) -> int:
+        return sum(self.where.values())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        name = getattr(func, "__name__", "")
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_device = any(t in self.device for t in inputs)
+        host_target = name == "to" and _to_host(args[1:], kwargs)
+        if on_device and (
+            name in _HOST_READS or host_target or _sizes_from_values(name, args, kwargs)
+        ):
+            self.where[_frame()] += 1
+        if name in _HOST_READS or host_target:
+            if on_device and out is args[0]:
+                # On a GPU ``.cpu()`` of a device tensor is a new tensor; the device one stays.
+                with self.quiet():
+                    out = out.clone()
+            return out
+        dev = kwargs.get("device")
+        made_on_device = isinstance(dev, torch.device) or (
+            name == "to" and not host_target and _to_device(args[1:], kwargs)
+        )
+        if made_on_device and name == "to" and out is args[0]:
+            # On a GPU ``.to(device)`` of a host tensor is a new tensor; the host one stays.
+            with self.quiet():
+                out = out.clone()
+        if on_device or made_on_device:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.device[t] = True
+        return out
+
+
+def _to_host(args, kwargs) -> bool:
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, str) and target.startswith("cpu")
+
+
+def _to_device(args, kwargs) -> bool:
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, torch.device | torch.Tensor)
+
+
+def _sizes_from_values(name: str, args, kwargs) -> bool:
+    """Whether the op's output size comes from its input's values (the host must wait)."""
+    if name in _DATA_DEPENDENT:
+        return True
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if name in ("__getitem__", "__setitem__"):
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    return False
+
+
+def _frame() -> str:
+    """The innermost project frame below this module: ``path:line (function)``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if frame.f_code.co_filename != __file__ and _in_project(path):
+            for root in _PROJECT[:1]:
+                path = path.removeprefix(root)
+            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
+
+
+def _in_project(path: str) -> bool:
+    return path.startswith(_PROJECT[0]) or _PROJECT[1] in path and "site-packages" not in path
+
+
+def device_tensors(llm) -> list[torch.Tensor]:
+    """What a GPU run holds on the device from the start: weights, buffers, K/V pools."""
+    runner = llm.engine.runner
+    model = runner.model
+    caches = tree_flatten(runner.kv_caches)[0]
+    return [
+        *model.parameters(),
+        *model.buffers(),
+        *(t for t in caches if isinstance(t, torch.Tensor)),
+    ]
+
+
+def count(run, device=()) -> dict:
+    """Count one call of ``run``: aten kernels, Triton launches, host syncs (and where)."""
     from triton.runtime import interpreter
 
     counter = _Counter()
+    syncs = HostSyncs(device, kernels=counter)
     triton_launches: Counter[str] = Counter()
     original = interpreter.InterpretedFunction.run
 
     def counted(self, *args, **kwargs):
         triton_launches[self.fn.__name__] += 1
-        counter.paused = True  # the interpreter's own host copies are not the kernel's
+        # the interpreter's own host copies are not the kernel's
+        counter.paused = syncs.paused = True
         try:
             return original(self, *args, **kwargs)
         finally:
-            counter.paused = False
+            counter.paused = syncs.paused = False
 
     interpreter.InterpretedFunction.run = counted
     try:
-        with counter:
+        with syncs, counter:
             run()
     finally:
         interpreter.InterpretedFunction.run = original
@@ -87,7 +222,8 @@ def _count(run) -> dict:
         "launches": aten + triton,
         "aten_kernels": aten,
         "triton_launches": triton,
-        "host_syncs": counter.syncs,
+        "host_syncs": syncs.count,
+        "syncs_at": dict(syncs.where.most_common()),
         "top_aten": dict(counter.ops.most_common(12)),
         "triton": dict(triton_launches),
     }
@@ -128,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
         rows = {"layers": args.layers, "prompt_tokens": len(full_ids), "ratio": args.ratio}
         for name, run in runs.items():
             run()  # warm: chunks stored, kernels interpreted once
-            rows[name] = _count(run)
+            rows[name] = count(run, device_tensors(llm))
             r = rows[name]
             print(
                 f"{name:>5}: {r['launches']:6d} launches ({r['aten_kernels']} aten + "
@@ -136,6 +272,8 @@ def main(args: argparse.Namespace) -> int:
                 f"{r['launches'] / args.layers:.1f} a layer",
                 flush=True,
             )
+            for where, n in r["syncs_at"].items():
+                print(f"       {n:3d} sync(s) at {where}", flush=True)
         llm.close()
     print(json.dumps(rows))
     if args.json:
