@@ -70,6 +70,24 @@ class ChunkMeta:
     created: float
     last_used: float = 0.0
 
+    @classmethod
+    def for_new(cls, chunk: NewChunk, chunk_id: int, nbytes: int, created: float) -> ChunkMeta:
+        """The metadata of ``chunk`` about to be stored as a value of ``nbytes`` bytes."""
+        kv = chunk.kv
+        return cls(
+            chunk_id=chunk_id,
+            key=chunk.key,
+            text=chunk.text,
+            token_ids=tuple(chunk.token_ids),
+            doc_id=chunk.doc_id,
+            position=chunk.position,
+            num_tokens=kv.shape[2],
+            nbytes=nbytes,
+            dtype=str(kv.dtype).removeprefix("torch."),
+            shape=tuple(kv.shape),
+            created=created,
+        )
+
     def to_json(self) -> bytes:
         d = {
             "chunk_id": self.chunk_id,

@@ -43,19 +43,7 @@ class RedisWrites:
             return PutResult(json.loads(raw)["chunk_id"], False, ())
         value = fmt.encode_value(codecs.encode_for_store(self.kv_codec, kv, self.url))
         cid = int(self.client.incr(self._k("next_id")))
-        meta = ChunkMeta(
-            chunk_id=cid,
-            key=chunk.key,
-            text=chunk.text,
-            token_ids=tuple(chunk.token_ids),
-            doc_id=chunk.doc_id,
-            position=chunk.position,
-            num_tokens=kv.shape[2],
-            nbytes=len(value),
-            dtype=str(kv.dtype).removeprefix("torch."),
-            shape=tuple(kv.shape),
-            created=time.time(),
-        )
+        meta = ChunkMeta.for_new(chunk, cid, len(value), time.time())
         record = json.loads(meta.to_json())
         parts = [value[i : i + self.part_bytes] for i in range(0, len(value), self.part_bytes)]
         record["parts"] = len(parts)

@@ -30,20 +30,7 @@ def insert(txn, dbs: dict, counters: Counters, chunk: NewChunk, value, now: floa
     """Write a new chunk (value, metadata, id, LRU, document entry); returns its chunk id."""
     cid = counters.next_chunk_id
     counters.next_chunk_id += 1
-    kv = chunk.kv
-    meta = ChunkMeta(
-        chunk_id=cid,
-        key=chunk.key,
-        text=chunk.text,
-        token_ids=chunk.token_ids,
-        doc_id=chunk.doc_id,
-        position=chunk.position,
-        num_tokens=kv.shape[2],
-        nbytes=len(value),
-        dtype=str(kv.dtype).removeprefix("torch."),
-        shape=tuple(kv.shape),
-        created=now,
-    )
+    meta = ChunkMeta.for_new(chunk, cid, len(value), now)
     txn.put(chunk.key, value, db=dbs["values"])
     txn.put(chunk.key, meta.to_json(), db=dbs["chunks"])
     txn.put(layout.be64(cid), chunk.key, db=dbs["ids"])
