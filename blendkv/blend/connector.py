@@ -18,6 +18,7 @@ from blendkv.blend.chunk_loader import ChunkLoader
 from blendkv.blend.config import BlendConnectorConfig
 from blendkv.blend.controller import LoadingController
 from blendkv.blend.cost_policy import ModelCosts, apply_choice, cost_check_enabled
+from blendkv.blend.device_timer import DeviceStepTimer
 from blendkv.blend.layerwise_write import LayerwiseLoad, resolve_pipelined, spare_cpu_core
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.prefetch import ChunkPrefetcher
@@ -92,6 +93,9 @@ class BlendConnector(KVConnectorBase):
         # Blend or full prefill by predicted cost (cost_policy); benchmarks may switch it.
         self.cost_check = cost_check_enabled(self.config.blend_cost_check)
         self._prefill_start: float | None = None
+        # CUDA: the device's time of prefill steps, read later without a sync (device_timer)
+        self._timer = DeviceStepTimer() if context.info.device.startswith("cuda") else None
+        self._prefill_event = self._forward_event = None
 
     @property
     def manager(self):
@@ -172,6 +176,8 @@ class BlendConnector(KVConnectorBase):
     def _choose(self, state: BlendRequestState) -> BlendRequestState:
         """``state`` with the cost check's choice in its stats (and config, when cheaper)."""
         ctx, info = self.context, self.context.info
+        if self._timer is not None:  # the spans the device has finished since
+            self._timer.collect(self.controller)
         nbytes = 2 * info.num_kv_heads * info.head_dim * self._loader.itemsize
         model = ModelCosts(info.num_layers, nbytes, _qkv_share(ctx.model))
         overlapped = resolve_pipelined(self.pipelined, self._loader.device, ctx.attn_backend)
@@ -282,6 +288,7 @@ class BlendConnector(KVConnectorBase):
         self._step = []
         plain = meta is not None and meta.prefill_rows > 0 and not meta.fused
         self._prefill_start = time.perf_counter() if plain else None  # full prefill's rate
+        self._prefill_event = self._timer.start() if plain and self._timer else None
         if meta is None or not meta.fused:
             return
         self.manager  # noqa: B018  (the store and loader exist from here on)
@@ -326,6 +333,7 @@ class BlendConnector(KVConnectorBase):
         ctx = self.context
         md, caches = inputs.attn_metadata, inputs.kv_caches
         self._forward_start = time.perf_counter()
+        self._forward_event = self._timer.start() if self._timer is not None else None
         # ProphetKV's query pass (a no-op without a prophet request) reads the loaded K/V of
         # every layer: it waits for each layer's writes like the forward does.
         run_query_pass(ctx.model, inputs.input_ids, md, caches, self._step, ctx.attn_backend, self)
@@ -366,16 +374,23 @@ class BlendConnector(KVConnectorBase):
                 self.controller.record_load(
                     tier, w.nbytes, w.seconds + w.fetch_seconds, layerwise_seconds=layerwise
                 )
-        if self._row_plan is not None and load.device.type == "cpu":
-            # CUDA runs asynchronously: host time says nothing about the compute there.
-            row_layers = self._row_plan.row_layers(self.context.info.num_layers)
+        if self._row_plan is None:
+            return
+        row_layers = self._row_plan.row_layers(self.context.info.num_layers)
+        if self._forward_event is not None:  # CUDA: host time says nothing about compute
+            self._timer.stop(self._forward_event, "blend", row_layers, load.waited)
+        elif load.device.type == "cpu":
             self.controller.record_compute(row_layers, forward_seconds - load.waited)
 
     def _record_prefill(self) -> None:
         """A step of plain prefills only: full prefill's rate (on the CPU: CUDA runs
         asynchronously, host time says nothing about its compute)."""
-        if self._prefill_start is not None and self.context.info.device == "cpu":
-            rows = self._metadata.prefill_rows * self.context.info.num_layers
+        if self._prefill_start is None:
+            return
+        rows = self._metadata.prefill_rows * self.context.info.num_layers
+        if self._prefill_event is not None:  # CUDA: timed by events, read at a later step
+            self._timer.stop(self._prefill_event, "full", rows)
+        elif self.context.info.device == "cpu":
             self.controller.record_full_compute(rows, time.perf_counter() - self._prefill_start)
 
     def clear_connector_metadata(self) -> None:
