@@ -46,7 +46,8 @@ class _StepLayout:
     tile_seq_ids: torch.Tensor  # [num_tiles] int32
     tile_starts: torch.Tensor  # [num_tiles] int32
     block_q: int
-    num_splits: int
+    num_splits: int  # decode key splits
+    prefill_splits: int = 1  # key parts per prefill tile (few tiles over long keys)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -73,6 +74,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._xformers_checked = False
         self._kernel_ok: dict[str, bool] = {}  # blend kernels: ran on first use (else torch)
         self._xformers_attention = None
+        self._programs: int | None = None  # prefill_num_splits' target (_target_programs)
+        # Few prefill tiles over long keys split their keys; benchmarks switch it off to compare.
+        self.split_keys = True
 
     def step_layouts(self, md: AttentionMetadata) -> list:
         return [*super().step_layouts(md), *self._layouts.layouts_for(md)]
@@ -111,10 +115,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
         layer = {"scale": scale, "window": window, "soft_cap": soft_cap}
         args = (scores, q, q_positions, kv_cache, slots)
-        if self._first_use("query_mass", lambda *a: add_query_mass(*a, **layer), *args):
+        programs = {"target_programs": self._target_programs()}
+        kernel = lambda *a: add_query_mass(*a, **layer, **programs)  # noqa: E731
+        if self._first_use("query_mass", kernel, *args):
             return
         if self._kernel_ok["query_mass"]:
-            add_query_mass(*args, **layer)
+            kernel(*args)
         else:
             super().add_query_mass(*args, visible_prefix, **layer)
 
@@ -171,7 +177,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self.write_kv(kv_cache, k, v, md.slot_mapping)
         if self.deterministic and not md.query_mass:
             md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
-        layout = self._layout(md, q.shape[1] // kv_cache.shape[3], windowed)
+        layout = self._layout(md, q.shape[1] // kv_cache.shape[3], windowed, kv_cache.shape[3])
         if layout.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
             # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
             return dense_causal_attention(q, k, v, scale)
@@ -205,18 +211,26 @@ class TritonAttentionBackend(TorchAttentionBackend):
             scale,
             window,
             soft_cap,
+            layout.prefill_splits,
         )
         return out
 
     # ---- per-step layout ------------------------------------------------------------------
-    def _layout(self, md: AttentionMetadata, group: int, windowed: bool = False) -> _StepLayout:
+    def _layout(self, md: AttentionMetadata, group: int, windowed: bool = False,
+                num_kv_heads: int = 1) -> _StepLayout:  # fmt: skip
         """``windowed``: for a layer with a window or a soft cap (fresh prefills are tiles)."""
-        key = (group, windowed) if windowed else group
-        return self._layouts.get(md, key, lambda: self._build_layout(md, group, windowed))
+        key = (group, windowed, num_kv_heads)
+        build = lambda: self._build_layout(md, group, windowed, num_kv_heads)  # noqa: E731
+        return self._layouts.get(md, key, build)
 
-    def _build_layout(self, md: AttentionMetadata, group: int, windowed: bool) -> _StepLayout:
+    def _build_layout(self, md: AttentionMetadata, group: int, windowed: bool,
+                      num_kv_heads: int = 1) -> _StepLayout:  # fmt: skip
         from blendkv.kernels.triton.decode_attention import default_num_splits
-        from blendkv.kernels.triton.prefill_attention import block_q_for, build_tiles
+        from blendkv.kernels.triton.prefill_attention import (
+            block_q_for,
+            build_tiles,
+            prefill_num_splits,
+        )
 
         starts = md.query_start_loc_cpu
         fresh, decode, other = split_by_kind(md)
@@ -229,6 +243,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
         max_decode_len = max((md.seq_lens_cpu[i] for i in decode), default=1)
         # deterministic: a split that depends on the row alone, not on the step's longest row
         splits = FIXED_NUM_SPLITS if self.deterministic else default_num_splits(max_decode_len)
+        prefill_splits = 1  # deterministic: no split that depends on the step's other rows
+        if not self.deterministic:
+            max_keys = max((md.seq_lens_cpu[i] for i in other), default=0)
+            prefill_splits = prefill_num_splits(
+                tile_seq_ids.numel(), num_kv_heads, max_keys, self._target_programs()
+            )
         return _StepLayout(
             fresh_ranges=fresh,
             decode_seq_ids=_index_tensor(decode, md.positions.device),
@@ -236,7 +256,20 @@ class TritonAttentionBackend(TorchAttentionBackend):
             tile_starts=tile_starts,
             block_q=block_q,
             num_splits=splits,
+            prefill_splits=prefill_splits,
         )
+
+    def _target_programs(self) -> int:
+        """Programs that fill the device about twice (the CPU interpreter: as an H100); 0 (no
+        split) with ``split_keys`` off."""
+        if not self.split_keys:
+            return 0
+        if self._programs is None:
+            sms = 132
+            if self.device.type == "cuda":
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._programs = 2 * sms
+        return self._programs
 
     # ---- dense causal prefill -----------------------------------------------------------
     def _dense_prefill(self, q, k, v, ranges, out, scale) -> None:

@@ -18,6 +18,16 @@ metadata's Python mirrors (:func:`build_tiles`), so a launch needs no device-to-
 A sliding window (``window``: a row at ``p`` sees keys ``p - window < j <= p``) starts a tile's
 key loop at its first row's first key (the keys before every row's window are not read);
 ``soft_cap`` caps the logits. Fresh prefills on such a layer go through this kernel too.
+
+Few tiles over long keys (a reuse's or ProphetKV's query rows over thousands of chunk tokens)
+would leave most of a GPU idle, each program walking every key alone. With ``num_splits > 1``
+the key range of each tile is cut in ``num_splits`` parts, flash-decoding style::
+
+    stage 1  grid (num_tiles, num_kv_heads, num_splits): each part's normalised output and
+             log-sum-exp (base 2) per (row, head), into a float32 scratch buffer
+    stage 2  grid (num_tiles, num_kv_heads): the parts combined with weights exp2(lse - max)
+
+:func:`prefill_num_splits` picks the count from host-known sizes (no sync).
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ def _prefill_kernel(
     positions_ptr,
     tile_seq_ptr,
     tile_start_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_splits,
     qk_scale,
     window,
     cap_log2,
@@ -69,6 +82,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_CAP: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,6 +116,10 @@ def _prefill_kernel(
         key_start = tl.maximum(tl.load(positions_ptr + first) - window + 1, 0)
     else:
         key_start = 0
+    if SPLIT:  # this program's part of the tile's keys (whole BLOCK_N tiles; may be empty)
+        per_split = tl.cdiv(tl.cdiv(key_end - key_start, num_splits), BLOCK_N) * BLOCK_N
+        key_start = key_start + tl.program_id(2) * per_split
+        key_end = tl.minimum(key_start + per_split, key_end)
     for n0 in range(key_start, key_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < key_end
@@ -123,8 +141,12 @@ def _prefill_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         if USE_WINDOW:  # not so with a window: a row may see no key of a tile yet
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        if SPLIT:  # nor in a later part: a row sees none of its keys before its position
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         v = tl.load(
             cache_ptr + stride_c2 + kv_off[:, None] + d[None, :] * stride_cd,
             mask=n_mask[:, None] & d_mask[None, :],
@@ -134,14 +156,89 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-    if USE_WINDOW:  # padding rows (never stored) may have seen no key
-        l_i = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_i[:, None]
+    if SPLIT:  # a part: its output and log-sum-exp (-inf: it saw no key), combined later
+        part = (tile * tl.num_programs(1) + kv_head) * num_splits + tl.program_id(2)
+        row = part.to(tl.int64) * BLOCK_M + r
+        seen = l_i > 0
+        lse = m_i + tl.log2(tl.where(seen, l_i, 1.0))
+        tl.store(part_lse_ptr + row, tl.where(seen, lse, float("-inf")))
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out)
+    else:
+        if USE_WINDOW:  # padding rows (never stored) may have seen no key
+            l_i = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr
+            + token[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=r_mask[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
+def _prefill_combine_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    group,
+    head_dim,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_start_ptr + tile)
+    seq_end = tl.load(query_start_loc_ptr + seq + 1)
+    r = tl.arange(0, BLOCK_M)
+    token = (first + r // group).to(tl.int64)
+    head = kv_head * group + r % group
+    r_mask = (r // group < BLOCK_Q) & (token < seq_end)
+    d = tl.arange(0, BLOCK_D)
+    base = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * num_splits * BLOCK_M + r
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for i in range(num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + base + i * BLOCK_M))
+    m = tl.where(m == float("-inf"), 0.0, m)  # a padding row: no part saw a key
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for i in range(num_splits):
+        w = tl.exp2(tl.load(part_lse_ptr + base + i * BLOCK_M) - m)
+        part = tl.load(part_out_ptr + (base + i * BLOCK_M)[:, None] * BLOCK_D + d[None, :])
+        acc += w[:, None] * part
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
-        mask=r_mask[:, None] & d_mask[None, :],
+        mask=r_mask[:, None] & (d[None, :] < head_dim),
     )
+
+
+def prefill_num_splits(
+    num_tiles: int, num_kv_heads: int, max_keys: int, target_programs: int
+) -> int:
+    """Key parts per tile: 1 when the tiles alone fill ``target_programs`` (about two per GPU
+    multiprocessor); else doubled while the programs stay within the target and each part keeps
+    at least 256 keys (at most 32 parts)."""
+    programs = num_tiles * num_kv_heads
+    splits = 1
+    if programs == 0:
+        return splits
+    while splits < 32 and programs * splits * 2 <= target_programs and max_keys >= splits * 2 * 256:
+        splits *= 2
+    return splits
 
 
 def block_q_for(group: int, block_m: int = 64) -> int:
@@ -180,9 +277,11 @@ def prefill_attention(
     scale: float,
     window: int | None = None,
     soft_cap: float | None = None,
+    num_splits: int = 1,
 ) -> None:
     """Attention of the rows covered by the tiles (:func:`build_tiles`) over the paged cache;
-    ``window``/``soft_cap``: the layer's sliding window and logit cap (None: none).
+    ``window``/``soft_cap``: the layer's sliding window and logit cap (None: none);
+    ``num_splits``: key parts per tile (:func:`prefill_num_splits`), combined in a second launch.
 
     Args:
         out: [num_tokens, num_heads, head_dim]; only rows covered by a tile are written.
@@ -199,7 +298,14 @@ def prefill_attention(
     num_heads = q.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     group = num_heads // num_kv_heads
-    _prefill_kernel[(num_tiles, num_kv_heads)](
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    part_out = part_lse = out  # (unused without splits)
+    if num_splits > 1:
+        parts = num_tiles * num_kv_heads * num_splits * block_m
+        part_out = torch.empty(parts, block_d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+    _prefill_kernel[(num_tiles, num_kv_heads, num_splits)](
         out,
         q,
         kv_cache,
@@ -209,6 +315,9 @@ def prefill_attention(
         positions,
         tile_seq_ids,
         tile_starts,
+        part_out,
+        part_lse,
+        num_splits,
         scale * LOG2E,
         0 if window is None else int(window),
         1.0 if soft_cap is None else float(soft_cap) * LOG2E,
@@ -220,13 +329,30 @@ def prefill_attention(
         group,
         head_dim,
         BLOCK_Q=block_q,
-        BLOCK_M=max(16, triton.next_power_of_2(block_q * group)),
+        BLOCK_M=block_m,
         BLOCK_N=32,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         USE_WINDOW=window is not None,
         USE_CAP=soft_cap is not None,
+        SPLIT=num_splits > 1,
     )
+    if num_splits > 1:
+        _prefill_combine_kernel[(num_tiles, num_kv_heads)](
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            tile_seq_ids,
+            tile_starts,
+            num_splits,
+            *out.stride(),
+            group,
+            head_dim,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+        )
 
 
 def prefill_attention_reference(

@@ -82,6 +82,7 @@ def _lse_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_CAP: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     rows = group * num_q
@@ -92,7 +93,12 @@ def _lse_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     last = tl.max(tl.where(row_ok, qpos, 0), axis=0)  # keys past the block's last row: unseen
-    for start in range(0, tl.minimum(num_keys, last + 1), BLOCK_N):
+    lo, hi = 0, tl.minimum(num_keys, last + 1)
+    if SPLIT:  # this program's part of the keys (whole BLOCK_N blocks; may be empty)
+        per_split = tl.cdiv(tl.cdiv(hi, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = tl.program_id(2) * per_split
+        hi = tl.minimum(lo + per_split, hi)
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         key_ok = n < num_keys
         k = _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch,
@@ -105,11 +111,28 @@ def _lse_kernel(
             seen = seen & (n[None, :] > qpos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if USE_WINDOW:  # a row may see no key of a block yet
+        if USE_WINDOW or SPLIT:  # a row may see no key of a block (or of a part) yet
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
         m_i = m_new
-    tl.store(lse_ptr + kvh * rows + m, m_i + tl.log2(l_i), mask=row_ok)
+    seen_any = l_i > 0  # only in a part: every row sees key 0
+    lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    part = tl.program_id(2) * tl.num_programs(0) + kvh
+    tl.store(lse_ptr + part * rows + m, lse, mask=row_ok)
+
+
+@triton.jit
+def _row_lse(lse_ptr, kvh, num_kv_heads, rows, m, row_ok, num_splits):
+    """A row block's log-sum-exp (base 2) from its ``num_splits`` parts (one: as is)."""
+    top = tl.full(m.shape, float("-inf"), tl.float32)
+    for part in range(num_splits):
+        at = lse_ptr + (part * num_kv_heads + kvh) * rows + m
+        top = tl.maximum(top, tl.load(at, mask=row_ok, other=0.0))
+    total = tl.zeros(m.shape, tl.float32)
+    for part in range(num_splits):
+        at = lse_ptr + (part * num_kv_heads + kvh) * rows + m
+        total += tl.exp2(tl.load(at, mask=row_ok, other=0.0) - top)
+    return top + tl.log2(total)
 
 
 @triton.jit
@@ -126,6 +149,7 @@ def _mass_kernel(
     num_q,
     num_keys,
     num_kv_heads,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -154,7 +178,7 @@ def _mass_kernel(
             q, i, row_ok = _load_q(q_ptr, m, num_q, group, kvh, stride_qt, stride_qh, d,
                                    head_dim, rows)  # fmt: skip
             qpos = tl.load(qpos_ptr + i, mask=row_ok, other=-1)
-            lse = tl.load(lse_ptr + kvh * rows + m, mask=row_ok, other=0.0)
+            lse = _row_lse(lse_ptr, kvh, num_kv_heads, rows, m, row_ok, num_splits)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             if USE_CAP:
                 s = _soft_cap(s, cap_log2)
@@ -176,11 +200,17 @@ def add_query_mass(
     scale: float | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    target_programs: int = 264,
 ) -> None:
     """``scores`` [S] float32 += the attention mass of ``q`` [Q, H, D] (RoPE applied, at
     ``q_positions`` [Q]) over the keys of positions ``0..S-1``, at ``slots`` [S] of ``kv_cache``
     [2, num_blocks, block_size, kv_heads, head_dim] (the query rows' own K written).
-    ``scale`` (None: ``head_dim ** -0.5``), ``window``, ``soft_cap``: the layer's."""
+    ``scale`` (None: ``head_dim ** -0.5``), ``window``, ``soft_cap``: the layer's.
+    ``target_programs``: the log-sum-exp pass cuts the keys in parts while it has fewer
+    programs than this (:func:`~blendkv.kernels.triton.prefill_attention.prefill_num_splits`;
+    about twice the GPU's multiprocessors); the mass pass combines the parts."""
+    from blendkv.kernels.triton.prefill_attention import prefill_num_splits
+
     num_q, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_keys = slots.numel()
@@ -192,7 +222,9 @@ def add_query_mass(
     rows = group * num_q
     block_m, block_n = 32, 64
     block_d = max(16, triton.next_power_of_2(head_dim))
-    lse = torch.empty(num_kv_heads * rows, dtype=torch.float32, device=q.device)
+    row_blocks = triton.cdiv(rows, block_m)
+    splits = prefill_num_splits(row_blocks, num_kv_heads, num_keys, target_programs)
+    lse = torch.empty(splits * num_kv_heads * rows, dtype=torch.float32, device=q.device)
     k_cache = kv_cache[0]
     # the reference's scale (head_dim ** -0.5) unless the layer has its own
     scale_log2 = (head_dim**-0.5 if scale is None else scale) * LOG2E
@@ -201,13 +233,14 @@ def add_query_mass(
     layer = (0 if window is None else int(window),
              1.0 if soft_cap is None else float(soft_cap) * LOG2E)  # fmt: skip
     flags = {"USE_WINDOW": window is not None, "USE_CAP": soft_cap is not None}
-    _lse_kernel[(num_kv_heads, triton.cdiv(rows, block_m))](
+    _lse_kernel[(num_kv_heads, row_blocks, splits)](
         q, q_positions, k_cache, slots, lse, scale_log2, *layer, num_q, num_keys, *common,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision, **flags,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+        SPLIT=splits > 1, **flags,
     )  # fmt: skip
     _mass_kernel[(triton.cdiv(num_keys, block_n),)](
         q, q_positions, k_cache, slots, lse, scores, scale_log2, *layer, num_q, num_keys,
-        num_kv_heads, *common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_kv_heads, splits, *common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=precision, **flags,
     )  # fmt: skip
 

@@ -56,13 +56,27 @@ def test_forward_matches_torch_backend_on_a_mixed_step(make_step, device, dtype,
     assert torch.equal(pools[1], pools[0])  # the same K/V written to the same slots
 
     # The dispatch layout is built once per metadata object: a second layer reuses it.
-    layout = backend._layout(md, group)
+    layout = backend._layout(md, group, False, 2)
     again = backend.forward(step.q, step.k, step.v, pools[1], md, SCALE)
-    assert backend._layout(md, group) is layout
+    assert backend._layout(md, group, False, 2) is layout
     assert torch.equal(again, actual)
     assert layout.fresh_ranges == [(0, 7)]
     assert layout.decode_seq_ids.tolist() == [2]
     assert sorted(set(layout.tile_seq_ids.tolist())) == [1, 3]
+    assert layout.prefill_splits == 1  # short keys: nothing to split
+
+
+def test_few_rows_over_long_keys_split_the_keys(make_step, device):
+    """A reuse's query rows after 600 stored keys: too few tiles to fill a GPU, so each tile's
+    keys are cut in parts (prefill_num_splits) and combined; the same output as torch's."""
+    step = make_step([600, 700], [3, 2], block_size=16, num_kv_heads=2, group=2)
+    md = step.md
+    pools = step.pool.clone(), step.pool.clone()
+    expected = TorchAttentionBackend(device).forward(step.q, step.k, step.v, pools[0], md, SCALE)
+    backend = TritonAttentionBackend(device)
+    actual = backend.forward(step.q, step.k, step.v, pools[1], md, SCALE)
+    assert backend._layout(md, 2, False, 2).prefill_splits == 2  # >= 256 keys a part
+    assert_close(actual, expected)
 
 
 def test_forward_without_a_pool_matches_torch_backend(device):

@@ -115,6 +115,32 @@ def test_query_mass_matches_the_gathered_torch_scores(device, dtype, group, head
     assert abs(float((actual - start).sum()) - num_q * kv_heads * group) < 1e-3 * num_q * 8
 
 
+def test_query_mass_splits_long_keys(device):
+    """Few query rows over 1,100 keys: the log-sum-exp pass cuts the keys in 4 parts (rows at
+    100 and 300 see none of the later ones), the mass pass combines them: the reference's
+    scores, and the unsplit kernel's."""
+    from blendkv.kernels.triton.prefill_attention import prefill_num_splits
+    from blendkv.kernels.triton.query_mass import add_query_mass, query_mass_reference
+
+    g = torch.Generator().manual_seed(5)
+    kv_heads, group, head_dim, block_size, num_keys = 2, 2, 16, 16, 1100
+    assert prefill_num_splits(1, kv_heads, num_keys, 264) == 4
+    num_blocks = num_keys // block_size + 2
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(device)
+    blocks = torch.randperm(num_blocks, generator=g)[: -(-num_keys // block_size)]
+    keys = torch.arange(num_keys)
+    slots = (blocks[keys // block_size] * block_size + keys % block_size).to(device)
+    q = torch.randn(3, kv_heads * group, head_dim, generator=g).to(device)
+    q_positions = torch.tensor([100, 300, 1099], device=device)
+    expected = torch.zeros(num_keys, device=device)
+    query_mass_reference(expected, q, q_positions, pool, slots)
+    split, whole = torch.zeros_like(expected), torch.zeros_like(expected)
+    add_query_mass(split, q, q_positions, pool, slots, target_programs=264)
+    add_query_mass(whole, q, q_positions, pool, slots, target_programs=1)
+    torch.testing.assert_close(split, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
+
+
 # ---- the K/V correction ---------------------------------------------------------------------
 @DTYPES
 @pytest.mark.parametrize("which", ["k", "v", "kv"])

@@ -113,7 +113,7 @@ def test_decode_attention_padding_row_is_zero(make_step):
 COMPUTED, QUERY_LENS = [0, 5, 20, 37], [9, 6, 1, 3]
 
 
-def run_prefill(step, block_m: int):
+def run_prefill(step, block_m: int, num_splits: int = 1, window=None, soft_cap=None):
     md = step.md
     seq_ids = list(range(md.num_seqs))
     group = step.q.shape[1] // step.pool.shape[3]
@@ -130,6 +130,8 @@ def run_prefill(step, block_m: int):
         md.positions,
         seq_ids,
         SCALE,
+        window,
+        soft_cap,
     )
     actual = torch.zeros_like(step.q)
     prefill_attention(
@@ -143,6 +145,9 @@ def run_prefill(step, block_m: int):
         *tiles,
         block_q,
         SCALE,
+        window,
+        soft_cap,
+        num_splits,
     )
     return actual, expected
 
@@ -170,6 +175,33 @@ def test_prefill_attention(make_step, group, block_size, dtype, scattered):
     # Tiles of 16 (row, head) pairs: sequences span several tiles, tiles end mid-sequence.
     actual, expected = run_prefill(step, block_m=16)
     assert_close(actual, expected)
+
+
+# Split keys (few tiles over long keys): 37 + 40 keys in parts of whole 32-key tiles, so the
+# later parts are empty for the early rows (they see no key there) and, with 8 parts, for every
+# row; the combine must weigh them out.
+@pytest.mark.parametrize("num_splits", [2, 8])
+@pytest.mark.parametrize(
+    ("window", "soft_cap"), [(None, None), (6, 5.0)], ids=["plain", "window-cap"]
+)
+def test_prefill_attention_split_keys(make_step, num_splits, window, soft_cap):
+    step = make_step([37, 0], [3, 40], block_size=4, num_kv_heads=2, group=3)
+    actual, expected = run_prefill(step, 16, num_splits, window, soft_cap)
+    assert_close(actual, expected)
+    whole, _ = run_prefill(step, 16, 1, window, soft_cap)
+    assert_close(actual, whole)
+
+
+def test_prefill_num_splits():
+    from blendkv.kernels.triton.prefill_attention import prefill_num_splits
+
+    # a reuse at 16K on an 8B shape (2 tiles, 8 kv heads, 264 programs): 16 parts of 1K keys
+    assert prefill_num_splits(2, 8, 16384, 264) == 16
+    assert prefill_num_splits(2, 8, 1024, 264) == 4  # each part keeps >= 256 keys
+    assert prefill_num_splits(40, 8, 16384, 264) == 1  # the tiles fill the device
+    assert prefill_num_splits(1, 1, 10**6, 10**6) == 32  # at most 32 parts
+    assert prefill_num_splits(0, 8, 16384, 264) == 1
+    assert prefill_num_splits(3, 8, 300, 264) == 1  # too few keys to split
 
 
 # ---- RoPE at load -------------------------------------------------------------------------
