@@ -1,5 +1,5 @@
-"""``blendkv bench engine|decode|sampler|blend|gpu|gemm|attention|launches|prefetch|store``:
-benchmarks, correctness first, ratios side by side.
+"""``blendkv bench engine|decode|sampler|blend|gpu|gemm|attention|gpu-attention|launches|
+prefetch|store``: benchmarks, correctness first, ratios side by side.
 
 The CLI finds this command through the ``blendkv.commands`` entry-point group (pyproject.toml),
 so the engine never imports the harness. Each kind's module is imported only when it runs
@@ -85,13 +85,19 @@ def register_bench(sub) -> None:
         g, EngineConfig, ("device", "attention_backend", "dtype"), defaults={"dtype": "bfloat16"}
     )
     g.add_argument("--prefill-tokens", type=int, default=6144)
-    g.add_argument("--docs", type=int, default=10, help="documents in the blended prompt")
-    g.add_argument("--doc-tokens", type=int, default=600, help="about this many tokens each")
-    g.add_argument("--ratio", type=float, default=0.15)
-    g.add_argument("--decode-tokens", type=int, default=64)
+    g.add_argument(
+        "--blend-prompts",
+        default="3000:10,6144:10,16384:24",
+        help="blended prompt sizes, TOKENS:DOCS,... ('' skips the blend part)",
+    )
+    g.add_argument(
+        "--ratio", type=float, default=0.15, help="CacheBlend's V-deviation pick at this ratio"
+    )
+    g.add_argument("--decode-tokens", type=int, default=64, help="0 skips the decode part")
     g.add_argument("--concurrency", type=int, default=32)
-    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--repeats", type=int, default=5, help="blend TTFTs: median of N")
     g.add_argument("--kv-cache-gb", type=int, default=8)
+    g.add_argument("--kv-store-gb", type=int, default=8, help="the chunk store's memory tier")
     g.add_argument("--json", default=None)
     g.add_argument(
         "--profile", default=None, metavar="DIR", help="write host/device profiles of the requests"
@@ -99,6 +105,7 @@ def register_bench(sub) -> None:
     g.set_defaults(func=_run("gpu"))
     _add_gemm(bench)
     _add_attention(bench)
+    _add_gpu_attention(bench)
     _add_launches(bench)
     _add_prefetch(bench)
     _add_store(bench)
@@ -121,6 +128,19 @@ def _add_attention(bench) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.set_defaults(func=_run("cpu_attention"))
+
+
+def _add_gpu_attention(bench) -> None:
+    p = bench.add_parser(
+        "gpu-attention", help="Triton prefill attention with and without key splits (device ms)"
+    )
+    add_config_args(p, EngineConfig, ("device",))
+    p.add_argument("--heads", default="32:8:128,14:2:64", help="HEADS:KV_HEADS:HEAD_DIM,...")
+    p.add_argument("--rows", default="30,450", help="query rows of the sequence")
+    p.add_argument("--keys", default="3000,6144,16384", help="keys the rows follow (and are)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("gpu_attention"))
 
 
 def _add_launches(bench) -> None:

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from blendkv import LLM, SamplingParams
-from blendkv.blend.config import BlendConfig
 from blendkv.config import resolve_device
 from blendkv.errors import ConfigError
-from blendkv.eval.random_model import SHAPES, random_text, save_random_model
+from blendkv.eval.bench.gpu_blend import bench_blend_size, parse_prompts, print_size
+from blendkv.eval.random_model import SHAPES, save_random_model
 
 
 def _sync(device: str) -> None:
@@ -87,15 +87,6 @@ def _copy_times(nbytes: int, device: str) -> dict:
     return out
 
 
-def _profile_runs(llm, prompt, full_ids, blend, one) -> dict:
-    reuse = BlendConfig(recompute_ratio=0.0)
-    return {
-        "blend": lambda: llm.generate([prompt], one, blend=blend),
-        "reuse": lambda: llm.generate([prompt], one, blend=reuse),
-        "full": lambda: llm.generate([full_ids], one),
-    }
-
-
 def _random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
@@ -108,7 +99,9 @@ def bench_shape(shape: str, args, device: str) -> dict:
         t0 = time.perf_counter()
         hf = save_random_model(Path(tmp), shape, dtype, device)
         vocab = hf.config.vocab_size
-        max_len = args.prefill_tokens + 2 * args.decode_tokens + 128
+        sizes = parse_prompts(args.blend_prompts) if args.blend_prompts else []
+        longest = max([args.prefill_tokens] + [t + t // 8 for t, _ in sizes])
+        max_len = longest + 2 * args.decode_tokens + 128
         llm = LLM(
             tmp,
             dtype=args.dtype,
@@ -116,10 +109,10 @@ def bench_shape(shape: str, args, device: str) -> dict:
             attention_backend=args.attention_backend,
             enable_prefix_caching=False,
             max_model_len=max_len,
-            max_num_batched_tokens=max(args.prefill_tokens + 256, 2048),
+            max_num_batched_tokens=max(longest + 256, 2048),
             max_num_seqs=max(args.concurrency, 1),
             kv_cache_memory_bytes=args.kv_cache_gb << 30,
-            kv_store_memory_bytes=4 << 30,
+            kv_store_memory_bytes=args.kv_store_gb << 30,
         )
         row["setup_s"] = round(time.perf_counter() - t0, 1)
         row["attention_backend"] = llm.engine.attn_backend.name
@@ -147,56 +140,25 @@ def bench_shape(shape: str, args, device: str) -> dict:
         row["prefill_vs_hf"] = row["prefill_s"] / row["prefill_hf_s"]
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
 
-        # 3. blend with a warm store
-        words = max(8, args.doc_tokens // 2)
-        prompt = {
-            "documents": [random_text(words, seed=100 + d) for d in range(args.docs)],
-            "query": "Which city is the capital of France?",
-        }
-        manager = llm.blend_manager()
-        blend = BlendConfig(recompute_ratio=args.ratio)
-        state = manager.prepare(prompt, blend)
-        manager.precompute(state.prompt.chunks)
-        full_ids = state.prompt.token_ids
-        for cfg in (blend, BlendConfig(recompute_ratio=0.0)):
-            llm.generate([prompt], one, blend=cfg)  # warm: checksums, memory tier
-        connector = llm.engine.kv_connector
-        t_full, t_blend, t_serial, t_reuse = [], [], [], []
-        for _ in range(args.repeats):
-            t_full.append(llm.generate([full_ids], one)[0].metrics.ttft)
-            out = llm.generate([prompt], one, blend=blend)[0]
-            t_blend.append(out.metrics.ttft)
-            connector.pipelined = False  # the same request with every layer loaded first
-            t_serial.append(llm.generate([prompt], one, blend=blend)[0].metrics.ttft)
-            connector.pipelined = True
-            t_reuse.append(
-                llm.generate([prompt], one, blend=BlendConfig(recompute_ratio=0.0))[0].metrics.ttft
-            )
-        row["blend_prompt_tokens"] = len(full_ids)
-        row["blend_full_s"] = statistics.median(t_full)
-        row["blend_s"] = statistics.median(t_blend)
-        row["reuse_s"] = statistics.median(t_reuse)
-        row["blend_speedup"] = row["blend_full_s"] / row["blend_s"]
-        row["blend_serial_load_s"] = statistics.median(t_serial)
-        row["blend_load_s"] = out.blend_stats.load_seconds
-        row["blend_write_s"] = out.blend_stats.write_seconds  # device time (CUDA events)
-        row["blend_write_hidden_s"] = out.blend_stats.load_hidden_seconds
-        row["blend_chunks_hit"] = out.blend_stats.chunks_hit
-        row["blend_kv_bytes"] = out.blend_stats.kv_bytes_loaded
-        row.update(_copy_times(out.blend_stats.kv_bytes_loaded, device))
-        print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
-        if args.profile:
-            from blendkv.eval.bench.profile_gpu import profile_requests
+        # 3. blend with a warm store, at each prompt size
+        row["blend"] = []
+        for i, (tokens, docs) in enumerate(sizes):
+            size, runs = bench_blend_size(llm, tokens, docs, args, seed=100 + 1000 * i)
+            row["blend"].append(size)
+            print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
+            if args.profile and i == 0:
+                from blendkv.eval.bench.profile_gpu import profile_requests
 
-            runs = _profile_runs(llm, prompt, full_ids, blend, one)
-            path = Path(args.profile) / f"profile_{shape}.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            row["profile"] = profile_requests(runs, str(path), f"{shape} {args.dtype} {device}")
-            print(f"so far: {json.dumps(row)}", flush=True)
+                path = Path(args.profile) / f"profile_{shape}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                title = f"{shape} {args.dtype} {device} {size['tokens']} tokens"
+                row["profile"] = profile_requests(runs, str(path), title)
+        if sizes:
+            row.update(_copy_times(row["blend"][-1]["kv_bytes"], device))
 
         # 4. decode
         decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-        for n in sorted({1, args.concurrency}):
+        for n in sorted({1, args.concurrency}) if args.decode_tokens > 0 else ():
             prompts = _random_ids(n, 128, vocab, seed=3 + n)
             llm.generate(prompts[:1], one)
             t0 = time.perf_counter()
@@ -212,25 +174,29 @@ def bench_shape(shape: str, args, device: str) -> dict:
 
 
 def _print(row: dict) -> None:
-    n = max(int(k.rsplit("_", 1)[1]) for k in row if k.startswith("decode_tok_s_"))
     print(
         f"\n{row['shape']} ({row['dtype']}, {row['device']}, {row['attention_backend']}): "
         f"greedy match {row['greedy_match']:.2f}\n"
         f"  prefill {row['prefill_tokens']} tok: blendkv {row['prefill_s'] * 1e3:.1f} ms, "
-        f"transformers {row['prefill_hf_s'] * 1e3:.1f} ms ({row['prefill_vs_hf']:.2f}x its time)\n"
-        f"  blend@{row.get('ratio', '')} {row['blend_prompt_tokens']} tok: full "
-        f"{row['blend_full_s'] * 1e3:.1f} ms, blend {row['blend_s'] * 1e3:.1f} ms "
-        f"({row['blend_speedup']:.2f}x), reuse {row['reuse_s'] * 1e3:.1f} ms; "
-        f"load not pipelined {row['blend_serial_load_s'] * 1e3:.1f} ms\n"
-        f"  K/V loaded {row['blend_kv_bytes'] / 1e6:.0f} MB, written in "
-        f"{row['blend_write_s'] * 1e3:.1f} ms ({row['blend_write_hidden_s'] * 1e3:.1f} hidden); "
-        "host-to-device copy pinned "
-        f"{row.get('h2d_pinned_ms', float('nan')):.1f} ms, pageable "
-        f"{row.get('h2d_pageable_ms', float('nan')):.1f} ms\n"
-        f"  decode tok/s: batch 1 {row['decode_tok_s_1']:.1f} vs {row['decode_hf_tok_s_1']:.1f} "
-        f"({row['decode_vs_hf_1']:.2f}x); {n} concurrent {row[f'decode_tok_s_{n}']:.1f} vs "
-        f"{row[f'decode_hf_tok_s_{n}']:.1f} ({row[f'decode_vs_hf_{n}']:.2f}x)"
+        f"transformers {row['prefill_hf_s'] * 1e3:.1f} ms ({row['prefill_vs_hf']:.2f}x its time)"
     )
+    for size in row["blend"]:
+        print_size(size, row["ratio"])
+    if row["blend"]:
+        last = row["blend"][-1]
+        print(
+            f"  K/V loaded {last['kv_bytes'] / 1e6:.0f} MB, written in "
+            f"{last['write_s'] * 1e3:.1f} ms ({last['write_hidden_s'] * 1e3:.1f} hidden); "
+            "host-to-device copy pinned "
+            f"{row.get('h2d_pinned_ms', float('nan')):.1f} ms, pageable "
+            f"{row.get('h2d_pageable_ms', float('nan')):.1f} ms"
+        )
+    decode = sorted(int(k.rsplit("_", 1)[1]) for k in row if k.startswith("decode_tok_s_"))
+    for n in decode:
+        print(
+            f"  decode tok/s, {n} concurrent: {row[f'decode_tok_s_{n}']:.1f} vs "
+            f"{row[f'decode_hf_tok_s_{n}']:.1f} ({row[f'decode_vs_hf_{n}']:.2f}x)"
+        )
 
 
 def main(args) -> int:

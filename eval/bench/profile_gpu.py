@@ -47,26 +47,45 @@ def _summary(prof, wall_s: float) -> dict:
     }
 
 
+def _profiled(run: Callable[[], object]):
+    """(profiler, wall seconds) of one run of ``run`` under ``torch.profiler`` (CPU, and the
+    device on CUDA), the device idle before it and waited for after it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return prof, wall
+
+
+def profile_once(run: Callable[[], object]) -> dict:
+    """One warm run of ``run`` (a whole request) under ``torch.profiler``: its summary (wall,
+    kernel time, launches, syncs) and ``host_busy_ms``, the wall time less the host's waits in
+    syncs and blocking copies (the host's own time issuing the request, profiler overhead
+    included)."""
+    prof, wall = _profiled(run)
+    summary = _summary(prof, wall)
+    waits = ("cudaMemcpy",) + _SYNC_NAMES  # cudaMemcpy (not Async) blocks the host
+    waited_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in waits)
+    summary["host_busy_ms"] = round(max(0.0, wall * 1e3 - waited_us / 1e3), 2)
+    return summary
+
+
 def profile_requests(runs: dict[str, Callable[[], object]], path: str, title: str) -> dict:
     """Profile each ``runs[name]()`` (a whole request) and write the report to ``path``.
     Returns {name: summary}."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
     cuda = torch.cuda.is_available()
-    if cuda:
-        activities.append(ProfilerActivity.CUDA)
     summaries, parts = {}, [f"# {title}\n"]
     for name, run in runs.items():
         run()  # warm-up
-        if cuda:
-            torch.cuda.synchronize()
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            run()
-            if cuda:
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
+        prof, wall = _profiled(run)
         summary = _summary(prof, wall)
         summaries[name] = summary
         sort = "self_cpu_time_total"

@@ -11,20 +11,42 @@ from blendkv.cli import main
 def test_bench_gpu_tiny_on_cpu(tmp_path, capsys):
     out = tmp_path / "gpu.json"
     args = ["bench", "gpu", "--shapes", "tiny", "--device", "cpu", "--dtype", "float32"]
-    args += ["--prefill-tokens", "128", "--docs", "3", "--doc-tokens", "40"]
+    args += ["--prefill-tokens", "128", "--blend-prompts", "120:3,200:4"]
     args += ["--decode-tokens", "4", "--concurrency", "3", "--repeats", "1", "--kv-cache-gb", "1"]
     assert main([*args, "--json", str(out), "--profile", str(tmp_path / "prof")]) == 0
     (row,) = json.loads(out.read_text())
     assert row["greedy_match"] == 1.0  # fp32: blendkv's greedy tokens are transformers'
-    assert row["blend_chunks_hit"] == 3  # the store was warm
-    for key in ("prefill_vs_hf", "blend_speedup", "decode_vs_hf_1", "decode_vs_hf_3"):
+    for key in ("prefill_vs_hf", "decode_vs_hf_1", "decode_vs_hf_3"):
         assert row[key] > 0
-    assert "greedy match 1.00" in capsys.readouterr().out
+    small, large = row["blend"]
+    assert (small["docs"], large["docs"]) == (3, 4)
+    assert abs(small["tokens"] - 120) <= 30 and abs(large["tokens"] - 200) <= 40
+    for size in (small, large):
+        for name in ("blend", "blend_v0.15", "reuse", "engine_choice"):
+            assert size[f"{name}_s"] > 0 and size[f"{name}_speedup"] > 0
+        # the engine measured both rates in the warm-up, so the cost check made a choice
+        assert size["engine_choice"] in ("blend", "cheaper_selection", "full_prefill")
+        assert size["engine_choice_reason"].startswith("cost check:")
+        for name in ("full", "blend", "reuse"):
+            profile = size[f"profile_{name}"]
+            assert profile["wall_ms"] >= profile["host_busy_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "greedy match 1.00" in printed and "engine's choice" in printed
     # --profile: one report per shape, each request's host figures (no device on the CPU)
     report = (tmp_path / "prof" / "profile_tiny.txt").read_text()
     for name in ("blend", "reuse", "full"):
         assert f"## {name}: " in report and f"### {name}: cProfile (cumulative)" in report
         assert row["profile"][name]["aten_ops"] > 0 and row["profile"][name]["wall_ms"] > 0
+
+
+def test_bench_gpu_attention_checks_both_kernels_on_cpu(tmp_path, capsys):
+    """Split and whole prefill kernels against the torch backend (Triton's interpreter here)."""
+    out = tmp_path / "attention.json"
+    args = ["bench", "gpu-attention", "--device", "cpu", "--heads", "4:2:16", "--rows", "3"]
+    assert main([*args, "--keys", "600", "--repeats", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["splits"] == 2 and row["split_ms"] > 0 and row["whole_ms"] > 0
+    assert "2 parts" in capsys.readouterr().out
 
 
 def test_bench_gpu_rejects_unknown_shapes(capsys):

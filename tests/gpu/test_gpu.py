@@ -41,10 +41,17 @@ def _step(backend, num_heads, num_kv_heads, head_dim, seqs, block_size, dtype):
     "shape", [(32, 8, 128), (14, 2, 64)], ids=["llama8b-heads", "qwen05-heads"]
 )
 def test_triton_backend_matches_torch_at_real_shapes(shape):
+
+    seqs = [(0, 2048), (1500, 600), (4095, 1), (300, 1), (0, 1)]
+    _both_backends(shape, seqs)
+
+
+def _both_backends(shape, seqs):
+    """The torch and Triton backends on one bf16 step: the same pool and output (close);
+    returns (Triton backend, metadata)."""
     from blendkv.kernels.torch_attention import TorchAttentionBackend
     from blendkv.kernels.triton_attention import TritonAttentionBackend
 
-    seqs = [(0, 2048), (1500, 600), (4095, 1), (300, 1), (0, 1)]
     ref_backend, tri_backend = TorchAttentionBackend("cuda"), TritonAttentionBackend("cuda")
     q, k, v, cache, md = _step(ref_backend, *shape, seqs, 16, torch.bfloat16)
     ref_cache, tri_cache = cache.clone(), cache.clone()
@@ -53,6 +60,18 @@ def test_triton_backend_matches_torch_at_real_shapes(shape):
     out = tri_backend.forward(q, k, v, tri_cache, md, scale)
     torch.testing.assert_close(tri_cache, ref_cache)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    return tri_backend, md
+
+
+@pytest.mark.parametrize(
+    "shape", [(32, 8, 128), (14, 2, 64)], ids=["llama8b-heads", "qwen05-heads"]
+)
+def test_few_rows_over_16k_keys_split_at_real_shapes(shape):
+    """A reuse's query rows after 16K stored keys: the prefill tiles split their keys
+    (prefill_num_splits) and match the torch backend."""
+    tri_backend, md = _both_backends(shape, [(16350, 30)])
+    group = shape[0] // shape[1]
+    assert tri_backend._layout(md, group, False, shape[1]).prefill_splits > 1
 
 
 def test_engine_greedy_cuda_equals_cpu_fp32(tiny_llama_dir):
@@ -84,6 +103,39 @@ def test_blended_requests_on_cuda(tiny_llama_dir, tmp_path):
     out = llm.generate([prompt], params, blend=BlendConfig(recompute_ratio=0.15))[0]
     assert out.blend_stats.chunks_hit == len(BLEND_DOCS)
     assert len(out.outputs[0].token_ids) == 12
+    llm.close()
+
+
+def test_cost_check_measures_cuda_steps_with_events(tiny_llama_dir, tmp_path):
+    """On CUDA the cost check's rates come from event spans (device_timer), read at a later
+    request without a sync: after a full prefill and a blend, a request that left its config to
+    the engine is predicted, and says what it chose."""
+    from helpers import BLEND_DOCS, BLEND_QUERY
+
+    from blendkv import LLM, SamplingParams
+    from blendkv.blend.config import BlendConfig
+
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        device="cuda",
+        kv_store_dir=str(tmp_path),
+        enable_prefix_caching=False,
+    )
+    llm.engine.kv_connector.cost_check = True  # blend_cost_check=True (the suite turns it off)
+    prompt = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    ids = llm.blend_manager().prepare(prompt, BlendConfig()).prompt.token_ids
+    for _ in range(2):
+        llm.generate([ids], one)
+        llm.generate([prompt], one, blend=BlendConfig())
+    torch.cuda.synchronize()
+    out = llm.generate([prompt], one)[0]  # the engine's default config: the check decides
+    controller = llm.engine.kv_connector.controller
+    assert controller.full_compute.value is not None and controller.full_compute.value > 0
+    assert controller.compute.value is not None and controller.compute.value > 0
+    assert out.blend_stats.cost_choice in ("blend", "cheaper_selection", "full_prefill")
+    assert out.blend_stats.cost_reason.startswith("cost check:"), out.blend_stats.cost_reason
     llm.close()
 
 

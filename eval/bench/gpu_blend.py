@@ -1,0 +1,143 @@
+"""The blend part of ``blendkv bench gpu``: TTFT of full prefill, blend and reuse at the prompt
+sizes users have (``--blend-prompts TOKENS:DOCS,...``; default 3,000 tokens of 10 documents,
+6,144 of 10 and 16,384 of 24), each with a warm chunk store.
+
+Per size, interleaved, median of ``--repeats``: full prefill of the same tokens; the default
+``BlendConfig()``; blend@``--ratio`` (CacheBlend's one-pass V-deviation pick, its published
+setting); reuse (nothing recomputed); the same default blend with every layer loaded before the
+forward; the engine's own choice (no config passed: the cost check picks blend, the cheaper
+selection or full prefill, and says which); on the Triton backend, blend and reuse without
+the prefill kernels' key splits (``split_keys`` off). Then one more run of full, default
+blend and reuse under ``torch.profiler``: host busy time, device kernel time, kernel launches
+and host syncs per request.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from blendkv import SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.eval.random_model import random_text
+
+
+def parse_prompts(text: str) -> list[tuple[int, int]]:
+    """``"6144:10,16384:24"`` -> [(6144, 10), (16384, 24)] (tokens, documents)."""
+    sizes = []
+    for part in text.split(","):
+        tokens, _, docs = part.strip().partition(":")
+        sizes.append((int(tokens), int(docs or 10)))
+    if any(t < 16 or d < 1 for t, d in sizes):
+        raise ValueError(f"--blend-prompts wants TOKENS:DOCS pairs, got {text!r}")
+    return sizes
+
+
+def blend_prompt(manager, tokens: int, docs: int, seed: int) -> dict:
+    """A prompt of ``docs`` random documents of about ``tokens`` tokens in all."""
+
+    def build(words: int) -> dict:
+        return {
+            "documents": [random_text(words, seed=seed + d) for d in range(docs)],
+            "query": "Which city is the capital of France?",
+        }
+
+    words = max(8, tokens // docs)
+    n = len(manager.prepare(build(words), BlendConfig()).prompt.token_ids)
+    return build(max(8, round(words * tokens / n)))
+
+
+def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
+    """One prompt size: (its row: TTFTs, median of ``args.repeats``, the engine's choice,
+    profiles; the full / blend / reuse requests as callables, for ``--profile``)."""
+    from blendkv.eval.bench.profile_gpu import profile_once
+
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    manager = llm.blend_manager()
+    prompt = blend_prompt(manager, tokens, docs, seed)
+    default, ratio = BlendConfig(), BlendConfig(selection="v_deviation", recompute_ratio=args.ratio)
+    reuse = BlendConfig(recompute_ratio=0.0)
+    state = manager.prepare(prompt, default)
+    manager.precompute(state.prompt.chunks)
+    full_ids = state.prompt.token_ids
+    connector = llm.engine.kv_connector
+    connector.cost_check = True  # the engine's choice is measured even where it is off
+
+    def ttft(blend=None, ids=None):
+        out = llm.generate([ids or prompt], one, blend=blend)[0]
+        return out.metrics.ttft, out
+
+    def serial():
+        connector.pipelined = False  # the same request with every layer loaded first
+        try:
+            return ttft(default)
+        finally:
+            connector.pipelined = True
+
+    backend = llm.engine.attn_backend
+
+    def unsplit(config):
+        backend.split_keys = False  # the Triton prefill kernels without key splits
+        try:
+            return ttft(config)
+        finally:
+            backend.split_keys = True
+
+    runs = {
+        "full": lambda: ttft(ids=full_ids),
+        "blend": lambda: ttft(default),
+        f"blend_v{args.ratio}": lambda: ttft(ratio),
+        "reuse": lambda: ttft(reuse),
+        "serial_load": serial,
+        "engine_choice": lambda: ttft(),
+    }
+    if hasattr(backend, "split_keys"):
+        runs["blend_unsplit"] = lambda: unsplit(default)
+        runs["reuse_unsplit"] = lambda: unsplit(reuse)
+    for run in runs.values():  # warm: kernels, checksums, memory tier, the cost check's rates
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    last = {}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            seconds, last[name] = run()
+            times[name].append(seconds)
+    row: dict = {"tokens": len(full_ids), "docs": docs}
+    for name, values in times.items():
+        row[f"{name}_s"] = statistics.median(values)
+    for name in ("blend", f"blend_v{args.ratio}", "reuse", "engine_choice"):
+        row[f"{name}_speedup"] = row["full_s"] / row[f"{name}_s"]
+    row["blend_vs_reuse"] = row["blend_s"] / row["reuse_s"]
+    stats = last["engine_choice"].blend_stats
+    row["engine_choice"] = stats.cost_choice or "as configured"
+    row["engine_choice_reason"] = stats.cost_reason
+    blend_stats = last["blend"].blend_stats
+    row["kv_bytes"] = blend_stats.kv_bytes_loaded
+    row["write_s"] = blend_stats.write_seconds
+    row["write_hidden_s"] = blend_stats.load_hidden_seconds
+    for name in ("full", "blend", "reuse"):
+        row[f"profile_{name}"] = profile_once(runs[name])
+    return row, {name: runs[name] for name in ("blend", "reuse", "full")}
+
+
+def print_size(row: dict, ratio: float) -> None:
+    ms = lambda key: f"{row[key] * 1e3:.1f} ms"  # noqa: E731
+    print(
+        f"  {row['tokens']} tokens, {row['docs']} docs: full {ms('full_s')}, "
+        f"blend {ms('blend_s')} ({row['blend_speedup']:.2f}x), blend_v{ratio} "
+        f"{ms(f'blend_v{ratio}_s')} ({row[f'blend_v{ratio}_speedup']:.2f}x), reuse "
+        f"{ms('reuse_s')} ({row['reuse_speedup']:.2f}x); blend / reuse "
+        f"{row['blend_vs_reuse']:.2f}; layers loaded first {ms('serial_load_s')}; engine's "
+        f"choice {row['engine_choice']} {ms('engine_choice_s')}"
+    )
+    if "blend_unsplit_s" in row:
+        print(
+            f"    without key splits: blend {ms('blend_unsplit_s')}, reuse {ms('reuse_unsplit_s')}"
+        )
+    for name in ("full", "blend", "reuse"):
+        p = row.get(f"profile_{name}")
+        if p:
+            print(
+                f"    {name:5s} under the profiler: wall {p['wall_ms']} ms, host busy "
+                f"{p['host_busy_ms']} ms, kernels {p['device_kernel_ms']} ms, launches "
+                f"{p['kernel_launches']}, syncs {p['host_syncs']}"
+            )
