@@ -7,7 +7,8 @@ per kernel, a few microseconds each. This counts those launches for one blended 
 full reuse and one full prefill of the same tokens, on a random-weight model with the given
 number of layers, the Triton attention backend (on the CPU under ``TRITON_INTERPRET=1``), warm
 chunk store: every aten op that would run a kernel (views, allocations and metadata-only ops
-excluded) plus every Triton launch, and the points where the host waits for the device
+excluded, and ops on host tensors only: the host bookkeeping a GPU run keeps on the CPU) plus
+every Triton launch, and the points where the host waits for the device
 (:class:`HostSyncs`: ``.item()``, ``.cpu()`` / ``.tolist()`` of a device tensor, ``nonzero``,
 boolean-mask indexing, ...), each listed with the file:line it happens at. The counts depend on
 the code path, not on widths or token counts (within a prompt's few hundred tokens).
@@ -58,9 +59,12 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.paused = False
+        # False while a torch call on host tensors only runs (HostSyncs sets it per call):
+        # host bookkeeping a GPU run keeps on the CPU launches no kernel there.
+        self.device_call = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused:
+        if not self.paused and self.device_call:
             name = func.__name__.split(".")[0]
             if name not in _NO_KERNEL:
                 self.ops[name] += 1
@@ -108,13 +112,17 @@ class HostSyncs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if self.paused:
-            return out
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         on_device = any(t in self.device for t in inputs)
         host_target = name == "to" and _to_host(args[1:], kwargs)
+        dev = kwargs.get("device")
+        made_on_device = isinstance(dev, torch.device) or (
+            name == "to" and not host_target and _to_device(args[1:], kwargs)
+        )
+        out = self._call(func, args, kwargs, on_device or made_on_device)
         if on_device and (
             name in _HOST_READS or host_target or _sizes_from_values(name, args, kwargs)
         ):
@@ -125,10 +133,6 @@ class HostSyncs(TorchFunctionMode):
                 with self.quiet():
                     out = out.clone()
             return out
-        dev = kwargs.get("device")
-        made_on_device = isinstance(dev, torch.device) or (
-            name == "to" and not host_target and _to_device(args[1:], kwargs)
-        )
         if made_on_device and name == "to" and out is args[0]:
             # On a GPU ``.to(device)`` of a host tensor is a new tensor; the host one stays.
             with self.quiet():
@@ -138,6 +142,16 @@ class HostSyncs(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.device[t] = True
         return out
+
+    def _call(self, func, args, kwargs, device_call: bool):
+        """``func`` with the kernel counter told whether it runs on device tensors."""
+        if self.kernels is None:
+            return func(*args, **kwargs)
+        outer, self.kernels.device_call = self.kernels.device_call, device_call
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.kernels.device_call = outer
 
 
 def _to_host(args, kwargs) -> bool:

@@ -71,3 +71,25 @@ def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
     assert "sampler.py" in where and rows["full"]["host_syncs"] == 1
     assert rows["blend"]["launches"] > rows["reuse"]["launches"] > 0
     assert rows["blend"]["triton"]["_mass_kernel"] == 2  # ProphetKV's pass: every layer
+
+
+def test_count_launches_leaves_out_host_bookkeeping():
+    """Ops on tensors a GPU run keeps on the host launch no kernel; ops on device tensors (and
+    their results, and tensors made with device=) do, and a host read of one is a sync."""
+    import torch
+
+    from blendkv.eval.bench.launches import count
+
+    weight = torch.ones(4, 4)
+
+    def run():
+        positions = torch.arange(8)  # host bookkeeping: nothing launched
+        _ = (positions * 2).sum().item()
+        h = weight @ weight  # 1 kernel
+        h = torch.relu(h + 1)  # 2 kernels
+        ids = torch.tensor([1, 2], device=torch.device("cpu"))  # made on the device: a copy
+        _ = h[ids].sum().item()  # index + sum, then the host waits: 1 sync
+
+    counted = count(run, [weight])
+    assert counted["aten_kernels"] == 3 + 1 + 2, counted["top_aten"]
+    assert counted["host_syncs"] == 1
