@@ -7,8 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from blendkv.blend.config import BlendConnectorConfig
-from blendkv.blend.connector import blend_connector_config
+from blendkv.blend.config import BlendConnectorConfig, blend_connector_config
 from blendkv.config import EngineConfig
 from blendkv.engine_args import connector_options, create_engine_config
 from blendkv.errors import ConfigError

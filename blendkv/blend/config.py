@@ -269,3 +269,15 @@ def _check_ratio(name: str, value: object, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         extra = f" {alternative}" if alternative else ""
         raise ConfigError(f"{name} must be in [0, 1]{extra}, got {value!r}")
+
+
+def blend_connector_config(config: object) -> BlendConnectorConfig:
+    """The connector's settings from ``EngineConfig.kv_connector_config`` (None: defaults)."""
+    if config is None:
+        return BlendConnectorConfig()
+    if not isinstance(config, BlendConnectorConfig):
+        raise ConfigError(
+            "the blend KV connector takes kv_connector_config=BlendConnectorConfig(...) "
+            f"(blendkv.blend.config), got {type(config).__name__}: {config!r}"
+        )
+    return config

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from blendkv.blend.audit import AUDIT_ID_PREFIX, BlendAuditor
 from blendkv.blend.chunk_loader import ChunkLoader
-from blendkv.blend.config import BlendConnectorConfig
+from blendkv.blend.config import blend_connector_config
 from blendkv.blend.controller import LoadingController
-from blendkv.blend.cost_policy import ModelCosts, apply_choice, cost_check_enabled
+from blendkv.blend.cost_policy import ModelCosts, apply_choice, cost_check_enabled, qkv_share
 from blendkv.blend.device_timer import DeviceStepTimer
 from blendkv.blend.layerwise_write import LayerwiseLoad, resolve_pipelined, spare_cpu_core
 from blendkv.blend.manager import BlendManager
@@ -33,7 +33,6 @@ from blendkv.engine.kv_connector import (
     KVConnectorContext,
     KVConnectorMetadata,
 )
-from blendkv.errors import ConfigError
 from blendkv.models.model_files import weights_hash
 
 
@@ -53,18 +52,6 @@ class BlendConnectorMetadata(KVConnectorMetadata):
     fused: list[FusedPrefill] = field(default_factory=list)
     # Rows of a step of plain prefills only (no fused prefill, no decode): full prefill's rate
     prefill_rows: int = 0
-
-
-def blend_connector_config(config: object) -> BlendConnectorConfig:
-    """The connector's settings from ``EngineConfig.kv_connector_config`` (None: defaults)."""
-    if config is None:
-        return BlendConnectorConfig()
-    if not isinstance(config, BlendConnectorConfig):
-        raise ConfigError(
-            "the blend KV connector takes kv_connector_config=BlendConnectorConfig(...) "
-            f"(blendkv.blend.config), got {type(config).__name__}: {config!r}"
-        )
-    return config
 
 
 class BlendConnector(KVConnectorBase):
@@ -179,7 +166,7 @@ class BlendConnector(KVConnectorBase):
         if self._timer is not None:  # the spans the device has finished since
             self._timer.collect(self.controller)
         nbytes = 2 * info.num_kv_heads * info.head_dim * self._loader.itemsize
-        model = ModelCosts(info.num_layers, nbytes, _qkv_share(ctx.model))
+        model = ModelCosts(info.num_layers, nbytes, qkv_share(ctx.model))
         overlapped = resolve_pipelined(self.pipelined, self._loader.device, ctx.attn_backend)
         return apply_choice(state, self.manager, self.controller, model, overlapped)
 
@@ -338,7 +325,7 @@ class BlendConnector(KVConnectorBase):
         # every layer: it waits for each layer's writes like the forward does.
         run_query_pass(ctx.model, inputs.input_ids, md, caches, self._step, ctx.attn_backend, self)
         self._row_plan = BlendRowPlan(
-            md, self._step, ctx.attn_backend, len(caches), _qkv_share(ctx.model)
+            md, self._step, ctx.attn_backend, len(caches), qkv_share(ctx.model)
         )
         return self._row_plan
 
@@ -409,13 +396,3 @@ class BlendConnector(KVConnectorBase):
         self._step = []
         self._layer_load = None
         self._row_plan = None
-
-
-def _qkv_share(model) -> float:
-    """Share of a decoder layer's matmul FLOPs per row spent on the Q/K/V projections."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
-    o = c.num_attention_heads * head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    return qkv / (qkv + o + mlp)

@@ -45,6 +45,7 @@ __all__ = [
     "blend_row_layers",
     "choose",
     "cost_check_enabled",
+    "qkv_share",
     "request_shape",
 ]
 
@@ -247,3 +248,13 @@ def _name(config: BlendConfig) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}"
+
+
+def qkv_share(model) -> float:
+    """Share of a decoder layer's matmul FLOPs per row spent on the Q/K/V projections."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+    o = c.num_attention_heads * head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return qkv / (qkv + o + mlp)

@@ -176,7 +176,7 @@ def test_off_switch_blends_as_configured(llm):
 )
 def test_predicted_row_layers_are_what_the_fused_prefill_counts(llm, config):
     """The prediction's unit is the row plan's: its count for a config is the plan's."""
-    from blendkv.blend.connector import _qkv_share
+    from blendkv.blend.cost_policy import qkv_share as _qkv_share
 
     stats = llm.generate(PROMPT, GREEDY, blend=config)[0].blend_stats
     model = llm.engine.kv_connector.context.model
