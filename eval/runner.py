@@ -37,6 +37,7 @@ from blendkv.eval.methods import (
 )
 from blendkv.eval.ordering import order_examples
 from blendkv.eval.prompts import get_prompt_spec, render_prompt
+from blendkv.eval.reference_cache import ReferenceCache, reference_identity
 from blendkv.rag.chunk_order import check_chunk_order
 
 __all__ = ["EvalConfig", "EvalResult", "run_eval", "summarize_method"]
@@ -80,6 +81,8 @@ class EvalConfig:
     chunk_order: str = "source"
     # Stored-K/V codecs (blendkv.eval.codecs): reuse/blend methods run once per codec.
     kv_codecs: str = "none"
+    # Full prefill's answers and logits per prompt, kept across runs (blendkv.eval.reference_cache).
+    reference_cache: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "answer_tokens"):
@@ -170,6 +173,10 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
                 engine.info.device,
             )
         result = EvalResult(config=_config_dict(config, llm, methods, num_examples))
+        reference = None
+        if config.reference_cache is not None:
+            identity = reference_identity(llm, config.max_tokens, config.answer_tokens)
+            reference = ReferenceCache(config.reference_cache, identity)
         if journal is not None:
             journal.start(result.config)
         if not examples:
@@ -180,13 +187,17 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         bar = tqdm(list(zip(examples, prompts, strict=True)), desc="eval", disable=not progress)
         variants = config.variants
         for ex, prompt in bar:
-            runs, rows = _run_example(llm, hf, variants, stores, prompt, params,
-                                      config.answer_tokens)  # fmt: skip
+            runs, rows, cached = _run_example(llm, hf, variants, stores, prompt, params,
+                                              config.answer_tokens, reference)  # fmt: skip
             records = _score_example([m for m, _ in variants], ex, prompt, runs, rows, config)
+            for r in records:
+                r["reference_cached"] = cached
             if journal is not None:
                 journal.append(records)
             result.records.extend(records)
             bar.set_postfix({m: f"{r.ttft:.2f}s" for m, r in runs.items()})
+        if reference is not None:
+            result.config["reference_cache_hits"] = reference.hits
         return result
     finally:
         if stores is not None:
@@ -238,13 +249,21 @@ def _warm_up(llm, hf, methods: list[Method], prompts: list[ExamplePrompt], progr
         run_method(llm, hf, m, tiny, SamplingParams(max_tokens=2))
 
 
-def _run_example(llm, hf, variants, stores, prompt, params, answer_tokens: int):
+def _run_example(llm, hf, variants, stores, prompt, params, answer_tokens: int, reference=None):
     """Every method's timed run (on each codec's store), each followed at once by its
     teacher-forced logits along full prefill's answer (``full`` runs first), so that request
-    reuses the run's own prompt K/V."""
+    reuses the run's own prompt K/V. With a ``reference`` cache holding this prompt, full
+    prefill is read from it instead of run (the third value says so)."""
     runs: dict[str, MethodRun] = {}
     rows: dict[str, Any] = {}
+    cached = False
     for m, codec in variants:
+        if m.kind == "full" and reference is not None:
+            hit = reference.get(prompt.token_ids)
+            if hit is not None:
+                runs[m.name], rows[m.name] = hit
+                cached = True
+                continue
         with stores.using(codec):
             runs[m.name] = run_method(llm, hf, m, prompt, params)
             answer = runs["full"].token_ids[:answer_tokens]
@@ -252,7 +271,9 @@ def _run_example(llm, hf, variants, stores, prompt, params, answer_tokens: int):
                 rows[m.name] = rows["full"]
             else:
                 rows[m.name] = teacher_forced_rows(llm, hf, m, prompt, answer).rows
-    return runs, rows
+        if m.kind == "full" and reference is not None:
+            reference.put(prompt.token_ids, runs[m.name], rows[m.name])
+    return runs, rows, cached
 
 
 def _score_example(methods, ex, prompt, runs: dict[str, MethodRun], rows_of, config):
