@@ -117,10 +117,15 @@ class CodecStores:
         from blendkv.store.codecs import kv_nbytes
 
         store = self._sets[codec][1]
-        values = [store.get_encoded(k, skip_memory_tier=True) for k in keys]
-        if not num_tokens or any(v is None for v in values):
+        if not num_tokens:
             return None
-        return sum(kv_nbytes(v) for v in values) / num_tokens
+        total = 0
+        for key in keys:  # one value at a time: all of them at once are the whole store
+            value = store.get_encoded(key, skip_memory_tier=True)
+            if value is None:
+                return None
+            total += kv_nbytes(value)
+        return total / num_tokens
 
     def close(self) -> None:
         for codec, (_, store, writer) in self._sets.items():
