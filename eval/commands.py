@@ -84,6 +84,7 @@ def register_eval(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.eval.journal import Journal
+    from blendkv.eval.reference_cache import reference_notice
     from blendkv.eval.report import format_intervals, format_table, interval_rows, write_outputs
     from blendkv.eval.runner import EvalConfig, run_eval
 
@@ -127,11 +128,8 @@ def run(args: argparse.Namespace) -> int:
     paths = write_outputs(args.out, result, args.baseline)
     print(format_table(result.summary))
     print("\n" + format_intervals(interval_rows(result.records, args.baseline)))
-    hits = sum(r["method"] == "full" and r.get("reference_cached", False) for r in result.records)
-    if hits:
-        print(
-            f"\nfull prefill of {hits} example(s) came from --reference-cache: its TTFT (and "
-            "every speedup over it) was measured in the run that stored it"
-        )
+    notice = reference_notice(result.records)
+    if notice:
+        print("\n" + notice)
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -31,10 +31,21 @@ import torch
 
 from blendkv.eval.methods import MethodRun
 
-__all__ = ["ReferenceCache", "reference_identity"]
+__all__ = ["ReferenceCache", "reference_identity", "reference_notice"]
 
 logger = logging.getLogger(__name__)
 _VERSION = 1
+
+
+def reference_notice(records: list[dict[str, Any]]) -> str | None:
+    """A line for the report when some examples' full prefill came from the cache."""
+    hits = sum(r["method"] == "full" and r.get("reference_cached", False) for r in records)
+    if not hits:
+        return None
+    return (
+        f"full prefill of {hits} example(s) came from --reference-cache: its TTFT (and every "
+        "speedup over it) was measured in the run that stored it"
+    )
 
 
 def reference_identity(llm, max_tokens: int, answer_tokens: int) -> dict[str, Any]:

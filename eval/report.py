@@ -21,6 +21,7 @@ from typing import Any
 
 from blendkv.eval import bootstrap
 from blendkv.eval.methods import parse_method
+from blendkv.eval.reference_cache import reference_notice
 
 __all__ = ["format_intervals", "format_table", "interval_rows", "write_outputs"]
 
@@ -164,7 +165,9 @@ def write_outputs(out_dir: str | Path, result, baseline: str | None = None) -> d
     with paths["per_example"].open("w") as f:
         for record in result.records:
             f.write(json.dumps(record) + "\n")
-    paths["report"].write_text(_report_md(result.config, result.summary) + _intervals_md(intervals))
+    report = _report_md(result.config, result.summary) + _intervals_md(intervals)
+    notice = reference_notice(result.records)
+    paths["report"].write_text(report + (f"\n{notice}.\n" if notice else ""))
     _plot_quality_vs_ttft(result.summary, paths["quality_vs_ttft"])
     sweeps = _blend_sweeps(result.summary)
     if sweeps:

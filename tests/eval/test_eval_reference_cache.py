@@ -37,6 +37,8 @@ def test_a_second_run_reads_full_prefill_from_the_cache(tmp_path, capsys):
     for x, y in zip(a, b, strict=True):  # the same reference: the same fidelity
         assert x["method"] == y["method"]
         assert y["answer_kl"] == pytest.approx(x["answer_kl"], abs=1e-6)
+    assert "came from --reference-cache" in (second / "report.md").read_text()
+    assert "came from --reference-cache" not in (first / "report.md").read_text()
     results = json.loads((second / "results.json").read_text())
     assert results["config"]["reference_cache_hits"] == 2
 
