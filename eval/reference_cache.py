@@ -1,9 +1,8 @@
 """Full prefill's answers kept on disk, so repeated evaluations of the same prompts run only the
 methods under test (``blendkv eval --reference-cache DIR``).
 
-Full prefill is the reference of every fidelity metric and the slowest method by far (on a
-2-core CPU, ~45 s of a ~6K-token MuSiQue prompt on Qwen2.5-0.5B against ~7 s for the default
-blend). A sweep of blend options on the same examples recomputes the same reference each time.
+Full prefill is the reference of every fidelity metric and the slowest method by far; a sweep
+of blend options on the same examples would recompute the same reference each time.
 This cache keeps, per prompt, what the evaluation takes from full prefill: its greedy tokens
 and text, its TTFT and its teacher-forced next-token logits along its answer.
 
