@@ -14,6 +14,11 @@ procedurally generated filler, so the prompt reaches about ``tokens`` tokens (es
 and names of :mod:`blendkv.eval.synthetic`. Records follow MuSiQue's shape (``paragraphs``
 with ``is_supporting``, ``question_decomposition`` naming the paragraph of each hop), so which
 two documents answer is known by construction. Deterministic per ``(seed, i)``.
+
+``chains`` sets how many look-alike chains there are (default: one per document, at most
+``MAX_CHAINS``): the asked attribute is then stated for ``chains + 1`` people, so a reader who
+skips the bridge fact answers right with probability ``1 / (chains + 1)``. At least one chain is
+required: without it the asked attribute is stated once, and the question needs one document.
 """
 
 from __future__ import annotations
@@ -53,20 +58,28 @@ _FILLER = (
 )
 
 
-def make_cross_doc(n: int, seed: int, tokens: int = 6000) -> list[dict[str, Any]]:
-    """``n`` MuSiQue-format records of about ``tokens`` prompt tokens each (see the module
-    docstring); record ``i`` depends only on ``(seed, i, tokens)``."""
+def make_cross_doc(
+    n: int, seed: int, tokens: int = 6000, chains: int | None = None
+) -> list[dict[str, Any]]:
+    """``n`` MuSiQue-format records of about ``tokens`` prompt tokens each with ``chains``
+    look-alike chains (None: one per document, at most ``MAX_CHAINS``; see the module
+    docstring); record ``i`` depends only on ``(seed, i, tokens, chains)``."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if tokens < 2 * DOC_TOKENS:
         raise ValueError(f"tokens must be >= {2 * DOC_TOKENS} (two documents), got {tokens}")
     num_docs = min(tokens // DOC_TOKENS, 40)
+    if chains is None:
+        chains = min(MAX_CHAINS, num_docs)
+    elif not 1 <= chains <= MAX_CHAINS:
+        raise ValueError(f"chains must be in [1, {MAX_CHAINS}], got {chains}")
     return [
         _make_record(
             random.Random(f"blendkv-cross-doc:{seed}:{i}"),
             f"cross_doc-{seed}-{i}",
             num_docs,
             int(tokens * CHARS_PER_TOKEN / num_docs),
+            chains,
         )  # fmt: skip
         for i in range(n)
     ]
@@ -79,8 +92,10 @@ def record_to_example(record: dict[str, Any]) -> Example:
     return Example(record["id"], record["question"], answers, passages)
 
 
-def cross_doc_examples(n: int, seed: int, tokens: int = 6000) -> list[Example]:
-    return [record_to_example(r) for r in make_cross_doc(n, seed, tokens)]
+def cross_doc_examples(
+    n: int, seed: int, tokens: int = 6000, chains: int | None = None
+) -> list[Example]:
+    return [record_to_example(r) for r in make_cross_doc(n, seed, tokens, chains)]
 
 
 def _filler(rng: random.Random) -> str:
@@ -91,10 +106,11 @@ def _filler(rng: random.Random) -> str:
     )  # fmt: skip
 
 
-def _make_record(rng: random.Random, rid: str, num_docs: int, doc_chars: int) -> dict[str, Any]:
+def _make_record(
+    rng: random.Random, rid: str, num_docs: int, doc_chars: int, chains: int
+) -> dict[str, Any]:
     role, other_role = rng.sample(ROLES, 2)
     attribute, other_attribute = rng.sample(ATTRIBUTES, 2)
-    chains = min(MAX_CHAINS, num_docs)
     projects = rng.sample(PROJECTS, 1 + chains)
     people = [f"{rng.choice(HONORIFICS)} {s}" for s in rng.sample(SURNAMES, 2 + chains)]
     values = rng.sample(attribute.values, 1 + chains)

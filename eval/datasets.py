@@ -227,7 +227,7 @@ def dataset_kind(spec: str | Path) -> str:
         return "longbench"
     raise DatasetError(
         f"unknown dataset {str(spec)!r}: use 'synthetic', 'synthetic:cross_doc?seed=S&n=N&"
-        "tokens=T', a CacheBlend .json file or a LongBench .jsonl file"
+        "tokens=T[&chains=C]', a CacheBlend .json file or a LongBench .jsonl file"
     )
 
 
@@ -250,7 +250,7 @@ def load_dataset(spec: str | Path, limit: int | None = None, seed: int = 0) -> l
 
 
 # synthetic:TASK?key=value&...: a generated task and its parameters (integers).
-_SYNTHETIC_TASKS = {"cross_doc": ("seed", "n", "tokens")}
+_SYNTHETIC_TASKS = {"cross_doc": ("seed", "n", "tokens", "chains")}
 
 
 def _load_synthetic_task(spec: str, limit: int | None, seed: int) -> list[Example]:
@@ -272,6 +272,8 @@ def _load_synthetic_task(spec: str, limit: int | None, seed: int) -> list[Exampl
     if limit is not None:
         n = min(n, limit)
     try:
-        return cross_doc_examples(n, params.get("seed", seed), params.get("tokens", 6000))
+        return cross_doc_examples(
+            n, params.get("seed", seed), params.get("tokens", 6000), params.get("chains")
+        )
     except ValueError as e:
         raise DatasetError(f"{spec!r}: {e}") from None

@@ -73,3 +73,23 @@ def test_spec_through_load_dataset():
                 "synthetic:cross_doc?tokens=10"):  # fmt: skip
         with pytest.raises(DatasetError):
             load_dataset(bad)
+
+
+@pytest.mark.parametrize("chains", [1, 3])
+def test_chains_set_how_many_people_have_the_asked_attribute(chains):
+    for r in make_cross_doc(6, 5, tokens=2000, chains=chains):
+        hop1, hop2_template, _ = _hop_patterns(r["question"])
+        text = " ".join(p["paragraph_text"] for p in r["paragraphs"])
+        anyone = re.compile(hop2_template.replace(r"\{person\}", _PERSON))
+        assert len(anyone.findall(text)) == chains + 1  # the gold person and one per chain
+        assert len(hop1.findall(text)) == 1
+    assert make_cross_doc(3, 5, tokens=2000, chains=2) != make_cross_doc(3, 5, tokens=2000)
+    for bad in (0, 13):
+        with pytest.raises(ValueError, match="chains"):
+            make_cross_doc(1, 5, tokens=2000, chains=bad)
+    spec = "synthetic:cross_doc?seed=5&n=2&tokens=2000&chains=1"
+    assert [e.question for e in load_dataset(spec)] == [
+        r["question"] for r in make_cross_doc(2, 5, tokens=2000, chains=1)
+    ]
+    with pytest.raises(DatasetError, match="chains"):
+        load_dataset("synthetic:cross_doc?n=1&chains=0")
