@@ -100,7 +100,9 @@ def bench_shape(shape: str, args, device: str) -> dict:
         hf = save_random_model(Path(tmp), shape, dtype, device)
         vocab = hf.config.vocab_size
         sizes = parse_prompts(args.blend_prompts) if args.blend_prompts else []
-        longest = max([args.prefill_tokens] + [t + t // 8 for t, _ in sizes])
+        # a blended prompt overshoots its size by up to 1/8, plus the chat template and query
+        # (a fixed ~200 tokens with the tiny shape's tokenizer: it decides at small sizes)
+        longest = max([args.prefill_tokens] + [t + t // 8 + 256 for t, _ in sizes])
         max_len = longest + 2 * args.decode_tokens + 128
         llm = LLM(
             tmp,
@@ -156,9 +158,9 @@ def bench_shape(shape: str, args, device: str) -> dict:
         if sizes:
             row.update(_copy_times(row["blend"][-1]["kv_bytes"], device))
 
-        # 4. decode
-        decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+        # 4. decode (--decode-tokens 0: none)
         for n in sorted({1, args.concurrency}) if args.decode_tokens > 0 else ():
+            decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
             prompts = _random_ids(n, 128, vocab, seed=3 + n)
             llm.generate(prompts[:1], one)
             t0 = time.perf_counter()
