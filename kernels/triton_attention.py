@@ -33,9 +33,6 @@ from blendkv.kernels.torch_attention import TorchAttentionBackend, dense_causal_
 
 logger = logging.getLogger(__name__)
 
-# Rows x heads per prefill tile.
-_PREFILL_BLOCK_M = 64
-
 
 @dataclass(frozen=True)
 class _StepLayout:
@@ -48,6 +45,7 @@ class _StepLayout:
     block_q: int
     num_splits: int  # decode key splits
     prefill_splits: int = 1  # key parts per prefill tile (few tiles over long keys)
+    tiles: object = None  # the prefill kernel's PrefillTiles (block_q came from its block_m)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -77,6 +75,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._programs: int | None = None  # prefill_num_splits' target (_target_programs)
         # Few prefill tiles over long keys split their keys; benchmarks switch it off to compare.
         self.split_keys = True
+        # The prefill kernel's tiles from this GPU generation's tuned table (prefill_tiles);
+        # off: the kernel's defaults (benchmarks compare the two).
+        self.tuned_tiles = True
+        self._tiles: dict = {}  # (group, head_dim, dtype) -> PrefillTiles
 
     def step_layouts(self, md: AttentionMetadata) -> list:
         return [*super().step_layouts(md), *self._layouts.layouts_for(md)]
@@ -177,7 +179,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self.write_kv(kv_cache, k, v, md.slot_mapping)
         if self.deterministic and not md.query_mass:
             md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
-        layout = self._layout(md, q.shape[1] // kv_cache.shape[3], windowed, kv_cache.shape[3])
+        layout = self._layout(
+            md, q.shape[1] // kv_cache.shape[3], windowed, kv_cache.shape[3], q.shape[2],
+            kv_cache.dtype,
+        )  # fmt: skip
         if layout.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
             # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
             return dense_causal_attention(q, k, v, scale)
@@ -212,25 +217,44 @@ class TritonAttentionBackend(TorchAttentionBackend):
             window,
             soft_cap,
             layout.prefill_splits,
+            layout.tiles,
         )
         return out
 
     # ---- per-step layout ------------------------------------------------------------------
     def _layout(self, md: AttentionMetadata, group: int, windowed: bool = False,
-                num_kv_heads: int = 1) -> _StepLayout:  # fmt: skip
-        """``windowed``: for a layer with a window or a soft cap (fresh prefills are tiles)."""
-        key = (group, windowed, num_kv_heads)
-        build = lambda: self._build_layout(md, group, windowed, num_kv_heads)  # noqa: E731
+                num_kv_heads: int = 1, head_dim: int = 0,
+                dtype: torch.dtype | None = None) -> _StepLayout:  # fmt: skip
+        """``windowed``: for a layer with a window or a soft cap (fresh prefills are tiles);
+        ``head_dim`` / ``dtype`` (of the K/V pool) pick the prefill kernel's tuned tiles."""
+        tiles = self._prefill_tiles(group, head_dim, dtype)
+        key = (group, windowed, num_kv_heads, tiles)
+        build = lambda: self._build_layout(md, group, windowed, num_kv_heads, tiles)  # noqa: E731
         return self._layouts.get(md, key, build)
 
+    def _prefill_tiles(self, group: int, head_dim: int, dtype: torch.dtype | None):
+        """Memoised per shape: the lookup queries the device's properties, too slow to repeat
+        at every layer."""
+        from blendkv.kernels.triton.prefill_tiles import DEFAULT_TILES, tuned_tiles
+
+        if not self.tuned_tiles or dtype is None:
+            return DEFAULT_TILES
+        key = (group, head_dim, dtype)
+        if key not in self._tiles:
+            self._tiles[key] = tuned_tiles(self.device, group, head_dim, dtype)
+        return self._tiles[key]
+
     def _build_layout(self, md: AttentionMetadata, group: int, windowed: bool,
-                      num_kv_heads: int = 1) -> _StepLayout:  # fmt: skip
+                      num_kv_heads: int = 1, tiles=None) -> _StepLayout:  # fmt: skip
         from blendkv.kernels.triton.decode_attention import default_num_splits
         from blendkv.kernels.triton.prefill_attention import (
             block_q_for,
             build_tiles,
             prefill_num_splits,
         )
+        from blendkv.kernels.triton.prefill_tiles import DEFAULT_TILES
+
+        tiles = tiles or DEFAULT_TILES
 
         starts = md.query_start_loc_cpu
         fresh, decode, other = split_by_kind(md)
@@ -238,7 +262,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
             seq_of = {starts[i]: i for i in range(md.num_seqs) if starts[i + 1] > starts[i]}
             other = sorted([*other, *(seq_of[lo] for lo, _ in fresh)])
             fresh = []
-        block_q = block_q_for(group, _PREFILL_BLOCK_M)
+        block_q = block_q_for(group, tiles.block_m)
         tile_seq_ids, tile_starts = build_tiles(starts, other, block_q, md.positions.device)
         max_decode_len = max((md.seq_lens_cpu[i] for i in decode), default=1)
         # deterministic: a split that depends on the row alone, not on the step's longest row
@@ -257,6 +281,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
             block_q=block_q,
             num_splits=splits,
             prefill_splits=prefill_splits,
+            tiles=tiles,
         )
 
     def _target_programs(self) -> int:

@@ -39,6 +39,7 @@ import triton.language as tl
 from blendkv.kernels.attention_mass import attention_with_mass
 from blendkv.kernels.torch_attention import gather_kv, masked_attention
 from blendkv.kernels.triton.attn_math import soft_cap as _soft_cap
+from blendkv.kernels.triton.prefill_tiles import DEFAULT_TILES, PrefillTiles
 
 LOG2E = 1.4426950408889634
 
@@ -278,10 +279,12 @@ def prefill_attention(
     window: int | None = None,
     soft_cap: float | None = None,
     num_splits: int = 1,
+    tiles: PrefillTiles = DEFAULT_TILES,
 ) -> None:
     """Attention of the rows covered by the tiles (:func:`build_tiles`) over the paged cache;
     ``window``/``soft_cap``: the layer's sliding window and logit cap (None: none);
-    ``num_splits``: key parts per tile (:func:`prefill_num_splits`), combined in a second launch.
+    ``num_splits``: key parts per tile (:func:`prefill_num_splits`), combined in a second launch;
+    ``tiles``: key tile and launch settings (its ``block_m`` is the one ``block_q`` came from).
 
     Args:
         out: [num_tokens, num_heads, head_dim]; only rows covered by a tile are written.
@@ -330,12 +333,14 @@ def prefill_attention(
         head_dim,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=32,
+        BLOCK_N=tiles.block_n,
         BLOCK_D=block_d,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         USE_WINDOW=window is not None,
         USE_CAP=soft_cap is not None,
         SPLIT=num_splits > 1,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _prefill_combine_kernel[(num_tiles, num_kv_heads)](

@@ -113,7 +113,10 @@ def test_decode_attention_padding_row_is_zero(make_step):
 COMPUTED, QUERY_LENS = [0, 5, 20, 37], [9, 6, 1, 3]
 
 
-def run_prefill(step, block_m: int, num_splits: int = 1, window=None, soft_cap=None):
+def run_prefill(step, block_m: int, num_splits: int = 1, window=None, soft_cap=None, config=None):
+    from blendkv.kernels.triton.prefill_tiles import PrefillTiles
+
+    config = config or PrefillTiles(block_m=block_m)
     md = step.md
     seq_ids = list(range(md.num_seqs))
     group = step.q.shape[1] // step.pool.shape[3]
@@ -148,6 +151,7 @@ def run_prefill(step, block_m: int, num_splits: int = 1, window=None, soft_cap=N
         window,
         soft_cap,
         num_splits,
+        config,
     )
     return actual, expected
 
@@ -190,6 +194,23 @@ def test_prefill_attention_split_keys(make_step, num_splits, window, soft_cap):
     assert_close(actual, expected)
     whole, _ = run_prefill(step, 16, 1, window, soft_cap)
     assert_close(actual, whole)
+
+
+# Tuned tiles (prefill_tiles): key tiles of 16 and 64 (past the 40 keys of a sequence: masked),
+# more warps and fewer stages, rows per tile from block_m; the same output as the reference.
+@pytest.mark.parametrize(
+    "tiles",
+    [(32, 16, 2, 1), (64, 64, 8, 2), (128, 128, 4, 3)],
+    ids=["m32n16", "m64n64", "m128n128"],
+)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_prefill_attention_tiles(make_step, tiles, num_splits):
+    from blendkv.kernels.triton.prefill_tiles import PrefillTiles
+
+    tiles = PrefillTiles(*tiles)
+    step = make_step([37, 0], [3, 40], block_size=4, num_kv_heads=2, group=3)
+    actual, expected = run_prefill(step, tiles.block_m, num_splits, config=tiles)
+    assert_close(actual, expected)
 
 
 def test_prefill_num_splits():
