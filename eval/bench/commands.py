@@ -138,8 +138,15 @@ def _add_gpu_attention(bench) -> None:
     p.add_argument("--heads", default="32:8:128,14:2:64", help="HEADS:KV_HEADS:HEAD_DIM,...")
     p.add_argument("--rows", default="30,450", help="query rows of the sequence")
     p.add_argument("--keys", default="3000,6144,16384", help="keys the rows follow (and are)")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=20, help="--tune: ms of timed calls per case")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--tune", action="store_true", help="time a grid of tile configs; pick this GPU's best"
+    )
+    p.add_argument(
+        "--configs", default=None, help="--tune: BLOCK_M:BLOCK_N:WARPS:STAGES,... (default: grid)"
+    )
+    p.add_argument("--tune-out", default=None, help="--tune: merge the winners into this table")
     p.set_defaults(func=_run("gpu_attention"))
 
 

@@ -1,6 +1,7 @@
 """The Triton prefill attention kernel with and without key splits, in device time.
 
     blendkv bench gpu-attention [--heads 32:8:128,14:2:64] [--rows 30,450] [--keys 3000,6144,16384]
+    blendkv bench gpu-attention --tune [--configs ...] [--tune-out TABLE]   (gpu_attention_tune)
 
 Per (head shape, query rows, keys): one sequence whose ``rows`` new rows follow ``keys - rows``
 cached keys (a reuse's or ProphetKV's query rows at 30; a 15 % blend of 3,000 tokens at 450),
@@ -91,6 +92,10 @@ def bench_case(heads: tuple[int, int, int], rows: int, keys: int, repeats: int, 
 
 def main(args) -> int:
     device = resolve_device(args.device)
+    if args.tune:
+        from blendkv.eval.bench.gpu_attention_tune import main as tune
+
+        return tune(args, device)
     heads = [tuple(int(x) for x in h.split(":")) for h in args.heads.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     keys = [int(n) for n in args.keys.split(",")]

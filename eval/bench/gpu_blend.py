@@ -7,7 +7,8 @@ Per size, interleaved, median of ``--repeats``: full prefill of the same tokens;
 setting); reuse (nothing recomputed); the same default blend with every layer loaded before the
 forward; the engine's own choice (no config passed: the cost check picks blend, the cheaper
 selection or full prefill, and says which); on the Triton backend, blend and reuse without
-the prefill kernels' key splits (``split_keys`` off). Then one more run of full, default
+the prefill kernels' key splits (``split_keys`` off), and with the prefill kernel's default
+tiles instead of this GPU's tuned table (``tuned_tiles`` off). Then one more run of full, default
 blend and reuse under ``torch.profiler``: host busy time, device kernel time, kernel launches
 and host syncs per request.
 """
@@ -82,6 +83,13 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
         finally:
             backend.split_keys = True
 
+    def untuned(config):
+        backend.tuned_tiles = False  # the prefill kernel's default tiles, not this GPU's table
+        try:
+            return ttft(config)
+        finally:
+            backend.tuned_tiles = True
+
     runs = {
         "full": lambda: ttft(ids=full_ids),
         "blend": lambda: ttft(default),
@@ -93,6 +101,8 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     if hasattr(backend, "split_keys"):
         runs["blend_unsplit"] = lambda: unsplit(default)
         runs["reuse_unsplit"] = lambda: unsplit(reuse)
+        runs["blend_untuned"] = lambda: untuned(default)
+        runs["reuse_untuned"] = lambda: untuned(reuse)
     for run in runs.values():  # warm: kernels, checksums, memory tier, the cost check's rates
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -132,6 +142,11 @@ def print_size(row: dict, ratio: float) -> None:
     if "blend_unsplit_s" in row:
         print(
             f"    without key splits: blend {ms('blend_unsplit_s')}, reuse {ms('reuse_unsplit_s')}"
+        )
+    if "blend_untuned_s" in row:
+        print(
+            f"    prefill kernel's default tiles: blend {ms('blend_untuned_s')}, reuse "
+            f"{ms('reuse_untuned_s')}"
         )
     for name in ("full", "blend", "reuse"):
         p = row.get(f"profile_{name}")

@@ -93,3 +93,30 @@ def test_count_launches_leaves_out_host_bookkeeping():
     counted = count(run, [weight])
     assert counted["aten_kernels"] == 3 + 1 + 2, counted["top_aten"]
     assert counted["host_syncs"] == 1
+
+
+def test_bench_gpu_attention_tune_checks_and_writes_a_table(tmp_path, capsys):
+    """--tune on the CPU (Triton's interpreter): every config checked against the torch
+    reference on both kinds of rows, the winner merged into the table."""
+    from blendkv.kernels.triton.prefill_tiles import PrefillTiles, load_table
+
+    table, out = tmp_path / "sm90.json", tmp_path / "tune.json"
+    args = ["bench", "gpu-attention", "--device", "cpu", "--heads", "4:2:16", "--keys", "96"]
+    args += ["--tune", "--configs", "32:16:4:2,64:64:8:2", "--repeats", "10"]
+    assert main([*args, "--tune-out", str(table), "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert [c["kind"] for c in result["cases"]] == ["query", "scattered"]
+    assert result["cases"][1]["rows"] == 10  # 10 % of 96 keys, the last one among them
+    assert len(result["ranking"]) == 3 and not result["skipped"]  # the defaults are added
+    best = PrefillTiles(**result["best"])
+    assert load_table(table) == {"group2_dim16_bfloat16": best}
+    assert "best PrefillTiles" in capsys.readouterr().out
+
+
+def test_bench_gpu_decode_tokens_zero_skips_decode(tmp_path):
+    out = tmp_path / "gpu.json"
+    args = ["bench", "gpu", "--shapes", "tiny", "--device", "cpu", "--dtype", "float32"]
+    args += ["--prefill-tokens", "64", "--blend-prompts", "", "--decode-tokens", "0"]
+    assert main([*args, "--repeats", "1", "--kv-cache-gb", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["prefill_s"] > 0 and not any(k.startswith("decode_") for k in row)
