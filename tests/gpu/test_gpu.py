@@ -74,6 +74,26 @@ def test_few_rows_over_16k_keys_split_at_real_shapes(shape):
     assert tri_backend._layout(md, group, False, shape[1]).prefill_splits > 1
 
 
+@pytest.mark.parametrize(
+    "shape", [(32, 8, 128), (14, 2, 64)], ids=["llama8b-heads", "qwen05-heads"]
+)
+def test_tuned_prefill_tiles_match_torch_on_blend_rows(shape):
+    """This GPU generation's tuned tiles (kernels/triton/tuned; the defaults where it has none)
+    on a blend's scattered rows and a query pass's split rows over 6K keys, bf16."""
+    from blendkv.eval.bench.gpu_attention_tune import _case, _expected, _runner
+    from blendkv.kernels.triton.prefill_tiles import tuned_tiles
+
+    device = torch.device("cuda")
+    tiles = tuned_tiles(device, shape[0] // shape[1], shape[2], torch.bfloat16)
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    for kind in ("scattered", "query"):
+        case = _case(shape, 6144, kind, "cuda", seed=3)
+        run, out, splits = _runner(case, tiles, programs)
+        run()
+        torch.testing.assert_close(out.float(), _expected(case), atol=2e-2, rtol=2e-2)
+        assert kind == "scattered" or splits > 1
+
+
 def test_engine_greedy_cuda_equals_cpu_fp32(tiny_llama_dir):
     from blendkv import LLM, SamplingParams
 
