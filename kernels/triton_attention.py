@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from blendkv.kernels.attention import AttentionMetadata, StepLayoutMemo, split_by_kind
 from blendkv.kernels.batch_invariant import FIXED_NUM_SPLITS
 from blendkv.kernels.torch_attention import TorchAttentionBackend, dense_causal_attention
+
+if TYPE_CHECKING:  # (the triton package imports Triton)
+    from blendkv.kernels.triton.prefill_tiles import PrefillTiles
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ class _StepLayout:
     block_q: int
     num_splits: int  # decode key splits
     prefill_splits: int = 1  # key parts per prefill tile (few tiles over long keys)
-    tiles: object = None  # the prefill kernel's PrefillTiles (block_q came from its block_m)
+    tiles: PrefillTiles | None = None  # the prefill kernel's (block_q came from its block_m)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
