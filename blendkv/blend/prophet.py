@@ -33,12 +33,17 @@ class QueryPassRowPlan(RowPlan):
 
     A backend with ``scores_in_attention`` (the torch one) scores inside its attention: the
     plan leaves a :class:`QueryMassRequest` per sequence on the metadata and selects nothing,
-    so q and K are multiplied once per layer, not twice. Otherwise :meth:`select` scores each
-    layer through ``add_query_mass`` (the Triton kernels) before attention.
+    so q and K are multiplied once per layer, not twice. Otherwise each layer is scored through
+    ``add_query_mass`` (the Triton kernels) reading the pool in place: after attention wrote the
+    rows' K/V (:meth:`after_attention`, with attention's RoPE'd queries), and at
+    ``last_layer``, where the pass stops after the projections, by :meth:`select`, which rotates
+    and writes them itself.
     """
 
-    def __init__(self, attn_metadata, blends: list[SeqBlend], attn_backend) -> None:
+    def __init__(self, attn_metadata, blends: list[SeqBlend], attn_backend,
+                 last_layer: int | None = None) -> None:  # fmt: skip
         md = attn_metadata
+        self.last_layer = last_layer
         dev = md.positions.device
         self.rows = torch.arange(md.num_tokens)
         self.backend = attn_backend
@@ -80,19 +85,25 @@ class QueryPassRowPlan(RowPlan):
             md.query_mass = requests
 
     def selects_at(self, layer_idx: int) -> bool:
-        return bool(self._seqs)
+        return bool(self._seqs) and layer_idx == self.last_layer
 
     def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
+        """The layer without attention: the rows' own K/V into the pool here, so the backend
+        reads every key in place."""
         for sb, rows, positions, row_slots, query, query_positions, slots, visible in self._seqs:
             qr, kr = attn.rotary_emb.apply_rotary(positions, q[rows], k[rows])
-            # The rows' own K/V into the pool now (attention writes the same values again), so
-            # the backend reads every key in place.
             self.backend.write_kv(kv_cache, kr, v[rows], row_slots)
-            self.backend.add_query_mass(
-                sb.query_scores, qr[query], query_positions, kv_cache, slots, visible,
-                **attn.mass_kwargs(),
-            )  # fmt: skip
+            self._score(sb, attn, qr[query], query_positions, kv_cache, slots, visible)
         return None
+
+    def after_attention(self, layer_idx, attn, q_rot, kv_cache, attn_metadata) -> None:
+        for sb, rows, _, _, query, query_positions, slots, visible in self._seqs:
+            self._score(sb, attn, q_rot[rows][query], query_positions, kv_cache, slots, visible)
+
+    def _score(self, sb, attn, q_rot, q_positions, kv_cache, slots, visible) -> None:
+        self.backend.add_query_mass(
+            sb.query_scores, q_rot, q_positions, kv_cache, slots, visible, **attn.mass_kwargs()
+        )
 
     def finish(self) -> None:
         for sb in self.blends:
@@ -113,11 +124,12 @@ def run_query_pass(
     for sb in prophets:
         keep[starts[sb.index] : starts[sb.index + 1]] = ~sb.reused
     sub = md.subset(keep)
-    plan = QueryPassRowPlan(sub, prophets, attn_backend)
-    ids = input_ids[kept_rows(keep, input_ids.device)]
     # Scoring in attention needs the last layer's attention too (its MLP is wasted: ~1/30th
-    # of the pass); scoring before attention can stop after the last layer's projections.
-    kv_only = not plan.in_attention
+    # of the pass); scoring in kernels can stop after the last layer's projections.
+    kv_only = not attn_backend.scores_in_attention
+    last_layer = len(kv_caches) - 1 if kv_only else None
+    plan = QueryPassRowPlan(sub, prophets, attn_backend, last_layer)
+    ids = input_ids[kept_rows(keep, input_ids.device)]
     model(ids, sub.positions, kv_caches, sub, row_plan=plan, hooks=hooks, kv_only=kv_only)
     plan.finish()
     # The pass's work, counted with the fused forward's (stats, profile floors, controller):

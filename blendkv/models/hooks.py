@@ -79,6 +79,18 @@ class RowPlan(ABC):
         attention writes their K/V: the pool still holds what was there (e.g. reused K/V),
         which the plan may read or repair for rows it does not compute. Default: nothing."""
 
+    def after_attention(  # noqa: B027  (optional hook)
+        self,
+        layer_idx: int,
+        attn: Attention,
+        q_rot: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> None:
+        """Called at every layer that attends (not a ``kv_only`` last layer, nor one whose
+        outputs are pruned) with the rows' RoPE'd queries, once attention has written their
+        K/V into the pool and read it. Default: nothing."""
+
 
 class LayerHooks:
     """Layer-boundary callbacks (the worker side of a KV connector implements them)."""
@@ -167,6 +179,11 @@ class LayerSeam:
         """:meth:`RowPlan.before_attention` of this layer."""
         if self.row_plan is not None:
             self.row_plan.before_attention(self.layer_idx, attn, q, k, v, kv_cache, attn_metadata)
+
+    def after_attention(self, attn, q_rot, kv_cache, attn_metadata) -> None:
+        """:meth:`RowPlan.after_attention` of this layer."""
+        if self.row_plan is not None:
+            self.row_plan.after_attention(self.layer_idx, attn, q_rot, kv_cache, attn_metadata)
 
     def save_kv(self, k, v, kv_cache, attn_metadata) -> None:
         """:meth:`LayerHooks.save_kv_layer` of this layer."""

@@ -159,7 +159,9 @@ class LlamaDecoderLayer(nn.Module):
             return None
         pruned = seam.output_keep(q.shape[0]) if kv_cache is not None else None
         if pruned is None:
-            out = attn.attend(rows.positions, q, k, v, kv_cache, md)
+            q_rot, k_rot = attn.rotary_emb.apply_rotary(rows.positions, q, k)
+            out = attn.attend_rotated(q_rot, k_rot, v, kv_cache, md)
+            seam.after_attention(attn, q_rot, kv_cache, md)
             seam.save_kv(k, v, kv_cache, md)
             return (*self.finish(out, residual), rows)
         # The rows nobody reads: K/V only.

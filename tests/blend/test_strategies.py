@@ -205,7 +205,15 @@ def reuse_attention_reference(model_dir, manager, prompt):
     return sum(a[0].sum(dim=(0, 1)) for a in out.attentions)  # [len(ids)]
 
 
-def test_prophet_scores_are_the_query_attention_over_reused_kv(llm, model_dir, plans):
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_prophet_scores_are_the_query_attention_over_reused_kv(llm, model_dir, plans, backend):
+    """The CPU backend scores inside its attention; Triton's kernels score each layer after
+    attention wrote the rows' K/V, and the last layer (no attention) before it."""
+    if backend == "triton":
+        llm = LLM(
+            str(model_dir), dtype="float32", block_size=4, enable_prefix_caching=False,
+            attention_backend="triton",
+        )  # fmt: skip
     config = BlendConfig(recompute_ratio=0.25, selection="prophet")
     out = llm.generate([PROMPT], GREEDY, blend=config)[0]
     manager = llm.blend_manager()
@@ -216,6 +224,8 @@ def test_prophet_scores_are_the_query_attention_over_reused_kv(llm, model_dir, p
     reused = torch.nonzero(sb.reused).flatten()
     top = reused[ref[reused].topk(out.blend_stats.reused_tokens_recomputed).indices]
     assert picked_positions(plans[-1]) == set(top.tolist())
+    if backend == "triton":
+        llm.close()
 
 
 def fused_kv(llm, prompts_and_configs):
