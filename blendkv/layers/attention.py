@@ -2,7 +2,10 @@
 
 ``project`` gives pre-RoPE q/k/v (the chunk store keeps K before RoPE); ``attend`` rotates,
 hands q/k/v to the attention backend (which writes K/V into the paged cache and attends) and
-applies ``o_proj``; ``forward`` composes the two. Shapes are flattened over tokens (no batch):
+applies ``o_proj``; ``forward`` composes the two. The model's layer loop calls the backend part
+alone (``attend_heads``): ``project`` and ``o_proj`` belong to the dense pieces around it,
+which a step may replay from CUDA graphs (:mod:`blendkv.engine.piecewise_graphs`). Shapes
+are flattened over tokens (no batch):
 
     hidden [T, hidden_size] --project--> q [T, num_heads, head_dim]
                                          k, v [T, num_kv_heads, head_dim]
@@ -96,9 +99,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """RoPE at ``positions`` [T], backend attention (writes K/V to the cache), ``o_proj``."""
         q, k = self.rotary_emb.apply_rotary(positions, q, k)
-        return self.attend_rotated(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(self.attend_heads(q, k, v, kv_cache, attn_metadata))
 
-    def attend_rotated(
+    def attend_heads(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -106,11 +109,13 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
-        """:meth:`attend` on q/k already rotated."""
+        """The backend's attention on rotated q/k (writing K/V to the cache), heads flattened:
+        [T, num_heads * head_dim], before ``o_proj`` (which the decoder layer's dense tail
+        applies: :meth:`LlamaDecoderLayer.leave`)."""
         out = self.attn_backend.forward(
             q, k, v, kv_cache, attn_metadata, self.scaling, **self.attention_kwargs()
         )
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def attention_kwargs(self) -> dict:
         """``window``/``soft_cap`` for the backend when this layer has either, else ``{}`` (the
@@ -138,7 +143,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q/k and every row's K/V written into the cache, without attending (rows
         whose K/V later tokens need but whose own output nobody reads); -> rotated q, k, for
-        :meth:`attend_rotated` on the rows that do attend."""
+        :meth:`attend_heads` on the rows that do attend."""
         q, k = self.rotary_emb.apply_rotary(positions, q, k)
         self.attn_backend.write_kv(kv_cache, k, v, attn_metadata.slot_mapping)
         return q, k

@@ -6,11 +6,13 @@ a blended prefill and a chunk precompute plugs in here, never by attributes set 
     for each layer l:                         (LlamaModel.forward: the seam, then layer(...))
         hooks.wait_for_layer_load(l)          K/V of layer l brought from outside is in place
         row_plan.select(l, None x 3, ...)     if it selects_before_projection(l)
+      dense piece (blendkv.models.pieces)     layer l-1's o_proj, post-norm, MLP; layer l's
+                                              norm, project -> q, k, v (pre-RoPE)
       layer(...)                              (LlamaDecoderLayer.forward, through LayerSeam)
-        norm, project -> q, k, v (pre-RoPE)
         row_plan.select(l, ...)               rows that stop being computed from layer l on
         row_plan.before_attention(l, ...)     last look at the pool before attention writes
-        attention (writes fresh K/V), MLP
+        RoPE, attention (writes fresh K/V)
+        row_plan.after_attention(l, ...)      the rows' RoPE'd queries, their K/V in the pool
         hooks.save_kv_layer(l, k, v, ...)     K/V of layer l computed this step, to save
 
 Without a plan every row runs every layer; without hooks nothing waits or saves. With

@@ -18,6 +18,7 @@ each layer's rotary table (:meth:`LlamaModel.layer_rotary`) and scales embedding
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ from blendkv.layers.mlp import GatedMLP
 from blendkv.layers.norm import RMSNorm
 from blendkv.layers.rotary import RotaryEmbedding
 from blendkv.models.hooks import LayerHooks, LayerSeam, RowPlan
+from blendkv.models.pieces import EAGER_PIECES, Pieces
 
 # Checkpoint entries that are not parameters (old transformers saved the RoPE buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -133,20 +135,38 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(hidden_states), residual
 
+    def enter(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's dense head: input norm and projections -> pre-RoPE q, k, v and the
+        residual."""
+        normed, residual = self.input_norm(hidden_states, residual)
+        q, k, v = self.self_attn.project(normed)
+        return q, k, v, residual
+
+    def leave(
+        self, heads: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's dense tail: attention heads [T, H * D] -> ``o_proj``, post-norm, MLP ->
+        (hidden, residual) leaving the layer."""
+        return self.finish(self.self_attn.o_proj(heads), residual)
+
     def forward(
         self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        residual: torch.Tensor,
         rows: LayerRows,
         kv_cache: torch.Tensor | None,
         seam: LayerSeam,
     ) -> tuple[torch.Tensor, torch.Tensor, LayerRows] | None:
-        """Input norm, q/k/v, attention (writing the rows' K/V into ``kv_cache``), post-norm,
-        MLP -> (hidden, residual, rows computed). ``seam`` is this layer's share of the row plan
-        and hooks (:class:`~blendkv.models.hooks.LayerSeam`); None when it is ``kv_only``."""
+        """The part of the layer between its dense head and tail (:meth:`enter`,
+        :meth:`leave`, which the model's loop runs): the row plan's seams, RoPE, attention
+        (writing the rows' K/V into ``kv_cache``) -> (attention heads [rows, H * D], residual,
+        rows computed). ``seam`` is this layer's share of the row plan and hooks
+        (:class:`~blendkv.models.hooks.LayerSeam`); None when it is ``kv_only``."""
         attn = self.self_attn
-        normed, residual = self.input_norm(hidden_states, residual)
-        q, k, v = attn.project(normed)
         keep = seam.select_projected(attn, q, k, v, kv_cache, rows.attn_metadata)
         if keep is not None:  # a CPU bool mask over the current rows
             rows = rows.subset(keep)
@@ -160,22 +180,21 @@ class LlamaDecoderLayer(nn.Module):
         pruned = seam.output_keep(q.shape[0]) if kv_cache is not None else None
         if pruned is None:
             q_rot, k_rot = attn.rotary_emb.apply_rotary(rows.positions, q, k)
-            out = attn.attend_rotated(q_rot, k_rot, v, kv_cache, md)
+            heads = attn.attend_heads(q_rot, k_rot, v, kv_cache, md)
             seam.after_attention(attn, q_rot, kv_cache, md)
             seam.save_kv(k, v, kv_cache, md)
-            return (*self.finish(out, residual), rows)
+            return heads, residual, rows
         # The rows nobody reads: K/V only.
         q_rot, k_rot = attn.rotate_and_write(rows.positions, q, k, v, kv_cache, md)
         seam.save_kv(k, v, kv_cache, md)
         keep, idx = pruned
-        if len(idx) == 0:
-            empty = hidden_states.new_empty(0, hidden_states.shape[1])
-            return empty, empty, rows
         rows = rows.subset(keep)
+        if len(idx) == 0:
+            return q.new_empty(0, attn.num_heads * attn.head_dim), residual[:0], rows
         idx = idx.to(q.device)
         q, k, v, residual = (t.index_select(0, idx) for t in (q_rot, k_rot, v, residual))
-        out = attn.attend_rotated(q, k, v, kv_cache, rows.attn_metadata)
-        return (*self.finish(out, residual), rows)
+        heads = attn.attend_heads(q, k, v, kv_cache, rows.attn_metadata)
+        return heads, residual, rows
 
 
 class LlamaModel(nn.Module):
@@ -219,8 +238,14 @@ class LlamaModel(nn.Module):
         hooks: LayerHooks | None = None,
         kv_only: bool = False,
         output_rows: torch.Tensor | None = None,
+        pieces: Pieces | None = None,
     ) -> torch.Tensor | None:
         """The one layer loop; see :mod:`blendkv.models.hooks` for the seams.
+
+        ``pieces`` runs the dense pieces between attentions (embeddings, each layer's tail and
+        the next one's head, the last tail and final norm): eagerly by default, or replayed
+        from CUDA graphs (:class:`blendkv.engine.piecewise_graphs.PiecewiseGraphs`). Either
+        way the same functions compute them.
 
         ``kv_only``: the caller wants only the K/V the hooks save (chunk precompute): the last
         layer stops after its projections and None is returned.
@@ -236,10 +261,10 @@ class LlamaModel(nn.Module):
             raise ValueError("kv_caches need attn_metadata")
         if kv_caches is not None and len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} kv_caches, got {len(kv_caches)}")
+        pieces = pieces or EAGER_PIECES
         rows = LayerRows(positions, attn_metadata)
-        hidden_states = self.embed(input_ids)
-        residual = None
         last = len(self.layers) - 1
+        tail = None  # (attention heads, residual) of the layer before: its dense tail is due
         for i, layer in enumerate(self.layers):
             kv_cache = None if kv_caches is None else kv_caches[i]
             seam = LayerSeam(
@@ -247,21 +272,45 @@ class LlamaModel(nn.Module):
             )
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
-            # The row-plan seam: rows dropped before this layer are not even projected.
+            # The row-plan seam: rows dropped before this layer are not even projected (nor
+            # run through the tail of the layer before: its dense ops are row by row).
             keep = seam.select_unprojected(layer.self_attn, kv_cache, rows.attn_metadata)
             if keep is not None:
                 rows = rows.subset(keep)
-                kept = kept_rows(keep, hidden_states.device)
-                hidden_states = hidden_states[kept]
-                residual = None if residual is None else residual[kept]
-            out = layer(hidden_states, residual, rows, kv_cache, seam)
+                kept = kept_rows(keep, input_ids.device)
+                if tail is None:
+                    input_ids = input_ids[kept]
+                else:
+                    tail = tuple(t[kept] for t in tail)
+            # One dense piece between attentions: the tail of the layer before (or the
+            # embeddings), then this layer's input norm and projections.
+            if tail is None:
+                q, k, v, residual = pieces.run(("first",), self._first, (input_ids,))
+            else:
+                q, k, v, residual = pieces.run(("link", i), functools.partial(self._link, i), tail)
+            out = layer(q, k, v, residual, rows, kv_cache, seam)
             if out is None:  # kv_only: the hooks have the last layer's K/V
                 return None
-            hidden_states, residual, rows = out
-        if hidden_states.shape[0] == 0:  # no output row among the rows computed
-            return hidden_states
-        hidden_states, _ = self.norm(hidden_states, residual)
+            *tail, rows = out
+        if tail[0].shape[0] == 0:  # no output row among the rows computed
+            return tail[0].new_empty(0, self.embed_tokens.embedding_dim)
+        (hidden_states,) = pieces.run(("last",), self._last, tuple(tail))
         return hidden_states
+
+    def _first(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Piece: embeddings, layer 0's head."""
+        return self.layers[0].enter(self.embed(input_ids), None)
+
+    def _link(self, i: int, heads: torch.Tensor, residual: torch.Tensor) -> tuple:
+        """Piece: layer ``i - 1``'s tail, layer ``i``'s head."""
+        hidden_states, residual = self.layers[i - 1].leave(heads, residual)
+        return self.layers[i].enter(hidden_states, residual)
+
+    def _last(self, heads: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor]:
+        """Piece: the last layer's tail, the final norm."""
+        hidden_states, residual = self.layers[-1].leave(heads, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return (hidden_states,)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -303,6 +352,7 @@ class LlamaForCausalLM(nn.Module):
         hooks: LayerHooks | None = None,
         kv_only: bool = False,
         output_rows: torch.Tensor | None = None,
+        pieces: Pieces | None = None,
     ) -> torch.Tensor | None:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden_size].
 
@@ -314,7 +364,15 @@ class LlamaForCausalLM(nn.Module):
         them (:func:`blendkv.models.hooks.output_row_order`).
         """
         return self.model(
-            input_ids, positions, kv_caches, attn_metadata, row_plan, hooks, kv_only, output_rows
+            input_ids,
+            positions,
+            kv_caches,
+            attn_metadata,
+            row_plan,
+            hooks,
+            kv_only,
+            output_rows,
+            pieces,
         )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -81,12 +81,11 @@ def profiled(llm, check_layer: int):
         return "check layer" if i == check_layer else "recomputed layers"
 
     for i, layer in enumerate(layers):
-        # (attend calls attend_rotated; the pruned last layer calls the other two)
-        for name in ("attend", "attend_rotated", "rotate_and_write"):
+        # (the pruned last layer writes its rows' K/V apart, then attends for the rows read)
+        for name in ("attend_heads", "rotate_and_write"):
             timer.wrap(layer.self_attn, name, lambda a, i=i: f"{phase(i)}: attention", restore)
-        timer.wrap(layer, "finish", lambda a, i=i: f"{phase(i)}: MLP", restore)
-        timer.wrap(layer, "input_norm", lambda a, i=i: f"{phase(i)}: norms+QKV", restore)
-        timer.wrap(layer.self_attn, "project", lambda a, i=i: f"{phase(i)}: norms+QKV", restore)
+        timer.wrap(layer, "leave", lambda a, i=i: f"{phase(i)}: MLP", restore)  # o_proj too
+        timer.wrap(layer, "enter", lambda a, i=i: f"{phase(i)}: norms+QKV", restore)
     timer.wrap(model.model.norm, "forward", lambda a: "final norm + logits", restore)
     timer.wrap(model, "compute_logits", lambda a: "final norm + logits", restore)
     timer.wrap(engine.runner, "sample", lambda a: "sampling", restore)

@@ -227,7 +227,7 @@ def test_attention_layer_passes_its_constants(device):
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(9, 4, 8, generator=gen)
     k, v = (torch.randn(9, 2, 8, generator=gen) for _ in range(2))
-    out = layer.attend_rotated(q, k, v, None, None)
+    out = layer.o_proj(layer.attend_heads(q, k, v, None, None))
     attn, _ = oracle_rows(q, k, v, torch.arange(9), 0.3, 4, 2.0)
     expected = layer.o_proj(attn.float().reshape(9, 32))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
