@@ -46,6 +46,7 @@ ENGINE_FLAGS = (
     "block_size",
     "num_threads",
     "enforce_eager",
+    "max_graph_rows",
     "prune_last_layer",
     "deterministic",
     "device",

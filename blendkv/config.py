@@ -46,7 +46,11 @@ class EngineConfig:
             plain-torch reference; triton on the CPU runs under TRITON_INTERPRET=1 (tests).
         device: where the model, the KV pool and the step tensors live: auto (CUDA when
             torch sees a GPU, else the CPU), cpu, cuda or cuda:N.
-        enforce_eager: CUDA only: run decode steps eagerly instead of replaying CUDA graphs.
+        enforce_eager: CUDA only: run every step eagerly instead of replaying CUDA graphs
+            (decode steps whole; the dense pieces of other steps: max_graph_rows).
+        max_graph_rows: CUDA only: the most rows a prefill, blended or mixed step may compute
+            for its dense pieces (norms, GEMMs, MLP) to replay CUDA graphs captured per padded
+            row count; steps with more rows, and attention always, run eagerly. 0: never.
         kv_connector: the engine extension that brings K/V from outside
             (blendkv.engine.kv_connector): a registered name ("blend", the default), a factory
             ``context -> connector``, or None (dict prompts are then refused).
@@ -81,6 +85,7 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={"choices": _BACKENDS})
     device: str = "auto"
     enforce_eager: bool = False
+    max_graph_rows: int = 2048
     kv_connector: Any = "blend"
     kv_connector_config: Any = None
     cache_dir: str | None = None
@@ -101,6 +106,8 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.max_graph_rows < 0:
+            raise ConfigError(f"max_graph_rows must be >= 0, got {self.max_graph_rows}")
         if not (self.kv_connector is None or isinstance(self.kv_connector, str)):
             if not callable(self.kv_connector):
                 raise ConfigError(

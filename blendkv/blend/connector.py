@@ -323,7 +323,16 @@ class BlendConnector(KVConnectorBase):
         self._forward_event = self._timer.start() if self._timer is not None else None
         # ProphetKV's query pass (a no-op without a prophet request) reads the loaded K/V of
         # every layer: it waits for each layer's writes like the forward does.
-        run_query_pass(ctx.model, inputs.input_ids, md, caches, self._step, ctx.attn_backend, self)
+        run_query_pass(
+            ctx.model,
+            inputs.input_ids,
+            md,
+            caches,
+            self._step,
+            ctx.attn_backend,
+            self,
+            inputs.pieces,
+        )
         self._row_plan = BlendRowPlan(
             md, self._step, ctx.attn_backend, len(caches), qkv_share(ctx.model)
         )

@@ -111,10 +111,11 @@ class QueryPassRowPlan(RowPlan):
 
 
 def run_query_pass(
-    model, input_ids, attn_metadata, kv_caches, blends, attn_backend, hooks=None
+    model, input_ids, attn_metadata, kv_caches, blends, attn_backend, hooks=None, pieces=None
 ) -> None:
     """The first stage for every ``prophet`` sequence of the step (no-op without one).
-    ``hooks``: the connector, so each layer waits for its loaded K/V (pipelined loading)."""
+    ``hooks``: the connector, so each layer waits for its loaded K/V (pipelined loading);
+    ``pieces``: how the forward's dense pieces run (:mod:`blendkv.models.pieces`)."""
     prophets = [sb for sb in blends if needs_query_pass(sb)]
     if not prophets:
         return
@@ -130,7 +131,16 @@ def run_query_pass(
     last_layer = len(kv_caches) - 1 if kv_only else None
     plan = QueryPassRowPlan(sub, prophets, attn_backend, last_layer)
     ids = input_ids[kept_rows(keep, input_ids.device)]
-    model(ids, sub.positions, kv_caches, sub, row_plan=plan, hooks=hooks, kv_only=kv_only)
+    model(
+        ids,
+        sub.positions,
+        kv_caches,
+        sub,
+        row_plan=plan,
+        hooks=hooks,
+        kv_only=kv_only,
+        pieces=pieces,
+    )
     plan.finish()
     # The pass's work, counted with the fused forward's (stats, profile floors, controller):
     # its rows at every layer, each attending to (scored over) its position + 1 keys.

@@ -31,14 +31,17 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class CudaGraphCapture:
     """Captures ``fn()`` into a CUDA graph; ``replay`` re-runs it. All graphs share one pool."""
 
-    def __init__(self) -> None:
+    def __init__(self, error_mode: str = "global") -> None:
+        """``error_mode``: torch.cuda.graph's ``capture_error_mode``; ``"thread_local"`` lets
+        other threads (the K/V loader) allocate and copy while this one captures."""
         self.pool = None
+        self.error_mode = error_mode
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         fn()  # warm-up on a side stream is what torch.cuda.graph expects; twice like vLLM
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.error_mode):
             out = fn()
         self.pool = graph.pool()
         return graph.replay, out

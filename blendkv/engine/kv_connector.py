@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from blendkv.engine.sequence import Sequence
     from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
     from blendkv.models.hooks import RowPlan
+    from blendkv.models.pieces import Pieces
 
 
 class KVConnectorMetadata:
@@ -77,6 +78,7 @@ class ForwardInputs:
     input_ids: torch.Tensor
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
+    pieces: Pieces | None = None  # how the forward runs its dense pieces (None: eagerly)
 
 
 class KVConnectorBase(LayerHooks, ABC):

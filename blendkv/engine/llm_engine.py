@@ -30,6 +30,7 @@ from blendkv.engine.parallel_sampling import (
     child_request_id,
     child_sampling_params,
 )
+from blendkv.engine.piecewise_graphs import PiecewiseGraphs
 from blendkv.engine.request_state import RequestState
 from blendkv.engine.runtime_info import runtime_info
 from blendkv.engine.sampler import Sampler
@@ -125,11 +126,8 @@ class LLMEngine:
             prune_last_layer=config.prune_last_layer,
         )
         self.runner.structured_outputs = StructuredOutputs(self.tokenizer)
-        if (
-            self.device.startswith("cuda")
-            and self.attn_backend.supports_cuda_graphs
-            and not config.enforce_eager
-        ):
+        graphs = self.device.startswith("cuda") and not config.enforce_eager
+        if graphs and self.attn_backend.supports_cuda_graphs:
             self.runner.decode_graphs = DecodeGraphs(
                 self.model,
                 self.attn_backend,
@@ -138,6 +136,9 @@ class LLMEngine:
                 config.max_num_seqs,
                 self.info.max_model_len,
             )  # captured on the first decode step
+        if graphs and config.max_graph_rows:  # (no attention inside: any backend)
+            # each piece is captured at its first use of a size
+            self.runner.piece_graphs = PiecewiseGraphs(self.device, config.max_graph_rows)
         self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
         self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
         self._ids = itertools.count()

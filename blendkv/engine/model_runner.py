@@ -86,8 +86,10 @@ class ModelRunner:
         # Output-token counts of the requests with a penalty; made at the first such request
         # (its vocabulary size is the logits').
         self.token_counts: TokenCounts | None = None
-        # Captured decode steps (blendkv.engine.cuda_graphs), set up by the engine on CUDA.
+        # Captured decode steps (blendkv.engine.cuda_graphs), and the dense pieces of other
+        # steps (blendkv.engine.piecewise_graphs): set up by the engine on CUDA.
         self.decode_graphs = None
+        self.piece_graphs = None
         # Grammar matchers for structured outputs (StructuredOutputs), set up by the engine.
         self.structured_outputs = None
 
@@ -143,7 +145,7 @@ class ModelRunner:
         conn = self.connector
         conn.bind_connector_metadata(out.kv_connector_metadata)
         try:
-            fwd = ForwardInputs(inputs.input_ids, md, self.kv_caches)
+            fwd = ForwardInputs(inputs.input_ids, md, self.kv_caches, self.piece_graphs)
             conn.start_load_kv(fwd)
             plan = conn.row_plan(fwd)
             outputs = inputs.output_rows() if self.prune_last_layer else None
@@ -159,6 +161,7 @@ class ModelRunner:
                     row_plan=plan,
                     hooks=conn,
                     output_rows=outputs,
+                    pieces=self.piece_graphs,
                 )
             conn.wait_for_save()
         finally:

@@ -55,14 +55,23 @@ def mixed_step(backend):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_paged_step_stays_on_cuda(arch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "piecewise-graphs"])
+def test_paged_step_stays_on_cuda(arch, graphs):
+    from blendkv.engine.cuda_graphs import EagerCapture
+    from blendkv.engine.piecewise_graphs import PiecewiseGraphs
+
     backend = TorchAttentionBackend("cuda")
     with fake_cuda(), torch.inference_mode():
         model = fake_cuda_model(arch, backend)
         caches, md = mixed_step(backend)
         assert caches[0].device.type == "cuda" and md.positions.device.type == "cuda"
         ids = torch.zeros(md.num_tokens, dtype=torch.long, device="cuda")
-        hidden = model(ids, md.positions, caches, md)
+        # (the pieces' static buffers are made on the device of what they hold)
+        pieces = PiecewiseGraphs("cuda", max_rows=16, capture=EagerCapture()) if graphs else None
+        hidden = model(ids, md.positions, caches, md, pieces=pieces)
+        if graphs:
+            assert pieces.replays == 1 + 1 + 1 and pieces.failed is None  # 2 layers
+            assert all(b.device.type == "cuda" for b in pieces.buffers())
         logits = model.compute_logits(hidden[torch.tensor([5, 9, 10, 13], device="cuda")])
     assert hidden.device.type == "cuda" and logits.device.type == "cuda"
     assert logits.shape == (4, SHAPES["vocab_size"])
