@@ -158,6 +158,9 @@ def _add_launches(bench) -> None:
     p.add_argument("--docs", type=int, default=10)
     p.add_argument("--doc-words", type=int, default=24)
     p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument(
+        "--eager", action="store_true", help="no piecewise graphs (the engine's on CUDA)"
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_run("launches"))
 

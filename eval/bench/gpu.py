@@ -92,6 +92,36 @@ def _random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
 
 
+def _graphs_vs_eager(llm, prompts, greedy) -> dict:
+    """The same prompts with the dense pieces run eagerly instead of replayed from piecewise
+    graphs: greedy match, and the largest difference of their prompt logits (with graphs on)."""
+    runner = llm.engine.runner
+    if runner.piece_graphs is None:
+        return {}
+
+    def run():
+        outs = llm.generate(prompts, greedy, logits_from=0)
+        return [o.outputs[0].token_ids for o in outs], [o.extra["prompt_logits"] for o in outs]
+
+    tokens, logits = run()
+    graphs, runner.piece_graphs = runner.piece_graphs, None
+    try:
+        eager_tokens, eager_logits = run()
+    finally:
+        runner.piece_graphs = graphs
+    same = sum(a == b for a, b in zip(tokens, eager_tokens, strict=True)) / len(tokens)
+    diff = max(float((a - b).abs().max()) for a, b in zip(logits, eager_logits, strict=True))
+    top1 = [
+        float((a.argmax(-1) == b.argmax(-1)).float().mean())
+        for a, b in zip(logits, eager_logits, strict=True)
+    ]
+    return {
+        "graphs_vs_eager_greedy_match": same,
+        "graphs_vs_eager_max_logit_diff": diff,
+        "graphs_vs_eager_prompt_top1": min(top1),
+    }
+
+
 def bench_shape(shape: str, args, device: str) -> dict:
     dtype = getattr(torch, args.dtype)
     row: dict = {"shape": shape, "dtype": args.dtype, "device": device}
@@ -121,11 +151,12 @@ def bench_shape(shape: str, args, device: str) -> dict:
         greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         one = SamplingParams(temperature=0.0, max_tokens=1)
 
-        # 1. agreement
-        check = _random_ids(4, 64, vocab, seed=1)
+        # 1. agreement (61 tokens: the piecewise graphs' prefill pieces run padded to 64)
+        check = _random_ids(4, 61, vocab, seed=1)
         ours = [o.outputs[0].token_ids for o in llm.generate(check, greedy)]
         _, theirs = _hf_generate(hf, check, 8, device)
         row["greedy_match"] = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+        row.update(_graphs_vs_eager(llm, check, greedy))
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
 
         # 2. prefill
@@ -178,7 +209,16 @@ def bench_shape(shape: str, args, device: str) -> dict:
 def _print(row: dict) -> None:
     print(
         f"\n{row['shape']} ({row['dtype']}, {row['device']}, {row['attention_backend']}): "
-        f"greedy match {row['greedy_match']:.2f}\n"
+        f"greedy match {row['greedy_match']:.2f}"
+        + (
+            f"; piecewise graphs vs eager: greedy match "
+            f"{row['graphs_vs_eager_greedy_match']:.2f}, prompt top-1 "
+            f"{row['graphs_vs_eager_prompt_top1']:.3f}, max logit diff "
+            f"{row['graphs_vs_eager_max_logit_diff']:.3g}"
+            if "graphs_vs_eager_greedy_match" in row
+            else ""
+        )
+        + "\n"
         f"  prefill {row['prefill_tokens']} tok: blendkv {row['prefill_s'] * 1e3:.1f} ms, "
         f"transformers {row['prefill_hf_s'] * 1e3:.1f} ms ({row['prefill_vs_hf']:.2f}x its time)"
     )

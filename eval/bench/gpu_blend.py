@@ -8,9 +8,10 @@ setting); reuse (nothing recomputed); the same default blend with every layer lo
 forward; the engine's own choice (no config passed: the cost check picks blend, the cheaper
 selection or full prefill, and says which); on the Triton backend, blend and reuse without
 the prefill kernels' key splits (``split_keys`` off), and with the prefill kernel's default
-tiles instead of this GPU's tuned table (``tuned_tiles`` off). Then one more run of full, default
-blend and reuse under ``torch.profiler``: host busy time, device kernel time, kernel launches
-and host syncs per request.
+tiles instead of this GPU's tuned table (``tuned_tiles`` off); full, blend and reuse with every
+dense piece run eagerly instead of replayed from piecewise CUDA graphs. Then one more run of
+full, default blend and reuse under ``torch.profiler``: host busy time, device kernel time,
+kernel launches and host syncs per request.
 """
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
         finally:
             backend.tuned_tiles = True
 
+    runner = llm.engine.runner
+
+    def eager(fn):
+        graphs, runner.piece_graphs = runner.piece_graphs, None  # no piecewise graphs
+        try:
+            return fn()
+        finally:
+            runner.piece_graphs = graphs
+
     runs = {
         "full": lambda: ttft(ids=full_ids),
         "blend": lambda: ttft(default),
@@ -103,6 +113,10 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
         runs["reuse_unsplit"] = lambda: unsplit(reuse)
         runs["blend_untuned"] = lambda: untuned(default)
         runs["reuse_untuned"] = lambda: untuned(reuse)
+    if runner.piece_graphs is not None:
+        runs["full_eager"] = lambda: eager(runs["full"])
+        runs["blend_eager"] = lambda: eager(runs["blend"])
+        runs["reuse_eager"] = lambda: eager(runs["reuse"])
     for run in runs.values():  # warm: kernels, checksums, memory tier, the cost check's rates
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -124,8 +138,9 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     row["kv_bytes"] = blend_stats.kv_bytes_loaded
     row["write_s"] = blend_stats.write_seconds
     row["write_hidden_s"] = blend_stats.load_hidden_seconds
-    for name in ("full", "blend", "reuse"):
-        row[f"profile_{name}"] = profile_once(runs[name])
+    for name in ("full", "blend", "reuse", "blend_eager"):
+        if name in runs:
+            row[f"profile_{name}"] = profile_once(runs[name])
     return row, {name: runs[name] for name in ("blend", "reuse", "full")}
 
 
@@ -148,7 +163,12 @@ def print_size(row: dict, ratio: float) -> None:
             f"    prefill kernel's default tiles: blend {ms('blend_untuned_s')}, reuse "
             f"{ms('reuse_untuned_s')}"
         )
-    for name in ("full", "blend", "reuse"):
+    if "blend_eager_s" in row:
+        print(
+            f"    without piecewise graphs: full {ms('full_eager_s')}, blend "
+            f"{ms('blend_eager_s')}, reuse {ms('reuse_eager_s')}"
+        )
+    for name in ("full", "blend", "reuse", "blend_eager"):
         p = row.get(f"profile_{name}")
         if p:
             print(

@@ -1,6 +1,6 @@
 """Device kernels a request launches, counted without a GPU.
 
-    blendkv bench launches [--layers 32] [--docs 10] [--ratio 0.15]
+    blendkv bench launches [--layers 32] [--docs 10] [--ratio 0.15] [--eager]
 
 On a GPU a blended prefill computes few rows per layer, so its time is the host's: one launch
 per kernel, a few microseconds each. This counts those launches for one blended request, one
@@ -12,6 +12,11 @@ every Triton launch, and the points where the host waits for the device
 (:class:`HostSyncs`: ``.item()``, ``.cpu()`` / ``.tolist()`` of a device tensor, ``nonzero``,
 boolean-mask indexing, ...), each listed with the file:line it happens at. The counts depend on
 the code path, not on widths or token counts (within a prompt's few hundred tokens).
+
+As on a GPU, the dense pieces between attentions replay captured graphs
+(:mod:`blendkv.engine.piecewise_graphs`; ``--eager``: off): the capture records a piece once,
+in the warm-up request, and each replay counts as one launch (``graph_replay``), the kernels
+inside it not at all.
 """
 
 from __future__ import annotations
@@ -194,35 +199,69 @@ def _in_project(path: str) -> bool:
     return path.startswith(_PROJECT[0]) or _PROJECT[1] in path and "site-packages" not in path
 
 
+class CountedCapture:
+    """The piecewise graphs' capture for counting: a replay reruns the piece eagerly with the
+    counters paused and counts as one launch, what replaying a CUDA graph costs the host."""
+
+    def __init__(self) -> None:
+        self.counters: tuple[_Counter, HostSyncs] | None = None  # set while count() runs
+
+    def __call__(self, fn):
+        out = fn()
+
+        def replay() -> None:
+            if self.counters is None:
+                fn()
+                return
+            counter, syncs = self.counters
+            counter.ops["graph_replay"] += 1
+            paused = counter.paused, syncs.paused
+            counter.paused = syncs.paused = True
+            try:
+                fn()
+            finally:
+                counter.paused, syncs.paused = paused
+
+        return replay, out
+
+
 def device_tensors(llm) -> list[torch.Tensor]:
-    """What a GPU run holds on the device from the start: weights, buffers, K/V pools."""
+    """What a GPU run holds on the device from the start: weights, buffers, K/V pools, the
+    piecewise graphs' static buffers."""
     runner = llm.engine.runner
     model = runner.model
     caches = tree_flatten(runner.kv_caches)[0]
+    pieces = runner.piece_graphs
     return [
         *model.parameters(),
         *model.buffers(),
         *(t for t in caches if isinstance(t, torch.Tensor)),
+        *(pieces.buffers() if pieces is not None else ()),
     ]
 
 
-def count(run, device=()) -> dict:
-    """Count one call of ``run``: aten kernels, Triton launches, host syncs (and where)."""
+def count(run, device=(), capture: CountedCapture | None = None) -> dict:
+    """Count one call of ``run``: aten kernels, Triton launches, host syncs (and where);
+    ``capture``: the piecewise graphs' capture, whose replays count as one launch each."""
     from triton.runtime import interpreter
 
     counter = _Counter()
     syncs = HostSyncs(device, kernels=counter)
+    if capture is not None:
+        capture.counters = (counter, syncs)
     triton_launches: Counter[str] = Counter()
     original = interpreter.InterpretedFunction.run
 
     def counted(self, *args, **kwargs):
-        triton_launches[self.fn.__name__] += 1
+        if not counter.paused:  # (paused: inside a graph replay)
+            triton_launches[self.fn.__name__] += 1
         # the interpreter's own host copies are not the kernel's
+        paused = counter.paused, syncs.paused
         counter.paused = syncs.paused = True
         try:
             return original(self, *args, **kwargs)
         finally:
-            counter.paused = syncs.paused = False
+            counter.paused, syncs.paused = paused
 
     interpreter.InterpretedFunction.run = counted
     try:
@@ -230,6 +269,8 @@ def count(run, device=()) -> dict:
             run()
     finally:
         interpreter.InterpretedFunction.run = original
+        if capture is not None:
+            capture.counters = None
     aten = sum(counter.ops.values())
     triton = sum(triton_launches.values())
     return {
@@ -249,6 +290,7 @@ def main(args: argparse.Namespace) -> int:
 
     from blendkv import LLM, SamplingParams
     from blendkv.blend.config import BlendConfig
+    from blendkv.engine.piecewise_graphs import PiecewiseGraphs
     from blendkv.eval.random_model import make_tokenizer, random_text
 
     torch.manual_seed(0)
@@ -262,6 +304,10 @@ def main(args: argparse.Namespace) -> int:
         make_tokenizer(config.vocab_size).save_pretrained(tmp)
         llm = LLM(tmp, dtype="float32", device="cpu", attention_backend="triton",
                   enable_prefix_caching=False, kv_store_dir=str(Path(tmp) / "store"))  # fmt: skip
+        capture = None
+        if not args.eager:  # what the engine does on CUDA
+            capture = CountedCapture()
+            llm.engine.runner.piece_graphs = PiecewiseGraphs("cpu", capture=capture)
         prompt = {
             "documents": [random_text(args.doc_words, seed=100 + d) for d in range(args.docs)],
             "query": "Which city is the capital of France?",
@@ -275,10 +321,11 @@ def main(args: argparse.Namespace) -> int:
             "reuse": lambda: llm.generate([prompt], one, blend=reuse),
             "full": lambda: llm.generate([full_ids], one),
         }
-        rows = {"layers": args.layers, "prompt_tokens": len(full_ids), "ratio": args.ratio}
+        rows = {"layers": args.layers, "prompt_tokens": len(full_ids), "ratio": args.ratio,
+                "graphs": not args.eager}  # fmt: skip
         for name, run in runs.items():
-            run()  # warm: chunks stored, kernels interpreted once
-            rows[name] = count(run, device_tensors(llm))
+            run()  # warm: chunks stored, kernels interpreted once, pieces captured
+            rows[name] = count(run, device_tensors(llm), capture)
             r = rows[name]
             print(
                 f"{name:>5}: {r['launches']:6d} launches ({r['aten_kernels']} aten + "

@@ -56,11 +56,21 @@ def test_bench_gpu_rejects_unknown_shapes(capsys):
 
 def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
     """The launch counter on a 2-layer model: a full prefill launches each Triton kernel of a
-    layer once per layer (the final norm once more), and a blend launches more than a reuse."""
+    layer once per layer (the final norm once more), and a blend launches more than a reuse.
+    With piecewise graphs (the engine's default on CUDA) the norms and the MLP's activation run
+    inside the replays, one launch per dense piece: fewer launches in all."""
     out = tmp_path / "launches.json"
     args = ["--layers", "2", "--docs", "2", "--doc-words", "8", "--json", str(out)]
     assert main(["bench", "launches", *args]) == 0
+    graphs = json.loads(out.read_text())
+    assert main(["bench", "launches", *args, "--eager"]) == 0
     rows = json.loads(out.read_text())
+    assert graphs["graphs"] and not rows["graphs"]
+    assert "_rms_norm_kernel" not in graphs["full"]["triton"]
+    assert graphs["full"]["top_aten"]["graph_replay"] == 2 + 1  # first, link, last
+    for name in ("full", "reuse", "blend"):
+        assert graphs[name]["launches"] < rows[name]["launches"]
+        assert graphs[name]["host_syncs"] == rows[name]["host_syncs"]
     full = rows["full"]["triton"]
     assert full["_rms_norm_kernel"] == 2 * 2 + 1
     assert full["_rotary_qk_kernel"] == full["_silu_and_mul_kernel"] == 2
