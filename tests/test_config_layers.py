@@ -15,8 +15,9 @@ from blendkv.errors import ConfigError
 
 def test_engine_config_keeps_only_the_engines_fields():
     names = {f.name for f in fields(EngineConfig)}
-    # deterministic and blend_audit_rate are the engine's (its forward, its schedule).
-    assert len(names) <= 22, sorted(names)
+    # deterministic, blend_audit_rate and max_graph_rows are the engine's (its forward, its
+    # schedule, its graphs).
+    assert len(names) <= 23, sorted(names)
     assert not names & set(connector_options())
     assert {"kv_connector", "kv_connector_config"} <= names
     moved = {"kv_store_dir", "anchor_system", "pipeline_kv_load", "prefetch_kv"}

