@@ -17,6 +17,7 @@ kernel launches and host syncs per request.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
@@ -121,11 +122,13 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
     last = {}
+    choices: Counter[str] = Counter()  # what the cost check ran, over the timed repeats
     for _ in range(args.repeats):
         for name, run in runs.items():
             seconds, last[name] = run()
             times[name].append(seconds)
-    row: dict = {"tokens": len(full_ids), "docs": docs}
+        choices[last["engine_choice"].blend_stats.cost_choice or "as configured"] += 1
+    row: dict = {"tokens": len(full_ids), "docs": docs, "engine_choices": dict(choices)}
     for name, values in times.items():
         row[f"{name}_s"] = statistics.median(values)
     for name in ("blend", f"blend_v{args.ratio}", "reuse", "engine_choice"):
@@ -152,7 +155,9 @@ def print_size(row: dict, ratio: float) -> None:
         f"{ms(f'blend_v{ratio}_s')} ({row[f'blend_v{ratio}_speedup']:.2f}x), reuse "
         f"{ms('reuse_s')} ({row['reuse_speedup']:.2f}x); blend / reuse "
         f"{row['blend_vs_reuse']:.2f}; layers loaded first {ms('serial_load_s')}; engine's "
-        f"choice {row['engine_choice']} {ms('engine_choice_s')}"
+        f"choice {row['engine_choice']} {ms('engine_choice_s')} (over the repeats: "
+        + ", ".join(f"{k} x{v}" for k, v in row["engine_choices"].items())
+        + ")"
     )
     if "blend_unsplit_s" in row:
         print(
