@@ -34,9 +34,7 @@ from blendkv.layers.norm import RMSNorm
 from blendkv.layers.rotary import RotaryEmbedding
 from blendkv.models.hooks import LayerHooks, LayerSeam, RowPlan
 from blendkv.models.pieces import EAGER_PIECES, Pieces
-
-# Checkpoint entries that are not parameters (old transformers saved the RoPE buffer).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+from blendkv.models.weights import load_named_weights
 
 
 class LayerRows(NamedTuple):
@@ -393,52 +391,7 @@ class LlamaForCausalLM(nn.Module):
         embeddings a stored ``lm_head.weight`` is ignored (it is the embedding matrix). A model
         built on the ``meta`` device gets the checkpoint tensors themselves (no second copy).
         """
-        params = dict(self.named_parameters())  # tied lm_head is de-duplicated away
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        mismatched: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            param = params.get(name)
-            if param is None:
-                unexpected.append(name)
-            elif tuple(param.shape) != tuple(tensor.shape):
-                mismatched.append(
-                    f"{name}: checkpoint {tuple(tensor.shape)} != model {tuple(param.shape)}"
-                )
-            else:
-                self._set_param(name, param, tensor)
-                loaded.add(name)
-        self.tie_weights()
-        missing = sorted(set(params) - loaded)
-        problems = []
-        if unexpected:
-            problems.append(f"unexpected keys {_head(unexpected)}")
-        if mismatched:
-            problems.append(f"shape mismatches {_head(mismatched)}")
-        if missing:
-            problems.append(f"missing keys {_head(missing)}")
-        if problems:
-            raise ModelLoadError(
-                f"checkpoint does not match {type(self).__name__} "
-                f"({self.config.num_hidden_layers} layers): " + "; ".join(problems)
-            )
-
-    def _set_param(self, name: str, param: nn.Parameter, tensor: torch.Tensor) -> None:
-        if not param.is_meta:
-            param.copy_(tensor)
-            return
-        module_name, _, attr = name.rpartition(".")
-        tensor = tensor.to(param.dtype)
-        setattr(self.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
-
-
-def _head(names: list[str], n: int = 5) -> str:
-    shown = ", ".join(names[:n])
-    return f"[{shown}{f', ... ({len(names)} total)' if len(names) > n else ''}]"
+        load_named_weights(self, weights)
 
 
 class MistralDecoderLayer(LlamaDecoderLayer):
