@@ -207,8 +207,11 @@ class AttentionBackend(ABC):
         *,
         window: int | None = None,
         soft_cap: float | None = None,
+        out: torch.Tensor | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Write this layer's new K/V into the pool, then attend.
+        """Write this layer's new K/V into the pool (unless ``kv_written``: the caller did,
+        with RoPE: ``Attention.rotate_and_write``), then attend.
 
         Args:
             q: [num_tokens, num_heads, head_dim] (RoPE applied).
@@ -222,8 +225,11 @@ class AttentionBackend(ABC):
                 softmax (Gemma 2); None: none. A backend path that cannot honour ``window`` or
                 ``soft_cap`` raises ``NotImplementedError`` naming itself, never ignores them.
 
+            out: [num_tokens, num_heads, head_dim] to write the result into (the graph
+                buffer the next dense piece reads); None: a new tensor.
+
         Returns:
-            [num_tokens, num_heads, head_dim].
+            [num_tokens, num_heads, head_dim] (``out`` when given).
         """
 
     # ---- the blend's ops ----------------------------------------------------------------

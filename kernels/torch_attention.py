@@ -234,26 +234,26 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     # ---- attention ----------------------------------------------------------------------
-    def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None):
+    def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None,
+                out=None, kv_written=False):  # fmt: skip
         md: AttentionMetadata | None = attn_metadata
         wc = {} if window is None and soft_cap is None else {"window": window, "soft_cap": soft_cap}
+        out = torch.empty_like(q) if out is None else out
         if kv_cache is None:
             if md is None or md.num_seqs == 1:
-                out = torch.empty_like(q)
                 self._causal(q, k, v, scale, out, **wc)
                 return out
-            out = torch.empty_like(q)
             starts = md.query_start_loc_cpu
             for lo, hi in zip(starts, starts[1:], strict=False):
                 self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi], **wc)
             return out
-        self.write_kv(kv_cache, k, v, md.slot_mapping)
+        if not kv_written:
+            self.write_kv(kv_cache, k, v, md.slot_mapping)
         if self.deterministic and not md.query_mass:
             md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
         layout = self._step_layouts.get(
             md, kv_cache.shape[1], lambda: self._build_layout(md, kv_cache.shape, q)
         )
-        out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
         # the query rows' scale is D ** -0.5 unless the layer has its own
         mass_kw = {"scale": scale, **wc} if wc or scale != q.shape[-1] ** -0.5 else {}

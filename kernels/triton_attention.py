@@ -168,19 +168,22 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return True
 
     # ---- attention ----------------------------------------------------------------------
-    def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None):
+    def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None,
+                out=None, kv_written=False):  # fmt: skip
         md: AttentionMetadata | None = attn_metadata
         windowed = window is not None or soft_cap is not None
         if kv_cache is None and windowed:  # the pool-less pass: the dense torch reference
-            return super().forward(q, k, v, None, md, scale, window=window, soft_cap=soft_cap)
+            return super().forward(q, k, v, None, md, scale, window=window, soft_cap=soft_cap,
+                                   out=out)  # fmt: skip
         if kv_cache is None:
             if md is None or md.num_seqs == 1:
-                return dense_causal_attention(q, k, v, scale)
-            out = torch.empty_like(q)
+                return _into(out, dense_causal_attention(q, k, v, scale))
+            out = torch.empty_like(q) if out is None else out
             starts = md.query_start_loc_cpu
             self._dense_prefill(q, k, v, list(zip(starts, starts[1:], strict=False)), out, scale)
             return out
-        self.write_kv(kv_cache, k, v, md.slot_mapping)
+        if not kv_written:
+            self.write_kv(kv_cache, k, v, md.slot_mapping)
         if self.deterministic and not md.query_mass:
             md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
         layout = self._layout(
@@ -189,8 +192,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         )  # fmt: skip
         if layout.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
             # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
-            return dense_causal_attention(q, k, v, scale)
-        out = torch.empty_like(q)
+            return _into(out, dense_causal_attention(q, k, v, scale))
+        out = torch.empty_like(q) if out is None else out
         if layout.fresh_ranges:
             self._dense_prefill(q, k, v, layout.fresh_ranges, out, scale)
         self._ops.decode_attention(
@@ -318,6 +321,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
             if self._xformers_attention is None:
                 logger.info("triton backend: dense prefill uses torch SDPA (%s)", reason)
         return self._xformers_attention
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """``result``, copied into ``out`` when one is given."""
+    return result if out is None else out.copy_(result)
 
 
 def _index_tensor(ids: list[int], device: torch.device) -> torch.Tensor:

@@ -75,7 +75,7 @@ class QueryPassRowPlan(RowPlan):
             table = md.block_table[sb.index].long()
             bs = md.block_size
             slots = table[key_positions // bs] * bs + key_positions % bs
-            query = torch.arange(first - lo, hi - lo, device=dev)
+            query = slice(first - lo, hi - lo)  # the sequence's last rows: a view, no gather
             positions = md.positions[lo:hi]
             self._seqs.append(
                 (sb, slice(lo, hi), positions, md.slot_mapping[lo:hi], query, positions[query],
@@ -91,8 +91,9 @@ class QueryPassRowPlan(RowPlan):
         """The layer without attention: the rows' own K/V into the pool here, so the backend
         reads every key in place."""
         for sb, rows, positions, row_slots, query, query_positions, slots, visible in self._seqs:
-            qr, kr = attn.rotary_emb.apply_rotary(positions, q[rows], k[rows])
-            self.backend.write_kv(kv_cache, kr, v[rows], row_slots)
+            qr, _ = attn.rotary_emb.rotate_and_write(
+                positions, q[rows], k[rows], v[rows], kv_cache, row_slots, self.backend.write_kv
+            )
             self._score(sb, attn, qr[query], query_positions, kv_cache, slots, visible)
         return None
 

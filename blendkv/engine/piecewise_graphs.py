@@ -102,6 +102,14 @@ class PiecewiseGraphs(Pieces):
         self.replays += 1
         return tuple(self._buffers[role][:n] for role in writes)
 
+    def output(self, role: str, rows: int) -> torch.Tensor | None:
+        """The first ``rows`` rows of the role's buffer when the piece reading it will replay
+        (attention writes its heads there: one copy less a layer)."""
+        buf = self._buffers.get(role)
+        if buf is None or not self._replayable(rows):
+            return None
+        return buf[:rows]
+
     def _replayable(self, n: int) -> bool:
         if self.failed is not None or n == 0 or n > self.sizes[-1]:
             return False
@@ -142,5 +150,6 @@ class PiecewiseGraphs(Pieces):
 
         replay, _ = self.capture(piece)
         self._graphs[key, size] = replay
+        self.captures += 1
         self._fill(reads, saved)
         return replay

@@ -108,14 +108,21 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata | None,
+        out: torch.Tensor | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """The backend's attention on rotated q/k (writing K/V to the cache), heads flattened:
-        [T, num_heads * head_dim], before ``o_proj`` (which the decoder layer's dense tail
-        applies: :meth:`LlamaDecoderLayer.leave`)."""
-        out = self.attn_backend.forward(
-            q, k, v, kv_cache, attn_metadata, self.scaling, **self.attention_kwargs()
-        )
-        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        """The backend's attention on rotated q/k (writing K/V to the cache unless
+        ``kv_written``: :meth:`rotate_and_write` did), heads flattened: [T, num_heads *
+        head_dim], before ``o_proj`` (which the decoder layer's dense tail applies:
+        :meth:`LlamaDecoderLayer.leave`); ``out`` [T, num_heads * head_dim]: where to write
+        them (then returned)."""
+        kwargs = self.attention_kwargs()
+        if out is not None:
+            kwargs["out"] = out.view(q.shape)
+        if kv_written:
+            kwargs["kv_written"] = True
+        heads = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scaling, **kwargs)
+        return heads.reshape(heads.shape[0], self.num_heads * self.head_dim)
 
     def attention_kwargs(self) -> dict:
         """``window``/``soft_cap`` for the backend when this layer has either, else ``{}`` (the
@@ -138,15 +145,17 @@ class Attention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on q/k and every row's K/V written into the cache, without attending (rows
-        whose K/V later tokens need but whose own output nobody reads); -> rotated q, k, for
-        :meth:`attend_heads` on the rows that do attend."""
-        q, k = self.rotary_emb.apply_rotary(positions, q, k)
-        self.attn_backend.write_kv(kv_cache, k, v, attn_metadata.slot_mapping)
-        return q, k
+        """RoPE on q/k and every row's K/V written into the cache (one launch with the Triton
+        RoPE kernel), without attending; -> rotated q, k, for :meth:`attend_heads` with
+        ``kv_written``. Without a cache: RoPE only."""
+        if kv_cache is None:
+            return self.rotary_emb.apply_rotary(positions, q, k)
+        return self.rotary_emb.rotate_and_write(
+            positions, q, k, v, kv_cache, attn_metadata.slot_mapping, self.attn_backend.write_kv
+        )
 
     def forward(
         self,

@@ -92,6 +92,16 @@ def _check_rotary(kernel, rope, like) -> None:
     actual = kernel(positions, q, k, *rope.tables(like.device))
     _close(actual[0], expected[0])
     _close(actual[1], expected[1])
+    # and with the K/V write into a pool of 2 blocks of 2 (the middle row is padding)
+    v = _random(k.shape, like, 4)
+    pool = torch.zeros(2, 2, 2, 1, rope.head_dim, dtype=like.dtype, device=like.device)
+    slots = torch.tensor([3, -1, 0], device=like.device)
+    written = kernel(positions, q, k, *rope.tables(like.device), pool, v, slots)
+    _close(written[1], expected[1])
+    flat = pool.view(2, 4, 1, rope.head_dim)
+    _close(flat[0, [3, 0]], expected[1][[0, 2]])
+    _close(flat[1, [3, 0]], v[[0, 2]])
+    assert not flat[:, [1, 2]].any()
 
 
 def _check_act_and_mul(kernel, mlp, like) -> None:

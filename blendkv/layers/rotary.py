@@ -226,6 +226,17 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions, q.dtype)
         return _rope(q, cos, sin), _rope(k, cos.to(k.dtype), sin.to(k.dtype))
 
+    def rotate_and_write(self, positions, q, k, v, kv_cache, slot_mapping, write_kv):
+        """:meth:`apply_rotary`, and the rotated K with V written into ``kv_cache`` at
+        ``slot_mapping``: in the kernel's one launch when it has one, else by ``write_kv(kv_cache,
+        k, v, slot_mapping)`` (the attention backend's)."""
+        if self.kernel is not None and k.dtype == q.dtype:
+            cos, sin = self.tables(q.device)
+            return self.kernel(positions, q, k, cos, sin, kv_cache, v, slot_mapping)
+        q, k = self.apply_rotary(positions, q, k)
+        write_kv(kv_cache, k, v, slot_mapping)
+        return q, k
+
     def rotate_k(self, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """RoPE on pre-RoPE keys alone (the chunk store re-rotates stored K to new positions)."""
         return self.rotate(positions, k)

@@ -158,12 +158,14 @@ class LlamaDecoderLayer(nn.Module):
         rows: LayerRows,
         kv_cache: torch.Tensor | None,
         seam: LayerSeam,
+        pieces: Pieces = EAGER_PIECES,
     ) -> tuple[torch.Tensor, torch.Tensor, LayerRows] | None:
         """The part of the layer between its dense head and tail (:meth:`enter`,
         :meth:`leave`, which the model's loop runs): the row plan's seams, RoPE, attention
         (writing the rows' K/V into ``kv_cache``) -> (attention heads [rows, H * D], residual,
         rows computed). ``seam`` is this layer's share of the row plan and hooks
-        (:class:`~blendkv.models.hooks.LayerSeam`); None when it is ``kv_only``."""
+        (:class:`~blendkv.models.hooks.LayerSeam`); None when it is ``kv_only``. The heads go
+        where ``pieces`` says the next piece reads them (:meth:`Pieces.output`)."""
         attn = self.self_attn
         keep = seam.select_projected(attn, q, k, v, kv_cache, rows.attn_metadata)
         if keep is not None:  # a CPU bool mask over the current rows
@@ -176,14 +178,15 @@ class LlamaDecoderLayer(nn.Module):
             seam.save_kv(k, v, kv_cache, md)
             return None
         pruned = seam.output_keep(q.shape[0]) if kv_cache is not None else None
+        # RoPE and the rows' K/V into the pool (one launch with the Triton kernels)
+        q_rot, k_rot = attn.rotate_and_write(rows.positions, q, k, v, kv_cache, md)
         if pruned is None:
-            q_rot, k_rot = attn.rotary_emb.apply_rotary(rows.positions, q, k)
-            heads = attn.attend_heads(q_rot, k_rot, v, kv_cache, md)
+            out = pieces.output("heads", q.shape[0])
+            heads = attn.attend_heads(q_rot, k_rot, v, kv_cache, md, out=out, kv_written=True)
             seam.after_attention(attn, q_rot, kv_cache, md)
             seam.save_kv(k, v, kv_cache, md)
             return heads, residual, rows
         # The rows nobody reads: K/V only.
-        q_rot, k_rot = attn.rotate_and_write(rows.positions, q, k, v, kv_cache, md)
         seam.save_kv(k, v, kv_cache, md)
         keep, idx = pruned
         rows = rows.subset(keep)
@@ -191,7 +194,8 @@ class LlamaDecoderLayer(nn.Module):
             return q.new_empty(0, attn.num_heads * attn.head_dim), residual[:0], rows
         idx = idx.to(q.device)
         q, k, v, residual = (t.index_select(0, idx) for t in (q_rot, k_rot, v, residual))
-        heads = attn.attend_heads(q, k, v, kv_cache, rows.attn_metadata)
+        out = pieces.output("heads", len(idx))
+        heads = attn.attend_heads(q, k, v, kv_cache, rows.attn_metadata, out=out, kv_written=True)
         return heads, residual, rows
 
 
@@ -286,7 +290,7 @@ class LlamaModel(nn.Module):
                 q, k, v, residual = pieces.run(("first",), self._first, (input_ids,))
             else:
                 q, k, v, residual = pieces.run(("link", i), functools.partial(self._link, i), tail)
-            out = layer(q, k, v, residual, rows, kv_cache, seam)
+            out = layer(q, k, v, residual, rows, kv_cache, seam, pieces)
             if out is None:  # kv_only: the hooks have the last layer's K/V
                 return None
             *tail, rows = out

@@ -20,12 +20,20 @@ import torch
 class Pieces:
     """Runs the dense pieces of a forward; this base class runs them eagerly."""
 
+    captures = 0  # graphs captured so far (a step that captured is no timing to learn from)
+
     def run(
         self, key: Hashable, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         """``fn(*inputs)`` (or the same from a replay): a tuple of tensors with the inputs'
         rows."""
         return fn(*inputs)
+
+    def output(self, role: str, rows: int) -> torch.Tensor | None:
+        """Where a value the next piece reads (``"heads"``: attention's output, [rows, H * D])
+        can be written in place, so that piece finds it there and nothing is copied; None
+        (here: always) to leave it to a new tensor."""
+        return None
 
 
 EAGER_PIECES = Pieces()

@@ -9,7 +9,8 @@ agree with the references to float32 reduction order.
 - :func:`rms_norm`: optional residual add, float32 normalisation, weight after the cast back;
   with a residual both inputs are overwritten (``x`` normalised, ``residual`` the sum; vLLM's
   fused_add_rms_norm).
-- :func:`rotary_qk`: RoPE of q and k (any strides) at arbitrary positions, into new tensors.
+- :func:`rotary_qk`: RoPE of q and k (any strides) at arbitrary positions, into new tensors;
+  optionally the rotated K and V written into the paged pool in the same launch.
 - :func:`silu_and_mul`: ``silu(gate) * up`` of a fused ``[T, 2 * I]`` gate/up output.
 """
 
@@ -81,6 +82,8 @@ def _rotate(
     src_ptr, dst_ptr, t, cos, sin, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    """Row ``t`` of ``src`` rotated into ``dst`` (contiguous); -> the rotated values (``dst``'s
+    dtype), their head and dim indices and mask."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     dim = 2 * half
@@ -93,7 +96,9 @@ def _rotate(
     dt = dst_ptr.dtype.element_ty
     a = (x.to(tl.float32) * cos).to(dt).to(tl.float32)  # q * cos, rounded like torch
     b = (rot * sin).to(dt).to(tl.float32)  # rotate_half(q) * sin
-    tl.store(dst_ptr + (t * num_heads + h) * dim + d, (a + b).to(dt), mask=mask)
+    out = (a + b).to(dt)
+    tl.store(dst_ptr + (t * num_heads + h) * dim + d, out, mask=mask)
+    return out, h, d, mask
 
 
 @triton.jit
@@ -112,9 +117,20 @@ def _rotary_qk_kernel(
     num_heads,
     num_kv_heads,
     half,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_vt,
+    stride_vh,
+    stride_c2,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    block_size,
     BLOCK_H: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -125,8 +141,16 @@ def _rotary_qk_kernel(
     cos = tl.load(cos_ptr + pos * 2 * half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(sin_ptr + pos * 2 * half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
     _rotate(q_ptr, q_out_ptr, t, cos, sin, stride_qt, stride_qh, num_heads, half, BLOCK_H, BLOCK_D)
-    _rotate(k_ptr, k_out_ptr, t, cos, sin, stride_kt, stride_kh, num_kv_heads, half, BLOCK_HKV,
-            BLOCK_D)  # fmt: skip
+    k, h, d, mask = _rotate(k_ptr, k_out_ptr, t, cos, sin, stride_kt, stride_kh, num_kv_heads,
+                            half, BLOCK_HKV, BLOCK_D)  # fmt: skip
+    if WRITE_KV:  # the rotated K and V into the pool (kv_write's layout; slot < 0: padding)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
+            dst += h * stride_ch + d
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+            tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + stride_c2, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_qk(
@@ -135,15 +159,33 @@ def rotary_qk(
     k: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
+    kv_cache: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D] (last dim contiguous), positions [T] -> rotated copies.
-    ``cos_table`` / ``sin_table``: float32 [max_position, D], both halves stored."""
+    ``cos_table`` / ``sin_table``: float32 [max_position, D], both halves stored.
+
+    With ``kv_cache`` [2, num_blocks, block_size, Hkv, D] (contiguous heads and dims), ``v``
+    [T, Hkv, D] and ``slot_mapping`` [T]: the same launch also writes the rotated K and V into
+    the pool, as :func:`~blendkv.kernels.triton.kv_write.write_kv` would (rows with a slot
+    below 0 are not written)."""
     num_tokens, num_heads, dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and k.dtype == q.dtype and dim % 2 == 0
     assert cos_table.is_contiguous() and cos_table.shape[1] == dim, cos_table.shape
     q_out = torch.empty((num_tokens, num_heads, dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((num_tokens, num_kv_heads, dim), dtype=k.dtype, device=k.device)
+    write = kv_cache is not None
+    if write:
+        assert v is not None and v.shape == k.shape and v.stride(2) == 1
+        assert slot_mapping is not None and slot_mapping.shape == (num_tokens,)
+        assert kv_cache.shape[3:] == (num_kv_heads, dim) and kv_cache.stride(4) == 1
+        cache_strides = (*kv_cache.stride()[:4], kv_cache.shape[2])
+        v_strides = (v.stride(0), v.stride(1))
+    else:  # (unused: WRITE_KV is off)
+        kv_cache, v, slot_mapping = q_out, k_out, positions
+        cache_strides, v_strides = (0, 0, 0, 0, 1), (0, 0)
     if num_tokens:
         _rotary_qk_kernel[(num_tokens,)](
             q,
@@ -160,9 +202,15 @@ def rotary_qk(
             num_heads,
             num_kv_heads,
             dim // 2,
+            v,
+            kv_cache,
+            slot_mapping,
+            *v_strides,
+            *cache_strides,
             BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(dim),
+            WRITE_KV=write,
         )
     return q_out, k_out
 

@@ -63,9 +63,17 @@ def test_replayed_pieces_equal_eager_bit_for_bit(tiny_llama_dir, tmp_path):
     eager.close()
     llm = make_llm(tiny_llama_dir, tmp_path / "pieces")
     graphs = with_pieces(llm, 256, EagerCapture())
-    sizes = []
+    sizes, in_place = [], []
     run = graphs.run
-    graphs.run = lambda key, fn, inputs: sizes.append(inputs[0].shape[0]) or run(key, fn, inputs)
+
+    def recorded(key, fn, inputs):
+        sizes.append(inputs[0].shape[0])
+        heads = graphs._buffers.get("heads")
+        if key[0] != "first" and heads is not None:  # attention wrote into the piece's buffer
+            in_place.append(inputs[0].data_ptr() == heads.data_ptr())
+        return run(key, fn, inputs)
+
+    graphs.run = recorded
     actual = run_all(llm)
     for (tokens, logits), (want_tokens, want_logits) in zip(actual, expected, strict=True):
         assert tokens == want_tokens
@@ -78,6 +86,7 @@ def test_replayed_pieces_equal_eager_bit_for_bit(tiny_llama_dir, tmp_path):
     assert any(n not in graphs.sizes for n in sizes)
     assert 96 in sizes  # a full chunk of the long prompt
     assert min(sizes) < 40  # decode rows and ProphetKV's query pass
+    assert len(in_place) > 20 and all(in_place)  # no copy of attention's output
     llm.close()
 
 

@@ -40,17 +40,25 @@ def test_rms_norm_with_and_without_residual(device, dtype, hidden):
     _close(out, ref_out)
 
 
-@DTYPES
-def test_rotary_qk_on_views_of_a_fused_projection(device, dtype):
+def _rope_and_fused_qkv(rows: int, seed: int, device, dtype):
+    """A RoPE table (head_dim 16) and q, k, v [rows, heads, 16]: strided views of one fused
+    projection output (4 query heads, 2 KV heads)."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
     rope = RotaryEmbedding(config)
     heads, kv_heads, dim = 4, 2, rope.head_dim
-    g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=g).to(device=device, dtype=dtype)
-    q = qkv[:, : heads * dim].view(6, heads, dim)
-    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(6, kv_heads, dim)
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+    q, k, v = qkv.to(device=device, dtype=dtype).split(
+        [heads * dim, kv_heads * dim, kv_heads * dim], dim=1
+    )
+    return rope, q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
+
+
+@DTYPES
+def test_rotary_qk_on_views_of_a_fused_projection(device, dtype):
+    rope, q, k, _ = _rope_and_fused_qkv(6, 1, device, dtype)
     positions = torch.tensor([0, 7, 3, 100, 5, 2], device=device)
     ref_q, ref_k = rope.apply_rotary(positions, q, k)
     cos, sin = rope.tables(device)
@@ -58,6 +66,25 @@ def test_rotary_qk_on_views_of_a_fused_projection(device, dtype):
     assert out_q.is_contiguous() and out_k.is_contiguous()
     _close(out_q, ref_q)
     _close(out_k, ref_k)
+
+
+@DTYPES
+def test_rotary_qk_writes_the_rotated_kv_like_write_kv(device, dtype):
+    """With a pool, the same launch writes the rotated K and V where write_kv would, in the
+    pool's dtype, and skips padding rows (slot -1)."""
+    from blendkv.kernels.triton.kv_write import write_kv_reference
+
+    rope, q, k, v = _rope_and_fused_qkv(5, 5, device, dtype)
+    positions = torch.tensor([9, 0, 4, 200, 3], device=device)
+    slots = torch.tensor([6, 1, -1, 11, 2], device=device)
+    cos, sin = rope.tables(device)
+    want_q, want_k = ops.rotary_qk(positions, q, k, cos, sin)
+    expected = torch.full((2, 3, 4, *k.shape[1:]), 7.0, device=device)  # fp32 pool, bf16 rows
+    write_kv_reference(expected, want_k, v, slots)
+    pool = torch.full_like(expected, 7.0)
+    out_q, out_k = ops.rotary_qk(positions, q, k, cos, sin, pool, v, slots)
+    assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k)
+    assert torch.equal(pool, expected)
 
 
 @DTYPES
