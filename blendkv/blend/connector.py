@@ -83,6 +83,7 @@ class BlendConnector(KVConnectorBase):
         # CUDA: the device's time of prefill steps, read later without a sync (device_timer)
         self._timer = DeviceStepTimer() if context.info.device.startswith("cuda") else None
         self._prefill_event = self._forward_event = None
+        self._pieces, self._captures = None, 0  # the step's graph runner, its captures at start
 
     @property
     def manager(self):
@@ -276,6 +277,7 @@ class BlendConnector(KVConnectorBase):
         plain = meta is not None and meta.prefill_rows > 0 and not meta.fused
         self._prefill_start = time.perf_counter() if plain else None  # full prefill's rate
         self._prefill_event = self._timer.start() if plain and self._timer else None
+        self._pieces, self._captures = inputs.pieces, getattr(inputs.pieces, "captures", 0)
         if meta is None or not meta.fused:
             return
         self.manager  # noqa: B018  (the store and loader exist from here on)
@@ -370,7 +372,7 @@ class BlendConnector(KVConnectorBase):
                 self.controller.record_load(
                     tier, w.nbytes, w.seconds + w.fetch_seconds, layerwise_seconds=layerwise
                 )
-        if self._row_plan is None:
+        if self._row_plan is None or self._captured():
             return
         row_layers = self._row_plan.row_layers(self.context.info.num_layers)
         if self._forward_event is not None:  # CUDA: host time says nothing about compute
@@ -381,13 +383,17 @@ class BlendConnector(KVConnectorBase):
     def _record_prefill(self) -> None:
         """A step of plain prefills only: full prefill's rate (on the CPU: CUDA runs
         asynchronously, host time says nothing about its compute)."""
-        if self._prefill_start is None:
+        if self._prefill_start is None or self._captured():
             return
         rows = self._metadata.prefill_rows * self.context.info.num_layers
         if self._prefill_event is not None:  # CUDA: timed by events, read at a later step
             self._timer.stop(self._prefill_event, "full", rows)
         elif self.context.info.device == "cpu":
             self.controller.record_full_compute(rows, time.perf_counter() - self._prefill_start)
+
+    def _captured(self) -> bool:
+        """Whether this step captured CUDA graphs: its time is no rate to learn."""
+        return getattr(self._pieces, "captures", 0) != self._captures
 
     def clear_connector_metadata(self) -> None:
         meta = self._metadata

@@ -125,6 +125,32 @@ def test_the_engine_measures_both_rates(llm):
     assert controller.full_compute.value is not None
 
 
+def test_steps_that_capture_graphs_teach_no_rate(llm):
+    """A step that captured CUDA graphs took the capture's time too: neither rate learns from
+    it (one slow first blend would make the check run full prefill, which never measures the
+    blend again). The next step at the same sizes replays, and is measured."""
+    from blendkv.engine.cuda_graphs import EagerCapture
+    from blendkv.engine.piecewise_graphs import PiecewiseGraphs
+
+    runner = llm.engine.runner
+    controller = llm.engine.kv_connector.controller
+    ids = llm.generate(PROMPT, GREEDY)[0].prompt_token_ids
+    runner.piece_graphs = graphs = PiecewiseGraphs("cpu", capture=EagerCapture())
+    try:
+        for generate in (lambda: llm.generate(PROMPT, GREEDY), lambda: llm.generate([ids], GREEDY)):
+            controller.compute.value = controller.full_compute.value = None
+            captures = graphs.captures
+            generate()  # the prefill captures its pieces
+            assert graphs.captures > captures
+            assert controller.compute.value is None and controller.full_compute.value is None
+            captures = graphs.captures
+            generate()
+            assert graphs.captures == captures  # replayed only
+            assert (controller.compute.value, controller.full_compute.value) != (None, None)
+    finally:
+        runner.piece_graphs = None
+
+
 def test_slow_compute_blends_in_the_engine(llm):
     _measured(llm.engine.kv_connector.controller, blend_rate=1e3, full_rate=1e3, bandwidth=1e12)
     stats = llm.generate(PROMPT, GREEDY)[0].blend_stats
