@@ -11,7 +11,7 @@ a blended prefill and a chunk precompute plugs in here, never by attributes set 
       layer(...)                              (LlamaDecoderLayer.forward, through LayerSeam)
         row_plan.select(l, ...)               rows that stop being computed from layer l on
         row_plan.before_attention(l, ...)     last look at the pool before attention writes
-        RoPE, attention (writes fresh K/V)
+        RoPE (writes the fresh K/V), attention
         row_plan.after_attention(l, ...)      the rows' RoPE'd queries, their K/V in the pool
         hooks.save_kv_layer(l, k, v, ...)     K/V of layer l computed this step, to save
 
@@ -24,13 +24,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
     from blendkv.kernels.attention import AttentionMetadata
     from blendkv.layers.attention import Attention
+
+
+class LayerRows(NamedTuple):
+    """The rows a layer computes: their positions and attention metadata (None: a dense pass
+    without a KV pool over one sequence)."""
+
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata | None
+
+    def subset(self, keep: torch.Tensor) -> LayerRows:
+        """The rows of the CPU bool mask ``keep``."""
+        md = self.attn_metadata.subset(keep)
+        return LayerRows(md.positions, md)
 
 
 class RowPlan(ABC):

@@ -20,53 +20,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from blendkv.errors import ModelLoadError
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, kept_rows
 from blendkv.layers.attention import Attention
 from blendkv.layers.linear import Linear
 from blendkv.layers.mlp import GatedMLP
 from blendkv.layers.norm import RMSNorm
 from blendkv.layers.rotary import RotaryEmbedding
-from blendkv.models.hooks import LayerHooks, LayerSeam, RowPlan
+from blendkv.models.hooks import LayerHooks, LayerRows, LayerSeam, RowPlan
 from blendkv.models.pieces import EAGER_PIECES, Pieces
 from blendkv.models.weights import load_named_weights
-
-
-class LayerRows(NamedTuple):
-    """The rows a layer computes: their positions and attention metadata (None: a dense pass
-    without a KV pool over one sequence)."""
-
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata | None
-
-    def subset(self, keep: torch.Tensor) -> LayerRows:
-        """The rows of the CPU bool mask ``keep``."""
-        md = self.attn_metadata.subset(keep)
-        return LayerRows(md.positions, md)
-
-
-def layer_windows(config, applies: bool = True) -> list[int | None]:
-    """Each layer's sliding window (a row attends to the ``window`` latest positions, itself
-    included, as transformers' ``sliding_window``), None for a global layer.
-
-    ``layer_types`` names the windowed layers (``"sliding_attention"``); without it every layer
-    is windowed (Mistral). ``applies=False`` (a family that ignores the field): all None.
-    """
-    n = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    if not applies or not window:
-        return [None] * n
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return [int(window)] * n
-    if len(types) != n:
-        raise ModelLoadError(f"layer_types has {len(types)} entries for {n} layers")
-    return [int(window) if t == "sliding_attention" else None for t in types]
+from blendkv.models.windows import layer_windows
 
 
 class LlamaDecoderLayer(nn.Module):
