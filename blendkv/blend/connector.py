@@ -11,7 +11,6 @@ Worker side: before the forward, the chunks are loaded into the request's blocks
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from blendkv.blend.audit import AUDIT_ID_PREFIX, BlendAuditor
 from blendkv.blend.chunk_loader import ChunkLoader
@@ -26,32 +25,14 @@ from blendkv.blend.prophet import run_query_pass
 from blendkv.blend.request_state import BlendRequestState, BlendStats
 from blendkv.blend.row_plan import BlendRowPlan
 from blendkv.blend.start_gate import refused_prompt
+from blendkv.blend.step_metadata import BlendConnectorMetadata, FusedPrefill
 from blendkv.engine.kv_connector import (
     ConnectorPrompt,
     ForwardInputs,
     KVConnectorBase,
     KVConnectorContext,
-    KVConnectorMetadata,
 )
 from blendkv.models.model_files import weights_hash
-
-
-@dataclass(frozen=True)
-class FusedPrefill:
-    """One blended request whose fused prefill runs in this step."""
-
-    index: int  # position of the sequence in the step's batch
-    request_id: str
-    num_computed_tokens: int
-    num_new_tokens: int
-    block_table: tuple[int, ...]
-
-
-@dataclass
-class BlendConnectorMetadata(KVConnectorMetadata):
-    fused: list[FusedPrefill] = field(default_factory=list)
-    # Rows of a step of plain prefills only (no fused prefill, no decode): full prefill's rate
-    prefill_rows: int = 0
 
 
 class BlendConnector(KVConnectorBase):
