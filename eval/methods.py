@@ -49,7 +49,7 @@ class Method:
 
 _OPTIONS = (
     "ck|cv|ckv|c0 (correction of K, V, both, none), sN (correction_shrink N), "
-    "hN (chunk_head_tokens N), rsN (reselect N)"
+    "hN (chunk_head_tokens N), eN (chunk_samples N), rsN (reselect N), x0 (skip_exact off)"
 )
 
 
@@ -57,7 +57,8 @@ def parse_strategy(text: str) -> dict[str, Any]:
     """``SELECTION[+OPTION...]`` -> :class:`BlendConfig` keyword arguments. Options: ``ck``,
     ``cv``, ``ckv``, ``c0`` (``correction`` of K, V, both or none: ``v_deviation+c0`` is
     CacheBlend as published), ``sN`` (``correction_shrink=N``), ``hN``
-    (``chunk_head_tokens=N``), ``rsN`` (``reselect=N``)."""
+    (``chunk_head_tokens=N``), ``eN`` (``chunk_samples=N``), ``rsN`` (``reselect=N``),
+    ``x0`` (``skip_exact=False``: exact rows may be picked too)."""
     selection, *options = text.split("+")
     if selection not in SELECTIONS:
         raise MethodError(f"unknown selection {selection!r}; use one of {', '.join(SELECTIONS)}")
@@ -68,10 +69,14 @@ def parse_strategy(text: str) -> dict[str, Any]:
                 kwargs["correction"] = opt[1:]
             elif opt == "c0":
                 kwargs["correction"] = "none"
+            elif opt == "x0":
+                kwargs["skip_exact"] = False
             elif opt.startswith("rs"):
                 kwargs["reselect"] = int(opt[2:])
             elif opt.startswith("s"):
                 kwargs["correction_shrink"] = float(opt[1:])
+            elif opt.startswith("e"):
+                kwargs["chunk_samples"] = int(opt[1:])
             elif opt.startswith("h"):
                 kwargs["chunk_head_tokens"] = int(opt[1:])
             else:

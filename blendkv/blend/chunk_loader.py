@@ -145,6 +145,7 @@ class ChunkLoader:
             if tier != "computed" and num_layers > first:
                 layer_bytes[tier] = layer_bytes.get(tier, 0) + layer_nbytes
         stats.tokens_reused = int(reused.sum())
+        exact = self._exact_rows(state, todo, start, num_new)
         if config.auto_ratio:
             ratio = self.controller.choose_ratio(
                 config.min_recompute_ratio,
@@ -171,8 +172,26 @@ class ChunkLoader:
             chunk_ids=chunk_ids,
             chunk_offsets=chunk_offsets,
             num_chunks=len(spans),
+            exact=exact,
         )
         return blend, writes
+
+    def _exact_rows(self, state, todo: list[int], start: int, num_new: int):
+        """bool [num_new]: the rows of chunks whose stored K/V is full prefill's (stored
+        behind exactly the prompt's tokens before them, by a lossless codec), or None."""
+        if self.manager.fingerprint.kv_codec != "none":
+            return None
+        tokens = state.prompt.token_ids
+        contexts = state.chunk_contexts
+        exact = None
+        for i in todo:
+            s, e = state.prompt.chunk_spans[i]
+            context = contexts[i] if contexts else self.manager.anchor_ids
+            if len(context) == s and list(context) == tokens[:s]:
+                if exact is None:
+                    exact = torch.zeros(num_new, dtype=torch.bool)
+                exact[max(s, start) - start : e - start] = True
+        return exact
 
     def _fetch(
         self, key: bytes, stats

@@ -53,10 +53,17 @@ class BlendConfig:
         correction_shrink: the pseudo-count of that shrinkage (tokens, >= 0; default 32).
         chunk_head_tokens: the first this-many tokens of every chunk are always recomputed
             (EPIC/CacheClip "chunk heads"); they count against ``recompute_ratio``.
+        chunk_samples: this many rows of every chunk, evenly spaced over it, are always
+            recomputed (counted against ``recompute_ratio``): each chunk's correction is then
+            estimated from rows spread over the chunk, not only from the top-scored ones.
         reselect: number of re-checks deeper in the model (0, 1 or 2): the set picked at the
             check layer is 1.5 x ``recompute_ratio``, and at ``num_layers * j / (reselect + 1)``
             it shrinks, by fresh V deviation of the rows still computed, to ratios ending at
             0.5 x ``recompute_ratio`` (the mean over the layers stays about the ratio).
+        skip_exact: never pick a reused row whose stored K/V is already full prefill's: a
+            chunk stored behind exactly the prompt's tokens before it (the first chunk, when
+            the anchor is the prompt's own prefix) with a lossless codec. The budget,
+            ``recompute_ratio`` of all reused tokens, goes to the other chunks' rows.
     """
 
     # ProphetKV's pick + K correction at R = 0.10 by default: on all 50 MuSiQue dev examples it
@@ -72,7 +79,9 @@ class BlendConfig:
     correction: str = "k"
     correction_shrink: float = 32.0
     chunk_head_tokens: int = 0
+    chunk_samples: int = 0
     reselect: int = 0
+    skip_exact: bool = True
     min_recompute_ratio: float = 0.15
     max_recompute_ratio: float = 0.5
 
@@ -99,12 +108,14 @@ class BlendConfig:
         s = self.correction_shrink
         if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0:
             raise ConfigError(f"correction_shrink must be a number >= 0, got {s!r}")
-        for name, hi in (("chunk_head_tokens", None), ("reselect", 2)):
+        for name, hi in (("chunk_head_tokens", None), ("chunk_samples", None), ("reselect", 2)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
             if hi is not None and value > hi:
                 raise ConfigError(f"{name} must be at most {hi}, got {value}")
+        if not isinstance(self.skip_exact, bool):
+            raise ConfigError(f"skip_exact must be a bool, got {self.skip_exact!r}")
         if self.reselect and self.schedule:
             raise ConfigError("give either reselect or an explicit schedule, not both")
         object.__setattr__(self, "schedule", tuple((int(l), float(x)) for l, x in self.schedule))
@@ -176,10 +187,16 @@ class BlendConfig:
         base = (self.recompute_ratio, self.check_layer, self.selection, self.schedule, self.seed)
         if self.auto_ratio:
             base += (self.min_recompute_ratio, self.max_recompute_ratio)
-        if self.correction == "none" and not self.chunk_head_tokens and not self.reselect:
+        plain = not (self.chunk_head_tokens or self.chunk_samples or self.reselect)
+        plain = plain and self.skip_exact
+        if self.correction == "none" and plain:
             return repr(base).encode()  # what CacheBlend's configs were keyed by before
         shrink = self.correction_shrink if self.correction != "none" else None
         extra = (self.correction, shrink, self.chunk_head_tokens, self.reselect)
+        if not self.skip_exact:
+            extra += ("recompute exact",)
+        if self.chunk_samples:
+            extra += ("samples", self.chunk_samples)
         return repr(base + extra).encode()
 
 

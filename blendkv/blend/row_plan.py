@@ -43,6 +43,9 @@ class SeqBlend:
     chunk_ids: torch.Tensor | None = None
     chunk_offsets: torch.Tensor | None = None
     num_chunks: int = 0
+    # Per row: its stored K/V is already full prefill's (a chunk stored behind exactly the
+    # prompt's tokens before it, losslessly); ``config.skip_exact`` never picks these.
+    exact: torch.Tensor | None = None
     # prophet: attention mass the query rows paid each position (indexed by absolute position)
     query_scores: torch.Tensor | None = None
     extra_row_layers: float = 0.0  # row-layers run for this seq before the fused forward
@@ -137,6 +140,10 @@ class BlendRowPlan(RowPlan):
         seq_rows = torch.nonzero(self.seq_ids == sb.index).flatten()
         cand = seq_rows[self.reused[seq_rows]]
         count = int(round(ratio * sb.total_reused))
+        if sb.config.skip_exact and sb.exact is not None and count < len(cand):
+            exact = sb.exact[self.rows[cand] - self.starts[sb.index]]
+            keep[cand[exact]] = False  # as stored is as computed: never worth a recompute
+            cand = cand[~exact]
         if len(cand) == 0 or count >= len(cand):
             return
         if count == 0:  # full reuse: no scores needed
@@ -179,6 +186,9 @@ class BlendRowPlan(RowPlan):
         forced = None
         if sb.config.chunk_head_tokens:
             forced = sb.chunk_offsets[local] < sb.config.chunk_head_tokens
+        if sb.config.chunk_samples:
+            sampled = _spread_rows(sb, local, sb.config.chunk_samples)
+            forced = sampled if forced is None else forced | sampled
         chosen = top_rows(score_rows(strategy, inputs, sb.generator), count, forced).cpu()
         keep[cand] = False
         keep[cand[chosen]] = True
@@ -228,6 +238,8 @@ class BlendRowPlan(RowPlan):
         computed[self.rows[mine] - lo] = True
         if exact is not None:
             computed[exact - lo] = True
+        if sb.config.skip_exact and sb.exact is not None:
+            computed |= sb.exact  # stored as computed: nothing to shift
         kept = torch.nonzero(sb.reused & ~computed).flatten() + lo  # step rows
         rec_local = self.rows[rec] - lo
         rec_d, kept_d = rec.to(dev), kept.to(dev)
@@ -273,6 +285,21 @@ class BlendRowPlan(RowPlan):
             cost += count * (self.num_layers - prev)
             sb.stats.row_layers = cost
             sb.stats.full_row_layers = (hi - lo) * self.num_layers
+
+
+def _spread_rows(sb: SeqBlend, local: torch.Tensor, n: int) -> torch.Tensor:
+    """bool [len(local)]: which of ``sb``'s rows ``local`` are among ``n`` rows spread evenly
+    over their chunk (offsets ``floor((i + 1/2) * length / n)``, ``i < n``)."""
+    chunks, offsets = sb.chunk_ids[local], sb.chunk_offsets[local]
+    mine = sb.chunk_ids >= 0
+    lengths = torch.zeros(sb.num_chunks, dtype=torch.long)
+    lengths.scatter_reduce_(0, sb.chunk_ids[mine], sb.chunk_offsets[mine] + 1, "amax")
+    length = lengths[chunks]
+    # row o is a sample iff some i has floor((i + 1/2) L / n) == o, i.e. the first
+    # i >= o n / L - 1/2 lands on o
+    i = torch.ceil((offsets * n).double() / length - 0.5).clamp_min(0)
+    hit = torch.floor((i + 0.5) * length / n).long() == offsets
+    return hit & (i < n)
 
 
 def _layers_sum(counts: list[tuple[int, int]], num_layers: int) -> int:

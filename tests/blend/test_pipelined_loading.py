@@ -96,7 +96,10 @@ def test_a_failing_layer_write_fails_the_step_and_the_engine_recovers(tiny_llama
 
 def test_auto_ratio_follows_the_controller(tiny_llama_dir, tmp_path):
     llm = blend_llm(tiny_llama_dir, tmp_path, pipelined=True)
-    auto = BlendConfig(recompute_ratio="auto", min_recompute_ratio=0.1, max_recompute_ratio=0.8)
+    # skip_exact off: the prompt's first chunk is exact, and the cap must reach every chunk
+    auto = BlendConfig(
+        recompute_ratio="auto", min_recompute_ratio=0.1, max_recompute_ratio=0.8, skip_exact=False
+    )
     llm.generate([PROMPT], ONE, blend=auto)  # warm the store
     conn = llm.engine.kv_connector
 

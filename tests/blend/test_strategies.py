@@ -150,21 +150,40 @@ def test_heads_are_the_first_tokens_of_every_chunk(llm, plans):
     prompt = llm.blend_manager().prepare(PROMPT, BlendConfig()).prompt
     spans = prompt.chunk_spans
     ratio = k * len(spans) / prompt.num_chunk_tokens
-    llm.generate([PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=ratio, selection="heads"))
+    # skip_exact off: the first chunk (stored behind the prompt's own prefix) has heads too
+    heads = BlendConfig(recompute_ratio=ratio, selection="heads", skip_exact=False)
+    llm.generate([PROMPT], GREEDY, blend=heads)
     expected = {p for s, _ in spans for p in range(s, s + k)}
     assert picked_positions(plans[-1]) == expected
     assert all(s > 0 for s, _ in spans)  # absolute positions: the template comes first
 
 
 def test_chunk_heads_are_forced_into_the_budget(llm, plans):
-    config = BlendConfig(recompute_ratio=0.3, chunk_head_tokens=3)
+    config = BlendConfig(recompute_ratio=0.3, chunk_head_tokens=3, skip_exact=False)
     out = llm.generate([PROMPT], GREEDY, blend=config)[0]
     spans = llm.blend_manager().prepare(PROMPT, config).prompt.chunk_spans
     picked = picked_positions(plans[-1])
     assert {p for s, _ in spans for p in range(s, s + 3)} <= picked
     assert len(picked) == round(0.3 * out.blend_stats.tokens_reused)
-    plain = llm.generate([PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=0.3))[0]
+    plain = BlendConfig(recompute_ratio=0.3, skip_exact=False)
+    plain = llm.generate([PROMPT], GREEDY, blend=plain)[0]
     assert picked != picked_positions(plans[-1])  # without heads the pick differs
+    assert plain.blend_stats.reused_tokens_recomputed == len(picked)
+
+
+def test_chunk_samples_are_spread_over_every_chunk(llm, plans):
+    n = 2
+    config = BlendConfig(recompute_ratio=0.2, chunk_samples=n)
+    out = llm.generate([PROMPT], GREEDY, blend=config)[0]
+    prompt = llm.blend_manager().prepare(PROMPT, config).prompt
+    picked = picked_positions(plans[-1])
+    first, *others = prompt.chunk_spans  # the first chunk is exact: never picked
+    assert not picked & set(range(*first))
+    for s, e in others:
+        assert {s + (2 * i + 1) * (e - s) // (2 * n) for i in range(n)} <= picked
+    assert len(picked) == round(0.2 * out.blend_stats.tokens_reused)
+    plain = llm.generate([PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=0.2))[0]
+    assert picked != picked_positions(plans[-1])  # without samples the pick differs
     assert plain.blend_stats.reused_tokens_recomputed == len(picked)
 
 
@@ -221,7 +240,10 @@ def test_prophet_scores_are_the_query_attention_over_reused_kv(llm, model_dir, p
     ref = reuse_attention_reference(model_dir, manager, prompt)
     sb = plans[-1].blends[0]
     torch.testing.assert_close(sb.query_scores, ref.float(), atol=1e-4, rtol=1e-4)
-    reused = torch.nonzero(sb.reused).flatten()
+    # the first chunk is stored behind the prompt's own prefix: exact, never picked
+    first, end = prompt.chunk_spans[0]
+    assert torch.nonzero(sb.exact).flatten().tolist() == list(range(first, end))
+    reused = torch.nonzero(sb.reused & ~sb.exact).flatten()
     top = reused[ref[reused].topk(out.blend_stats.reused_tokens_recomputed).indices]
     assert picked_positions(plans[-1]) == set(top.tolist())
     if backend == "triton":
@@ -350,6 +372,9 @@ def test_method_names():
     assert (cfg.correction_shrink, cfg.reselect, cfg.recompute_ratio) == (2.0, 1, 0.1)
     assert parse_method("blend@0.1:v_deviation+c0").blend.correction == "none"
     assert parse_method("blend@0.1").blend.correction == "k"  # the default
+    assert parse_method("blend@0.1").blend.skip_exact
+    assert not parse_method("blend@0.1:prophet+ck+s32+x0").blend.skip_exact
+    assert parse_method("blend@0.1:prophet+e8").blend.chunk_samples == 8
     for bad in ("blend@0.1:prophet+zz", "blend@0.1:+cv", "blend@0.1:heads+rs9"):
         with pytest.raises(MethodError):
             parse_method(bad)
