@@ -77,6 +77,9 @@ class AttentionBackend(ABC):
     # Its forward honours ``AttentionMetadata.query_mass`` (the query pass needs no separate
     # scoring product per layer); else the pass calls :meth:`add_query_mass` before attention.
     scores_in_attention: bool = False
+    # Its forward writes the rows' log-sum-exp where ``AttentionMetadata.lse_out`` says, and
+    # :meth:`add_query_mass` takes it (``lse``): the query pass scores without recomputing it.
+    attention_lse: bool = False
     # Its :meth:`shift_kept_rows` takes the correction (the row plan then builds the
     # recomputed rows' chunk segments it needs); else the blend runs the torch code.
     fused_chunk_shift: bool = False
@@ -245,13 +248,15 @@ class AttentionBackend(ABC):
         scale: float | None = None,
         window: int | None = None,
         soft_cap: float | None = None,
+        lse: torch.Tensor | None = None,
     ) -> None:
         """``scores`` [S] float32 += the softmax attention ``q`` [Q, H, D] (RoPE applied, rows
         at ``q_positions``) pays each key of positions ``0..S-1``, read from ``kv_cache`` at
         ``slots`` [S] (the query rows' own K already written), summed over rows and heads.
         ``visible_prefix``: how many leading keys every row sees (spares their masking).
         ``scale`` (None: ``D ** -0.5``), ``window``, ``soft_cap``: the layer's, as in
-        :meth:`forward`.
+        :meth:`forward`. ``lse`` [Q, H]: the rows' log-sum-exp as this layer's attention left
+        it (:attr:`attention_lse`); the reference here computes its own.
 
         ProphetKV's query pass calls it before each layer's attention on backends without
         :attr:`scores_in_attention`. This is the reference (dense torch)."""
@@ -280,6 +285,6 @@ class AttentionBackend(ABC):
     ) -> bool:
         """A blended layer's K/V correction (``blendkv.blend.correction.correct_kept_rows``) in
         this backend's kernels; returns whether it did it. Called only with
-        :attr:`fused_chunk_shift` (``recomputed.segments`` set). The reference is the blend's
+        :attr:`fused_chunk_shift` (``segments`` set on both row sets). The reference is the blend's
         torch code, which runs when this returns False: here, always."""
         return False

@@ -44,6 +44,9 @@ class AttentionMetadata:
             ``seq_len - query_len .. seq_len - 1`` in order (ordinary prefill/decode).
         query_mass: per sequence index, a :class:`QueryMassRequest` (ProphetKV's query pass,
             backends with ``scores_in_attention``); not carried by :meth:`subset`.
+        lse_out: float32 [num_tokens, num_heads] where a backend with ``attention_lse`` also
+            writes each (row, head)'s base-2 log-sum-exp of its scaled logits (ProphetKV's query
+            pass reads it back instead of computing it again); not carried by :meth:`subset`.
         positions_cpu: ``positions`` on the CPU, the copy the metadata was built from (None
             where it was not kept): :meth:`host_positions` reads it without a host sync.
 
@@ -63,6 +66,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     is_contiguous_prefill: list[bool]
     query_mass: dict[int, QueryMassRequest] | None = None
+    lse_out: torch.Tensor | None = None
     positions_cpu: torch.Tensor | None = None
 
     @property

@@ -114,15 +114,16 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def add_query_mass(
         self, scores, q, q_positions, kv_cache, slots, visible_prefix=0, *, scale=None,
-        window=None, soft_cap=None,
+        window=None, soft_cap=None, lse=None,
     ) -> None:  # fmt: skip
-        """Two launches reading the keys in place (:mod:`blendkv.kernels.triton.query_mass`)."""
+        """Two launches reading the keys in place, one given attention's ``lse``
+        (:mod:`blendkv.kernels.triton.query_mass`)."""
         from blendkv.kernels.triton.query_mass import add_query_mass
 
         layer = {"scale": scale, "window": window, "soft_cap": soft_cap}
         args = (scores, q, q_positions, kv_cache, slots)
         programs = {"target_programs": self._target_programs()}
-        kernel = lambda *a: add_query_mass(*a, **layer, **programs)  # noqa: E731
+        kernel = lambda *a: add_query_mass(*a, **layer, **programs, lse=lse)  # noqa: E731
         if self._first_use("query_mass", kernel, *args):
             return
         if self._kernel_ok["query_mass"]:
@@ -132,14 +133,17 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     fused_chunk_shift = True
     scores_in_attention = False  # its forward scores nothing: the pass scores in kernels
+    attention_lse = True  # (from the prefill kernel: every row of such a step goes there)
 
     def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
                         sin, attention_scaling) -> bool:  # fmt: skip
-        """A blended layer's K/V correction in two launches
+        """A blended layer's K/V correction in one launch
         (:mod:`blendkv.kernels.triton.chunk_shift`); False if the kernels cannot run here (the
         caller then does it with torch ops)."""
         from blendkv.kernels.triton.chunk_shift import shift_kept_rows
 
+        if kept.segments is None:
+            return False
         args = (kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
                 attention_scaling)  # fmt: skip
         if self._first_use("chunk_shift", shift_kept_rows, *args):
@@ -184,11 +188,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
             return out
         if not kv_written:
             self.write_kv(kv_cache, k, v, md.slot_mapping)
-        if self.deterministic and not md.query_mass:
+        lse = md.lse_out  # every row to the prefill kernel, which writes it
+        if self.deterministic and not md.query_mass and lse is None:
             md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
         layout = self._layout(
-            md, q.shape[1] // kv_cache.shape[3], windowed, kv_cache.shape[3], q.shape[2],
-            kv_cache.dtype,
+            md, q.shape[1] // kv_cache.shape[3], windowed or lse is not None, kv_cache.shape[3],
+            q.shape[2], kv_cache.dtype, lse is not None,
         )  # fmt: skip
         if layout.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
             # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
@@ -225,18 +230,22 @@ class TritonAttentionBackend(TorchAttentionBackend):
             soft_cap,
             layout.prefill_splits,
             layout.tiles,
+            lse,
         )
         return out
 
     # ---- per-step layout ------------------------------------------------------------------
     def _layout(self, md: AttentionMetadata, group: int, windowed: bool = False,
-                num_kv_heads: int = 1, head_dim: int = 0,
-                dtype: torch.dtype | None = None) -> _StepLayout:  # fmt: skip
+                num_kv_heads: int = 1, head_dim: int = 0, dtype: torch.dtype | None = None,
+                all_tiles: bool = False) -> _StepLayout:  # fmt: skip
         """``windowed``: for a layer with a window or a soft cap (fresh prefills are tiles);
-        ``head_dim`` / ``dtype`` (of the K/V pool) pick the prefill kernel's tuned tiles."""
+        ``head_dim`` / ``dtype`` (of the K/V pool) pick the prefill kernel's tuned tiles;
+        ``all_tiles``: decode rows too (the step wants every row's log-sum-exp)."""
         tiles = self._prefill_tiles(group, head_dim, dtype)
-        key = (group, windowed, num_kv_heads, tiles)
-        build = lambda: self._build_layout(md, group, windowed, num_kv_heads, tiles)  # noqa: E731
+        key = (group, windowed, num_kv_heads, tiles, all_tiles)
+        build = lambda: self._build_layout(  # noqa: E731
+            md, group, windowed, num_kv_heads, tiles, all_tiles
+        )
         return self._layouts.get(md, key, build)
 
     def _prefill_tiles(self, group: int, head_dim: int, dtype: torch.dtype | None):
@@ -252,7 +261,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return self._tiles[key]
 
     def _build_layout(self, md: AttentionMetadata, group: int, windowed: bool,
-                      num_kv_heads: int = 1, tiles=None) -> _StepLayout:  # fmt: skip
+                      num_kv_heads: int = 1, tiles=None,
+                      all_tiles: bool = False) -> _StepLayout:  # fmt: skip
         from blendkv.kernels.triton.decode_attention import default_num_splits
         from blendkv.kernels.triton.prefill_attention import (
             block_q_for,
@@ -269,6 +279,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
             seq_of = {starts[i]: i for i in range(md.num_seqs) if starts[i + 1] > starts[i]}
             other = sorted([*other, *(seq_of[lo] for lo, _ in fresh)])
             fresh = []
+        if all_tiles:
+            other, decode = sorted([*other, *decode]), []
         block_q = block_q_for(group, tiles.block_m)
         tile_seq_ids, tile_starts = build_tiles(starts, other, block_q, md.positions.device)
         max_decode_len = max((md.seq_lens_cpu[i] for i in decode), default=1)

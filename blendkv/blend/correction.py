@@ -48,6 +48,16 @@ def _sums_one_hot(delta, chunk_ids, num_chunks):
     return sums, one_hot.sum(dim=1)
 
 
+KEPT_PER_PART = 64  # kept rows one program of the shift kernel moves (<= 64 programs a chunk)
+
+
+def shift_parts(kept_segments: list[int]) -> int:
+    """Programs per (chunk, KV head): enough that none shifts more than ``KEPT_PER_PART`` of
+    the chunk's kept rows (host-known sizes, no sync)."""
+    most = max((b - a for a, b in zip(kept_segments, kept_segments[1:], strict=False)), default=0)
+    return max(1, min(64, -(-most // KEPT_PER_PART)))
+
+
 class Rows(NamedTuple):
     """Some reused rows of one sequence: where they sit and which chunk they belong to."""
 
@@ -55,9 +65,10 @@ class Rows(NamedTuple):
     slots: torch.Tensor  # [N] KV-pool slots
     chunk_ids: torch.Tensor  # [N] index of the chunk in the prompt
     rows: torch.Tensor | None = None  # [N] (recomputed rows) their index among the layer's rows
-    # (recomputed rows, for a backend that shifts in kernels) int32 [chunks + 1]: chunk c's rows
-    # are segments[c] .. segments[c + 1] (rows in position order, chunks too)
+    # (for a backend that shifts in kernels) int32 [chunks + 1]: chunk c's rows are
+    # segments[c] .. segments[c + 1] (rows in position order, chunks too)
     segments: torch.Tensor | None = None
+    parts: int = 1  # (kept rows, with segments) programs that share a chunk's rows
 
 
 def correct_kept_rows(
@@ -76,8 +87,9 @@ def correct_kept_rows(
 
     ``k`` (pre-RoPE) / ``v`` [T, Hkv, D]: the layer's fresh rows; ``recomputed.rows`` are the
     recomputed ones among them, whose slots still hold the reused K/V (call this before the
-    layer's attention writes them). With ``recomputed.segments`` the backend does it all in
-    its kernels (:mod:`blendkv.kernels.triton.chunk_shift`, two launches).
+    layer's attention writes them). With ``recomputed.segments`` (and ``kept.segments``, which
+    the Triton kernel needs) the backend does it all in its kernels
+    (:mod:`blendkv.kernels.triton.chunk_shift`: one launch; ``kernels/cpu/chunk_shift.cpp``).
     """
     if len(recomputed.slots) == 0 or len(kept.slots) == 0:
         return

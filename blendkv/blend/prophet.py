@@ -35,7 +35,8 @@ class QueryPassRowPlan(RowPlan):
     plan leaves a :class:`QueryMassRequest` per sequence on the metadata and selects nothing,
     so q and K are multiplied once per layer, not twice. Otherwise each layer is scored through
     ``add_query_mass`` (the Triton kernels) reading the pool in place: after attention wrote the
-    rows' K/V (:meth:`after_attention`, with attention's RoPE'd queries), and at
+    rows' K/V (:meth:`after_attention`, with attention's RoPE'd queries and, from a backend
+    with ``attention_lse``, the log-sum-exp it left in ``lse_out``), and at
     ``last_layer``, where the pass stops after the projections, by :meth:`select`, which rotates
     and writes them itself.
     """
@@ -97,14 +98,25 @@ class QueryPassRowPlan(RowPlan):
             self._score(sb, attn, qr[query], query_positions, kv_cache, slots, visible)
         return None
 
-    def after_attention(self, layer_idx, attn, q_rot, kv_cache, attn_metadata) -> None:
-        for sb, rows, _, _, query, query_positions, slots, visible in self._seqs:
-            self._score(sb, attn, q_rot[rows][query], query_positions, kv_cache, slots, visible)
+    def before_attention(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata) -> None:
+        # A backend whose attention leaves the rows' log-sum-exp: one buffer for every layer
+        # (each layer's scores read it before the next layer's attention writes it).
+        md = attn_metadata
+        if self._seqs and self.backend.attention_lse and md.lse_out is None:
+            md.lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
 
-    def _score(self, sb, attn, q_rot, q_positions, kv_cache, slots, visible) -> None:
+    def after_attention(self, layer_idx, attn, q_rot, kv_cache, attn_metadata) -> None:
+        lse = attn_metadata.lse_out
+        for sb, rows, _, _, query, query_positions, slots, visible in self._seqs:
+            row_lse = None if lse is None else lse[rows][query]
+            self._score(sb, attn, q_rot[rows][query], query_positions, kv_cache, slots, visible,
+                        row_lse)  # fmt: skip
+
+    def _score(self, sb, attn, q_rot, q_positions, kv_cache, slots, visible, lse=None) -> None:
         self.backend.add_query_mass(
-            sb.query_scores, q_rot, q_positions, kv_cache, slots, visible, **attn.mass_kwargs()
-        )
+            sb.query_scores, q_rot, q_positions, kv_cache, slots, visible, **attn.mass_kwargs(),
+            lse=lse,
+        )  # fmt: skip
 
     def finish(self) -> None:
         for sb in self.blends:

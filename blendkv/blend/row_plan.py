@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blendkv.blend.config import BlendConfig
-from blendkv.blend.correction import Rows, correct_kept_rows
+from blendkv.blend.correction import Rows, correct_kept_rows, shift_parts
 from blendkv.blend.request_state import BlendStats
 from blendkv.blend.selection import SelectionInputs, score_rows, top_rows
 from blendkv.models.hooks import RowPlan
@@ -243,17 +243,21 @@ class BlendRowPlan(RowPlan):
         kept = torch.nonzero(sb.reused & ~computed).flatten() + lo  # step rows
         rec_local = self.rows[rec] - lo
         rec_d, kept_d = rec.to(dev), kept.to(dev)
-        rec_chunks = sb.chunk_ids[rec_local]
-        segments = None
-        if self.backend.fused_chunk_shift and bool((rec_chunks[1:] >= rec_chunks[:-1]).all()):
-            counts = torch.bincount(rec_chunks, minlength=sb.num_chunks)
-            segments = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32).to(dev)
+        rec_chunks, kept_chunks = sb.chunk_ids[rec_local], sb.chunk_ids[kept - lo]
+        segments = kept_segments = None
+        parts = 1
+        if self.backend.fused_chunk_shift and _ascending(rec_chunks) and _ascending(kept_chunks):
+            segments = _segments(rec_chunks, sb.num_chunks)
+            kept_segments = _segments(kept_chunks, sb.num_chunks)
+            parts = shift_parts(kept_segments.tolist())
+            segments, kept_segments = segments.to(dev), kept_segments.to(dev)
         recomputed = Rows(
             md.positions[rec_d], md.slot_mapping[rec_d], rec_chunks.to(dev), rec_d, segments
         )
         kept_rows = Rows(
-            self.all_positions[kept_d], self.all_slots[kept_d], sb.chunk_ids[kept - lo].to(dev)
-        )
+            self.all_positions[kept_d], self.all_slots[kept_d], kept_chunks.to(dev), None,
+            kept_segments, parts,
+        )  # fmt: skip
         return recomputed, kept_rows
 
     def row_layers(self, num_layers: int) -> int:
@@ -285,6 +289,16 @@ class BlendRowPlan(RowPlan):
             cost += count * (self.num_layers - prev)
             sb.stats.row_layers = cost
             sb.stats.full_row_layers = (hi - lo) * self.num_layers
+
+
+def _ascending(chunk_ids: torch.Tensor) -> bool:
+    return bool((chunk_ids[1:] >= chunk_ids[:-1]).all())
+
+
+def _segments(chunk_ids: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Ascending CPU chunk ids -> int32 [chunks + 1]: chunk c's rows are ``[c] .. [c + 1]``."""
+    counts = torch.bincount(chunk_ids, minlength=num_chunks)
+    return torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
 
 
 def _spread_rows(sb: SeqBlend, local: torch.Tensor, n: int) -> torch.Tensor:

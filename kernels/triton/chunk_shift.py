@@ -1,16 +1,20 @@
-"""The K/V correction of a blended layer in two launches (torch reference:
+"""The K/V correction of a blended layer in one launch (torch reference:
 :func:`blendkv.blend.correction.correct_kept_rows`, ~30 kernels a layer).
 
 A chunk's reused rows that are not recomputed are moved by the mean deviation of its recomputed
-rows (fresh minus reused, K compared before RoPE), shrunk by ``n / (n + shrink)``:
+rows (fresh minus reused, K compared before RoPE), shrunk by ``n / (n + shrink)``. Grid
+``(chunks, kv_heads, parts)``: rows are in position order and chunks too, so a chunk's
+recomputed rows are one run (``segments[c] .. segments[c + 1]``) and so are its kept rows
+(``kept_segments``). Each program
 
-1. ``_shift_kernel``, grid ``(chunks, kv_heads)``: the recomputed rows of a chunk are one run
-   (rows are in position order, chunks too), ``segments[c] .. segments[c + 1]``; the program
-   sums their deviation (the reused K read from the pool with RoPE undone) and writes the
-   chunk's shift, float32 ``[2, chunks, kv_heads, head_dim]`` (K, V). Plain sums in row order:
-   no atomics, the same bits every run.
-2. ``_apply_kernel``, grid ``(kept rows,)``: each kept row's K gets its chunk's K shift rotated
-   to the row's position (RoPE is linear), its V the V shift, in place in the pool.
+1. sums its chunk's deviation over the recomputed rows (the reused K read from the pool with
+   RoPE undone), in row order: no atomics, the same bits every run and in every part;
+2. adds the shift (K rotated to each row's position: RoPE is linear) to its part of the
+   chunk's kept rows, in place in the pool.
+
+The parts split a chunk's kept rows so the launch fills the device; each recomputes the chunk's
+sum (a few dozen rows) rather than wait for another program's. K is handled in its two RoPE
+halves (``rotate_half`` pairs ``d`` with ``d + D/2``), so no value is read twice.
 """
 
 from __future__ import annotations
@@ -21,6 +25,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, pos, head_dim, half, a, ok):
+    """RoPE's cos and sin at rows' positions, first half (dims ``a``) then second."""
+    at = pos * head_dim + a
+    cos_a = tl.load(cos_ptr + at, mask=ok, other=0.0)
+    sin_a = tl.load(sin_ptr + at, mask=ok, other=0.0)
+    cos_b = tl.load(cos_ptr + at + half, mask=ok, other=0.0)
+    sin_b = tl.load(sin_ptr + at + half, mask=ok, other=0.0)
+    return cos_a, sin_a, cos_b, sin_b
+
+
+@triton.jit
 def _shift_kernel(
     k_ptr,
     v_ptr,
@@ -28,10 +43,12 @@ def _shift_kernel(
     slots_ptr,
     pos_ptr,
     seg_ptr,
+    kept_slots_ptr,
+    kept_pos_ptr,
+    kept_seg_ptr,
     cache_ptr,
     cos_ptr,
     sin_ptr,
-    shift_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -41,103 +58,84 @@ def _shift_kernel(
     stride_co,
     stride_ch,
     block_size,
-    num_chunks,
-    num_kv_heads,
+    half,
     head_dim,
     inv_scale_sq,
     shrink,
     DO_K: tl.constexpr,
     DO_V: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(seg_ptr + c)
     hi = tl.load(seg_ptr + c + 1)
-    d = tl.arange(0, BLOCK_D)[None, :]
-    half = head_dim // 2
-    dmask = d < head_dim
-    partner = tl.where(d < half, d + half, d - half)
-    sum_k = tl.zeros([BLOCK_D], tl.float32)
-    sum_v = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_R):
-        r = start + tl.arange(0, BLOCK_R)[:, None]
-        ok = (r < hi) & dmask
-        row = tl.load(rows_ptr + r, mask=r < hi, other=0).to(tl.int64)
-        slot = tl.load(slots_ptr + r, mask=r < hi, other=0).to(tl.int64)
-        old = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
-        old += h * stride_ch
-        if DO_K:
-            pos = tl.load(pos_ptr + r, mask=r < hi, other=0).to(tl.int64)
-            cos = tl.load(cos_ptr + pos * head_dim + d, mask=ok, other=0.0)
-            sin = tl.load(sin_ptr + pos * head_dim + d, mask=ok, other=0.0)
-            x = tl.load(old + d, mask=ok, other=0.0).to(tl.float32)
-            xp = tl.load(old + partner, mask=ok, other=0.0).to(tl.float32)
-            # inverse RoPE: x * cos - rotate_half(x) * sin, over the scaling squared
-            rot = tl.where(d < half, -xp, xp)
-            reused = (x * cos - rot * sin) * inv_scale_sq
-            fresh = tl.load(k_ptr + row * stride_kt + h * stride_kh + d, mask=ok, other=0.0)
-            sum_k += tl.sum(tl.where(ok, fresh.to(tl.float32) - reused, 0.0), axis=0)
-        if DO_V:
-            reused_v = tl.load(old + stride_c2 + d, mask=ok, other=0.0).to(tl.float32)
-            fresh_v = tl.load(v_ptr + row * stride_vt + h * stride_vh + d, mask=ok, other=0.0)
-            sum_v += tl.sum(tl.where(ok, fresh_v.to(tl.float32) - reused_v, 0.0), axis=0)
-    weight = 1.0 / tl.maximum((hi - lo).to(tl.float32) + shrink, 1e-12)
-    dd = tl.arange(0, BLOCK_D)
-    out = shift_ptr + (c * num_kv_heads + h) * head_dim + dd
-    if DO_K:
-        tl.store(out, sum_k * weight, mask=dd < head_dim)
-    if DO_V:
-        tl.store(out + num_chunks * num_kv_heads * head_dim, sum_v * weight, mask=dd < head_dim)
-
-
-@triton.jit
-def _apply_kernel(
-    slots_ptr,
-    pos_ptr,
-    chunk_ptr,
-    cache_ptr,
-    cos_ptr,
-    sin_ptr,
-    shift_ptr,
-    stride_c2,
-    stride_cb,
-    stride_co,
-    stride_ch,
-    block_size,
-    num_chunks,
-    num_kv_heads,
-    head_dim,
-    DO_K: tl.constexpr,
-    DO_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    chunk = tl.load(chunk_ptr + t).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < num_kv_heads) & (d < head_dim)
-    dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
-    dst += h * stride_ch + d
-    src = shift_ptr + (chunk * num_kv_heads + h) * head_dim
-    dt = cache_ptr.dtype.element_ty
-    if DO_K:
-        half = head_dim // 2
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * head_dim + d, mask=d < head_dim, other=0.0)
-        sin = tl.load(sin_ptr + pos * head_dim + d, mask=d < head_dim, other=0.0)
-        s = tl.load(src + d, mask=mask, other=0.0)
-        sp = tl.load(src + tl.where(d < half, d + half, d - half), mask=mask, other=0.0)
-        moved = s * cos + tl.where(d < half, -sp, sp) * sin
-        cur = tl.load(dst, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst, (moved + cur).to(dt), mask=mask)
-    if DO_V:
-        s = tl.load(src + num_chunks * num_kv_heads * head_dim + d, mask=mask, other=0.0)
-        cur = tl.load(dst + stride_c2, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst + stride_c2, (s + cur).to(dt), mask=mask)
+    kept_lo = tl.load(kept_seg_ptr + c)
+    kept_hi = tl.load(kept_seg_ptr + c + 1)
+    per_part = tl.cdiv(kept_hi - kept_lo, tl.num_programs(2))
+    kept_lo = kept_lo + tl.program_id(2) * per_part
+    kept_hi = tl.minimum(kept_lo + per_part, kept_hi)
+    if (hi > lo) & (kept_hi > kept_lo):
+        a = tl.arange(0, BLOCK_HALF)[None, :]  # the first half's dims; b = a + half
+        amask = a < half
+        sum_ka = tl.zeros([BLOCK_HALF], tl.float32)
+        sum_kb = tl.zeros([BLOCK_HALF], tl.float32)
+        sum_va = tl.zeros([BLOCK_HALF], tl.float32)
+        sum_vb = tl.zeros([BLOCK_HALF], tl.float32)
+        for start in range(lo, hi, BLOCK_R):
+            r = start + tl.arange(0, BLOCK_R)[:, None]
+            ok = (r < hi) & amask
+            row = tl.load(rows_ptr + r, mask=r < hi, other=0).to(tl.int64)
+            slot = tl.load(slots_ptr + r, mask=r < hi, other=0).to(tl.int64)
+            old = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
+            old += h * stride_ch
+            if DO_K:
+                pos = tl.load(pos_ptr + r, mask=r < hi, other=0).to(tl.int64)
+                cos_a, sin_a, cos_b, sin_b = _cos_sin(cos_ptr, sin_ptr, pos, head_dim, half, a, ok)
+                xa = tl.load(old + a, mask=ok, other=0.0).to(tl.float32)
+                xb = tl.load(old + half + a, mask=ok, other=0.0).to(tl.float32)
+                # inverse RoPE, x * cos - rotate_half(x) * sin, over the scaling squared
+                reused_a = (xa * cos_a + xb * sin_a) * inv_scale_sq
+                reused_b = (xb * cos_b - xa * sin_b) * inv_scale_sq
+                fresh = k_ptr + row * stride_kt + h * stride_kh
+                fa = tl.load(fresh + a, mask=ok, other=0.0).to(tl.float32)
+                fb = tl.load(fresh + half + a, mask=ok, other=0.0).to(tl.float32)
+                sum_ka += tl.sum(tl.where(ok, fa - reused_a, 0.0), axis=0)
+                sum_kb += tl.sum(tl.where(ok, fb - reused_b, 0.0), axis=0)
+            if DO_V:
+                fresh = v_ptr + row * stride_vt + h * stride_vh
+                va = tl.load(fresh + a, mask=ok, other=0.0).to(tl.float32)
+                vb = tl.load(fresh + half + a, mask=ok, other=0.0).to(tl.float32)
+                ra = tl.load(old + stride_c2 + a, mask=ok, other=0.0).to(tl.float32)
+                rb = tl.load(old + stride_c2 + half + a, mask=ok, other=0.0).to(tl.float32)
+                sum_va += tl.sum(tl.where(ok, va - ra, 0.0), axis=0)
+                sum_vb += tl.sum(tl.where(ok, vb - rb, 0.0), axis=0)
+        weight = 1.0 / tl.maximum((hi - lo).to(tl.float32) + shrink, 1e-12)
+        ska, skb = (sum_ka * weight)[None, :], (sum_kb * weight)[None, :]
+        sva, svb = (sum_va * weight)[None, :], (sum_vb * weight)[None, :]
+        dt = cache_ptr.dtype.element_ty
+        for start in range(kept_lo, kept_hi, BLOCK_R):
+            r = start + tl.arange(0, BLOCK_R)[:, None]
+            ok = (r < kept_hi) & amask
+            slot = tl.load(kept_slots_ptr + r, mask=r < kept_hi, other=0).to(tl.int64)
+            dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
+            dst += h * stride_ch
+            if DO_K:
+                pos = tl.load(kept_pos_ptr + r, mask=r < kept_hi, other=0).to(tl.int64)
+                cos_a, sin_a, cos_b, sin_b = _cos_sin(cos_ptr, sin_ptr, pos, head_dim, half, a, ok)
+                # RoPE of the shift: s * cos + rotate_half(s) * sin
+                moved_a = ska * cos_a - skb * sin_a
+                moved_b = skb * cos_b + ska * sin_b
+                cur_a = tl.load(dst + a, mask=ok, other=0.0).to(tl.float32)
+                cur_b = tl.load(dst + half + a, mask=ok, other=0.0).to(tl.float32)
+                tl.store(dst + a, (moved_a + cur_a).to(dt), mask=ok)
+                tl.store(dst + half + a, (moved_b + cur_b).to(dt), mask=ok)
+            if DO_V:
+                cur_a = tl.load(dst + stride_c2 + a, mask=ok, other=0.0).to(tl.float32)
+                cur_b = tl.load(dst + stride_c2 + half + a, mask=ok, other=0.0).to(tl.float32)
+                tl.store(dst + stride_c2 + a, (sva + cur_a).to(dt), mask=ok)
+                tl.store(dst + stride_c2 + half + a, (svb + cur_b).to(dt), mask=ok)
 
 
 def shift_kept_rows(
@@ -157,23 +155,18 @@ def shift_kept_rows(
 
     ``k`` (pre-RoPE) / ``v`` [T, Hkv, D]: the layer's fresh rows; ``recomputed`` rows
     (:class:`~blendkv.blend.correction.Rows` with ``rows`` into ``k``/``v`` and ``segments``,
-    the run of each chunk) still hold the reused K/V in the pool. ``cos`` / ``sin``: the float32
-    RoPE tables [max_position, D]."""
+    the run of each chunk) still hold the reused K/V in the pool; ``kept`` rows carry their
+    runs too (``segments``, and ``parts``: programs a chunk,
+    ``blendkv.blend.correction.shift_parts``). ``cos`` / ``sin``: the float32 RoPE tables
+    [max_position, D]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     assert kv_cache.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    do_k, do_v = "k" in which, "v" in which
-    shift = torch.empty(2, num_chunks, num_kv_heads, head_dim, dtype=torch.float32,
-                        device=kv_cache.device)  # fmt: skip
-    block_d = triton.next_power_of_2(head_dim)
-    cache_strides = kv_cache.stride()[:4]
-    _shift_kernel[(num_chunks, num_kv_heads)](
+    assert head_dim % 2 == 0 and kept.segments is not None
+    half = head_dim // 2
+    _shift_kernel[(num_chunks, num_kv_heads, kept.parts)](
         k, v, recomputed.rows, recomputed.slots, recomputed.positions, recomputed.segments,
-        kv_cache, cos, sin, shift, *k.stride()[:2], *v.stride()[:2], *cache_strides,
-        block_size, num_chunks, num_kv_heads, head_dim, 1.0 / attention_scaling**2,
-        float(shrink), DO_K=do_k, DO_V=do_v, BLOCK_R=16, BLOCK_D=block_d,
-    )  # fmt: skip
-    _apply_kernel[(len(kept.slots),)](
-        kept.slots, kept.positions, kept.chunk_ids, kv_cache, cos, sin, shift, *cache_strides,
-        block_size, num_chunks, num_kv_heads, head_dim, DO_K=do_k, DO_V=do_v,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d,
+        kept.slots, kept.positions, kept.segments, kv_cache, cos, sin,
+        *k.stride()[:2], *v.stride()[:2], *kv_cache.stride()[:4], block_size, half, head_dim,
+        1.0 / attention_scaling**2, float(shrink), DO_K="k" in which, DO_V="v" in which,
+        BLOCK_R=16, BLOCK_HALF=triton.next_power_of_2(half),
     )  # fmt: skip

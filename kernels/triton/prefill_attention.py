@@ -57,10 +57,12 @@ def _prefill_kernel(
     tile_start_ptr,
     part_out_ptr,
     part_lse_ptr,
+    lse_ptr,
     num_splits,
     qk_scale,
     window,
     cap_log2,
+    stride_lt,
     stride_ot,
     stride_oh,
     stride_od,
@@ -84,6 +86,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     USE_CAP: tl.constexpr,
     SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,6 +171,8 @@ def _prefill_kernel(
     else:
         if USE_WINDOW:  # padding rows (never stored) may have seen no key
             l_i = tl.where(l_i > 0, l_i, 1.0)
+        if WRITE_LSE:
+            tl.store(lse_ptr + token * stride_lt + head, m_i + tl.log2(l_i), mask=r_mask)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr
@@ -184,10 +189,12 @@ def _prefill_combine_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    lse_ptr,
     query_start_loc_ptr,
     tile_seq_ptr,
     tile_start_ptr,
     num_splits,
+    stride_lt,
     stride_ot,
     stride_oh,
     stride_od,
@@ -196,6 +203,7 @@ def _prefill_combine_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -220,6 +228,9 @@ def _prefill_combine_kernel(
         acc += w[:, None] * part
         total += w
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    if WRITE_LSE:
+        lse = m + tl.log2(tl.where(total > 0, total, 1.0))
+        tl.store(lse_ptr + token * stride_lt + head, lse, mask=r_mask)
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -280,11 +291,15 @@ def prefill_attention(
     soft_cap: float | None = None,
     num_splits: int = 1,
     tiles: PrefillTiles = DEFAULT_TILES,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """Attention of the rows covered by the tiles (:func:`build_tiles`) over the paged cache;
     ``window``/``soft_cap``: the layer's sliding window and logit cap (None: none);
     ``num_splits``: key parts per tile (:func:`prefill_num_splits`), combined in a second launch;
-    ``tiles``: key tile and launch settings (its ``block_m`` is the one ``block_q`` came from).
+    ``tiles``: key tile and launch settings (its ``block_m`` is the one ``block_q`` came from);
+    ``lse``: float32 [num_tokens, num_heads] that also gets each covered (row, head)'s base-2
+    log-sum-exp of its scaled (and capped) logits, ``log2(sum(2 ** s))`` with
+    ``s = q.k * scale * log2(e)`` (ProphetKV's query mass reads it).
 
     Args:
         out: [num_tokens, num_heads, head_dim]; only rows covered by a tile are written.
@@ -304,6 +319,8 @@ def prefill_attention(
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     part_out = part_lse = out  # (unused without splits)
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:2] and lse.stride(1) == 1
     if num_splits > 1:
         parts = num_tiles * num_kv_heads * num_splits * block_m
         part_out = torch.empty(parts, block_d, dtype=torch.float32, device=q.device)
@@ -320,10 +337,12 @@ def prefill_attention(
         tile_starts,
         part_out,
         part_lse,
+        out if lse is None else lse,
         num_splits,
         scale * LOG2E,
         0 if window is None else int(window),
         1.0 if soft_cap is None else float(soft_cap) * LOG2E,
+        0 if lse is None else lse.stride(0),
         *out.stride(),
         *q.stride(),
         *kv_cache.stride(),
@@ -339,6 +358,7 @@ def prefill_attention(
         USE_WINDOW=window is not None,
         USE_CAP=soft_cap is not None,
         SPLIT=num_splits > 1,
+        WRITE_LSE=lse is not None and num_splits == 1,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -347,16 +367,19 @@ def prefill_attention(
             out,
             part_out,
             part_lse,
+            out if lse is None else lse,
             query_start_loc,
             tile_seq_ids,
             tile_starts,
             num_splits,
+            0 if lse is None else lse.stride(0),
             *out.stride(),
             group,
             head_dim,
             BLOCK_Q=block_q,
             BLOCK_M=block_m,
             BLOCK_D=block_d,
+            WRITE_LSE=lse is not None,
         )
 
 

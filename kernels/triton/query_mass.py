@@ -4,11 +4,12 @@ rows and heads, read straight from the paged pool (torch reference:
 over the keys gathered from their slots).
 
 The torch version gathers a float32 copy of every key of the sequence and runs ~12 kernels a
-layer; here it is two launches and no copy:
+layer; here it is two launches and no copy, one where attention left its log-sum-exp:
 
 1. ``_lse_kernel``, grid ``(kv_heads, row blocks)``: each (query row, head)'s log-sum-exp over the
    keys it sees (key ``j`` sits at position ``j``; a row at position ``p`` sees ``j <= p``), the
-   online-softmax loop of flash attention without values.
+   online-softmax loop of flash attention without values. Skipped when the layer's attention
+   wrote it (``lse``: the query pass's layers, ``prefill_attention(lse=...)``).
 2. ``_mass_kernel``, grid ``(key blocks,)``: for its keys, ``exp(q.k * scale - lse)`` summed over
    every row and head, added to the scores. Each key belongs to one program: no atomics, so
    the sums (and the rows ProphetKV picks from them) are the same on every run.
@@ -150,6 +151,7 @@ def _mass_kernel(
     num_keys,
     num_kv_heads,
     num_splits,
+    stride_lt,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -164,6 +166,7 @@ def _mass_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_CAP: tl.constexpr,
+    ROW_LSE: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = n < num_keys
@@ -178,7 +181,11 @@ def _mass_kernel(
             q, i, row_ok = _load_q(q_ptr, m, num_q, group, kvh, stride_qt, stride_qh, d,
                                    head_dim, rows)  # fmt: skip
             qpos = tl.load(qpos_ptr + i, mask=row_ok, other=-1)
-            lse = _row_lse(lse_ptr, kvh, num_kv_heads, rows, m, row_ok, num_splits)
+            if ROW_LSE:  # attention's: [query row, head]
+                head = kvh * group + m // num_q
+                lse = tl.load(lse_ptr + i * stride_lt + head, mask=row_ok, other=0.0)
+            else:
+                lse = _row_lse(lse_ptr, kvh, num_kv_heads, rows, m, row_ok, num_splits)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
             if USE_CAP:
                 s = _soft_cap(s, cap_log2)
@@ -201,6 +208,7 @@ def add_query_mass(
     window: int | None = None,
     soft_cap: float | None = None,
     target_programs: int = 264,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """``scores`` [S] float32 += the attention mass of ``q`` [Q, H, D] (RoPE applied, at
     ``q_positions`` [Q]) over the keys of positions ``0..S-1``, at ``slots`` [S] of ``kv_cache``
@@ -208,7 +216,9 @@ def add_query_mass(
     ``scale`` (None: ``head_dim ** -0.5``), ``window``, ``soft_cap``: the layer's.
     ``target_programs``: the log-sum-exp pass cuts the keys in parts while it has fewer
     programs than this (:func:`~blendkv.kernels.triton.prefill_attention.prefill_num_splits`;
-    about twice the GPU's multiprocessors); the mass pass combines the parts."""
+    about twice the GPU's multiprocessors); the mass pass combines the parts.
+    ``lse``: float32 [Q, H], each row and head's base-2 log-sum-exp as the layer's attention
+    computed it (``prefill_attention(lse=...)``): the log-sum-exp pass is skipped (one launch)."""
     from blendkv.kernels.triton.prefill_attention import prefill_num_splits
 
     num_q, num_heads, head_dim = q.shape
@@ -223,8 +233,6 @@ def add_query_mass(
     block_m, block_n = 32, 64
     block_d = max(16, triton.next_power_of_2(head_dim))
     row_blocks = triton.cdiv(rows, block_m)
-    splits = prefill_num_splits(row_blocks, num_kv_heads, num_keys, target_programs)
-    lse = torch.empty(splits * num_kv_heads * rows, dtype=torch.float32, device=q.device)
     k_cache = kv_cache[0]
     # the reference's scale (head_dim ** -0.5) unless the layer has its own
     scale_log2 = (head_dim**-0.5 if scale is None else scale) * LOG2E
@@ -233,15 +241,23 @@ def add_query_mass(
     layer = (0 if window is None else int(window),
              1.0 if soft_cap is None else float(soft_cap) * LOG2E)  # fmt: skip
     flags = {"USE_WINDOW": window is not None, "USE_CAP": soft_cap is not None}
-    _lse_kernel[(num_kv_heads, row_blocks, splits)](
-        q, q_positions, k_cache, slots, lse, scale_log2, *layer, num_q, num_keys, *common,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
-        SPLIT=splits > 1, **flags,
-    )  # fmt: skip
+    splits = lse_stride = 0
+    if lse is None:
+        splits = prefill_num_splits(row_blocks, num_kv_heads, num_keys, target_programs)
+        lse = torch.empty(splits * num_kv_heads * rows, dtype=torch.float32, device=q.device)
+        _lse_kernel[(num_kv_heads, row_blocks, splits)](
+            q, q_positions, k_cache, slots, lse, scale_log2, *layer, num_q, num_keys, *common,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+            SPLIT=splits > 1, **flags,
+        )  # fmt: skip
+    else:
+        assert lse.dtype == torch.float32 and lse.shape == (num_q, num_heads)
+        assert lse.stride(1) == 1
+        lse_stride = lse.stride(0)
     _mass_kernel[(triton.cdiv(num_keys, block_n),)](
         q, q_positions, k_cache, slots, lse, scores, scale_log2, *layer, num_q, num_keys,
-        num_kv_heads, splits, *common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=precision, **flags,
+        num_kv_heads, splits, lse_stride, *common, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_PRECISION=precision, ROW_LSE=splits == 0, **flags,
     )  # fmt: skip
 
 

@@ -80,7 +80,12 @@ def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
     (where,) = rows["full"]["syncs_at"]
     assert "sampler.py" in where and rows["full"]["host_syncs"] == 1
     assert rows["blend"]["launches"] > rows["reuse"]["launches"] > 0
-    assert rows["blend"]["triton"]["_mass_kernel"] == 2  # ProphetKV's pass: every layer
+    blend = rows["blend"]["triton"]
+    assert blend["_mass_kernel"] == 2  # ProphetKV's pass: every layer
+    # attention leaves its log-sum-exp for the score: a pass of its own only at the last
+    # layer, where the query pass stops before attention
+    assert blend["_lse_kernel"] == 1
+    assert blend["_shift_kernel"] == 1  # the correction, one launch at layer 1
     # attention writes its output into the graph buffer the next piece reads: no copy of it
     # per layer and pass (left: the ids into the first piece, SDPA's output, ...)
     for name in ("full", "reuse", "blend"):

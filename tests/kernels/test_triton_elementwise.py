@@ -171,9 +171,10 @@ def test_query_mass_splits_long_keys(device):
 # ---- the K/V correction ---------------------------------------------------------------------
 @DTYPES
 @pytest.mark.parametrize("which", ["k", "v", "kv"])
-def test_chunk_shift_kernels_match_the_torch_correction(device, dtype, which):
-    """Two launches give the pool the torch correction gives it (chunk 1 has no recomputed
-    row: its kept rows stay as they are)."""
+@pytest.mark.parametrize("parts", [1, 3])
+def test_chunk_shift_kernel_matches_the_torch_correction(device, dtype, which, parts):
+    """One launch gives the pool the torch correction gives it, however many programs share a
+    chunk's kept rows (chunk 1 has no recomputed row: its kept rows stay as they are)."""
     from transformers import LlamaConfig
 
     from blendkv.blend.correction import Rows, correct_kept_rows
@@ -195,16 +196,18 @@ def test_chunk_shift_kernels_match_the_torch_correction(device, dtype, which):
     v = torch.randn(9, kv_heads, dim, generator=g).to(device=device, dtype=dtype)
     rows = torch.tensor([0, 2, 3, 6, 8], device=device)  # the recomputed rows among the layer's 9
 
-    def rows_of(idx, current=None, segments=None):
-        return Rows(positions[idx], slots[idx], chunk_of[idx], current, segments)
+    def rows_of(idx, current=None, segments=None, parts=1):
+        return Rows(positions[idx], slots[idx], chunk_of[idx], current, segments, parts)
 
     expected, actual = pool.clone(), pool.clone()
     args = (which, 8.0)
     correct_kept_rows(TorchAttentionBackend(device), rope, expected, *args,
                       rows_of(rec, rows), k, v, rows_of(kept), 3)  # fmt: skip
     segments = torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=device)
+    kept_segments = torch.tensor([0, 4, 6, 10], dtype=torch.int32, device=device)
     correct_kept_rows(TritonAttentionBackend(device), rope, actual, *args,
-                      rows_of(rec, rows, segments), k, v, rows_of(kept), 3)  # fmt: skip
+                      rows_of(rec, rows, segments), k, v,
+                      rows_of(kept, None, kept_segments, parts), 3)  # fmt: skip
     assert not torch.equal(expected, pool)
     _close(actual, expected)
 

@@ -113,7 +113,8 @@ def test_decode_attention_padding_row_is_zero(make_step):
 COMPUTED, QUERY_LENS = [0, 5, 20, 37], [9, 6, 1, 3]
 
 
-def run_prefill(step, block_m: int, num_splits: int = 1, window=None, soft_cap=None, config=None):
+def run_prefill(step, block_m: int, num_splits: int = 1, window=None, soft_cap=None, config=None,
+                lse=None):  # fmt: skip
     from blendkv.kernels.triton.prefill_tiles import PrefillTiles
 
     config = config or PrefillTiles(block_m=block_m)
@@ -152,6 +153,7 @@ def run_prefill(step, block_m: int, num_splits: int = 1, window=None, soft_cap=N
         soft_cap,
         num_splits,
         config,
+        lse,
     )
     return actual, expected
 
@@ -194,6 +196,45 @@ def test_prefill_attention_split_keys(make_step, num_splits, window, soft_cap):
     assert_close(actual, expected)
     whole, _ = run_prefill(step, 16, 1, window, soft_cap)
     assert_close(actual, whole)
+
+
+def oracle_lse(step, window, soft_cap) -> torch.Tensor:
+    """[rows, heads] float64: each row's log2 of the sum of 2 ** (its scaled logits x log2 e)
+    over the keys it sees."""
+    from blendkv.kernels.torch_attention import gather_kv
+
+    md = step.md
+    group = step.q.shape[1] // step.pool.shape[3]
+    out = torch.empty(step.q.shape[:2], dtype=torch.float64)
+    starts = md.query_start_loc_cpu
+    for i in range(md.num_seqs):
+        lo, hi = starts[i], starts[i + 1]
+        keys, _ = gather_kv(step.pool, md.block_table[i], md.seq_lens_cpu[i])
+        k = keys.double().cpu().repeat_interleave(group, dim=1)
+        s = torch.einsum("nhd,shd->nhs", step.q[lo:hi].double().cpu(), k) * SCALE
+        if soft_cap is not None:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        j, p = torch.arange(len(keys))[None, :], md.positions[lo:hi].cpu()[:, None]
+        seen = (j <= p) & ((j > p - window) if window is not None else True)
+        s = s.masked_fill(~seen[:, None, :], float("-inf"))
+        out[lo:hi] = torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    return out
+
+
+# The log-sum-exp ProphetKV's query mass reads back (prefill_attention(lse=...)): every row and
+# head's, whole or combined from key parts (some of them empty for early rows).
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+@pytest.mark.parametrize(
+    ("window", "soft_cap"), [(None, None), (6, 5.0)], ids=["plain", "window-cap"]
+)
+def test_prefill_attention_writes_each_rows_log_sum_exp(make_step, num_splits, window, soft_cap):
+    step = make_step([37, 0, 20], [3, 40, 1], block_size=4, num_kv_heads=2, group=3)
+    lse = torch.full(step.q.shape[:2], float("nan"), device=step.q.device)
+    actual, expected = run_prefill(step, 16, num_splits, window, soft_cap, lse=lse)
+    assert_close(actual, expected)
+    torch.testing.assert_close(
+        lse.cpu().double(), oracle_lse(step, window, soft_cap), atol=1e-5, rtol=1e-5
+    )
 
 
 # Tuned tiles (prefill_tiles): key tiles of 16 and 64 (past the 40 keys of a sequence: masked),

@@ -187,24 +187,34 @@ def test_query_rows_scored_in_attention(make_step, device, backend_name, window,
     torch.testing.assert_close(scores.double(), probs.sum((0, 1)), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "triton-lse"])
 @pytest.mark.parametrize(("window", "soft_cap"), CASES[:3], ids=CASE_IDS[:3])
 def test_add_query_mass(make_step, device, backend_name, window, soft_cap):
-    """The query pass's separate scoring (backends without scores in attention)."""
+    """The query pass's separate scoring (backends without scores in attention); with
+    ``-lse``, from the log-sum-exp the layer's attention left (``md.lse_out``)."""
     step = make_step([0], [19], block_size=4, num_kv_heads=1, group=2)
-    backend = make_backend(backend_name, device)
+    backend = make_backend(backend_name.removesuffix("-lse"), device)
     pool = step.pool.clone()
     backend.write_kv(pool, step.k, step.v, step.md.slot_mapping)
     scores = torch.zeros(19, dtype=torch.float32, device=device)
     q_pos = step.md.positions[12:]
+    lse = None
+    if backend_name.endswith("-lse"):
+        assert backend.attention_lse
+        step.md.lse_out = torch.full(step.q.shape[:2], float("nan"), device=device)
+        out = backend.forward(step.q, step.k, step.v, pool, step.md, SCALE, window=window,
+                              soft_cap=soft_cap, kv_written=True)  # fmt: skip
+        assert_close(out, oracle_step(step, pool, SCALE, window, soft_cap), torch.float32)
+        lse = step.md.lse_out[12:]
+        assert not lse.isnan().any()
     backend.add_query_mass(
         scores, step.q[12:], q_pos, pool, step.md.slot_mapping, 13, scale=SCALE, window=window,
-        soft_cap=soft_cap,
+        soft_cap=soft_cap, lse=lse,
     )  # fmt: skip
     keys, values = gather_kv(pool, step.md.block_table[0], 19)
     _, probs = oracle_rows(step.q[12:], keys, values, q_pos, SCALE, window, soft_cap)
     torch.testing.assert_close(scores.double(), probs.sum((0, 1)), atol=1e-5, rtol=1e-5)
-    if backend_name == "triton":  # the kernels ran (a failing one falls back to torch)
+    if backend_name != "torch":  # the kernels ran (a failing one falls back to torch)
         assert backend._kernel_ok["query_mass"]
 
 
