@@ -249,6 +249,7 @@ class AttentionBackend(ABC):
         window: int | None = None,
         soft_cap: float | None = None,
         lse: torch.Tensor | None = None,
+        key_count: torch.Tensor | None = None,
     ) -> None:
         """``scores`` [S] float32 += the softmax attention ``q`` [Q, H, D] (RoPE applied, rows
         at ``q_positions``) pays each key of positions ``0..S-1``, read from ``kv_cache`` at
@@ -256,7 +257,9 @@ class AttentionBackend(ABC):
         ``visible_prefix``: how many leading keys every row sees (spares their masking).
         ``scale`` (None: ``D ** -0.5``), ``window``, ``soft_cap``: the layer's, as in
         :meth:`forward`. ``lse`` [Q, H]: the rows' log-sum-exp as this layer's attention left
-        it (:attr:`attention_lse`); the reference here computes its own.
+        it (:attr:`attention_lse`); the reference here computes its own. ``key_count`` int32
+        [1]: the sequence's keys on the device, when ``slots`` run past them (a captured pass);
+        no query row sees those keys, so the reference needs no cut.
 
         ProphetKV's query pass calls it before each layer's attention on backends without
         :attr:`scores_in_attention`. This is the reference (dense torch)."""

@@ -114,7 +114,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def add_query_mass(
         self, scores, q, q_positions, kv_cache, slots, visible_prefix=0, *, scale=None,
-        window=None, soft_cap=None, lse=None,
+        window=None, soft_cap=None, lse=None, key_count=None,
     ) -> None:  # fmt: skip
         """Two launches reading the keys in place, one given attention's ``lse``
         (:mod:`blendkv.kernels.triton.query_mass`)."""
@@ -123,7 +123,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         layer = {"scale": scale, "window": window, "soft_cap": soft_cap}
         args = (scores, q, q_positions, kv_cache, slots)
         programs = {"target_programs": self._target_programs()}
-        kernel = lambda *a: add_query_mass(*a, **layer, **programs, lse=lse)  # noqa: E731
+        given = {"lse": lse, "key_count": key_count}
+        kernel = lambda *a: add_query_mass(*a, **layer, **programs, **given)  # noqa: E731
         if self._first_use("query_mass", kernel, *args):
             return
         if self._kernel_ok["query_mass"]:

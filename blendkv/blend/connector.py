@@ -315,6 +315,7 @@ class BlendConnector(KVConnectorBase):
             ctx.attn_backend,
             self,
             inputs.pieces,
+            inputs.query_graphs,
         )
         self._row_plan = BlendRowPlan(
             md, self._step, ctx.attn_backend, len(caches), qkv_share(ctx.model)

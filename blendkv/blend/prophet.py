@@ -124,11 +124,14 @@ class QueryPassRowPlan(RowPlan):
 
 
 def run_query_pass(
-    model, input_ids, attn_metadata, kv_caches, blends, attn_backend, hooks=None, pieces=None
-) -> None:
+    model, input_ids, attn_metadata, kv_caches, blends, attn_backend, hooks=None, pieces=None,
+    graphs=None,
+) -> None:  # fmt: skip
     """The first stage for every ``prophet`` sequence of the step (no-op without one).
     ``hooks``: the connector, so each layer waits for its loaded K/V (pipelined loading);
-    ``pieces``: how the forward's dense pieces run (:mod:`blendkv.models.pieces`)."""
+    ``pieces``: how the forward's dense pieces run (:mod:`blendkv.models.pieces`);
+    ``graphs``: a :class:`~blendkv.blend.query_pass_graphs.QueryPassGraphs` that replays the
+    whole pass where it can (else, or None, the pass runs eagerly)."""
     prophets = [sb for sb in blends if needs_query_pass(sb)]
     if not prophets:
         return
@@ -138,28 +141,60 @@ def run_query_pass(
     for sb in prophets:
         keep[starts[sb.index] : starts[sb.index + 1]] = ~sb.reused
     sub = md.subset(keep)
-    # Scoring in attention needs the last layer's attention too (its MLP is wasted: ~1/30th
-    # of the pass); scoring in kernels can stop after the last layer's projections.
-    kv_only = not attn_backend.scores_in_attention
-    last_layer = len(kv_caches) - 1 if kv_only else None
-    plan = QueryPassRowPlan(sub, prophets, attn_backend, last_layer)
     ids = input_ids[kept_rows(keep, input_ids.device)]
-    model(
-        ids,
-        sub.positions,
-        kv_caches,
-        sub,
-        row_plan=plan,
-        hooks=hooks,
-        kv_only=kv_only,
-        pieces=pieces,
-    )
-    plan.finish()
+    positions_cpu = sub.positions_cpu = sub.host_positions()  # (read back once at most)
+    num_layers = len(kv_caches)
+    if graphs is None or not _replayed(graphs, ids, sub, positions_cpu, prophets, hooks,
+                                       num_layers):  # fmt: skip
+        # Scoring in attention needs the last layer's attention too (its MLP is wasted:
+        # ~1/30th of the pass); scoring in kernels can stop after the last layer's projections.
+        kv_only = not attn_backend.scores_in_attention
+        last_layer = num_layers - 1 if kv_only else None
+        plan = QueryPassRowPlan(sub, prophets, attn_backend, last_layer)
+        model(
+            ids,
+            sub.positions,
+            kv_caches,
+            sub,
+            row_plan=plan,
+            hooks=hooks,
+            kv_only=kv_only,
+            pieces=pieces,
+        )
+        plan.finish()
     # The pass's work, counted with the fused forward's (stats, profile floors, controller):
     # its rows at every layer, each attending to (scored over) its position + 1 keys.
-    num_layers = len(kv_caches)
     for sb in prophets:
         lo, hi = sub.query_start_loc_cpu[sb.index], sub.query_start_loc_cpu[sb.index + 1]
-        keys = int(plan.positions_cpu[lo:hi].sum()) + hi - lo
+        keys = int(positions_cpu[lo:hi].sum()) + hi - lo
         sb.extra_row_layers = float((hi - lo) * num_layers)
         sb.extra_key_row_layers = keys * num_layers
+
+
+def _replayed(graphs, ids, sub, positions_cpu, prophets, hooks, num_layers) -> bool:
+    """The pass of a step's one ProphetKV sequence from ``graphs``, every layer's loaded K/V
+    waited for first; False where it cannot replay (the caller runs it eagerly)."""
+    if len(prophets) != 1:
+        return False
+    sb = prophets[0]
+    lo, hi = sub.query_start_loc_cpu[sb.index], sub.query_start_loc_cpu[sb.index + 1]
+    is_query = positions_cpu[lo:hi] >= sb.query_start
+    seq_len = sub.seq_lens_cpu[sb.index]
+    if not bool(is_query.any()) or not graphs.can_run(hi - lo, seq_len):
+        return False
+    if hooks is not None:
+        for layer in range(num_layers):
+            hooks.wait_for_layer_load(layer)
+    first = hi - lo - int(is_query.sum())  # the query rows are the sequence's last
+    scores = graphs.run(
+        ids[lo:hi],
+        sub.positions[lo:hi],
+        sub.slot_mapping[lo:hi],
+        first,
+        sub.seq_lens[sb.index : sb.index + 1],
+        sub.block_table[sb.index],
+    )
+    if scores is None:  # the capture failed: eager from now on
+        return False
+    sb.query_scores = scores[:seq_len].cpu()
+    return True

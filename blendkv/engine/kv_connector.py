@@ -79,6 +79,8 @@ class ForwardInputs:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
     pieces: Pieces | None = None  # how the forward runs its dense pieces (None: eagerly)
+    # ProphetKV's query pass replayed whole (blendkv.blend.query_pass_graphs; None: eagerly)
+    query_graphs: Any = None
 
 
 class KVConnectorBase(LayerHooks, ABC):

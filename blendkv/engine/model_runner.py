@@ -90,6 +90,7 @@ class ModelRunner:
         # steps (blendkv.engine.piecewise_graphs): set up by the engine on CUDA.
         self.decode_graphs = None
         self.piece_graphs = None
+        self.query_graphs = None  # ProphetKV's query pass (blendkv.blend.query_pass_graphs)
         # Grammar matchers for structured outputs (StructuredOutputs), set up by the engine.
         self.structured_outputs = None
 
@@ -145,7 +146,9 @@ class ModelRunner:
         conn = self.connector
         conn.bind_connector_metadata(out.kv_connector_metadata)
         try:
-            fwd = ForwardInputs(inputs.input_ids, md, self.kv_caches, self.piece_graphs)
+            fwd = ForwardInputs(
+                inputs.input_ids, md, self.kv_caches, self.piece_graphs, self.query_graphs
+            )
             conn.start_load_kv(fwd)
             plan = conn.row_plan(fwd)
             outputs = inputs.output_rows() if self.prune_last_layer else None

@@ -14,9 +14,10 @@ boolean-mask indexing, ...), each listed with the file:line it happens at. The c
 the code path, not on widths or token counts (within a prompt's few hundred tokens).
 
 As on a GPU, the dense pieces between attentions replay captured graphs
-(:mod:`blendkv.engine.piecewise_graphs`; ``--eager``: off): the capture records a piece once,
-in the warm-up request, and each replay counts as one launch (``graph_replay``), the kernels
-inside it not at all.
+(:mod:`blendkv.engine.piecewise_graphs`), and so does ProphetKV's query pass, whole
+(:mod:`blendkv.blend.query_pass_graphs`; ``--eager``: neither): the capture records a graph
+once, in the warm-up request, and each replay counts as one launch (``graph_replay``), the
+kernels inside it not at all.
 """
 
 from __future__ import annotations
@@ -227,16 +228,18 @@ class CountedCapture:
 
 def device_tensors(llm) -> list[torch.Tensor]:
     """What a GPU run holds on the device from the start: weights, buffers, K/V pools, the
-    piecewise graphs' static buffers."""
+    piecewise graphs' and the query pass graphs' static buffers."""
     runner = llm.engine.runner
     model = runner.model
     caches = tree_flatten(runner.kv_caches)[0]
     pieces = runner.piece_graphs
+    query = runner.query_graphs
     return [
         *model.parameters(),
         *model.buffers(),
         *(t for t in caches if isinstance(t, torch.Tensor)),
         *(pieces.buffers() if pieces is not None else ()),
+        *(query.buffers() if query is not None else ()),
     ]
 
 
@@ -290,6 +293,7 @@ def main(args: argparse.Namespace) -> int:
 
     from blendkv import LLM, SamplingParams
     from blendkv.blend.config import BlendConfig
+    from blendkv.blend.query_pass_graphs import QueryPassGraphs
     from blendkv.engine.piecewise_graphs import PiecewiseGraphs
     from blendkv.eval.random_model import make_tokenizer, random_text
 
@@ -307,7 +311,12 @@ def main(args: argparse.Namespace) -> int:
         capture = None
         if not args.eager:  # what the engine does on CUDA
             capture = CountedCapture()
-            llm.engine.runner.piece_graphs = PiecewiseGraphs("cpu", capture=capture)
+            runner = llm.engine.runner
+            runner.piece_graphs = PiecewiseGraphs("cpu", capture=capture)
+            runner.query_graphs = QueryPassGraphs(
+                runner.model, runner.attn_backend, runner.kv_caches, runner.block_size,
+                llm.engine.info.max_model_len, capture=capture,
+            )  # fmt: skip
         prompt = {
             "documents": [random_text(args.doc_words, seed=100 + d) for d in range(args.docs)],
             "query": "Which city is the capital of France?",

@@ -112,11 +112,12 @@ def _lse_kernel(
             seen = seen & (n[None, :] > qpos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if USE_WINDOW or SPLIT:  # a row may see no key of a block (or of a part) yet
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # a row may see no key of a block (a window, a part) or none at all (position -1: a
+        # row a captured pass scores for nothing)
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
         m_i = m_new
-    seen_any = l_i > 0  # only in a part: every row sees key 0
+    seen_any = l_i > 0  # only in a part or at position -1: every other row sees key 0
     lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
     part = tl.program_id(2) * tl.num_programs(0) + kvh
     tl.store(lse_ptr + part * rows + m, lse, mask=row_ok)
@@ -129,11 +130,12 @@ def _row_lse(lse_ptr, kvh, num_kv_heads, rows, m, row_ok, num_splits):
     for part in range(num_splits):
         at = lse_ptr + (part * num_kv_heads + kvh) * rows + m
         top = tl.maximum(top, tl.load(at, mask=row_ok, other=0.0))
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row that sees no key (position -1)
     total = tl.zeros(m.shape, tl.float32)
     for part in range(num_splits):
         at = lse_ptr + (part * num_kv_heads + kvh) * rows + m
         total += tl.exp2(tl.load(at, mask=row_ok, other=0.0) - top)
-    return top + tl.log2(total)
+    return tl.where(total > 0, top + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
 
 
 @triton.jit
@@ -149,6 +151,7 @@ def _mass_kernel(
     cap_log2,
     num_q,
     num_keys,
+    key_count_ptr,
     num_kv_heads,
     num_splits,
     stride_lt,
@@ -167,13 +170,18 @@ def _mass_kernel(
     USE_WINDOW: tl.constexpr,
     USE_CAP: tl.constexpr,
     ROW_LSE: tl.constexpr,
+    KEY_COUNT: tl.constexpr,
 ):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start_n = tl.program_id(0) * BLOCK_N
+    n = start_n + tl.arange(0, BLOCK_N)
+    if KEY_COUNT:  # the sequence's real key count, on the device (a captured pass)
+        num_keys = tl.minimum(num_keys, tl.load(key_count_ptr))
     key_ok = n < num_keys
     d = tl.arange(0, BLOCK_D)
     rows = group * num_q
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for kvh in range(num_kv_heads):
+    heads = tl.where(start_n < num_keys, num_kv_heads, 0)  # a block past the keys: nothing
+    for kvh in range(0, heads):
         k = _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch,
                     block_size, d, head_dim)  # fmt: skip
         for start in range(0, rows, BLOCK_M):
@@ -209,6 +217,7 @@ def add_query_mass(
     soft_cap: float | None = None,
     target_programs: int = 264,
     lse: torch.Tensor | None = None,
+    key_count: torch.Tensor | None = None,
 ) -> None:
     """``scores`` [S] float32 += the attention mass of ``q`` [Q, H, D] (RoPE applied, at
     ``q_positions`` [Q]) over the keys of positions ``0..S-1``, at ``slots`` [S] of ``kv_cache``
@@ -218,7 +227,9 @@ def add_query_mass(
     programs than this (:func:`~blendkv.kernels.triton.prefill_attention.prefill_num_splits`;
     about twice the GPU's multiprocessors); the mass pass combines the parts.
     ``lse``: float32 [Q, H], each row and head's base-2 log-sum-exp as the layer's attention
-    computed it (``prefill_attention(lse=...)``): the log-sum-exp pass is skipped (one launch)."""
+    computed it (``prefill_attention(lse=...)``): the log-sum-exp pass is skipped (one launch).
+    ``key_count``: int32 [1] on the device, the keys past it score nothing and cost nothing
+    (a captured pass sized for the longest sequence; no query row sees them anyway)."""
     from blendkv.kernels.triton.prefill_attention import prefill_num_splits
 
     num_q, num_heads, head_dim = q.shape
@@ -256,8 +267,9 @@ def add_query_mass(
         lse_stride = lse.stride(0)
     _mass_kernel[(triton.cdiv(num_keys, block_n),)](
         q, q_positions, k_cache, slots, lse, scores, scale_log2, *layer, num_q, num_keys,
-        num_kv_heads, splits, lse_stride, *common, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, DOT_PRECISION=precision, ROW_LSE=splits == 0, **flags,
+        slots if key_count is None else key_count, num_kv_heads, splits, lse_stride, *common,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+        ROW_LSE=splits == 0, KEY_COUNT=key_count is not None, **flags,
     )  # fmt: skip
 
 

@@ -88,8 +88,12 @@ def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
     assert blend["_shift_kernel"] == 1  # the correction, one launch at layer 1
     # attention writes its output into the graph buffer the next piece reads: no copy of it
     # per layer and pass (left: the ids into the first piece, SDPA's output, ...)
-    for name in ("full", "reuse", "blend"):
+    for name in ("full", "reuse"):
         assert graphs[name]["top_aten"]["copy_"] <= 3
+    # the blend's ProphetKV pass is one replay: its rows copied into the graph's buffers once
+    # (ids, positions and their padding, slots, score positions, key count, block table)
+    assert graphs["blend"]["top_aten"]["copy_"] <= 3 + 6
+    assert graphs["blend"]["top_aten"]["graph_replay"] == 1 + 3  # the pass; first, link, last
 
 
 def test_count_launches_leaves_out_host_bookkeeping():

@@ -273,10 +273,11 @@ def test_elementwise_and_blend_kernels_at_llama8b_shapes():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_replayed_pieces_equal_eager_on_cuda(tiny_llama_dir, tmp_path, backend):
-    """Piecewise CUDA graphs (the engine's default on CUDA) against the same engine with them
-    off: a plain prefill, a chunked one and blends (ProphetKV's two passes, V-deviation) give
-    the same tokens and prompt logits (equal to fp32 rounding: a GEMM of padded rows may tile
-    differently). The pieces really replayed and no capture failed."""
+    """Piecewise CUDA graphs (the engine's default on CUDA; on Triton ProphetKV's query pass
+    whole too) against the same engine with them off: a plain prefill, a chunked one and
+    blends (ProphetKV's two passes, V-deviation) give the same tokens and prompt logits (equal
+    to fp32 rounding: a GEMM of padded rows may tile differently). The graphs really replayed
+    and no capture failed."""
     from helpers import BLEND_DOCS, BLEND_QUERY
 
     from blendkv import LLM, SamplingParams
@@ -303,11 +304,17 @@ def test_replayed_pieces_equal_eager_on_cuda(tiny_llama_dir, tmp_path, backend):
             outs += llm.generate([prompt], params, blend=blend, logits_from=n - 3)
         runs.append([(o.outputs[0].token_ids, o.extra["prompt_logits"]) for o in outs])
         graphs = llm.engine.runner.piece_graphs
+        query = llm.engine.runner.query_graphs  # ProphetKV's query pass whole (Triton)
         if rows:
             assert graphs.failed is None, graphs.failed
             assert graphs.replays > 0 and graphs.num_graphs > 0
+            if backend == "triton":
+                assert query.failed is None, query.failed
+                assert query.replays > 0
+            else:
+                assert query is None
         else:
-            assert graphs is None
+            assert graphs is None and query is None
         llm.close()
     for (tokens, logits), (want_tokens, want_logits) in zip(runs[1], runs[0], strict=True):
         assert tokens == want_tokens

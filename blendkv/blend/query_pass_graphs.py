@@ -1,0 +1,225 @@
+"""ProphetKV's query pass replayed from one CUDA graph per padded row count.
+
+The query pass (:mod:`blendkv.blend.prophet`) runs a few dozen rows (template, query) through
+every layer over the loaded K/V. On a GPU its time is the host's: a layer's RoPE, attention,
+score and dense piece, and the Python around them, once per layer. Captured whole, the pass is
+one launch. Capturable because nothing in it depends on the request except device tensors:
+
+- static buffers of ``max_rows`` rows (ids, positions, slots, the positions the score reads)
+  and one sequence's block table as wide as ``max_model_len``; a request copies its rows into
+  the smallest captured size that fits. Padding rows repeat the last row's position (a tile's
+  last row bounds the keys it reads), write no K/V (slot -1) and score nothing.
+- every row is scored, at position -1 (seeing no key) unless it is a query row: where the
+  query rows start varies by request, their positions are data;
+- a size's metadata object is built once with that size's Python mirrors (one sequence of
+  ``max_model_len`` keys): the backend's layout for it (tiles, key parts) is built by the
+  warm-up run and kept alive with the graph; the kernels read the real key count from
+  ``seq_lens`` (a part past it, or a score block past it, does nothing);
+- no per-layer hook: the pass waits for every layer's loaded K/V before the replay.
+
+It runs for a step with one ProphetKV sequence on a backend whose attention leaves the rows'
+log-sum-exp (``attention_lse``: the Triton one), else the pass runs eagerly. A capture that
+fails turns it off for the engine, logged once. ``capture`` is injectable (the tests pass the
+eager stand-in of :mod:`blendkv.engine.cuda_graphs` on the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from blendkv.engine.cuda_graphs import CudaGraphCapture
+from blendkv.kernels.attention import AttentionMetadata
+from blendkv.models.hooks import RowPlan
+
+logger = logging.getLogger(__name__)
+
+_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+def pass_sizes(max_rows: int) -> list[int]:
+    """The padded row counts the pass is captured for, up to ``max_rows``."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    return [s for s in _SIZES if s < max_rows] + [max_rows]
+
+
+class _StaticScores(RowPlan):
+    """The query pass's row plan over the static buffers: keeps every row, scores every row
+    at its score position (-1: none) after each layer's attention, and at the last layer
+    (stopped after its projections) rotates and writes the rows itself first."""
+
+    def __init__(self, graphs: QueryPassGraphs, size: int, last_layer: int) -> None:
+        self.graphs = graphs
+        self.size = size
+        self.last_layer = last_layer
+        self.rows = torch.arange(size)
+        self.key_slots: torch.Tensor | None = None  # set by each run (inside the capture)
+
+    def selects_at(self, layer_idx: int) -> bool:
+        return layer_idx == self.last_layer
+
+    def select(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata):
+        md = attn_metadata
+        backend = self.graphs.attn_backend
+        q_rot, _ = attn.rotary_emb.rotate_and_write(
+            md.positions, q, k, v, kv_cache, md.slot_mapping, backend.write_kv
+        )
+        self._score(attn, q_rot, kv_cache, None)
+        return None
+
+    def after_attention(self, layer_idx, attn, q_rot, kv_cache, attn_metadata) -> None:
+        self._score(attn, q_rot, kv_cache, attn_metadata.lse_out)
+
+    def _score(self, attn, q_rot, kv_cache, lse) -> None:
+        g = self.graphs
+        g.attn_backend.add_query_mass(
+            g.scores, q_rot, g.score_positions[: self.size], kv_cache, self.key_slots, 0,
+            **attn.mass_kwargs(), lse=lse, key_count=g.seq_lens,
+        )  # fmt: skip
+
+
+class QueryPassGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        max_rows: int = 256,
+        capture: Callable | None = None,
+    ) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sizes = pass_sizes(max_rows)
+        self.capture = capture or CudaGraphCapture(error_mode="thread_local")
+        device = attn_backend.device
+        n = self.sizes[-1]
+        max_blocks = -(-max_model_len // block_size)
+        self.num_keys = max_blocks * block_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.score_positions = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
+        self.key_positions = torch.arange(self.num_keys, device=device)
+        self.scores = torch.zeros(self.num_keys, dtype=torch.float32, device=device)
+        attn = model.model.layers[0].self_attn
+        self.lse = torch.zeros(n, attn.num_heads, dtype=torch.float32, device=device)
+        self._graphs: dict[int, Callable[[], None]] = {}
+        # Per size, the backend's layouts for its metadata: the graph reads their tensors at
+        # every replay, so they live as long as the graph.
+        self.retained: dict[int, list] = {}
+        self.failed: str | None = None
+        self.replays = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The static buffers the graphs read and write."""
+        return [
+            self.input_ids, self.positions, self.slot_mapping, self.score_positions,
+            self.seq_lens, self.block_table, self.key_positions, self.scores, self.lse,
+        ]  # fmt: skip
+
+    def can_run(self, num_rows: int, seq_len: int) -> bool:
+        """Whether the query pass of one sequence (``num_rows`` rows, ``seq_len`` keys)
+        replays here."""
+        backend = self.attn_backend
+        if self.failed is not None or not backend.attention_lse:
+            return False
+        if backend.scores_in_attention:
+            return False
+        cuda = backend.device.type == "cuda" and torch.cuda.is_available()
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        return 0 < num_rows <= self.sizes[-1] and seq_len <= self.num_keys
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        first_query_row: int,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The scores [max keys] float32 (the static buffer: read them before the next run) of
+        one sequence's query pass: its ``input_ids`` / ``positions`` / ``slot_mapping`` rows,
+        the query rows from ``first_query_row`` on, its ``seq_lens`` [1] and ``block_table``
+        [blocks] on the device. None if the capture failed (run the pass eagerly)."""
+        n = len(input_ids)
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.positions[n:size].copy_(positions[n - 1 :].expand(size - n))
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        self.score_positions[:size].fill_(-1)
+        self.score_positions[first_query_row:n].copy_(positions[first_query_row:])
+        self.seq_lens.copy_(seq_lens)
+        self.block_table[0, : len(block_table)].copy_(block_table)
+        replay = self._graphs.get(size)
+        if replay is None:
+            try:
+                replay = self._capture(size)
+            except Exception as exc:  # noqa: BLE001  (any capture failure: eager from now on)
+                self.failed = f"{type(exc).__name__}: {exc}"
+                self._graphs.clear()
+                self.retained.clear()
+                logger.warning("query pass CUDA graph capture failed, running it eagerly: %s",
+                               self.failed)  # fmt: skip
+                return None
+        replay()
+        self.replays += 1
+        return self.scores
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        device = self.positions.device
+        return AttentionMetadata(
+            positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
+            seq_lens=self.seq_lens,
+            block_table=self.block_table,
+            block_size=self.block_size,
+            max_query_len=size,
+            max_seq_len=self.num_keys,
+            query_start_loc_cpu=[0, size],
+            seq_lens_cpu=[self.num_keys],
+            is_contiguous_prefill=[False],
+            lse_out=self.lse[:size],
+        )
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> Callable[[], None]:
+        md = self._metadata(size)
+        layers = self.model.model.layers
+        plan = _StaticScores(self, size, len(layers) - 1)
+        bs = self.block_size
+
+        def forward() -> torch.Tensor:
+            for layer in layers:  # no stale cos/sin baked in
+                layer.self_attn.rotary_emb.clear_memo()
+            table = self.block_table[0].long()
+            plan.key_slots = table[self.key_positions // bs] * bs + self.key_positions % bs
+            self.scores.zero_()
+            self.model(
+                self.input_ids[:size], md.positions, self.kv_caches, md, row_plan=plan,
+                kv_only=True,
+            )  # fmt: skip
+            return self.scores
+
+        forward()  # warm-up: the backend builds its layout for this metadata object
+        replay, _ = self.capture(forward)
+        self._graphs[size] = replay
+        self.retained[size] = self.attn_backend.step_layouts(md)
+        return replay

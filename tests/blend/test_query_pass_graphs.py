@@ -1,0 +1,122 @@
+"""ProphetKV's query pass replayed whole (:mod:`blendkv.blend.query_pass_graphs`): the scores,
+the rows picked from them and the answer must be what the eager pass gives, at every padded
+size and after other requests went through the same static buffers.
+
+On the CPU the capture is the eager stand-in (a "replay" reruns the pass on the static buffers,
+padding rows included), on the Triton backend under the interpreter; ``tests/gpu`` replays a
+real CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import BLEND_DOCS, BLEND_QUERY
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
+
+from blendkv import LLM, SamplingParams  # noqa: E402
+from blendkv.blend import connector as blend_connector  # noqa: E402
+from blendkv.blend.config import BlendConfig  # noqa: E402
+from blendkv.blend.query_pass_graphs import QueryPassGraphs, pass_sizes  # noqa: E402
+from blendkv.engine.cuda_graphs import EagerCapture  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+PROMPTS = [
+    {"documents": BLEND_DOCS, "query": BLEND_QUERY},  # a short query: the pass pads to 32
+    {
+        "documents": BLEND_DOCS[::-1],
+        "query": "Name the river that flows through the capital of France, and the country "
+        "whose capital has many museums and parks, please, in one short sentence.",
+    },  # a long one: 64
+    {"documents": BLEND_DOCS, "query": BLEND_QUERY},  # the first again, after the second
+]
+
+
+def make_llm(path, store, backend="triton"):
+    return LLM(
+        str(path),
+        dtype="float32",
+        block_size=4,
+        device="cpu",
+        attention_backend=backend,
+        kv_store_dir=str(store),
+        enable_prefix_caching=False,  # the third prompt is the first again: a pass again
+    )
+
+
+def with_query_graphs(llm, capture) -> QueryPassGraphs:
+    """Give the engine the query pass's graphs on the CPU (the engine makes them on CUDA)."""
+    runner = llm.engine.runner
+    graphs = QueryPassGraphs(
+        runner.model, runner.attn_backend, runner.kv_caches, runner.block_size,
+        llm.engine.info.max_model_len, capture=capture,
+    )  # fmt: skip
+    runner.query_graphs = graphs
+    return graphs
+
+
+def run_all(llm, monkeypatch):
+    """Per prompt: the query pass's scores, the rows the blend recomputed, the tokens."""
+    scores = []
+    original = blend_connector.run_query_pass
+
+    def recorded(*args, **kwargs):
+        original(*args, **kwargs)
+        scores.extend(sb.query_scores.clone() for sb in args[4] if sb.query_scores is not None)
+
+    monkeypatch.setattr(blend_connector, "run_query_pass", recorded)
+    out = []
+    for prompt in PROMPTS:
+        (result,) = llm.generate([prompt], GREEDY, blend=BlendConfig(recompute_ratio=0.3))
+        stats = result.blend_stats
+        out.append((scores[-1], stats.tokens_recomputed, result.outputs[0].token_ids))
+    return out
+
+
+def test_replayed_pass_equals_the_eager_pass(tiny_llama_dir, tmp_path, monkeypatch):
+    eager = make_llm(tiny_llama_dir, tmp_path / "eager")
+    expected = run_all(eager, monkeypatch)
+    eager.close()
+    llm = make_llm(tiny_llama_dir, tmp_path / "graphs")
+    graphs = with_query_graphs(llm, EagerCapture())
+    actual = run_all(llm, monkeypatch)
+    for (scores, recomputed, tokens), (want, want_recomputed, want_tokens) in zip(
+        actual, expected, strict=True
+    ):
+        assert scores.shape == want.shape and want.sum() > 0
+        torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5)
+        assert recomputed == want_recomputed
+        assert tokens == want_tokens
+    assert graphs.failed is None
+    assert graphs.replays == 3 and graphs.num_graphs == 2  # two sizes; the third replayed
+    llm.close()
+
+
+def test_a_failed_capture_runs_the_pass_eagerly(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    def broken_capture(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    llm = make_llm(tiny_llama_dir, tmp_path / "broken")
+    graphs = with_query_graphs(llm, broken_capture)
+    with caplog.at_level("WARNING"):
+        first, *_ = run_all(llm, monkeypatch)
+    assert first[0].sum() > 0  # scored eagerly
+    assert "stream is capturing" in graphs.failed and graphs.num_graphs == 0
+    assert caplog.text.count("query pass CUDA graph capture failed") == 1
+    llm.close()
+
+
+def test_backends_without_attention_lse_never_replay(tiny_llama_dir, tmp_path, monkeypatch):
+    llm = make_llm(tiny_llama_dir, tmp_path / "torch", backend="torch")
+    graphs = with_query_graphs(llm, EagerCapture())
+    run_all(llm, monkeypatch)
+    assert graphs.replays == 0 and graphs.num_graphs == 0
+    llm.close()
+
+
+def test_pass_sizes():
+    assert pass_sizes(256)[0] == 8 and pass_sizes(256)[-1] == 256
+    assert pass_sizes(40) == [8, 16, 32, 40]
+    with pytest.raises(ValueError):
+        pass_sizes(0)
