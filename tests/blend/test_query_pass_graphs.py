@@ -93,6 +93,21 @@ def test_replayed_pass_equals_the_eager_pass(tiny_llama_dir, tmp_path, monkeypat
     llm.close()
 
 
+def test_the_captured_pass_never_waits_for_the_device(tiny_llama_dir, tmp_path):
+    """A replay reads nothing back to the host (a CUDA capture would fail on it; the eager
+    stand-in would hide it): every op of the pass counted, as on a GPU."""
+    from blendkv.eval.bench.launches import count, device_tensors
+
+    llm = make_llm(tiny_llama_dir, tmp_path / "syncs")
+    graphs = with_query_graphs(llm, EagerCapture())
+    llm.generate([PROMPTS[0]], GREEDY, blend=BlendConfig(recompute_ratio=0.3))
+    (replay,) = graphs._graphs.values()
+    rows = count(replay, device_tensors(llm))
+    assert rows["host_syncs"] == 0, rows["syncs_at"]
+    assert rows["triton"]["_mass_kernel"] == len(llm.engine.runner.model.model.layers)
+    llm.close()
+
+
 def test_a_failed_capture_runs_the_pass_eagerly(tiny_llama_dir, tmp_path, monkeypatch, caplog):
     def broken_capture(fn):
         raise RuntimeError("operation not permitted when stream is capturing")
