@@ -9,7 +9,9 @@ forward; the engine's own choice (no config passed: the cost check picks blend, 
 selection or full prefill, and says which); on the Triton backend, blend and reuse without
 the prefill kernels' key splits (``split_keys`` off), and with the prefill kernel's default
 tiles instead of this GPU's tuned table (``tuned_tiles`` off); full, blend and reuse with every
-dense piece run eagerly instead of replayed from piecewise CUDA graphs. Then one more run of
+dense piece run eagerly instead of replayed from piecewise CUDA graphs (and ProphetKV's query
+pass eagerly), and the blend with only its query pass eager (the pass's graph waits for every
+layer's loaded K/V; eagerly it overlaps them). Then one more run of
 full, default blend and reuse under ``torch.profiler``: host busy time, device kernel time,
 kernel launches and host syncs per request.
 """
@@ -95,11 +97,20 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     runner = llm.engine.runner
 
     def eager(fn):
-        graphs, runner.piece_graphs = runner.piece_graphs, None  # no piecewise graphs
+        # no piecewise graphs, no query pass graph
+        graphs, runner.piece_graphs = runner.piece_graphs, None
+        query, runner.query_graphs = runner.query_graphs, None
         try:
             return fn()
         finally:
-            runner.piece_graphs = graphs
+            runner.piece_graphs, runner.query_graphs = graphs, query
+
+    def eager_pass(fn):
+        query, runner.query_graphs = runner.query_graphs, None  # ProphetKV's pass eagerly
+        try:
+            return fn()
+        finally:
+            runner.query_graphs = query
 
     runs = {
         "full": lambda: ttft(ids=full_ids),
@@ -118,6 +129,8 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
         runs["full_eager"] = lambda: eager(runs["full"])
         runs["blend_eager"] = lambda: eager(runs["blend"])
         runs["reuse_eager"] = lambda: eager(runs["reuse"])
+    if runner.query_graphs is not None:
+        runs["blend_eager_pass"] = lambda: eager_pass(runs["blend"])
     for run in runs.values():  # warm: kernels, checksums, memory tier, the cost check's rates
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -173,6 +186,9 @@ def print_size(row: dict, ratio: float) -> None:
             f"    without piecewise graphs: full {ms('full_eager_s')}, blend "
             f"{ms('blend_eager_s')}, reuse {ms('reuse_eager_s')}"
         )
+    if "blend_eager_pass_s" in row:
+        print(f"    ProphetKV's query pass run eagerly (not one replay): blend "
+              f"{ms('blend_eager_pass_s')}")  # fmt: skip
     for name in ("full", "blend", "reuse", "blend_eager"):
         p = row.get(f"profile_{name}")
         if p:
