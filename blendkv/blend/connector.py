@@ -22,6 +22,7 @@ from blendkv.blend.layerwise_write import LayerwiseLoad, resolve_pipelined, spar
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.prefetch import ChunkPrefetcher
 from blendkv.blend.prophet import run_query_pass
+from blendkv.blend.query_pass_graphs import QueryPassGraphs
 from blendkv.blend.request_state import BlendRequestState, BlendStats
 from blendkv.blend.row_plan import BlendRowPlan
 from blendkv.blend.start_gate import refused_prompt
@@ -321,6 +322,17 @@ class BlendConnector(KVConnectorBase):
             md, self._step, ctx.attn_backend, len(caches), qkv_share(ctx.model)
         )
         return self._row_plan
+
+    def make_graphs(self, kv_caches, block_size, max_rows):
+        """ProphetKV's query pass whole (:mod:`blendkv.blend.query_pass_graphs`), on a
+        backend whose attention leaves the log-sum-exp the score reads."""
+        ctx = self.context
+        if not ctx.attn_backend.attention_lse or max_rows < 1:
+            return None
+        return QueryPassGraphs(
+            ctx.model, ctx.attn_backend, kv_caches, block_size, ctx.info.max_model_len,
+            min(256, max_rows),
+        )  # fmt: skip
 
     def needs_layer_hooks(self) -> bool:
         return self._layer_load is not None

@@ -79,7 +79,7 @@ class ForwardInputs:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
     pieces: Pieces | None = None  # how the forward runs its dense pieces (None: eagerly)
-    # ProphetKV's query pass replayed whole (blendkv.blend.query_pass_graphs; None: eagerly)
+    # the connector's own graphs (KVConnectorBase.make_graphs; None: its passes run eagerly)
     query_graphs: Any = None
 
 
@@ -170,6 +170,12 @@ class KVConnectorBase(LayerHooks, ABC):
 
     def row_plan(self, inputs: ForwardInputs) -> RowPlan | None:
         """Rows each layer computes this step; None = every row at every layer."""
+        return None
+
+    def make_graphs(self, kv_caches: list, block_size: int, max_rows: int) -> Any:
+        """Captured graphs of passes of the connector's own (ProphetKV's query pass), handed
+        back by every step as ``ForwardInputs.query_graphs``; the engine asks on CUDA with
+        graphs on. None (here): it has none."""
         return None
 
     def needs_layer_hooks(self) -> bool:

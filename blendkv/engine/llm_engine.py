@@ -139,17 +139,9 @@ class LLMEngine:
         if graphs and config.max_graph_rows:  # (no attention inside: any backend)
             # each piece is captured at its first use of a size
             self.runner.piece_graphs = PiecewiseGraphs(self.device, config.max_graph_rows)
-        if graphs and config.max_graph_rows and self.attn_backend.attention_lse:
-            from blendkv.blend.query_pass_graphs import QueryPassGraphs
-
-            # ProphetKV's query pass whole, captured at its first use of a size
-            self.runner.query_graphs = QueryPassGraphs(
-                self.model,
-                self.attn_backend,
-                self.runner.kv_caches,
-                config.block_size,
-                self.info.max_model_len,
-                min(256, config.max_graph_rows),
+            # the connector's passes (ProphetKV's query pass), each captured at first use
+            self.runner.query_graphs = self.kv_connector.make_graphs(
+                self.runner.kv_caches, config.block_size, config.max_graph_rows
             )
         self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
         self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id

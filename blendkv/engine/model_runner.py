@@ -90,7 +90,7 @@ class ModelRunner:
         # steps (blendkv.engine.piecewise_graphs): set up by the engine on CUDA.
         self.decode_graphs = None
         self.piece_graphs = None
-        self.query_graphs = None  # ProphetKV's query pass (blendkv.blend.query_pass_graphs)
+        self.query_graphs = None  # the connector's (KVConnectorBase.make_graphs)
         # Grammar matchers for structured outputs (StructuredOutputs), set up by the engine.
         self.structured_outputs = None
 

@@ -46,12 +46,12 @@ def make_llm(path, store, backend="triton"):
 
 
 def with_query_graphs(llm, capture) -> QueryPassGraphs:
-    """Give the engine the query pass's graphs on the CPU (the engine makes them on CUDA)."""
+    """Give the engine the query pass's graphs on the CPU, made as the engine makes them on
+    CUDA (the connector's ``make_graphs``)."""
     runner = llm.engine.runner
-    graphs = QueryPassGraphs(
-        runner.model, runner.attn_backend, runner.kv_caches, runner.block_size,
-        llm.engine.info.max_model_len, capture=capture,
-    )  # fmt: skip
+    graphs = llm.engine.kv_connector.make_graphs(runner.kv_caches, runner.block_size, 2048)
+    assert isinstance(graphs, QueryPassGraphs) and graphs.sizes[-1] == 256
+    graphs.capture = capture
     runner.query_graphs = graphs
     return graphs
 
@@ -124,7 +124,11 @@ def test_a_failed_capture_runs_the_pass_eagerly(tiny_llama_dir, tmp_path, monkey
 
 def test_backends_without_attention_lse_never_replay(tiny_llama_dir, tmp_path, monkeypatch):
     llm = make_llm(tiny_llama_dir, tmp_path / "torch", backend="torch")
-    graphs = with_query_graphs(llm, EagerCapture())
+    runner = llm.engine.runner
+    assert llm.engine.kv_connector.make_graphs(runner.kv_caches, 4, 2048) is None
+    runner.query_graphs = graphs = QueryPassGraphs(
+        runner.model, runner.attn_backend, runner.kv_caches, 4, 512, capture=EagerCapture()
+    )
     run_all(llm, monkeypatch)
     assert graphs.replays == 0 and graphs.num_graphs == 0
     llm.close()
