@@ -13,8 +13,9 @@ one launch. Capturable because nothing in it depends on the request except devic
   query rows start varies by request, their positions are data;
 - a size's metadata object is built once with that size's Python mirrors (one sequence of
   ``max_model_len`` keys): the backend's layout for it (tiles, key parts) is built by the
-  warm-up run and kept alive with the graph; the kernels read the real key count from
-  ``seq_lens`` (a part past it, or a score block past it, does nothing);
+  warm-up run, and both live as long as the graph (which holds only its memory pool); the
+  kernels read the real key count from ``seq_lens`` (a part past it, or a score block past
+  it, does nothing);
 - no per-layer hook: the pass waits for every layer's loaded K/V before the replay.
 
 It runs for a step with one ProphetKV sequence on a backend whose attention leaves the rows'
@@ -221,5 +222,8 @@ class QueryPassGraphs:
         forward()  # warm-up: the backend builds its layout for this metadata object
         replay, _ = self.capture(forward)
         self._graphs[size] = replay
-        self.retained[size] = self.attn_backend.step_layouts(md)
+        # The graph keeps only its pool: the metadata (its ``query_start_loc`` is no view of a
+        # static buffer) and the backend's layouts must live as long as it does (an H200 run
+        # hit an illegal memory access once the freed metadata's memory was reused).
+        self.retained[size] = [md, plan, *self.attn_backend.step_layouts(md)]
         return replay
