@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from blendkv.kernels.uploads import upload, upload_list
+
 
 @dataclass(frozen=True)
 class QueryMassRequest:
@@ -112,7 +114,7 @@ class AttentionMetadata:
         return AttentionMetadata(
             positions=self.positions[rows],
             slot_mapping=self.slot_mapping[rows],
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.positions.device),
+            query_start_loc=upload_list(starts, torch.int32, self.positions.device),
             seq_lens=self.seq_lens,
             block_table=self.block_table,
             block_size=self.block_size,
@@ -130,7 +132,7 @@ def kept_rows(keep: torch.Tensor, device: torch.device) -> torch.Tensor:
     indexing a device tensor with a device bool mask syncs the host (the result's size is read
     back), a gather by index does not. Same rows, same order."""
     assert keep.device.type == "cpu", "a device mask would be read back to find its rows"
-    return torch.nonzero(keep).flatten().to(device)
+    return upload(torch.nonzero(keep).flatten(), device)
 
 
 def split_by_kind(md: AttentionMetadata) -> tuple[list[tuple[int, int]], list[int], list[int]]:

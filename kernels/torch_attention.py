@@ -33,6 +33,7 @@ from blendkv.kernels.batch_invariant import PerRowMemo
 from blendkv.kernels.paged_decode import block_runs, decode_attention, decode_layout
 from blendkv.kernels.split_attention import available as split_available
 from blendkv.kernels.split_attention import build_row_groups, split_masked_attention
+from blendkv.kernels.uploads import upload, upload_list
 
 
 def write_kv_cache(
@@ -198,11 +199,11 @@ class TorchAttentionBackend(AttentionBackend):
         dev = self.device
         positions_cpu = torch.cat(positions)
         return AttentionMetadata(
-            positions=positions_cpu.to(dev),
-            slot_mapping=torch.cat(slots).to(dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=block_table.to(dev),
+            positions=upload(positions_cpu, dev),
+            slot_mapping=upload(torch.cat(slots), dev),
+            query_start_loc=upload_list(query_start_loc, torch.int32, dev),
+            seq_lens=upload_list(seq_lens, torch.int32, dev),
+            block_table=upload(block_table, dev),
             block_size=block_size,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),

@@ -24,6 +24,7 @@ from blendkv.blend.config import BlendConfig
 from blendkv.blend.correction import Rows, correct_kept_rows, shift_parts
 from blendkv.blend.request_state import BlendStats
 from blendkv.blend.selection import SelectionInputs, score_rows, top_rows
+from blendkv.kernels.uploads import upload
 from blendkv.models.hooks import RowPlan
 
 
@@ -150,7 +151,7 @@ class BlendRowPlan(RowPlan):
             keep[cand] = False
             return
         device = md.positions.device
-        cand_d = cand.to(device)
+        cand_d = upload(cand, device)
         positions = md.positions
         local = self.rows[cand] - self.starts[sb.index]  # candidates' rows within the seq
         strategy = sb.config.score_at(layer_idx)
@@ -242,7 +243,7 @@ class BlendRowPlan(RowPlan):
             computed |= sb.exact  # stored as computed: nothing to shift
         kept = torch.nonzero(sb.reused & ~computed).flatten() + lo  # step rows
         rec_local = self.rows[rec] - lo
-        rec_d, kept_d = rec.to(dev), kept.to(dev)
+        rec_d, kept_d = upload(rec, dev), upload(kept, dev)
         rec_chunks, kept_chunks = sb.chunk_ids[rec_local], sb.chunk_ids[kept - lo]
         segments = kept_segments = None
         parts = 1
@@ -250,12 +251,12 @@ class BlendRowPlan(RowPlan):
             segments = _segments(rec_chunks, sb.num_chunks)
             kept_segments = _segments(kept_chunks, sb.num_chunks)
             parts = shift_parts(kept_segments.tolist())
-            segments, kept_segments = segments.to(dev), kept_segments.to(dev)
+            segments, kept_segments = upload(segments, dev), upload(kept_segments, dev)
         recomputed = Rows(
-            md.positions[rec_d], md.slot_mapping[rec_d], rec_chunks.to(dev), rec_d, segments
+            md.positions[rec_d], md.slot_mapping[rec_d], upload(rec_chunks, dev), rec_d, segments
         )
         kept_rows = Rows(
-            self.all_positions[kept_d], self.all_slots[kept_d], kept_chunks.to(dev), None,
+            self.all_positions[kept_d], self.all_slots[kept_d], upload(kept_chunks, dev), None,
             kept_segments, parts,
         )  # fmt: skip
         return recomputed, kept_rows

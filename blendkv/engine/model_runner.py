@@ -15,6 +15,7 @@ import torch
 from blendkv.engine.kv_connector import ForwardInputs
 from blendkv.engine.penalties import TokenCounts
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
+from blendkv.kernels.uploads import upload_list
 from blendkv.models.hooks import output_row_order
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ class ModelRunner:
             [seq.block_table for seq, _ in out.scheduled],
             self.block_size,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = upload_list(input_ids, torch.long, self.device)
         return ModelInputs(ids, md, sample_indices, sample_seqs, logits_rows)
 
     # -------------------------------------------------------------- execute

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, kept_rows
+from blendkv.kernels.uploads import upload
 from blendkv.layers.attention import Attention
 from blendkv.layers.linear import Linear
 from blendkv.layers.mlp import GatedMLP
@@ -159,7 +160,7 @@ class LlamaDecoderLayer(nn.Module):
         rows = rows.subset(keep)
         if len(idx) == 0:
             return q.new_empty(0, attn.num_heads * attn.head_dim), residual[:0], rows
-        idx = idx.to(q.device)
+        idx = upload(idx, q.device)
         q, k, v, residual = (t.index_select(0, idx) for t in (q_rot, k_rot, v, residual))
         out = pieces.output("heads", len(idx))
         heads = attn.attend_heads(q, k, v, kv_cache, rows.attn_metadata, out=out, kv_written=True)

@@ -85,11 +85,13 @@ class HostSyncs(TorchFunctionMode):
     explicit ``device=`` torch.device (``torch.tensor(ids, device=self.device)``) or moved with
     ``.to(device)`` / ``.to(tensor)``, and every result of an op with a device input. A sync is
     a host read of a device tensor (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
-    ``.to("cpu")``, ``int()``/``bool()``/``float()``) or an op whose output size depends on
+    ``.to("cpu")``, ``int()``/``bool()``/``float()``), an op whose output size depends on
     its values (``nonzero``, boolean-mask indexing, ``bincount``, ``repeat_interleave`` without
-    ``output_size``, ...). ``where`` counts them by the innermost project frame (file:line).
-    Host bookkeeping (CPU tensors a GPU run keeps on the CPU too) is not a sync, however it is
-    read.
+    ``output_size``, ...), or a copy of host values to the device that is not ``non_blocking``
+    (``.to(device)``, ``torch.tensor(..., device=)``, ``copy_``: torch synchronizes the stream
+    after such a copy, so the host waits for every kernel queued before it). ``where`` counts
+    them by the innermost project frame (file:line). Host bookkeeping (CPU tensors a GPU run
+    keeps on the CPU too) is not a sync, however it is read.
     """
 
     def __init__(self, device_tensors=(), kernels: _Counter | None = None) -> None:
@@ -133,6 +135,8 @@ class HostSyncs(TorchFunctionMode):
             name in _HOST_READS or host_target or _sizes_from_values(name, args, kwargs)
         ):
             self.where[_frame()] += 1
+        elif self._blocking_upload(name, args, kwargs, inputs, made_on_device):
+            self.where[_frame()] += 1
         if name in _HOST_READS or host_target:
             if on_device and out is args[0]:
                 # On a GPU ``.cpu()`` of a device tensor is a new tensor; the device one stays.
@@ -148,6 +152,20 @@ class HostSyncs(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.device[t] = True
         return out
+
+    def _blocking_upload(self, name, args, kwargs, inputs, made_on_device: bool) -> bool:
+        """A copy of host values to the device that waits for the stream: torch makes the
+        host wait for every queued kernel unless the copy is ``non_blocking`` (from pinned
+        memory: :func:`blendkv.kernels.attention_metadata.to_device`)."""
+        if kwargs.get("non_blocking", False):
+            return False
+        if name in ("tensor", "as_tensor"):
+            return made_on_device and not any(t in self.device for t in inputs)
+        if name == "to":
+            return made_on_device and args[0] not in self.device
+        if name == "copy_":
+            return args[0] in self.device and args[1] not in self.device
+        return False
 
     def _call(self, func, args, kwargs, device_call: bool):
         """``func`` with the kernel counter told whether it runs on device tensors."""

@@ -40,6 +40,7 @@ from blendkv.kernels.attention_mass import attention_with_mass
 from blendkv.kernels.torch_attention import gather_kv, masked_attention
 from blendkv.kernels.triton.attn_math import soft_cap as _soft_cap
 from blendkv.kernels.triton.prefill_tiles import DEFAULT_TILES, PrefillTiles
+from blendkv.kernels.uploads import upload_list
 
 LOG2E = 1.4426950408889634
 
@@ -271,8 +272,10 @@ def build_tiles(
     if not tile_seqs:  # (no host-to-device copy for an empty table)
         empty = torch.empty(0, dtype=torch.int32, device=device)
         return empty, empty
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    return as_tensor(tile_seqs), as_tensor(tile_starts)
+    return (
+        upload_list(tile_seqs, torch.int32, device),
+        upload_list(tile_starts, torch.int32, device),
+    )
 
 
 def prefill_attention(

@@ -79,6 +79,10 @@ def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
     # a full prefill waits for the device once: the sampled token comes back
     (where,) = rows["full"]["syncs_at"]
     assert "sampler.py" in where and rows["full"]["host_syncs"] == 1
+    # metadata and row indices go up without waiting (pinned, non_blocking): a reuse waits
+    # for its token only, a blend also for ProphetKV's scores
+    assert rows["reuse"]["host_syncs"] == 1, rows["reuse"]["syncs_at"]
+    assert rows["blend"]["host_syncs"] == 2, rows["blend"]["syncs_at"]
     assert rows["blend"]["launches"] > rows["reuse"]["launches"] > 0
     blend = rows["blend"]["triton"]
     assert blend["_mass_kernel"] == 2  # ProphetKV's pass: every layer
@@ -102,20 +106,25 @@ def test_count_launches_leaves_out_host_bookkeeping():
     import torch
 
     from blendkv.eval.bench.launches import count
+    from blendkv.kernels.uploads import upload
 
     weight = torch.ones(4, 4)
+    cuda = torch.device("cpu")  # what the counter follows as the device
 
     def run():
         positions = torch.arange(8)  # host bookkeeping: nothing launched
         _ = (positions * 2).sum().item()
         h = weight @ weight  # 1 kernel
         h = torch.relu(h + 1)  # 2 kernels
-        ids = torch.tensor([1, 2], device=torch.device("cpu"))  # made on the device: a copy
+        ids = torch.tensor([1, 2], device=cuda)  # a blocking copy: torch syncs after it
+        more = upload(torch.tensor([0, 3]), cuda)  # pinned, non_blocking: no sync
         _ = h[ids].sum().item()  # index + sum, then the host waits: 1 sync
+        _ = h[more]  # index: 1 kernel
 
     counted = count(run, [weight])
-    assert counted["aten_kernels"] == 3 + 1 + 2, counted["top_aten"]
-    assert counted["host_syncs"] == 1
+    assert counted["aten_kernels"] == 3 + 1 + 2 + 1, counted["top_aten"]
+    assert counted["host_syncs"] == 2, counted["syncs_at"]
+    assert sorted(counted["syncs_at"].values()) == [1, 1]
 
 
 def test_bench_gpu_attention_tune_checks_and_writes_a_table(tmp_path, capsys):

@@ -319,3 +319,20 @@ def test_replayed_pieces_equal_eager_on_cuda(tiny_llama_dir, tmp_path, backend):
     for (tokens, logits), (want_tokens, want_logits) in zip(runs[1], runs[0], strict=True):
         assert tokens == want_tokens
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_uploads_do_not_wait_and_refuse_a_capture():
+    """A pinned, non_blocking copy: the values arrive; inside a CUDA graph capture the copy
+    raises (a captured one would read a reused pinned block at every replay)."""
+    from blendkv.kernels.uploads import upload, upload_list
+
+    x = torch.arange(1000, dtype=torch.int64)
+    torch.cuda._sleep(50_000_000)  # the device busy: the copy queues behind it
+    y = upload(x, "cuda")
+    assert torch.equal(y.cpu(), x)
+    assert upload_list([3, 1, 2], torch.int32, torch.device("cuda")).tolist() == [3, 1, 2]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="capture"):
+        with torch.cuda.graph(graph):
+            upload(x, "cuda")
