@@ -265,12 +265,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
                       num_kv_heads: int = 1, tiles=None,
                       all_tiles: bool = False) -> _StepLayout:  # fmt: skip
         from blendkv.kernels.triton.decode_attention import default_num_splits
-        from blendkv.kernels.triton.prefill_attention import (
+        from blendkv.kernels.triton.prefill_tiles import (
+            DEFAULT_TILES,
             block_q_for,
             build_tiles,
             prefill_num_splits,
         )
-        from blendkv.kernels.triton.prefill_tiles import DEFAULT_TILES
 
         tiles = tiles or DEFAULT_TILES
 

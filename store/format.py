@@ -226,3 +226,11 @@ def decode_value(buf, header: ValueHeader) -> torch.Tensor | EncodedKV:
     """:func:`decode_payload` over a whole stored value ``buf`` (``check_value(buf)``'s
     ``header``); the result views ``buf``."""
     return decode_payload(payload_view(buf), header)
+
+
+def check_out(out: torch.Tensor, header: ValueHeader) -> None:
+    """ValueError unless ``out`` has the stored value's decoded shape and dtype."""
+    if tuple(out.shape) != header.shape or out.dtype != header.dtype:
+        raise ValueError(
+            f"out is {out.dtype}{tuple(out.shape)}, stored {header.dtype}{header.shape}"
+        )

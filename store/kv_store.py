@@ -362,7 +362,7 @@ class KVStore(StoreTransactions, StoreQueries):
                 buf, header = found
                 value = fmt.decode_value(buf, header)
                 if out is not None:
-                    check_out(out, header)
+                    fmt.check_out(out, header)
                     out.copy_(decode_reference(value, out.dtype))
                     if not keep_encoded:
                         value = out
@@ -377,10 +377,8 @@ class KVStore(StoreTransactions, StoreQueries):
                 buf, header = found
                 if out is None:
                     out = torch.empty(header.shape, dtype=header.dtype, pin_memory=self.pin_memory)
-                elif tuple(out.shape) != header.shape or out.dtype != header.dtype:
-                    raise ValueError(
-                        f"out is {out.dtype}{tuple(out.shape)}, stored {header.dtype}{header.shape}"
-                    )
+                else:
+                    fmt.check_out(out, header)
                 src = fmt.payload_view(buf)
                 if out.is_contiguous():
                     out.view(-1).view(torch.uint8).copy_(src)
@@ -392,11 +390,3 @@ class KVStore(StoreTransactions, StoreQueries):
             return None
         self.lmdb_hits += 1
         return out
-
-
-def check_out(out: torch.Tensor, header: fmt.ValueHeader) -> None:
-    """ValueError unless ``out`` has the stored value's decoded shape and dtype."""
-    if tuple(out.shape) != header.shape or out.dtype != header.dtype:
-        raise ValueError(
-            f"out is {out.dtype}{tuple(out.shape)}, stored {header.dtype}{header.shape}"
-        )

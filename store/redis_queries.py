@@ -1,5 +1,6 @@
-"""Health queries of a :class:`~blendkv.store.redis_store.RedisKVStore`: stats and verify
-(on a Redis Cluster: ``INFO`` summed over the masters, markers scanned master by master).
+"""Metadata and health queries of a :class:`~blendkv.store.redis_store.RedisKVStore`: chunk
+metadata by key, id and document; stats and verify (on a Redis Cluster: ``INFO`` summed over
+the masters, markers scanned master by master).
 
 A mixin over the store's client, key helpers and counters; kept apart from the value paths.
 """
@@ -7,13 +8,38 @@ A mixin over the store's client, key helpers and counters; kept apart from the v
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 from . import format as fmt
 from .errors import CorruptValueError
-from .records import StoreStats, VerifyReport
+from .records import ChunkMeta, StoreStats, VerifyReport
 
 
 class RedisQueries:
+    # ---- metadata -----------------------------------------------------------------------
+    def get_meta(self, key: bytes) -> ChunkMeta | None:
+        raw = self._call(lambda: self.client.get(self._chunk(key, "m")), None)
+        return ChunkMeta.from_json(raw) if raw is not None else None
+
+    def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
+        hexkey = self._call(lambda: self.client.get(self._k("id", chunk_id)), None)
+        return self.get_meta(bytes.fromhex(hexkey.decode())) if hexkey else None
+
+    def _metas(self, hexkeys) -> list[ChunkMeta]:
+        keys = [bytes.fromhex(h.decode()) for h in hexkeys]
+        raws = self._call(lambda: self._mget([self._chunk(k, "m") for k in keys]), None)
+        return [ChunkMeta.from_json(r) for r in raws or [] if r is not None]
+
+    def iter_meta(self) -> Iterator[ChunkMeta]:
+        yield from self._metas(self._call(lambda: self.client.smembers(self._k("chunks")), set()))
+
+    def chunk_ids(self) -> list[int]:
+        return sorted(m.chunk_id for m in self.iter_meta())
+
+    def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
+        members = self._call(lambda: self.client.smembers(self._k("doc", doc_id)), set())
+        return sorted(self._metas(members), key=lambda m: m.position)
+
     # ---- health -------------------------------------------------------------------------
     def stats(self) -> StoreStats:
         metas = list(self.iter_meta())

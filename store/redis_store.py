@@ -36,7 +36,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -46,7 +45,7 @@ from .codecs import EncodedKV, decode_reference
 from .errors import CorruptValueError, FingerprintMismatchError, StoreError, StoreFormatError
 from .fingerprint import ModelFingerprint, mismatch_message
 from .memory_tier import MemoryTier
-from .records import ChunkKV, ChunkMeta
+from .records import ChunkKV
 from .redis_queries import RedisQueries
 from .redis_wire import bulk_reader_for
 from .redis_writes import RedisWrites
@@ -342,30 +341,6 @@ class RedisKVStore(RedisWrites, RedisQueries):
     def generation(self) -> int:
         """Bumped by every add and delete from any process."""
         return int(self._call(lambda: self.client.get(self._k("gen")) or 0, 0))
-
-    # ---- metadata -----------------------------------------------------------------------
-    def get_meta(self, key: bytes) -> ChunkMeta | None:
-        raw = self._call(lambda: self.client.get(self._chunk(key, "m")), None)
-        return ChunkMeta.from_json(raw) if raw is not None else None
-
-    def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
-        hexkey = self._call(lambda: self.client.get(self._k("id", chunk_id)), None)
-        return self.get_meta(bytes.fromhex(hexkey.decode())) if hexkey else None
-
-    def _metas(self, hexkeys) -> list[ChunkMeta]:
-        keys = [bytes.fromhex(h.decode()) for h in hexkeys]
-        raws = self._call(lambda: self._mget([self._chunk(k, "m") for k in keys]), None)
-        return [ChunkMeta.from_json(r) for r in raws or [] if r is not None]
-
-    def iter_meta(self) -> Iterator[ChunkMeta]:
-        yield from self._metas(self._call(lambda: self.client.smembers(self._k("chunks")), set()))
-
-    def chunk_ids(self) -> list[int]:
-        return sorted(m.chunk_id for m in self.iter_meta())
-
-    def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
-        members = self._call(lambda: self.client.smembers(self._k("doc", doc_id)), set())
-        return sorted(self._metas(members), key=lambda m: m.position)
 
 
 def _client_for(url: str, socket_timeout: float):

@@ -18,7 +18,12 @@ from blendkv.blend.config import blend_connector_config
 from blendkv.blend.controller import LoadingController
 from blendkv.blend.cost_policy import ModelCosts, apply_choice, cost_check_enabled, qkv_share
 from blendkv.blend.device_timer import DeviceStepTimer
-from blendkv.blend.layerwise_write import LayerwiseLoad, resolve_pipelined, spare_cpu_core
+from blendkv.blend.layerwise_write import (
+    LayerwiseLoad,
+    account_writes,
+    resolve_pipelined,
+    spare_cpu_core,
+)
 from blendkv.blend.manager import BlendManager
 from blendkv.blend.prefetch import ChunkPrefetcher
 from blendkv.blend.prophet import run_query_pass
@@ -350,22 +355,7 @@ class BlendConnector(KVConnectorBase):
             return
         forward_seconds = time.perf_counter() - self._forward_start
         load.finish()
-        hidden_share = load.hidden / load.busy if load.busy > 0 else 0.0
-        read_share = load.read_hidden / load.read_busy if load.read_busy > 0 else 0.0
-        for w in load.writes:
-            stats, tier = w.owner
-            # a deferred read's time is in no pre-forward load time (the loader's) yet
-            read_hidden = w.fetch_seconds * read_share if w.fetch is not None else 0.0
-            stats.load_seconds += w.seconds + (w.fetch_seconds if w.fetch is not None else 0.0)
-            stats.read_seconds += w.fetch_seconds
-            stats.read_hidden_seconds += read_hidden
-            stats.write_seconds += w.seconds
-            stats.load_hidden_seconds += w.seconds * hidden_share + read_hidden
-            if tier != "computed":
-                layerwise = w.seconds if load.pipelined else 0.0
-                self.controller.record_load(
-                    tier, w.nbytes, w.seconds + w.fetch_seconds, layerwise_seconds=layerwise
-                )
+        account_writes(load, self.controller)
         if self._row_plan is None or self._captured():
             return
         row_layers = self._row_plan.row_layers(self.context.info.num_layers)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blendkv.blend.controller import LoadingController
 from blendkv.kernels.kv_decode import EncodedChunk, is_encoded
 
 
@@ -354,3 +355,25 @@ class LayerwiseLoad:
     def read_hidden(self) -> float:
         """Seconds of deferred reading that overlapped compute."""
         return max(0.0, self.read_busy - self.read_waited)
+
+
+def account_writes(load: LayerwiseLoad, controller: LoadingController) -> None:
+    """A finished load's cost: each write's read, write and hidden seconds into its request's
+    stats (``ChunkWrite.owner``: stats and tier), and the stored tiers' bytes and seconds into
+    the loading ``controller`` (its per-tier bandwidth)."""
+    hidden_share = load.hidden / load.busy if load.busy > 0 else 0.0
+    read_share = load.read_hidden / load.read_busy if load.read_busy > 0 else 0.0
+    for w in load.writes:
+        stats, tier = w.owner
+        # a deferred read's time is in no pre-forward load time (the loader's) yet
+        read_hidden = w.fetch_seconds * read_share if w.fetch is not None else 0.0
+        stats.load_seconds += w.seconds + (w.fetch_seconds if w.fetch is not None else 0.0)
+        stats.read_seconds += w.fetch_seconds
+        stats.read_hidden_seconds += read_hidden
+        stats.write_seconds += w.seconds
+        stats.load_hidden_seconds += w.seconds * hidden_share + read_hidden
+        if tier != "computed":
+            layerwise = w.seconds if load.pipelined else 0.0
+            controller.record_load(
+                tier, w.nbytes, w.seconds + w.fetch_seconds, layerwise_seconds=layerwise
+            )

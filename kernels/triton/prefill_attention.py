@@ -13,7 +13,8 @@ recomputed rows and decode rows are all the same case. Grid and tiles::
     online softmax in float32.
 
 ``tile_seq_ids`` / ``tile_starts`` (which sequence, first row) are built on the host from the
-metadata's Python mirrors (:func:`build_tiles`), so a launch needs no device-to-host sync.
+metadata's Python mirrors (:mod:`~blendkv.kernels.triton.prefill_tiles`' ``build_tiles``), so
+a launch needs no device-to-host sync.
 
 A sliding window (``window``: a row at ``p`` sees keys ``p - window < j <= p``) starts a tile's
 key loop at its first row's first key (the keys before every row's window are not read);
@@ -27,7 +28,7 @@ the key range of each tile is cut in ``num_splits`` parts, flash-decoding style:
              log-sum-exp (base 2) per (row, head), into a float32 scratch buffer
     stage 2  grid (num_tiles, num_kv_heads): the parts combined with weights exp2(lse - max)
 
-:func:`prefill_num_splits` picks the count from host-known sizes (no sync).
+``prefill_tiles.prefill_num_splits`` picks the count from host-known sizes (no sync).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from blendkv.kernels.attention_mass import attention_with_mass
 from blendkv.kernels.torch_attention import gather_kv, masked_attention
 from blendkv.kernels.triton.attn_math import soft_cap as _soft_cap
 from blendkv.kernels.triton.prefill_tiles import DEFAULT_TILES, PrefillTiles
-from blendkv.kernels.uploads import upload_list
 
 LOG2E = 1.4426950408889634
 
@@ -236,45 +236,6 @@ def _prefill_combine_kernel(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
         mask=r_mask[:, None] & (d[None, :] < head_dim),
-    )
-
-
-def prefill_num_splits(
-    num_tiles: int, num_kv_heads: int, max_keys: int, target_programs: int
-) -> int:
-    """Key parts per tile: 1 when the tiles alone fill ``target_programs`` (about two per GPU
-    multiprocessor); else doubled while the programs stay within the target and each part keeps
-    at least 256 keys (at most 32 parts)."""
-    programs = num_tiles * num_kv_heads
-    splits = 1
-    if programs == 0:
-        return splits
-    while splits < 32 and programs * splits * 2 <= target_programs and max_keys >= splits * 2 * 256:
-        splits *= 2
-    return splits
-
-
-def block_q_for(group: int, block_m: int = 64) -> int:
-    """Query rows per tile: ``block_m`` (row, head) pairs shared by ``group`` heads."""
-    return max(1, block_m // group)
-
-
-def build_tiles(
-    query_start_loc_cpu: list[int], seq_ids: list[int], block_q: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile_seq_ids, tile_starts) [num_tiles] int32 covering the rows of ``seq_ids``."""
-    tile_seqs, tile_starts = [], []
-    for seq in seq_ids:
-        lo, hi = query_start_loc_cpu[seq], query_start_loc_cpu[seq + 1]
-        for start in range(lo, hi, block_q):
-            tile_seqs.append(seq)
-            tile_starts.append(start)
-    if not tile_seqs:  # (no host-to-device copy for an empty table)
-        empty = torch.empty(0, dtype=torch.int32, device=device)
-        return empty, empty
-    return (
-        upload_list(tile_seqs, torch.int32, device),
-        upload_list(tile_starts, torch.int32, device),
     )
 
 

@@ -1,4 +1,6 @@
-"""Tile sizes and launch settings of the prefill attention kernel, tuned per GPU generation.
+"""Tile sizes and launch settings of the prefill attention kernel, tuned per GPU generation,
+and its launch layout: the row tiles (:func:`build_tiles`) and key parts per tile
+(:func:`prefill_num_splits`), from the metadata's host mirrors.
 
 The kernel's defaults (:data:`DEFAULT_TILES`) are what it was written with; a table measured by
 ``blendkv bench gpu-attention --tune`` on a GPU replaces them for the head shapes it covers.
@@ -21,6 +23,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from blendkv.kernels.uploads import upload_list
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +100,42 @@ def write_table(path: Path, device_name: str, configs: dict[str, PrefillTiles]) 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=2) + "\n")
     load_table.cache_clear()
+
+
+def prefill_num_splits(
+    num_tiles: int, num_kv_heads: int, max_keys: int, target_programs: int
+) -> int:
+    """Key parts per tile: 1 when the tiles alone fill ``target_programs`` (about two per GPU
+    multiprocessor); else doubled while the programs stay within the target and each part keeps
+    at least 256 keys (at most 32 parts)."""
+    programs = num_tiles * num_kv_heads
+    splits = 1
+    if programs == 0:
+        return splits
+    while splits < 32 and programs * splits * 2 <= target_programs and max_keys >= splits * 2 * 256:
+        splits *= 2
+    return splits
+
+
+def block_q_for(group: int, block_m: int = 64) -> int:
+    """Query rows per tile: ``block_m`` (row, head) pairs shared by ``group`` heads."""
+    return max(1, block_m // group)
+
+
+def build_tiles(
+    query_start_loc_cpu: list[int], seq_ids: list[int], block_q: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile_seq_ids, tile_starts) [num_tiles] int32 covering the rows of ``seq_ids``."""
+    tile_seqs, tile_starts = [], []
+    for seq in seq_ids:
+        lo, hi = query_start_loc_cpu[seq], query_start_loc_cpu[seq + 1]
+        for start in range(lo, hi, block_q):
+            tile_seqs.append(seq)
+            tile_starts.append(start)
+    if not tile_seqs:  # (no host-to-device copy for an empty table)
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        return empty, empty
+    return (
+        upload_list(tile_seqs, torch.int32, device),
+        upload_list(tile_starts, torch.int32, device),
+    )

@@ -224,13 +224,13 @@ def add_query_mass(
     [2, num_blocks, block_size, kv_heads, head_dim] (the query rows' own K written).
     ``scale`` (None: ``head_dim ** -0.5``), ``window``, ``soft_cap``: the layer's.
     ``target_programs``: the log-sum-exp pass cuts the keys in parts while it has fewer
-    programs than this (:func:`~blendkv.kernels.triton.prefill_attention.prefill_num_splits`;
+    programs than this (:func:`~blendkv.kernels.triton.prefill_tiles.prefill_num_splits`;
     about twice the GPU's multiprocessors); the mass pass combines the parts.
     ``lse``: float32 [Q, H], each row and head's base-2 log-sum-exp as the layer's attention
     computed it (``prefill_attention(lse=...)``): the log-sum-exp pass is skipped (one launch).
     ``key_count``: int32 [1] on the device, the keys past it score nothing and cost nothing
     (a captured pass sized for the longest sequence; no query row sees them anyway)."""
-    from blendkv.kernels.triton.prefill_attention import prefill_num_splits
+    from blendkv.kernels.triton.prefill_tiles import prefill_num_splits
 
     num_q, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape

@@ -146,7 +146,7 @@ def test_query_mass_splits_long_keys(device):
     """Few query rows over 1,100 keys: the log-sum-exp pass cuts the keys in 4 parts (rows at
     100 and 300 see none of the later ones), the mass pass combines them: the reference's
     scores, and the unsplit kernel's."""
-    from blendkv.kernels.triton.prefill_attention import prefill_num_splits
+    from blendkv.kernels.triton.prefill_tiles import prefill_num_splits
     from blendkv.kernels.triton.query_mass import add_query_mass, query_mass_reference
 
     g = torch.Generator().manual_seed(5)

@@ -12,11 +12,8 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 from blendkv.kernels.triton import decode_attention, prefill_attention, rope_load, write_kv  # noqa: E402
 from blendkv.kernels.triton.decode_attention import decode_attention_reference  # noqa: E402
 from blendkv.kernels.triton.kv_write import write_kv_reference  # noqa: E402
-from blendkv.kernels.triton.prefill_attention import (  # noqa: E402
-    block_q_for,
-    build_tiles,
-    prefill_attention_reference,
-)
+from blendkv.kernels.triton.prefill_attention import prefill_attention_reference  # noqa: E402
+from blendkv.kernels.triton.prefill_tiles import block_q_for, build_tiles  # noqa: E402
 from blendkv.kernels.triton.rope_load import rope_load_reference, stacked_layers  # noqa: E402
 
 SCALE = 0.35
@@ -255,7 +252,7 @@ def test_prefill_attention_tiles(make_step, tiles, num_splits):
 
 
 def test_prefill_num_splits():
-    from blendkv.kernels.triton.prefill_attention import prefill_num_splits
+    from blendkv.kernels.triton.prefill_tiles import prefill_num_splits
 
     # a reuse at 16K on an 8B shape (2 tiles, 8 kv heads, 264 programs): 16 parts of 1K keys
     assert prefill_num_splits(2, 8, 16384, 264) == 16
