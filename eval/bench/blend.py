@@ -22,8 +22,16 @@ from blendkv.eval.datasets import load_cacheblend_json
 from blendkv.eval.metrics import teacher_forced_fidelity
 from blendkv.eval.prompts import get_prompt_spec, render_prompt
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_dev.json"
 ANSWER_TOKENS = 16
+
+
+def default_data(repo: Path | None = None) -> Path:
+    """The MuSiQue dev set: in the checkout's ``shared/`` folder, else in the one beside it."""
+    repo = repo or Path(__file__).resolve().parents[2]
+    for shared in (repo / "shared", repo.parent / "shared"):
+        if (shared / "data").is_dir():
+            return shared / "data" / "musique_dev.json"
+    return repo / "shared" / "data" / "musique_dev.json"
 
 
 def _blended(example, spec) -> dict:
@@ -60,7 +68,7 @@ def musique_setup(args, **llm_kwargs):
     """(examples, prompt spec, LLM) of a MuSiQue blend benchmark: ``args.data`` (default: the
     dev set), ``args.limit`` examples, ``args.model`` in ``args.dtype``, no prefix caching,
     8K context; ``llm_kwargs`` for the store and loading."""
-    data = Path(args.data) if args.data else DEFAULT_DATA
+    data = Path(args.data) if args.data else default_data()
     examples = load_cacheblend_json(data, limit=args.limit)
     llm = LLM(
         args.model,

@@ -44,3 +44,13 @@ def test_profile_parts_add_up_to_the_ttft(tmp_path, capsys, selection):
     assert summary["key_floor_fraction_blend"] == prof["key_floor_fraction"]
     printed = capsys.readouterr().out
     assert "of its floor" in printed and "key-weighted floor" in printed
+
+
+def test_default_data_is_found_in_or_beside_the_checkout(tmp_path):
+    from blendkv.eval.bench.blend import default_data
+
+    repo = tmp_path / "checkout"
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    assert default_data(repo) == tmp_path / "shared" / "data" / "musique_dev.json"
+    (repo / "shared" / "data").mkdir(parents=True)  # the checkout's own comes first
+    assert default_data(repo) == repo / "shared" / "data" / "musique_dev.json"
