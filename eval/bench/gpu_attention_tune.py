@@ -86,12 +86,8 @@ def _case(heads: tuple[int, int, int], keys: int, kind: str, device: str, seed: 
 
 def _runner(case: dict, tiles, target_programs: int):
     """A callable launching the kernel on ``case`` with ``tiles``, and its output tensor."""
-    from blendkv.kernels.triton.prefill_attention import (
-        block_q_for,
-        build_tiles,
-        prefill_attention,
-        prefill_num_splits,
-    )
+    from blendkv.kernels.triton.prefill_attention import prefill_attention
+    from blendkv.kernels.triton.prefill_tiles import block_q_for, build_tiles, prefill_num_splits
 
     md, q, cache = case["md"], case["q"], case["cache"]
     group = q.shape[1] // cache.shape[3]
