@@ -114,6 +114,12 @@ def mismatch_message(location: object, given: ModelFingerprint, stored: ModelFin
             f"unset to follow the store), or re-encode it with `blendkv store convert SRC DST "
             f"--codec {given.kv_codec}`"
         )
+    if fields == ("anchor_token_ids",):
+        return (
+            f"store {location} holds chunks precomputed behind another anchor "
+            f"({len(stored.anchor_token_ids)} tokens, not {len(given.anchor_token_ids)}): leave "
+            "anchor_system and anchor_instruction unset to follow the store, or use another store"
+        )
     if fields == ("dtype",):
         return (
             f"store {location} was built with dtype {stored.dtype}; this model is "

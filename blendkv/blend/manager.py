@@ -33,6 +33,7 @@ from blendkv.store import (
     chunk_key,
     open_kv_store,
 )
+from blendkv.store.backends import stored_fingerprint
 from blendkv.store.capacity import default_request_cache_bytes
 from blendkv.store.fingerprint import mismatch_message
 from blendkv.store.kv_store import KVStore
@@ -76,7 +77,13 @@ class BlendManager:
         self.tokenizer = tokenizer
         self.attn_backend = attn_backend
         self.builder = PromptBuilder(tokenizer)
+        # What chunks computed at query time are prefilled behind (request documents, misses)
         self.anchor_ids = self.builder.anchor(anchor_system, anchor_instruction)
+        # What the document store's chunks were prefilled behind: this anchor, or, when the
+        # engine was given none of its own, an existing store's (follow_store_anchor) or a new
+        # RAG pipeline store's, its instruction's (set_store_anchor). The fingerprint names it.
+        self.anchor_explicit = anchor_system is not None or anchor_instruction is not None
+        self.store_anchor_ids = self.anchor_ids
         self.boundary_tokens = anchor_boundary_tokens
         cfg = model.config
         attn = model.model.layers[0].self_attn
@@ -107,6 +114,8 @@ class BlendManager:
                 memory_tier_bytes=memory_tier_bytes,
             )
         else:
+            if not self.anchor_explicit:
+                self.follow_store_anchor(stored_fingerprint(store_dir))
             main = open_kv_store(
                 store_dir,
                 self.fingerprint,
@@ -172,6 +181,20 @@ class BlendManager:
             tmp.cleanup()
         self._tmpdirs = []
 
+    def set_store_anchor(self, anchor_ids: list[int]) -> None:
+        """Ingest chunks behind ``anchor_ids`` and look prompts' chunks up behind it first
+        (the fingerprint follows); call it before :meth:`use_store` opens a store with the new
+        fingerprint. Chunks computed at query time stay behind :attr:`anchor_ids`."""
+        self.store_anchor_ids = list(anchor_ids)
+        self.fingerprint = dataclasses.replace(self.fingerprint, anchor_token_ids=tuple(anchor_ids))
+
+    def follow_store_anchor(self, stored: ModelFingerprint | None) -> None:
+        """Take the anchor of a store built with ``stored`` (its chunks were precomputed
+        behind it); whatever else differs, opening the store names it."""
+        if stored is not None and stored.anchor_token_ids != self.fingerprint.anchor_token_ids:
+            logger.info("following the store's anchor (%d tokens)", len(stored.anchor_token_ids))
+            self.set_store_anchor(list(stored.anchor_token_ids))
+
     def use_store(self, store: ChunkKVStore) -> None:
         """Serve chunk K/V from ``store`` (opened with :attr:`fingerprint`), e.g. the
         one inside a ``ChunkStore``, behind a new request cache when there is one; the previous
@@ -189,18 +212,26 @@ class BlendManager:
 
     # ------------------------------------------------------------- requests
     def chunk_key(self, chunk_ids: list[int], context: list[int] | None = None) -> bytes:
-        """The store key of a chunk precomputed behind ``context`` (default: the anchor)."""
-        anchor = self.anchor_ids if context is None else context
+        """The store key of a chunk precomputed behind ``context`` (default: the store's
+        anchor, as ingest stores it)."""
+        anchor = self.store_anchor_ids if context is None else context
         return chunk_key(self.fingerprint, anchor, chunk_ids)
 
     def chunk_contexts(self, chunks: list[list[int]]) -> list[list[int]]:
         """What each chunk of a prompt is precomputed behind: the anchor, and with
         ``anchor_boundary_tokens`` N also the last N tokens of the chunk before it (so its K/V
-        is reused only where the same chunk follows the same neighbour)."""
+        is reused only where the same chunk follows the same neighbour); a chunk stored behind
+        the store's own anchor (:attr:`store_anchor_ids`, when it differs) is taken from there."""
         n = self.boundary_tokens
-        if n == 0:
-            return [self.anchor_ids] * len(chunks)
-        return [self.anchor_ids + (chunks[i - 1][-n:] if i else []) for i in range(len(chunks))]
+        contexts = [
+            self.anchor_ids + (chunks[i - 1][-n:] if n and i else []) for i in range(len(chunks))
+        ]
+        if self.store_anchor_ids != self.anchor_ids:
+            # a chunk ingested into the store (behind its anchor alone) is served from there
+            for i, chunk in enumerate(chunks):
+                if self.has(self.chunk_key(chunk, self.store_anchor_ids)):
+                    contexts[i] = self.store_anchor_ids
+        return contexts
 
     def prepare(self, prompt: dict, config: BlendConfig | None) -> BlendRequestState:
         """Parse a blended prompt dict (see ``blendkv.blend``) into its request state.
@@ -292,8 +323,8 @@ class BlendManager:
         self, chunks: list[list[int]], contexts: list[list[int]] | None = None
     ) -> list[torch.Tensor]:
         """Each chunk's K (pre-RoPE) and V, prefilled alone behind its context (default: the
-        anchor; one forward each), on the model's device."""
-        contexts = contexts or [self.anchor_ids] * len(chunks)
+        store's anchor, as ingest stores it; one forward each), on the model's device."""
+        contexts = contexts or [self.store_anchor_ids] * len(chunks)
         limit = self.model.model.rotary_emb.max_position
         for chunk, context in zip(chunks, contexts, strict=True):
             if len(context) + len(chunk) > limit:
@@ -354,10 +385,11 @@ class BlendManager:
         self, chunks: list[list[int]], texts=None, doc_id=None, progress=None, contexts=None
     ) -> list:
         """Ingest: compute and store the K/V of chunks not stored yet (synchronously, in
-        batches of one forward each), each behind its context (default: the anchor). Returns a
+        batches of one forward each), each behind its context (default: the store's anchor,
+        :attr:`store_anchor_ids`). Returns a
         PutResult per chunk (None: already stored)."""
         self.flush()
-        contexts = contexts or [self.anchor_ids] * len(chunks)
+        contexts = contexts or [self.store_anchor_ids] * len(chunks)
         keys = [self.chunk_key(c, ctx) for c, ctx in zip(chunks, contexts, strict=True)]
         results: list = [None] * len(chunks)
         todo = [i for i, key in enumerate(keys) if key not in self.document_store]

@@ -35,6 +35,7 @@ from blendkv.rag.retrieval import retrieve_chunks
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 from blendkv.sampling_params import SamplingParams
 from blendkv.store import StoreNotFoundError
+from blendkv.store.backends import stored_fingerprint
 from blendkv.store.capacity import IngestPlan, store_max_bytes_arg
 from blendkv.store.chunk_store import ChunkStore
 from blendkv.store.embedding import MiniLMEmbedder
@@ -114,6 +115,7 @@ class RAGPipeline:
         self._store_lock = threading.RLock()
         try:
             self.manager = llm.blend_manager()
+            self._anchor()
             embedder = embedder if embedder is not None else MiniLMEmbedder()
             self.store = ChunkStore(
                 self.store_dir,
@@ -127,6 +129,20 @@ class RAGPipeline:
         except BaseException:
             self.close()
             raise
+
+    def _anchor(self) -> None:
+        """What this store's chunks are precomputed behind: an existing store's own anchor;
+        for a new one, the prefix of this pipeline's prompts (chat template and instruction),
+        so that the first passage's K/V is full prefill's and every passage's was computed
+        behind the text it follows (unless the engine was given an anchor of its own)."""
+        manager = self.manager
+        if manager.anchor_explicit:
+            return  # (a store built behind another one is refused when it opens)
+        stored = stored_fingerprint(self.store_dir)
+        if stored is not None:
+            manager.follow_store_anchor(stored)
+        else:
+            manager.set_store_anchor(manager.builder.anchor(None, self.instruction))
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
