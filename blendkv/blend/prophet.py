@@ -144,8 +144,7 @@ def run_query_pass(
     ids = input_ids[kept_rows(keep, input_ids.device)]
     positions_cpu = sub.positions_cpu = sub.host_positions()  # (read back once at most)
     num_layers = len(kv_caches)
-    if graphs is None or not _replayed(graphs, ids, sub, positions_cpu, prophets, hooks,
-                                       num_layers):  # fmt: skip
+    if graphs is None or not _replayed(graphs, ids, sub, positions_cpu, prophets, hooks):
         # Scoring in attention needs the last layer's attention too (its MLP is wasted:
         # ~1/30th of the pass); scoring in kernels can stop after the last layer's projections.
         kv_only = not attn_backend.scores_in_attention
@@ -171,9 +170,9 @@ def run_query_pass(
         sb.extra_key_row_layers = keys * num_layers
 
 
-def _replayed(graphs, ids, sub, positions_cpu, prophets, hooks, num_layers) -> bool:
-    """The pass of a step's one ProphetKV sequence from ``graphs``, every layer's loaded K/V
-    waited for first; False where it cannot replay (the caller runs it eagerly)."""
+def _replayed(graphs, ids, sub, positions_cpu, prophets, hooks) -> bool:
+    """The pass of a step's one ProphetKV sequence from ``graphs``, each segment after its
+    layers' loaded K/V; False where it cannot replay (the caller runs it eagerly)."""
     if len(prophets) != 1:
         return False
     sb = prophets[0]
@@ -182,9 +181,6 @@ def _replayed(graphs, ids, sub, positions_cpu, prophets, hooks, num_layers) -> b
     seq_len = sub.seq_lens_cpu[sb.index]
     if not bool(is_query.any()) or not graphs.can_run(hi - lo, seq_len):
         return False
-    if hooks is not None:
-        for layer in range(num_layers):
-            hooks.wait_for_layer_load(layer)
     first = hi - lo - int(is_query.sum())  # the query rows are the sequence's last
     scores = graphs.run(
         ids[lo:hi],
@@ -193,6 +189,7 @@ def _replayed(graphs, ids, sub, positions_cpu, prophets, hooks, num_layers) -> b
         first,
         sub.seq_lens[sb.index : sb.index + 1],
         sub.block_table[sb.index],
+        None if hooks is None else hooks.wait_for_layer_load,
     )
     if scores is None:  # the capture failed: eager from now on
         return False

@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 _SIZES = (1, 2, 4, 8) + tuple(range(16, 513, 8))
 
+# replay(before): segment k runs after before(k) (see CudaGraphCapture.segments)
+SegmentsReplay = Callable[[Callable[[int], None]], None]
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in _SIZES if s < max_num_seqs]
@@ -46,6 +49,44 @@ class CudaGraphCapture:
         self.pool = graph.pool()
         return graph.replay, out
 
+    def segments(self, fn: Callable[[Callable[[], None]], object]) -> SegmentsReplay:
+        """Captures ``fn(cut)`` as consecutive graphs, a new one from each ``cut()`` on (one
+        pool: they replay in capture order). ``replay(before)`` calls ``before(k)`` ahead of
+        segment k's replay: the host may order the stream there (wait for an event), which a
+        graph cannot do inside."""
+        fn(lambda: None)  # warm-up
+        torch.cuda.synchronize()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graphs: list[torch.cuda.CUDAGraph] = []
+        scope: list = []
+
+        def begin() -> None:
+            graphs.append(torch.cuda.CUDAGraph())
+            scope.append(torch.cuda.graph(graphs[-1], pool=self.pool,
+                                          capture_error_mode=self.error_mode))  # fmt: skip
+            scope[-1].__enter__()
+
+        def cut() -> None:
+            scope.pop().__exit__(None, None, None)
+            begin()
+
+        begin()
+        try:
+            fn(cut)
+        except BaseException as exc:
+            if scope:  # end the capture under way (its error is the one reported)
+                scope.pop().__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        scope.pop().__exit__(None, None, None)
+
+        def replay(before: Callable[[int], None]) -> None:
+            for k, graph in enumerate(graphs):
+                before(k)
+                graph.replay()
+
+        return replay
+
 
 class EagerCapture:
     """Stand-in without a GPU: "replay" runs the forward again on the same static buffers."""
@@ -57,6 +98,18 @@ class EagerCapture:
             holder["out"].copy_(fn())
 
         return replay, holder["out"]
+
+    def segments(self, fn: Callable[[Callable[[], None]], object]) -> SegmentsReplay:
+        """A "replay" runs ``fn`` again, calling ``before(k)`` where segment k begins: what
+        the graphs' replay orders, segment by segment."""
+        fn(lambda: None)
+
+        def replay(before: Callable[[int], None]) -> None:
+            segment = iter(range(1, 1 << 30))
+            before(0)
+            fn(lambda: before(next(segment)))
+
+        return replay
 
 
 class DecodeGraphs:

@@ -14,10 +14,10 @@ boolean-mask indexing, ...), each listed with the file:line it happens at. The c
 the code path, not on widths or token counts (within a prompt's few hundred tokens).
 
 As on a GPU, the dense pieces between attentions replay captured graphs
-(:mod:`blendkv.engine.piecewise_graphs`), and so does ProphetKV's query pass, whole
-(:mod:`blendkv.blend.query_pass_graphs`; ``--eager``: neither): the capture records a graph
-once, in the warm-up request, and each replay counts as one launch (``graph_replay``), the
-kernels inside it not at all.
+(:mod:`blendkv.engine.piecewise_graphs`), and so does ProphetKV's query pass, one graph per
+loading stage (:mod:`blendkv.blend.query_pass_graphs`; ``--eager``: neither): the capture
+records a graph once, in the warm-up request, and each replay counts as one launch
+(``graph_replay``), the kernels inside it not at all.
 """
 
 from __future__ import annotations
@@ -242,6 +242,32 @@ class CountedCapture:
                 counter.paused, syncs.paused = paused
 
         return replay, out
+
+    def segments(self, fn):
+        """The query pass's segmented capture: each segment's replay counts as one launch."""
+        fn(lambda: None)
+
+        def replay(before) -> None:
+            segment = iter(range(1, 1 << 30))
+            if self.counters is None:
+                before(0)
+                fn(lambda: before(next(segment)))
+                return
+            counter, syncs = self.counters
+
+            def start(k: int) -> None:
+                counter.ops["graph_replay"] += 1
+                before(k)
+
+            paused = counter.paused, syncs.paused
+            counter.paused = syncs.paused = True
+            try:
+                start(0)
+                fn(lambda: start(next(segment)))
+            finally:
+                counter.paused, syncs.paused = paused
+
+        return replay
 
 
 def device_tensors(llm) -> list[torch.Tensor]:

@@ -102,9 +102,50 @@ def test_the_captured_pass_never_waits_for_the_device(tiny_llama_dir, tmp_path):
     graphs = with_query_graphs(llm, EagerCapture())
     llm.generate([PROMPTS[0]], GREEDY, blend=BlendConfig(recompute_ratio=0.3))
     (replay,) = graphs._graphs.values()
-    rows = count(replay, device_tensors(llm))
+    rows = count(lambda: replay(lambda segment: None), device_tensors(llm))
     assert rows["host_syncs"] == 0, rows["syncs_at"]
     assert rows["triton"]["_mass_kernel"] == len(llm.engine.runner.model.model.layers)
+    llm.close()
+
+
+def test_each_segment_replays_once_its_layers_are_loaded(tiny_llama_dir, tmp_path, monkeypatch):
+    """The replayed pass overlaps the loading: a segment (one loading stage's layers) waits for
+    its own layers' K/V only, and every layer runs after its wait. Fails if the replay waits
+    for every layer first (what a single graph had to do) or skips a wait."""
+    from blendkv.blend import query_pass_graphs as qpg
+    from blendkv.blend.layerwise_write import load_stages
+
+    log = []
+    connector_cls = blend_connector.BlendConnector
+    original_wait = connector_cls.wait_for_layer_load
+
+    def wait(self, layer_idx):
+        log.append(("wait", layer_idx))
+        original_wait(self, layer_idx)
+
+    def scored(self, layer_idx, *args):
+        log.append(("layer", layer_idx))
+
+    monkeypatch.setattr(connector_cls, "wait_for_layer_load", wait)
+    monkeypatch.setattr(qpg._StaticScores, "after_attention", scored)
+    monkeypatch.setattr(qpg._StaticScores, "select", lambda self, i, *a: scored(self, i))
+    llm = make_llm(tiny_llama_dir, tmp_path / "segments")
+    graphs = with_query_graphs(llm, EagerCapture())
+    llm.generate([PROMPTS[0]], GREEDY, blend=BlendConfig(recompute_ratio=0.3))  # captures
+    log.clear()
+    llm.generate([PROMPTS[0]], GREEDY, blend=BlendConfig(recompute_ratio=0.3))  # replays
+    assert graphs.replays == 2
+    num_layers = len(llm.engine.runner.model.model.layers)
+    stages = load_stages(num_layers)
+    assert len(stages) == len(graphs.stages) >= 2
+    # the replayed pass: up to the fused forward's first wait (layer 0 again)
+    end = next(i for i, e in enumerate(log) if e == ("wait", 0) and i > 0)
+    passed = log[:end]
+    assert [e for e in passed if e[0] == "layer"] == [("layer", i) for i in range(num_layers)]
+    for lo, hi in stages:
+        first = passed.index(("layer", lo))
+        waited = {i for kind, i in passed[:first] if kind == "wait"}
+        assert waited == set(range(hi)), (lo, passed)  # its stage loaded, no later one
     llm.close()
 
 
@@ -123,13 +164,14 @@ def test_what_the_graph_reads_outlives_the_capture(tiny_llama_dir, tmp_path, mon
         made.append(weakref.ref(md))
         return md
 
-    def forgetful_capture(fn):  # like a real graph: nothing of ``fn`` is kept
-        out = fn()
-        return (lambda: None), out
+    class ForgetfulCapture:  # like a real graph: nothing of ``fn`` is kept
+        def segments(self, fn):
+            fn(lambda: None)
+            return lambda before: None
 
     monkeypatch.setattr(QueryPassGraphs, "_metadata", recorded)
     llm = make_llm(tiny_llama_dir, tmp_path / "alive")
-    graphs = with_query_graphs(llm, forgetful_capture)
+    graphs = with_query_graphs(llm, ForgetfulCapture())
     llm.generate([PROMPTS[0]], GREEDY, blend=BlendConfig(recompute_ratio=0.3))
     for n in (5, 9, 13, 17):  # steps enough to push it out of the backend's memo of layouts
         llm.generate([list(range(3, 3 + n))], GREEDY)
@@ -143,11 +185,12 @@ def test_what_the_graph_reads_outlives_the_capture(tiny_llama_dir, tmp_path, mon
 
 
 def test_a_failed_capture_runs_the_pass_eagerly(tiny_llama_dir, tmp_path, monkeypatch, caplog):
-    def broken_capture(fn):
-        raise RuntimeError("operation not permitted when stream is capturing")
+    class BrokenCapture:
+        def segments(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
 
     llm = make_llm(tiny_llama_dir, tmp_path / "broken")
-    graphs = with_query_graphs(llm, broken_capture)
+    graphs = with_query_graphs(llm, BrokenCapture())
     with caplog.at_level("WARNING"):
         first, *_ = run_all(llm, monkeypatch)
     assert first[0].sum() > 0  # scored eagerly

@@ -94,10 +94,11 @@ def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
     # per layer and pass (left: the ids into the first piece, SDPA's output, ...)
     for name in ("full", "reuse"):
         assert graphs[name]["top_aten"]["copy_"] <= 3
-    # the blend's ProphetKV pass is one replay: its rows copied into the graph's buffers once
-    # (ids, positions and their padding, slots, score positions, key count, block table)
+    # the blend's ProphetKV pass replays one graph per loading stage (2 layers: 2): its rows
+    # copied into the graphs' buffers once (ids, positions and their padding, slots, score
+    # positions, key count, block table)
     assert graphs["blend"]["top_aten"]["copy_"] <= 3 + 6
-    assert graphs["blend"]["top_aten"]["graph_replay"] == 1 + 3  # the pass; first, link, last
+    assert graphs["blend"]["top_aten"]["graph_replay"] == 2 + 3  # the pass; first, link, last
 
 
 def test_count_launches_leaves_out_host_bookkeeping():

@@ -321,6 +321,40 @@ def test_replayed_pieces_equal_eager_on_cuda(tiny_llama_dir, tmp_path, backend):
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
+def test_segmented_capture_replays_each_segment_after_its_wait():
+    """ProphetKV's query pass is captured as one graph per loading stage: segment 1 must see
+    what a copy finished before it (its wait orders the stream), segment 0 what was there
+    before the copy. One graph, or a wait after the replay, reads 0 or 6 in both."""
+    from blendkv.engine.cuda_graphs import CudaGraphCapture
+
+    x = torch.zeros(3, device="cuda")
+    src = torch.arange(1.0, 4.0, device="cuda")
+    out = torch.zeros(2, device="cuda")
+
+    def fn(cut):
+        out[0] = x.sum()
+        cut()
+        out[1] = x.sum() * 2
+
+    replay = CudaGraphCapture().segments(fn)
+    side = torch.cuda.Stream()
+    loaded = torch.cuda.Event()
+    torch.cuda.synchronize()
+
+    def before(segment):
+        if segment == 0:  # the load starts on the side stream, slowly
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(50_000_000)
+                x.copy_(src)
+                loaded.record(side)
+        else:
+            torch.cuda.current_stream().wait_event(loaded)
+
+    replay(before)
+    torch.cuda.synchronize()
+    assert out.tolist() == [0.0, 12.0]
+
+
 def test_uploads_do_not_wait_and_refuse_a_capture():
     """A pinned, non_blocking copy: the values arrive; inside a CUDA graph capture the copy
     raises (a captured one would read a reused pinned block at every replay)."""
