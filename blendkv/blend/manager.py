@@ -23,8 +23,9 @@ import xxhash
 from blendkv.blend.config import BlendConfig
 from blendkv.blend.precompute import compute_chunks_kv
 from blendkv.blend.prompt import BlendedPrompt, PromptBuilder
+from blendkv.blend.prompt_input import parse_prompt
 from blendkv.blend.request_state import BlendRequestState
-from blendkv.errors import InvalidRequestError, PromptTooLongError
+from blendkv.errors import PromptTooLongError
 from blendkv.layers.rotary import rope_parameters
 from blendkv.store import (
     FingerprintMismatchError,
@@ -240,24 +241,10 @@ class BlendManager:
         config = config or BlendConfig()
         config.validate_for(self.num_layers)
         prompt = replace_in_blended_prompt(prompt)  # lone surrogates -> U+FFFD, with a warning
-        allowed = {"documents", "chunks", "chunk_ids", "query", "system", "instruction"}
-        unknown = set(prompt) - allowed - {"continuation"}
-        if unknown:
-            raise InvalidRequestError(f"unknown keys in blended prompt: {sorted(unknown)}")
-        chunks = self._chunks(prompt)
-        query = prompt.get("query", "")
-        if not isinstance(query, (str, list)):
-            raise InvalidRequestError("'query' must be a string or a list of token ids")
-        for key in ("system", "instruction"):
-            if prompt.get(key) is not None and not isinstance(prompt[key], str):
-                raise InvalidRequestError(f"'{key}' must be a string")
-        continuation = prompt.get("continuation") or []
-        if not isinstance(continuation, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in continuation
-        ):
-            raise InvalidRequestError("'continuation' must be a list of token ids")
+        parts = parse_prompt(prompt, self.builder.encode, self._stored_tokens)
+        chunks = parts.chunks
         built = self.builder.build(
-            chunks, query, prompt.get("system"), prompt.get("instruction"), continuation
+            chunks, parts.query, parts.system, parts.instruction, parts.continuation
         )
         contexts = self.chunk_contexts(chunks)
         keys = [self.chunk_key(c, ctx) for c, ctx in zip(chunks, contexts, strict=True)]
@@ -275,37 +262,9 @@ class BlendManager:
         salt = self._salt(state.prompt, state.chunk_keys, config)
         return dataclasses.replace(state, config=config, salt=salt)
 
-    def _chunks(self, prompt: dict) -> list[list[int]]:
-        given = [k for k in ("documents", "chunks", "chunk_ids") if k in prompt]
-        if len(given) != 1:
-            raise InvalidRequestError(
-                "a blended prompt needs exactly one of 'documents' (strings), 'chunks' (token "
-                f"id lists) or 'chunk_ids' (stored chunk ids); got {given or 'none'}"
-            )
-        items = prompt[given[0]]
-        if not isinstance(items, (list, tuple)):
-            raise InvalidRequestError(f"'{given[0]}' must be a list")
-        chunks = []
-        for i, item in enumerate(items):
-            if given[0] == "documents":
-                if not isinstance(item, str):
-                    raise InvalidRequestError(f"document {i} is not a string")
-                ids = self.builder.encode(item)
-            elif given[0] == "chunks":
-                if not isinstance(item, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in item
-                ):
-                    raise InvalidRequestError(f"chunk {i} is not a list of token ids")
-                ids = list(item)
-            else:
-                meta = self.store.meta_for_id(int(item))
-                if meta is None:
-                    raise InvalidRequestError(f"stored chunk id {item} does not exist")
-                ids = list(meta.token_ids)
-            if not ids:
-                raise InvalidRequestError(f"{given[0][:-1]} {i} is empty (zero tokens)")
-            chunks.append(ids)
-        return chunks
+    def _stored_tokens(self, chunk_id: int) -> list[int] | None:
+        meta = self.store.meta_for_id(chunk_id)
+        return None if meta is None else list(meta.token_ids)
 
     @staticmethod
     def _salt(built: BlendedPrompt, keys: list[bytes], config: BlendConfig) -> bytes:
