@@ -115,8 +115,7 @@ class BlendManager:
                 memory_tier_bytes=memory_tier_bytes,
             )
         else:
-            if not self.anchor_explicit:
-                self.follow_store_anchor(stored_fingerprint(store_dir))
+            self.anchor_for_store(store_dir)
             main = open_kv_store(
                 store_dir,
                 self.fingerprint,
@@ -188,6 +187,18 @@ class BlendManager:
         fingerprint. Chunks computed at query time stay behind :attr:`anchor_ids`."""
         self.store_anchor_ids = list(anchor_ids)
         self.fingerprint = dataclasses.replace(self.fingerprint, anchor_token_ids=tuple(anchor_ids))
+
+    def anchor_for_store(self, store_dir: str, new_anchor_ids: list[int] | None = None) -> None:
+        """Before the store at ``store_dir`` opens, unless this engine has an anchor of its
+        own (a store built behind another one is then refused): follow the store's anchor;
+        for a store not made yet, ``new_anchor_ids`` when given."""
+        if self.anchor_explicit:
+            return
+        stored = stored_fingerprint(store_dir)
+        if stored is not None:
+            self.follow_store_anchor(stored)
+        elif new_anchor_ids is not None:
+            self.set_store_anchor(new_anchor_ids)
 
     def follow_store_anchor(self, stored: ModelFingerprint | None) -> None:
         """Take the anchor of a store built with ``stored`` (its chunks were precomputed

@@ -35,7 +35,6 @@ from blendkv.rag.retrieval import retrieve_chunks
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 from blendkv.sampling_params import SamplingParams
 from blendkv.store import StoreNotFoundError
-from blendkv.store.backends import stored_fingerprint
 from blendkv.store.capacity import IngestPlan, store_max_bytes_arg
 from blendkv.store.chunk_store import ChunkStore
 from blendkv.store.embedding import MiniLMEmbedder
@@ -136,13 +135,7 @@ class RAGPipeline:
         so that the first passage's K/V is full prefill's and every passage's was computed
         behind the text it follows (unless the engine was given an anchor of its own)."""
         manager = self.manager
-        if manager.anchor_explicit:
-            return  # (a store built behind another one is refused when it opens)
-        stored = stored_fingerprint(self.store_dir)
-        if stored is not None:
-            manager.follow_store_anchor(stored)
-        else:
-            manager.set_store_anchor(manager.builder.anchor(None, self.instruction))
+        manager.anchor_for_store(self.store_dir, manager.builder.anchor(None, self.instruction))
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
