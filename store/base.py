@@ -86,6 +86,9 @@ class ChunkKVStore(Protocol):
 
     def __contains__(self, key: bytes) -> bool: ...
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """``key in self`` for each key, in one read (Redis: one round trip)."""
+
     def delete(self, keys: Sequence[bytes]) -> list[int]: ...
 
     def delete_document(self, doc_id: str) -> list[int]: ...

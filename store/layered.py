@@ -112,6 +112,13 @@ class LayeredKVStore:
     def __contains__(self, key: bytes) -> bool:
         return key in self.main or key in self.cache
 
+    def contains_many(self, keys) -> list[bool]:
+        found = self.main.contains_many(keys)
+        ask = [i for i, hit in enumerate(found) if not hit]
+        for i, hit in zip(ask, self.cache.contains_many([keys[i] for i in ask]), strict=True):
+            found[i] = hit
+        return found
+
     # ---- writes: document chunks to main, the rest to the cache ----------------------------
     def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
         owned = [i for i, c in enumerate(chunks) if c.doc_id is not None]

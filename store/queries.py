@@ -18,6 +18,11 @@ class StoreQueries:
         with self._read() as txn:
             return txn.get(key, db=self._dbs["chunks"]) is not None
 
+    def contains_many(self, keys) -> list[bool]:
+        db = self._dbs["chunks"]
+        with self._read() as txn:
+            return [txn.get(key, db=db) is not None for key in keys]
+
     def __len__(self) -> int:
         with self._read() as txn:
             return txn.stat(self._dbs["chunks"])["entries"]

@@ -335,6 +335,21 @@ class RedisKVStore(RedisWrites, RedisQueries):
             return True
         return bool(self._call(lambda: self.client.exists(self._chunk(key, "m")), False))
 
+    def contains_many(self, keys) -> list[bool]:
+        found = [key in self.memory_tier for key in keys]
+        ask = [i for i, hit in enumerate(found) if not hit]
+        if ask:
+
+            def exists() -> list:
+                pipe = self.client.pipeline(transaction=False)
+                for i in ask:
+                    pipe.exists(self._chunk(keys[i], "m"))
+                return pipe.execute()
+
+            for i, n in zip(ask, self._call(exists, [0] * len(ask)), strict=True):
+                found[i] = bool(n)
+        return found
+
     def __len__(self) -> int:
         return int(self._call(lambda: self.client.scard(self._k("chunks")), 0))
 

@@ -240,8 +240,9 @@ class BlendManager:
         ]
         if self.store_anchor_ids != self.anchor_ids:
             # a chunk ingested into the store (behind its anchor alone) is served from there
-            for i, chunk in enumerate(chunks):
-                if self.has(self.chunk_key(chunk, self.store_anchor_ids)):
+            keys = [self.chunk_key(chunk, self.store_anchor_ids) for chunk in chunks]
+            for i, stored in enumerate(self.has_many(keys)):
+                if stored:
                     contexts[i] = self.store_anchor_ids
         return contexts
 
@@ -308,6 +309,14 @@ class BlendManager:
         """The chunk is stored or waiting in the writer (its value may still turn out corrupt)."""
         return self.writer.pending(key) is not None or key in self.store
 
+    def has_many(self, keys: list[bytes]) -> list[bool]:
+        """:meth:`has` of each key, the store asked once (Redis: one round trip)."""
+        found = [self.writer.pending(key) is not None for key in keys]
+        ask = [i for i, hit in enumerate(found) if not hit]
+        for i, hit in zip(ask, self.store.contains_many([keys[i] for i in ask]), strict=True):
+            found[i] = hit
+        return found
+
     def pending(self, key: bytes) -> torch.Tensor | None:
         """A chunk computed at query time and still waiting in the background writer."""
         return self.writer.pending(key)
@@ -324,10 +333,9 @@ class BlendManager:
     def find_missing(self, state: BlendRequestState) -> None:
         """Note the request's chunks whose K/V is neither stored nor waiting in the writer
         (``state.missing``; a chunk given twice is computed once)."""
-        seen: set[bytes] = set()
-        missing = []
-        for i, key in enumerate(state.chunk_keys):
-            if key not in seen and not self.has(key):
+        keys, seen, missing = state.chunk_keys, set(), []
+        for i, (key, stored) in enumerate(zip(keys, self.has_many(keys), strict=True)):
+            if key not in seen and not stored:
                 missing.append(i)
             seen.add(key)
         state.missing = missing

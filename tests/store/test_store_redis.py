@@ -59,6 +59,38 @@ def test_round_trip_equals_lmdb_bit_for_bit(redis_url, tmp_path, fp):
         assert red.delete([chunks[0].key]) == [1] and chunks[0].key not in red
 
 
+def test_contains_many_asks_once_and_agrees_with_in(redis_url, tmp_path, fp):
+    """One pipeline of EXISTS (one round trip) for what the memory tier does not hold, the
+    same answers as ``key in store`` on LMDB, Redis and the layered store over both."""
+    from blendkv.store.layered import LayeredKVStore
+
+    chunks = [NewChunk(key_of(i), make_kv(i)) for i in range(4)]
+    keys = [key_of(i) for i in (3, 9, 0, 7, 1)]
+    want = [True, False, True, False, True]
+    with (
+        KVStore(tmp_path / "lmdb", fp, max_bytes=1 << 30) as lmdb,
+        open_kv_store(redis_url, fp, memory_tier_bytes=1 << 20) as red,
+    ):
+        for s in (lmdb, red):
+            s.put_many(chunks[:2])
+            s.put_many(chunks[3:])
+        red.get(key_of(0))  # in the memory tier: not asked of Redis
+        calls = []
+        original = red.client.pipeline
+        red.client.pipeline = lambda **kw: calls.append(kw) or original(**kw)
+        assert red.contains_many(keys) == want
+        assert len(calls) == 1
+        red.client.pipeline = original
+        assert want == [k in red for k in keys]
+        assert lmdb.contains_many(keys) == want and lmdb.contains_many([]) == []
+        main = KVStore(tmp_path / "main", fp)
+        main.put_many([chunks[3]])
+        layered = LayeredKVStore(main, lmdb)  # found in either
+        lmdb.put_many([NewChunk(key_of(9), make_kv(9))])
+        assert layered.contains_many(keys) == [True, True, True, False, True]
+        main.close()
+
+
 def test_every_backend_class_defines_every_protocol_method():
     """Runs without a redis-server: the classes themselves have every declared method."""
     declared = [n for n, v in vars(ChunkKVStore).items() if callable(v) and not n.startswith("_")]
@@ -139,6 +171,7 @@ def test_lost_connection_reads_miss_writes_fail_then_reconnects(tmp_path, fp):
     s.put_many([NewChunk(key_of(1), make_kv(1))])
     server.kill()
     assert s.get(key_of(1)) is None and key_of(1) not in s
+    assert s.contains_many([key_of(1), key_of(2)]) == [False, False]
     with pytest.raises(StoreError, match="unreachable"):
         s.put_many([NewChunk(key_of(2), make_kv(2))])
     assert s.connection_errors >= 3
