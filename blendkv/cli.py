@@ -54,6 +54,7 @@ ENGINE_FLAGS = (
 )
 CONNECTOR_FLAGS = (
     "kv_store_memory_bytes",
+    "kv_device_cache_bytes",
     "kv_codec",
     "pipeline_kv_load",
     "prefetch_kv",

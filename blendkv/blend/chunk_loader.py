@@ -1,10 +1,13 @@
 """Finding a fused prefill's chunk K/V and handing it to the layer-wise writer.
 
-Per chunk, before the forward: its K/V from the background writer's pending set, the memory
+Per chunk, before the forward: its K/V from the device tier (``kv_device_cache_bytes``: chunks
+kept in device memory, no host-to-device copy), the background writer's pending set, the memory
 tier or the store (the controller picks the tier), or, if missing, computed now and handed to
-the background writer. Sources are used in place (on the CPU, LMDB values are zero-copy views
-through one read snapshot per step). On the CPU, LMDB reads are deferred to a thread behind the
-full layer; a value found evicted or corrupt then is computed before the first layer reads it.
+the background writer. With a device tier, a raw chunk loaded whole is copied into device
+memory by its writes and kept there once they are done. Sources are used in place (on the CPU,
+LMDB values are zero-copy views through one read snapshot per step). On the CPU, LMDB reads
+are deferred to a thread behind the full layer; a value found evicted or corrupt then is
+computed before the first layer reads it.
 The writes themselves: :mod:`blendkv.blend.layerwise_write`. Call :meth:`ChunkLoader.end_step`
 once the step's writes are done. Values of an ``int8`` / ``int4`` store are read as stored
 (``get_encoded`` / ``view_encoded``) and stay encoded (:func:`~blendkv.kernels.kv_decode.as_chunk`)
@@ -27,6 +30,7 @@ from blendkv.blend.request_state import BlendRequestState
 from blendkv.blend.row_plan import SeqBlend
 from blendkv.blend.window_skip import computed_rows, layer_skips
 from blendkv.kernels.kv_decode import EncodedChunk, as_chunk
+from blendkv.store.memory_tier import MemoryTier
 
 
 class ChunkLoader:
@@ -37,9 +41,10 @@ class ChunkLoader:
         device: torch.device | str = "cpu",
         controller: LoadingController | None = None,
         dtype: torch.dtype = torch.float32,
+        device_cache_bytes: int = 0,
     ) -> None:
         """``kv_shape``: (num_layers, num_kv_heads, head_dim) of a stored chunk; ``dtype``: the
-        model's (the stored K/V's)."""
+        model's (the stored K/V's); ``device_cache_bytes``: the device tier's budget (0: none)."""
         self.manager = manager
         self.kv_shape = kv_shape
         self.itemsize = torch.empty((), dtype=dtype).element_size()
@@ -55,6 +60,10 @@ class ChunkLoader:
         # Per layer, its sliding window or None (set by the connector): a full-reuse blend does
         # not load what no window reads (:mod:`blendkv.blend.window_skip`).
         self.layer_windows: list[int | None] = []
+        # Chunk K/V kept in device memory (kv_device_cache_bytes), or None; this step's
+        # candidates for it: (key, write), kept once the writes are done (end_step).
+        self.device_tier = MemoryTier(device_cache_bytes) if device_cache_bytes else None
+        self._keep: list[tuple[bytes, ChunkWrite]] = []
 
     def load(
         self,
@@ -80,9 +89,9 @@ class ChunkLoader:
         spans = state.prompt.chunk_spans
         todo = [i for i, (_, e) in enumerate(spans) if e > start]
         computed = state.take_precomputed()  # computed in earlier steps (precompute work)
-        missing = [
-            i for i in todo if i not in computed and not self.manager.has(state.chunk_keys[i])
-        ]
+        ask = [i for i in todo if i not in computed]
+        missing = [i for i, stored in zip(ask, self._has([state.chunk_keys[i] for i in ask]),
+                                          strict=True) if not stored]  # fmt: skip
         computed.update(self._compute(state, missing))
         table = torch.tensor(block_table, dtype=torch.long)
         reused = torch.zeros(num_new, dtype=torch.bool)
@@ -125,19 +134,20 @@ class ChunkLoader:
             if kv is not None:
                 kv = kv[keep]
             slots = table[positions // block_size] * block_size + positions % block_size
-            writes.append(
-                ChunkWrite(
-                    kv,
-                    first,
-                    positions.to(self.device, non_blocking=True),
-                    slots.to(self.device, non_blocking=True),
-                    owner=(stats, tier),
-                    fetch_seconds=time.perf_counter() - t_fetch,
-                    fetch=fetch,
-                    recover=recover,
-                    layer_skips=own if any(own) else None,
-                )
+            write = ChunkWrite(
+                kv,
+                first,
+                positions.to(self.device, non_blocking=True),
+                slots.to(self.device, non_blocking=True),
+                owner=(stats, tier),
+                fetch_seconds=time.perf_counter() - t_fetch,
+                fetch=fetch,
+                recover=recover,
+                layer_skips=own if any(own) else None,
             )
+            if lo == s and first == 0:  # the whole chunk: the device tier may keep it
+                self._offer(state.chunk_keys[i], write, tier)
+            writes.append(write)
             token_nbytes = 2 * kv_heads * head_dim * self.itemsize
             loaded_nbytes = sum(e - lo - k for k in own) * token_nbytes
             stats.kv_bytes_loaded += loaded_nbytes
@@ -193,12 +203,40 @@ class ChunkLoader:
                 exact[max(s, start) - start : e - start] = True
         return exact
 
+    def _has(self, keys: list[bytes]) -> list[bool]:
+        """Whether each chunk is on the device, stored or waiting in the writer."""
+        tier = self.device_tier or ()
+        found = [key in tier for key in keys]
+        ask = [i for i, hit in enumerate(found) if not hit]
+        for i, hit in zip(ask, self.manager.has_many([keys[i] for i in ask]), strict=True):
+            found[i] = hit
+        return found
+
+    def _offer(self, key: bytes, write: ChunkWrite, tier: str) -> None:
+        """A whole chunk's write, for the device tier to keep once it is done: computed K/V as
+        it is (on the device, owned), a raw stored value through a device copy its writes
+        fill (read values may be views of a read snapshot, or in host memory)."""
+        dt = self.device_tier
+        kv = write.kv
+        if dt is None or tier == "device" or not isinstance(kv, torch.Tensor):
+            return  # off, already there, a deferred read or an encoded value
+        if kv.numel() * kv.element_size() > dt.max_bytes:
+            return
+        if tier != "computed":
+            write.device_copy = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
+        self._keep.append((key, write))
+
     def _fetch(
         self, key: bytes, stats
     ) -> tuple[torch.Tensor | EncodedChunk | Callable, str] | None:
         """A stored chunk's K/V (read-only, shared with the memory tier; encoded as stored) and
         its tier; for an LMDB view read later (``defer_reads``), a function that reads it
         instead."""
+        if self.device_tier is not None:
+            kv = self.device_tier.get(key)
+            if kv is not None:
+                stats.chunks_on_device += 1
+                return kv, "device"
         tensor = self.manager.pending(key)
         if tensor is not None:
             return tensor, "memory"
@@ -250,7 +288,15 @@ class ChunkLoader:
         return dict(zip(todo, layer_skips(loaded, rows, seq_len, windows), strict=True))
 
     def end_step(self) -> None:
-        """The step's writes are done: release its read snapshot (views into it die)."""
+        """The step's writes are done: the device tier keeps the whole chunks they copied
+        (a write cut short by a failed step is not kept); release the step's read snapshot
+        (views into it die)."""
+        for key, w in self._keep:
+            if w.device_copy is None:
+                self.device_tier.put(key, w.kv)
+            elif w.copied_layers == len(w.kv):
+                self.device_tier.put(key, w.device_copy)
+        self._keep = []
         if self._snapshot is not None:
             self._snapshot.close()
             self._snapshot = None

@@ -218,6 +218,11 @@ class BlendConnectorConfig:
             ``kv_store_dir``, never in it (the server sets it). None: they go into the store.
         kv_store_memory_bytes: the in-RAM tier in front of the store (Redis stores and CUDA
             reads fill it; on the CPU, LMDB chunks are read in place from the page cache).
+        kv_device_cache_bytes: CUDA: the most bytes of chunk K/V kept in device memory, read
+            before every other tier (no host-to-device copy); a raw chunk read whole from the
+            store is kept as its writes copy it in, a computed one as computed. Held beside
+            the KV pool (with gpu_memory_utilization, out of what the fraction leaves free).
+            0: off. On the CPU it is one more copy in RAM: leave it off.
         kv_codec: how a new store encodes chunk K/V: none (raw), int8 or int4
             (docs/guide/codecs.md). Unset: an existing store's codec, else none.
         anchor_system: the system prompt of the chat-template prefix every chunk is
@@ -246,6 +251,7 @@ class BlendConnectorConfig:
     kv_store_dir: str | None = None
     kv_store_max_bytes: int | None = None
     kv_store_memory_bytes: int = 256 << 20
+    kv_device_cache_bytes: int = 0
     kv_codec: str | None = field(default=None, metadata={"choices": ("none", "int8", "int4")})
     request_cache_bytes: int | None = None
     anchor_system: str | None = None
@@ -262,6 +268,9 @@ class BlendConnectorConfig:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         _positive("kv_store_memory_bytes", self.kv_store_memory_bytes)
+        n = self.kv_device_cache_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"kv_device_cache_bytes must be an integer >= 0, got {n!r}")
         if self.kv_codec not in (None, "none", "int8", "int4"):
             raise ConfigError(f"kv_codec must be none, int8 or int4, got {self.kv_codec!r}")
         n = self.prefetch_kv_bytes

@@ -102,6 +102,7 @@ class BlendConnector(KVConnectorBase):
                 info.device,
                 self.controller,
                 ctx.model.model.embed_tokens.weight.dtype,
+                device_cache_bytes=conf.kv_device_cache_bytes,
             )
             self._loader.layer_windows = [
                 getattr(layer.self_attn, "sliding_window", None) for layer in ctx.model.model.layers
@@ -153,10 +154,12 @@ class BlendConnector(KVConnectorBase):
         ctx, info = self.context, self.context.info
         if self._timer is not None:  # the spans the device has finished since
             self._timer.collect(self.controller)
-        nbytes = 2 * info.num_kv_heads * info.head_dim * self._loader.itemsize
+        loader = self._loader
+        nbytes = 2 * info.num_kv_heads * info.head_dim * loader.itemsize
         model = ModelCosts(info.num_layers, nbytes, qkv_share(ctx.model))
-        overlapped = resolve_pipelined(self.pipelined, self._loader.device, ctx.attn_backend)
-        return apply_choice(state, self.manager, self.controller, model, overlapped)
+        overlapped = resolve_pipelined(self.pipelined, loader.device, ctx.attn_backend)
+        return apply_choice(state, self.manager, self.controller, model, overlapped,
+                            loader.device_tier)  # fmt: skip
 
     def add_request(self, request_id: str, kv_transfer_params) -> None:
         if isinstance(kv_transfer_params, BlendRequestState):
@@ -172,13 +175,10 @@ class BlendConnector(KVConnectorBase):
     def _to_read(self, keys: list[bytes]) -> list[bytes]:
         """The keys a prefetch reads: stored (a miss is computed in the step), not waiting in
         the background writer, nor (when values are held) in the memory tier already."""
-        manager, prefetcher = self.manager, self._prefetcher
-        tier = manager.store.memory_tier
-        return [
-            k
-            for k in keys
-            if manager.pending(k) is None and not (prefetcher.hold and k in tier) and manager.has(k)
-        ]
+        manager, held = self.manager, self._prefetcher.hold
+        tier, on_device = manager.store.memory_tier, self._loader.device_tier or ()
+        return [k for k in keys if k not in on_device and manager.pending(k) is None
+                and not (held and k in tier) and manager.has(k)]  # fmt: skip
 
     def request_stats(self, seq) -> BlendStats | None:
         state = self._states.get(seq.request_id)

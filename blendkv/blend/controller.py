@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The order tiers are tried in when nothing has been measured yet: fastest first.
-TIER_ORDER = ("memory", "lmdb", "redis")
+TIER_ORDER = ("device", "memory", "lmdb", "redis")
 
 
 @dataclass

@@ -95,16 +95,19 @@ def cost_check_enabled(setting: bool | None) -> bool:
     return env not in ("0", "false", "no", "off")
 
 
-def request_shape(state, manager, controller: LoadingController) -> RequestShape:
+def request_shape(state, manager, controller: LoadingController, device_tier=None) -> RequestShape:
     """The :class:`RequestShape` of a prepared request (``BlendRequestState``): each chunk is
-    read from where the loader would read it (writer's pending set or memory tier: "memory";
-    else the store's tier, or the better measured of the two)."""
+    read from where the loader would read it (the loader's ``device_tier``: "device"; writer's
+    pending set or memory tier: "memory"; else the store's tier, or the better measured of the
+    two)."""
     store = manager.store
     by_tier: dict[str, int] = {}
     missing = 0
     seen: set[bytes] = set()
     for key, chunk in zip(state.chunk_keys, state.prompt.chunks, strict=True):
-        if key in seen:  # computed once, then found
+        if device_tier is not None and key in device_tier:
+            tier = "device"
+        elif key in seen:  # computed once, then found
             tier = "memory"
         elif manager.pending(key) is not None:
             tier = "memory"
@@ -211,11 +214,11 @@ def choose(
 
 
 def apply_choice(state, manager, controller: LoadingController, model: ModelCosts,
-                 overlapped: bool):  # fmt: skip
+                 overlapped: bool, device_tier=None):  # fmt: skip
     """``state`` (a ``BlendRequestState`` on the engine's default config) with :func:`choose`'s
     choice in its stats, and its config (and prefix-cache salt) the cheaper one when chosen.
     The caller runs a ``full_prefill`` choice as full prefill."""
-    shape = request_shape(state, manager, controller)
+    shape = request_shape(state, manager, controller, device_tier)
     choice = choose(controller, state.config, shape, model, overlapped)
     if choice.config is not None and choice.config is not state.config:
         state = manager.reconfigure(state, choice.config)

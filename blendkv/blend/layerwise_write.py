@@ -88,6 +88,10 @@ class ChunkWrite:
     # Per layer of ``kv``, its leading tokens not written (a sliding window never reads them:
     # :mod:`blendkv.blend.window_skip`); None: every layer writes all of them.
     layer_skips: list[int] | None = None
+    # The device tier's copy of ``kv`` (raw, all layers): each write copies its layers there
+    # and loads from it; ``copied_layers`` counts them (the whole chunk: it may be kept).
+    device_copy: torch.Tensor | None = None
+    copied_layers: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -241,7 +245,12 @@ class LayerwiseLoad:
         """Layers ``layer .. layer + count`` of ``w`` into the pool."""
         i = layer - w.first_layer
         kv = w.kv[i : i + count]
-        if kv.device != self.device:  # pinned host source (CUDA): copy on this stream
+        if w.device_copy is not None:  # kept for later requests: copy, then load from it
+            dst = w.device_copy[i : i + count]
+            dst.copy_(kv, non_blocking=True)
+            w.copied_layers += count
+            kv = dst
+        elif kv.device != self.device:  # pinned host source (CUDA): copy on this stream
             kv = kv.to(self.device, non_blocking=True)
         load = self.backend.load_encoded_kv if is_encoded(kv) else self.backend.load_rotated_kv
         # one backend call per run of layers sharing their RoPE tables and written tokens
@@ -323,8 +332,8 @@ class LayerwiseLoad:
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             for w in self.writes:  # used on the side stream: not to be reused before it ran
-                for t in (w.kv, w.positions, w.slots):
-                    if t.device == self.device:
+                for t in (w.kv, w.positions, w.slots, w.device_copy):
+                    if t is not None and t.device == self.device:
                         t.record_stream(self._stream)
             self._stream = None
         if self._span is not None:

@@ -35,6 +35,7 @@ class BlendStats:
 
     num_chunks: int = 0
     chunks_hit: int = 0  # K/V found in the store (memory tier or LMDB)
+    chunks_on_device: int = 0  # of which found in the device tier (kv_device_cache_bytes)
     chunks_missed: int = 0  # computed now behind the anchor and written back
     tokens_reused: int = 0  # chunk tokens whose stored K/V was loaded
     window_skipped_tokens: int = 0  # token-layers not loaded: unread by that layer's window

@@ -98,6 +98,13 @@ def register_bench(sub) -> None:
     g.add_argument("--repeats", type=int, default=5, help="blend TTFTs: median of N")
     g.add_argument("--kv-cache-gb", type=int, default=8)
     g.add_argument("--kv-store-gb", type=int, default=8, help="the chunk store's memory tier")
+    g.add_argument(
+        "--device-tier-gb",
+        type=int,
+        default=4,
+        help="also time blend and reuse with the chunks kept in device memory "
+        "(kv_device_cache_bytes); 0 skips them",
+    )
     g.add_argument("--json", default=None)
     g.add_argument(
         "--profile", default=None, metavar="DIR", help="write host/device profiles of the requests"

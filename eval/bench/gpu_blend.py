@@ -10,8 +10,9 @@ selection or full prefill, and says which); on the Triton backend, blend and reu
 the prefill kernels' key splits (``split_keys`` off), and with the prefill kernel's default
 tiles instead of this GPU's tuned table (``tuned_tiles`` off); full, blend and reuse with every
 dense piece run eagerly instead of replayed from piecewise CUDA graphs (and ProphetKV's query
-pass eagerly), and the blend with only its query pass eager (the pass's graph waits for every
-layer's loaded K/V; eagerly it overlaps them). Then one more run of
+pass eagerly), and the blend with only its query pass eager; blend and reuse with the chunks
+kept in device memory (``--device-tier-gb``: the loader's device tier, filled by the warm-up
+run, so no host-to-device copy). Then one more run of
 full, default blend and reuse under ``torch.profiler``: host busy time, device kernel time,
 kernel launches and host syncs per request.
 """
@@ -24,6 +25,7 @@ from collections import Counter
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.eval.random_model import random_text
+from blendkv.store.memory_tier import MemoryTier
 
 
 def parse_prompts(text: str) -> list[tuple[int, int]]:
@@ -112,6 +114,15 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
         finally:
             runner.query_graphs = query
 
+    loader, device_tier = connector._loader, MemoryTier(args.device_tier_gb << 30)
+
+    def on_device(config):
+        kept, loader.device_tier = loader.device_tier, device_tier  # chunks in device memory
+        try:
+            return ttft(config)
+        finally:
+            loader.device_tier = kept
+
     runs = {
         "full": lambda: ttft(ids=full_ids),
         "blend": lambda: ttft(default),
@@ -131,6 +142,9 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
         runs["reuse_eager"] = lambda: eager(runs["reuse"])
     if runner.query_graphs is not None:
         runs["blend_eager_pass"] = lambda: eager_pass(runs["blend"])
+    if args.device_tier_gb > 0:
+        runs["blend_device"] = lambda: on_device(default)
+        runs["reuse_device"] = lambda: on_device(reuse)
     for run in runs.values():  # warm: kernels, checksums, memory tier, the cost check's rates
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -144,12 +158,16 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     row: dict = {"tokens": len(full_ids), "docs": docs, "engine_choices": dict(choices)}
     for name, values in times.items():
         row[f"{name}_s"] = statistics.median(values)
-    for name in ("blend", f"blend_v{args.ratio}", "reuse", "engine_choice"):
-        row[f"{name}_speedup"] = row["full_s"] / row[f"{name}_s"]
+    for name in ("blend", f"blend_v{args.ratio}", "reuse", "engine_choice", "blend_device"):
+        if name in runs:
+            row[f"{name}_speedup"] = row["full_s"] / row[f"{name}_s"]
     row["blend_vs_reuse"] = row["blend_s"] / row["reuse_s"]
     stats = last["engine_choice"].blend_stats
     row["engine_choice"] = stats.cost_choice or "as configured"
     row["engine_choice_reason"] = stats.cost_reason
+    if "blend_device" in last:  # chunks the device tier served (all, once it holds them)
+        on_device = last["blend_device"].blend_stats
+        row["device_tier_chunks"] = f"{on_device.chunks_on_device}/{on_device.num_chunks}"
     blend_stats = last["blend"].blend_stats
     row["kv_bytes"] = blend_stats.kv_bytes_loaded
     row["write_s"] = blend_stats.write_seconds
@@ -187,8 +205,12 @@ def print_size(row: dict, ratio: float) -> None:
             f"{ms('blend_eager_s')}, reuse {ms('reuse_eager_s')}"
         )
     if "blend_eager_pass_s" in row:
-        print(f"    ProphetKV's query pass run eagerly (not one replay): blend "
+        print(f"    ProphetKV's query pass run eagerly (not replayed): blend "
               f"{ms('blend_eager_pass_s')}")  # fmt: skip
+    if "blend_device_s" in row:
+        print(f"    chunks kept in device memory: blend {ms('blend_device_s')} "
+              f"({row['blend_device_speedup']:.2f}x), reuse {ms('reuse_device_s')}; chunks "
+              f"read from there {row['device_tier_chunks']}")  # fmt: skip
     for name in ("full", "blend", "reuse", "blend_eager"):
         p = row.get(f"profile_{name}")
         if p:

@@ -22,8 +22,9 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, capsys):
     assert (small["docs"], large["docs"]) == (3, 4)
     assert abs(small["tokens"] - 120) <= 30 and abs(large["tokens"] - 200) <= 40
     for size in (small, large):
-        for name in ("blend", "blend_v0.15", "reuse", "engine_choice"):
+        for name in ("blend", "blend_v0.15", "reuse", "engine_choice", "blend_device"):
             assert size[f"{name}_s"] > 0 and size[f"{name}_speedup"] > 0
+        assert size["reuse_device_s"] > 0
         # the engine measured both rates in the warm-up, so the cost check made a choice
         assert size["engine_choice"] in ("blend", "cheaper_selection", "full_prefill")
         assert size["engine_choice_reason"].startswith("cost check:")
@@ -32,6 +33,7 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, capsys):
             assert profile["wall_ms"] >= profile["host_busy_ms"] > 0
     printed = capsys.readouterr().out
     assert "greedy match 1.00" in printed and "engine's choice" in printed
+    assert "chunks kept in device memory" in printed
     # --profile: one report per shape, each request's host figures (no device on the CPU)
     report = (tmp_path / "prof" / "profile_tiny.txt").read_text()
     for name in ("blend", "reuse", "full"):

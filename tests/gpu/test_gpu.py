@@ -198,6 +198,43 @@ def test_pipelined_loading_on_cuda_equals_serial(tiny_llama_dir, tmp_path, backe
     assert torch.equal(logits2, logits0), "pipelined logits differ from serial"
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_device_tier_on_cuda_keeps_what_it_copied(tiny_llama_dir, tmp_path, pipelined):
+    """kv_device_cache_bytes on CUDA: a fresh engine over a warm store copies each chunk into
+    device memory as its stage loads it (side stream, pipelined) or before the forward; the
+    next request reads them all from there; blocks and logits are those of an engine without
+    the tier."""
+    from helpers import BLEND_DOCS, BLEND_QUERY
+
+    from blendkv import LLM, SamplingParams
+    from blendkv.blend.config import BlendConfig
+
+    prompt = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
+    blend, one = BlendConfig(recompute_ratio=0.3), SamplingParams(temperature=0.0, max_tokens=1)
+    runs = []
+    for tier in (0, 64 << 20):
+        llm = LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            device="cuda",
+            enable_prefix_caching=False,
+            kv_store_dir=str(tmp_path),
+            pipeline_kv_load=pipelined,
+            kv_device_cache_bytes=tier,
+        )
+        n = len(llm.blend_manager().prepare(prompt, blend).prompt.token_ids)
+        for _ in range(2):  # the first engine: computes, then reads; the second: copies, reads
+            out = llm.generate([prompt], one, blend=blend, logits_from=n - 3)[0]
+        runs.append((torch.stack(llm.engine.runner.kv_caches).cpu(), out.extra["prompt_logits"]))
+        if tier:
+            assert out.blend_stats.chunks_on_device == len(BLEND_DOCS)
+            loader = llm.engine.kv_connector._loader
+            assert all(v.is_cuda for v in loader.device_tier._entries.values())
+        llm.close()
+    (pool0, logits0), (pool1, logits1) = runs
+    assert torch.equal(logits1, logits0) and torch.equal(pool1, pool0)
+
+
 def test_elementwise_and_blend_kernels_at_llama8b_shapes():
     """The one-launch norm / RoPE / SiLU-and-mul, ProphetKV's query mass and the chunk shift
     at Llama-3.1-8B's widths (bf16) against their torch references."""
