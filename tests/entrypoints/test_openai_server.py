@@ -345,6 +345,7 @@ def test_metrics_parse_and_move(server, client):
     assert after["blendkv_blend_requests_total"] == before["blendkv_blend_requests_total"] + 1
     chunks = lambda m: m["blendkv_blend_chunks_hit_total"] + m["blendkv_blend_chunks_missed_total"]  # noqa: E731
     assert chunks(after) == chunks(before) + 2
+    assert after["blendkv_blend_chunks_on_device_total"] == 0  # (no device tier)
     assert after["blendkv_blend_tokens_reused_total"] > before["blendkv_blend_tokens_reused_total"]
     assert after["blendkv_engine_steps_total"] > before["blendkv_engine_steps_total"]
     assert after["blendkv_kv_blocks_used"] == 0 < after["blendkv_kv_blocks_total"]

@@ -26,6 +26,7 @@ _KL_BUCKETS = (1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1, 3)
 # Blend stats fields -> counter name suffix and help.
 _BLEND = {
     "chunks_hit": "chunks whose K/V was found in the store",
+    "chunks_on_device": "of the chunks hit, those read from device memory (kv_device_cache_bytes)",
     "chunks_missed": "chunks computed at query time (then written to the store)",
     "tokens_reused": "chunk tokens whose stored K/V was loaded",
     "tokens_recomputed": "prompt tokens recomputed through the last layer",
