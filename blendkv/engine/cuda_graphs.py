@@ -43,10 +43,7 @@ class CudaGraphCapture:
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         fn()  # warm-up on a side stream is what torch.cuda.graph expects; twice like vLLM
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.error_mode):
-            out = fn()
-        self.pool = graph.pool()
+        (graph,), out = self._capture(lambda cut: fn())
         return graph.replay, out
 
     def segments(self, fn: Callable[[Callable[[], None]], object]) -> SegmentsReplay:
@@ -56,9 +53,23 @@ class CudaGraphCapture:
         graph cannot do inside."""
         fn(lambda: None)  # warm-up
         torch.cuda.synchronize()
+        graphs, _ = self._capture(fn)
+
+        def replay(before: Callable[[int], None]) -> None:
+            for k, graph in enumerate(graphs):
+                before(k)
+                graph.replay()
+
+        return replay
+
+    def _capture(self, fn) -> tuple[list, object]:
+        """``fn(cut)`` captured into one graph per segment: (the graphs, what ``fn`` returned).
+        However a capture ends, the stream current before it is current again (when
+        ``capture_end`` raises, ``torch.cuda.graph`` leaves its capture stream current: later
+        work would run unordered with the default stream's)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graphs: list[torch.cuda.CUDAGraph] = []
+        graphs: list = []
         scope: list = []
 
         def begin() -> None:
@@ -67,25 +78,28 @@ class CudaGraphCapture:
                                           capture_error_mode=self.error_mode))  # fmt: skip
             scope[-1].__enter__()
 
+        def end(exc: BaseException | None = None) -> None:
+            ctx = scope.pop()
+            try:
+                ctx.__exit__(type(exc) if exc else None, exc, exc and exc.__traceback__)
+            except BaseException:
+                ctx.stream_ctx.__exit__(None, None, None)
+                if exc is None:
+                    raise  # (else the error that broke the capture is the one reported)
+
         def cut() -> None:
-            scope.pop().__exit__(None, None, None)
+            end()
             begin()
 
         begin()
         try:
-            fn(cut)
+            out = fn(cut)
         except BaseException as exc:
-            if scope:  # end the capture under way (its error is the one reported)
-                scope.pop().__exit__(type(exc), exc, exc.__traceback__)
+            if scope:
+                end(exc)
             raise
-        scope.pop().__exit__(None, None, None)
-
-        def replay(before: Callable[[int], None]) -> None:
-            for k, graph in enumerate(graphs):
-                before(k)
-                graph.replay()
-
-        return replay
+        end()
+        return graphs, out
 
 
 class EagerCapture:

@@ -392,6 +392,27 @@ def test_segmented_capture_replays_each_segment_after_its_wait():
     assert out.tolist() == [0.0, 12.0]
 
 
+def test_a_failed_capture_leaves_the_capture_stream():
+    """A host read inside the capture breaks it: the error is the op's, and the stream current
+    before the capture is current after it (torch.cuda.graph alone leaves its capture stream
+    current when ending the broken capture raises)."""
+    from blendkv.engine.cuda_graphs import CudaGraphCapture
+
+    x = torch.ones(4, device="cuda")
+    captured = []
+
+    def fn(cut):
+        captured.append(torch.cuda.is_current_stream_capturing())
+        return float(x.sum().item()) if captured[-1] else 0.0
+
+    before = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError):
+        CudaGraphCapture().segments(fn)
+    assert captured == [False, True]
+    assert torch.cuda.current_stream() == before
+    assert float(x.sum()) == 4.0  # the device still works
+
+
 def test_uploads_do_not_wait_and_refuse_a_capture():
     """A pinned, non_blocking copy: the values arrive; inside a CUDA graph capture the copy
     raises (a captured one would read a reused pinned block at every replay)."""
