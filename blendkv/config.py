@@ -194,7 +194,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def resolve_kv_cache_memory_bytes(config: EngineConfig, device: str) -> int:
     """Bytes for the KV pool: ``kv_cache_memory_bytes``, or with ``gpu_memory_utilization``
-    what is left of that fraction of the GPU once the model is loaded (call it then)."""
+    what is left of that fraction of the GPU once the model is loaded (call it then), less the
+    device memory the KV connector may hold (its config's ``kv_device_cache_bytes``, if any)."""
     util = config.gpu_memory_utilization
     if util is None:
         return config.kv_cache_memory_bytes
@@ -206,12 +207,14 @@ def resolve_kv_cache_memory_bytes(config: EngineConfig, device: str) -> int:
     import torch
 
     free, total = torch.cuda.mem_get_info(device)
-    left = int(util * total) - (total - free)
+    held = getattr(config.kv_connector_config, "kv_device_cache_bytes", 0) or 0
+    left = int(util * total) - (total - free) - held
     if left <= 0:
+        also = f" and {held / 2**30:.1f} GiB for the device tier" if held else ""
         raise ConfigError(
             f"gpu_memory_utilization={util} leaves no room for the KV pool: {util} of "
             f"{total / 2**30:.1f} GiB is {util * total / 2**30:.1f} GiB, and "
-            f"{(total - free) / 2**30:.1f} GiB are in use with the model loaded; raise it"
+            f"{(total - free) / 2**30:.1f} GiB are in use with the model loaded{also}; raise it"
         )
     return left
 

@@ -106,6 +106,17 @@ def test_gpu_memory_utilization_sizes_the_pool_from_what_is_left(monkeypatch):
     with pytest.raises(ConfigError, match="leaves no room for the KV pool"):
         resolve_kv_cache_memory_bytes(EngineConfig(gpu_memory_utilization=0.5), "cuda")
     assert resolve_kv_cache_memory_bytes(EngineConfig(kv_cache_memory_bytes=7), "cuda") == 7
+    # the blend connector's device tier comes out of the same fraction
+    from blendkv.blend.config import BlendConnectorConfig
+
+    tier = BlendConnectorConfig(kv_device_cache_bytes=4 * GiB)
+    config = EngineConfig(gpu_memory_utilization=0.9, kv_connector_config=tier)
+    assert resolve_kv_cache_memory_bytes(config, "cuda") == int(0.9 * 80 * GiB) - 54 * GiB
+    tier = BlendConnectorConfig(kv_device_cache_bytes=30 * GiB)
+    with pytest.raises(ConfigError, match="30.0 GiB for the device tier"):
+        resolve_kv_cache_memory_bytes(
+            EngineConfig(gpu_memory_utilization=0.9, kv_connector_config=tier), "cuda"
+        )
 
 
 def test_gpu_memory_utilization_on_the_cpu_names_the_cpu_options(tiny_llama_dir):

@@ -221,7 +221,7 @@ class BlendConnectorConfig:
         kv_device_cache_bytes: CUDA: the most bytes of chunk K/V kept in device memory, read
             before every other tier (no host-to-device copy); a raw chunk read whole from the
             store is kept as its writes copy it in, a computed one as computed. Held beside
-            the KV pool (with gpu_memory_utilization, out of what the fraction leaves free).
+            the KV pool (with gpu_memory_utilization, the pool is that much smaller).
             0: off. On the CPU it is one more copy in RAM: leave it off.
         kv_codec: how a new store encodes chunk K/V: none (raw), int8 or int4
             (docs/guide/codecs.md). Unset: an existing store's codec, else none.
