@@ -151,8 +151,9 @@ def print_sources(answer) -> None:
         )
     st = answer.blend_stats
     ttft = f"{answer.ttft * 1000:.0f} ms" if answer.ttft is not None else "n/a"
+    on_device = f" ({st.chunks_on_device} in device memory)" if st.chunks_on_device else ""
     print(
-        f"blend: {st.chunks_hit}/{st.num_chunks} chunks hit, {st.chunks_missed} missed, "
+        f"blend: {st.chunks_hit}/{st.num_chunks} chunks hit{on_device}, {st.chunks_missed} missed, "
         f"{st.kv_bytes_loaded / 2**20:.1f} MiB loaded in {st.load_seconds * 1000:.0f} ms; "
         f"TTFT {ttft}"
     )
