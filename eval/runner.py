@@ -1,11 +1,13 @@
 """The evaluation loop: load examples, warm the chunk store, run every method on every example.
 
-    load + render  ->  warm-up (precompute every document's K/V, one untimed request per
-    method)  ->  for each example: every method in turn (timed, interleaved), each followed by
-    its teacher-forced logits along full prefill's answer  ->  journal  ->  aggregate
+    load + render  ->  warm-up (one untimed request per method)  ->  for each example: its
+    documents' K/V stored (untimed), every method in turn (timed, interleaved), each followed
+    by its teacher-forced logits along full prefill's answer  ->  journal  ->  aggregate
 
 Interleaving methods per example makes slow drift of a shared machine hit all methods alike;
-the warm-up keeps chunk precompute and first-call costs out of TTFT. ``full`` is the reference
+the warm-up and the per-example store keep chunk precompute and first-call costs out of TTFT.
+Each example's chunks are stored just before it runs: the run's private store is bounded
+(a few GB) and would evict a whole run's chunks stored up front. ``full`` is the reference
 for every fidelity metric, so it always runs (first), even when not asked for. Examples already
 in the journal (``blendkv eval --resume``) are not run again.
 """
@@ -181,12 +183,16 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
             journal.start(result.config)
         if not examples:
             return result
-        _warm_up(llm, hf, methods, prompts, progress)
-        result.config["store_bytes_per_token"] = _store_bytes(stores, prompts)
+        _warm_up(llm, hf, methods, stores, prompts[0])
+        keys, num_tokens = _store_chunks(stores, prompts[0])
+        result.config["store_bytes_per_token"] = {
+            c: stores.bytes_per_token(c, keys, num_tokens) for c in stores.codecs
+        }  # (the first example's chunks)
         params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
         bar = tqdm(list(zip(examples, prompts, strict=True)), desc="eval", disable=not progress)
         variants = config.variants
         for ex, prompt in bar:
+            _store_chunks(stores, prompt)  # untimed: every chunk is a hit in the timed runs
             runs, rows, cached = _run_example(llm, hf, variants, stores, prompt, params,
                                               config.answer_tokens, reference)  # fmt: skip
             records = _score_example([m for m, _ in variants], ex, prompt, runs, rows, config)
@@ -205,18 +211,14 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         llm.close()
 
 
-def _store_bytes(stores: CodecStores, prompts: list[ExamplePrompt]) -> dict[str, float | None]:
-    """Fills the codecs' stores with the run's (warmed) chunks; their stored bytes per chunk
-    token, per codec."""
+def _store_chunks(stores: CodecStores, prompt: ExamplePrompt) -> tuple[list[bytes], int]:
+    """Stores ``prompt``'s chunks not stored yet, in the engine's store and every codec's
+    (each encodes them its way); returns their keys and token count."""
     manager = stores.manager
-    chunks: dict[bytes, int] = {}
-    for p in prompts:
-        state = manager.prepare(p.blended, None)
-        for key, ids in zip(state.chunk_keys, state.prompt.chunks, strict=True):
-            chunks[key] = len(ids)
-    keys, n = list(chunks), sum(chunks.values())
-    stores.fill(keys)  # the other codecs' stores: the warmed chunks, encoded
-    return {c: stores.bytes_per_token(c, keys, n) for c in stores.codecs}
+    state = manager.prepare(prompt.blended, None)
+    manager.precompute(state.prompt.chunks, contexts=state.chunk_contexts)
+    stores.fill(state.chunk_keys)
+    return state.chunk_keys, sum(len(c) for c in state.prompt.chunks)
 
 
 def _example_prompt(manager, rendered) -> ExamplePrompt:
@@ -227,24 +229,13 @@ def _example_prompt(manager, rendered) -> ExamplePrompt:
     return ExamplePrompt(blended, list(ids), list(rev.prompt.token_ids))
 
 
-def _warm_up(llm, hf, methods: list[Method], prompts: list[ExamplePrompt], progress: bool) -> None:
-    """Store every document's K/V, then run each method once on a one-document prompt."""
-    manager = llm.blend_manager()
-    chunks: dict[bytes, tuple[list[int], list[int]]] = {}  # key -> (chunk, context)
-    for p in prompts:
-        state = manager.prepare(p.blended, None)
-        for key, ids, ctx in zip(
-            state.chunk_keys, state.prompt.chunks, state.chunk_contexts, strict=True
-        ):
-            chunks.setdefault(key, (ids, ctx))
-    with tqdm(total=len(chunks), desc="warm-up store", disable=not progress) as bar:
-        pairs = list(chunks.values())
-        manager.precompute(
-            [c for c, _ in pairs], progress=bar.update, contexts=[ctx for _, ctx in pairs]
-        )
-    small = {**prompts[0].blended, "documents": prompts[0].blended["documents"][:1]}
-    ids = manager.prepare(small, None).prompt.token_ids
+def _warm_up(llm, hf, methods: list[Method], stores: CodecStores, first: ExamplePrompt) -> None:
+    """Each method once, untimed, on a prompt of ``first``'s first document (first calls:
+    kernels, allocator, caches)."""
+    small = {**first.blended, "documents": first.blended["documents"][:1]}
+    ids = llm.blend_manager().prepare(small, None).prompt.token_ids
     tiny = ExamplePrompt(small, list(ids), list(ids))
+    _store_chunks(stores, tiny)
     for m in methods:
         run_method(llm, hf, m, tiny, SamplingParams(max_tokens=2))
 

@@ -85,3 +85,27 @@ def test_bad_method_fails_before_loading(tmp_path, capsys):
     argv = ["eval", "--data", "synthetic", "--methods", "blend@2", "--out", str(tmp_path)]
     assert main(argv) == 2
     assert "recompute ratio 2.0 is not in [0, 1]" in capsys.readouterr().err
+
+
+def test_every_chunk_is_a_hit_when_the_store_cannot_hold_the_run(eval_dir, tmp_path, monkeypatch):
+    """The run's private store is bounded (a few GB for real runs): bounded here to about one
+    example's chunks, every timed request still finds its chunks stored (each example's are
+    stored just before it runs), so no chunk precompute lands in a method's TTFT."""
+    from blendkv.blend import manager
+
+    records = [json.loads(line) for line in (eval_dir / "per_example.jsonl").open()]
+    sizes = [r["kv_bytes_loaded"] for r in records if r["method"] == "reuse"]
+    assert len(sizes) == 2 and min(sizes) > 0
+    bound = int(1.3 * max(sizes))
+    assert bound < sum(sizes)  # both examples' chunks do not fit
+    monkeypatch.setattr(manager, "default_request_cache_bytes", lambda path: bound)
+    out = tmp_path / "bounded"
+    argv = ["eval", "--data", "synthetic", "--limit", "2", "--methods", "full,reuse,blend@0.5"]
+    argv += ["--dtype", "float32", "--max-tokens", "4", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    blended = [json.loads(line) for line in (out / "per_example.jsonl").open()]
+    blended = [r for r in blended if r["blend_stats"] is not None]
+    assert len(blended) == 4
+    for r in blended:
+        stats = r["blend_stats"]
+        assert stats["chunks_missed"] == 0 and stats["chunks_hit"] == stats["num_chunks"], r["id"]
