@@ -40,6 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
+from blendkv.engine.cuda_graphs import EagerCapture  # noqa: E402
+
 # aten ops that launch nothing on a GPU (views, allocations, metadata)
 _NO_KERNEL = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view",
@@ -232,42 +234,41 @@ class CountedCapture:
             if self.counters is None:
                 fn()
                 return
-            counter, syncs = self.counters
-            counter.ops["graph_replay"] += 1
-            paused = counter.paused, syncs.paused
-            counter.paused = syncs.paused = True
-            try:
+            self.counters[0].ops["graph_replay"] += 1
+            with self._paused():
                 fn()
-            finally:
-                counter.paused, syncs.paused = paused
 
         return replay, out
 
     def segments(self, fn):
-        """The query pass's segmented capture: each segment's replay counts as one launch."""
-        fn(lambda: None)
+        """The query pass's segmented capture (the eager stand-in's): each segment's replay
+        counts as one launch."""
+        replay = EagerCapture().segments(fn)
 
-        def replay(before) -> None:
-            segment = iter(range(1, 1 << 30))
+        def counted(before) -> None:
             if self.counters is None:
-                before(0)
-                fn(lambda: before(next(segment)))
+                replay(before)
                 return
-            counter, syncs = self.counters
 
             def start(k: int) -> None:
-                counter.ops["graph_replay"] += 1
+                self.counters[0].ops["graph_replay"] += 1
                 before(k)
 
-            paused = counter.paused, syncs.paused
-            counter.paused = syncs.paused = True
-            try:
-                start(0)
-                fn(lambda: start(next(segment)))
-            finally:
-                counter.paused, syncs.paused = paused
+            with self._paused():
+                replay(start)
 
-        return replay
+        return counted
+
+    @contextlib.contextmanager
+    def _paused(self):
+        """Inside a replay: what the graph runs costs the host nothing."""
+        counter, syncs = self.counters
+        paused = counter.paused, syncs.paused
+        counter.paused = syncs.paused = True
+        try:
+            yield
+        finally:
+            counter.paused, syncs.paused = paused
 
 
 def device_tensors(llm) -> list[torch.Tensor]:
