@@ -12,7 +12,7 @@ for methods.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -21,6 +21,18 @@ from .codecs import EncodedKV
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
+
+
+def fill_misses(
+    found: list[bool], keys: Sequence[bytes], second: Callable[[list[bytes]], list[bool]]
+) -> list[bool]:
+    """``found`` (a first source's answer for each key) completed by ``second`` (a second
+    source's ``contains_many``) for the keys the first missed, asked once, in place."""
+    ask = [i for i, hit in enumerate(found) if not hit]
+    if ask:
+        for i, hit in zip(ask, second([keys[i] for i in ask]), strict=True):
+            found[i] = hit
+    return found
 
 
 class StoreSnapshot(Protocol):

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .base import ChunkKVStore, StoreSnapshot
+from .base import ChunkKVStore, StoreSnapshot, fill_misses
 from .fingerprint import ModelFingerprint
 from .memory_tier import MemoryTier
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
@@ -113,11 +113,7 @@ class LayeredKVStore:
         return key in self.main or key in self.cache
 
     def contains_many(self, keys) -> list[bool]:
-        found = self.main.contains_many(keys)
-        ask = [i for i, hit in enumerate(found) if not hit]
-        for i, hit in zip(ask, self.cache.contains_many([keys[i] for i in ask]), strict=True):
-            found[i] = hit
-        return found
+        return fill_misses(self.main.contains_many(keys), keys, self.cache.contains_many)
 
     # ---- writes: document chunks to main, the rest to the cache ----------------------------
     def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:

@@ -41,6 +41,7 @@ import torch
 
 from . import format as fmt
 from . import layout
+from .base import fill_misses
 from .codecs import EncodedKV, decode_reference
 from .errors import CorruptValueError, FingerprintMismatchError, StoreError, StoreFormatError
 from .fingerprint import ModelFingerprint, mismatch_message
@@ -336,19 +337,19 @@ class RedisKVStore(RedisWrites, RedisQueries):
         return bool(self._call(lambda: self.client.exists(self._chunk(key, "m")), False))
 
     def contains_many(self, keys) -> list[bool]:
-        found = [key in self.memory_tier for key in keys]
-        ask = [i for i, hit in enumerate(found) if not hit]
-        if ask:
+        return fill_misses([key in self.memory_tier for key in keys], keys, self._exist)
 
-            def exists() -> list:
-                pipe = self.client.pipeline(transaction=False)
-                for i in ask:
-                    pipe.exists(self._chunk(keys[i], "m"))
-                return pipe.execute()
+    def _exist(self, keys: list[bytes]) -> list[bool]:
+        """Whether each chunk is stored on the server: one pipeline of EXISTS (all False when
+        the server cannot be reached)."""
 
-            for i, n in zip(ask, self._call(exists, [0] * len(ask)), strict=True):
-                found[i] = bool(n)
-        return found
+        def exists() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._chunk(key, "m"))
+            return pipe.execute()
+
+        return [bool(n) for n in self._call(exists, [0] * len(keys))]
 
     def __len__(self) -> int:
         return int(self._call(lambda: self.client.scard(self._k("chunks")), 0))

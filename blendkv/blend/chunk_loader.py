@@ -30,6 +30,7 @@ from blendkv.blend.request_state import BlendRequestState
 from blendkv.blend.row_plan import SeqBlend
 from blendkv.blend.window_skip import computed_rows, layer_skips
 from blendkv.kernels.kv_decode import EncodedChunk, as_chunk
+from blendkv.store.base import fill_misses
 from blendkv.store.memory_tier import MemoryTier
 
 
@@ -206,11 +207,7 @@ class ChunkLoader:
     def _has(self, keys: list[bytes]) -> list[bool]:
         """Whether each chunk is on the device, stored or waiting in the writer."""
         tier = self.device_tier or ()
-        found = [key in tier for key in keys]
-        ask = [i for i, hit in enumerate(found) if not hit]
-        for i, hit in zip(ask, self.manager.has_many([keys[i] for i in ask]), strict=True):
-            found[i] = hit
-        return found
+        return fill_misses([key in tier for key in keys], keys, self.manager.has_many)
 
     def _offer(self, key: bytes, write: ChunkWrite, tier: str) -> None:
         """A whole chunk's write, for the device tier to keep once it is done: computed K/V as

@@ -35,6 +35,7 @@ from blendkv.store import (
     open_kv_store,
 )
 from blendkv.store.backends import stored_fingerprint
+from blendkv.store.base import fill_misses
 from blendkv.store.capacity import default_request_cache_bytes
 from blendkv.store.fingerprint import mismatch_message
 from blendkv.store.kv_store import KVStore
@@ -311,11 +312,8 @@ class BlendManager:
 
     def has_many(self, keys: list[bytes]) -> list[bool]:
         """:meth:`has` of each key, the store asked once (Redis: one round trip)."""
-        found = [self.writer.pending(key) is not None for key in keys]
-        ask = [i for i, hit in enumerate(found) if not hit]
-        for i, hit in zip(ask, self.store.contains_many([keys[i] for i in ask]), strict=True):
-            found[i] = hit
-        return found
+        pending = [self.writer.pending(key) is not None for key in keys]
+        return fill_misses(pending, keys, self.store.contains_many)
 
     def pending(self, key: bytes) -> torch.Tensor | None:
         """A chunk computed at query time and still waiting in the background writer."""

@@ -166,3 +166,19 @@ def test_documents_and_delete(store):
     assert store.document_chunks("a") == [] and len(store) == 2
     assert store.stats().bytes == 2 * store.get_meta(key_of(3)).nbytes
     assert store.verify().ok
+
+
+def test_fill_misses_asks_the_second_source_only_for_the_first_ones_misses():
+    from blendkv.store.base import fill_misses
+
+    asked = []
+
+    def second(keys):
+        asked.append(keys)
+        return [k == b"c" for k in keys]
+
+    keys = [b"a", b"b", b"c"]
+    assert fill_misses([True, False, False], keys, second) == [True, False, True]
+    assert asked == [[b"b", b"c"]]
+    assert fill_misses([True, True, True], keys, second) == [True, True, True]
+    assert len(asked) == 1  # nothing missed: not asked at all
