@@ -5,6 +5,8 @@ run alone."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers
@@ -251,13 +253,22 @@ def test_prophet_scores_are_the_query_attention_over_reused_kv(llm, model_dir, p
 
 
 def fused_kv(llm, prompts_and_configs):
-    """Run the requests' fused prefills in ONE engine step; their K/V read back per layer."""
-    engine = llm.engine
+    """Run the requests' fused prefills in ONE engine step; their K/V read back per layer.
+    Their chunks are stored first (a missed chunk is computed in a step of its own) and read
+    before the step (the scheduler admits a request whose reads are under way only alone)."""
+    engine, manager = llm.engine, llm.blend_manager()
+    for prompt, config in prompts_and_configs:
+        state = manager.prepare(prompt, config)
+        manager.precompute(state.prompt.chunks, contexts=state.chunk_contexts)
     seqs = []
     for prompt, config in prompts_and_configs:
         params = SamplingParams(temperature=0, max_tokens=2)
         rid = engine.add_request(prompt, params, blend=config)
         seqs.append((rid, engine.requests[rid].seq))
+    deadline = time.monotonic() + 60
+    while not all(engine.scheduler.connector.kv_ready(seq) for _, seq in seqs):
+        assert time.monotonic() < deadline, "the chunk reads never finished"
+        time.sleep(0.01)
     engine.step()
     bs = engine.config.block_size
     out = []
