@@ -49,14 +49,17 @@ class Method:
 
 _OPTIONS = (
     "ck|cv|ckv|c0 (correction of K, V, both, none), sN (correction_shrink N), "
-    "hN (chunk_head_tokens N), eN (chunk_samples N), rsN (reselect N), x0 (skip_exact off)"
+    "pp|p0 (correction_prior pooled, zero), hN (chunk_head_tokens N), eN (chunk_samples N), "
+    "rsN (reselect N), x0 (skip_exact off)"
 )
 
 
 def parse_strategy(text: str) -> dict[str, Any]:
     """``SELECTION[+OPTION...]`` -> :class:`BlendConfig` keyword arguments. Options: ``ck``,
     ``cv``, ``ckv``, ``c0`` (``correction`` of K, V, both or none: ``v_deviation+c0`` is
-    CacheBlend as published), ``sN`` (``correction_shrink=N``), ``hN``
+    CacheBlend as published), ``sN`` (``correction_shrink=N``), ``pp``
+    / ``p0`` (``correction_prior`` ``pooled`` / ``zero``: each chunk's shift shrunk towards
+    the mean shift of all recomputed rows / towards 0), ``hN``
     (``chunk_head_tokens=N``), ``eN`` (``chunk_samples=N``), ``rsN`` (``reselect=N``),
     ``x0`` (``skip_exact=False``: exact rows may be picked too)."""
     selection, *options = text.split("+")
@@ -71,6 +74,8 @@ def parse_strategy(text: str) -> dict[str, Any]:
                 kwargs["correction"] = "none"
             elif opt == "x0":
                 kwargs["skip_exact"] = False
+            elif opt in ("pp", "p0"):
+                kwargs["correction_prior"] = "pooled" if opt == "pp" else "zero"
             elif opt.startswith("rs"):
                 kwargs["reselect"] = int(opt[2:])
             elif opt.startswith("s"):

@@ -277,6 +277,7 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         which: str,
         shrink: float,
+        pooled: bool,
         k: torch.Tensor,
         v: torch.Tensor,
         recomputed: Any,

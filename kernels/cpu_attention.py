@@ -94,10 +94,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return
         super().load_encoded_kv(*args)
 
-    def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
-                        sin, attention_scaling) -> bool:  # fmt: skip
+    def shift_kept_rows(self, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks,
+                        cos, sin, attention_scaling) -> bool:  # fmt: skip
         return self.ops is not None and cpu_blend.shift_kept_rows(
-            self.ops, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
+            self.ops, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks, cos, sin,
             attention_scaling)  # fmt: skip
 
     # ---- attention ----------------------------------------------------------------------

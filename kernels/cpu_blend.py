@@ -36,8 +36,8 @@ def rope_write(ops, kv, kv_caches, first_layer, positions, slots, cos, sin) -> b
     return True
 
 
-def shift_kept_rows(ops, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
-                    attention_scaling) -> bool:  # fmt: skip
+def shift_kept_rows(ops, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks, cos,
+                    sin, attention_scaling) -> bool:  # fmt: skip
     """``blendkv.blend.correction.correct_kept_rows`` in one call (float32 or bfloat16)."""
     if (
         kv_cache.dtype not in _DTYPES
@@ -54,6 +54,7 @@ def shift_kept_rows(ops, kv_cache, which, shrink, k, v, recomputed, kept, num_ch
         kv_cache,
         {"k": 1, "v": 2, "kv": 3}[which],
         shrink,
+        pooled,
         k,
         v,
         *(r.long().contiguous() for r in rows),

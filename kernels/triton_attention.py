@@ -136,8 +136,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
     scores_in_attention = False  # its forward scores nothing: the pass scores in kernels
     attention_lse = True  # (from the prefill kernel: every row of such a step goes there)
 
-    def shift_kept_rows(self, kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos,
-                        sin, attention_scaling) -> bool:  # fmt: skip
+    def shift_kept_rows(self, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks,
+                        cos, sin, attention_scaling) -> bool:  # fmt: skip
         """A blended layer's K/V correction in one launch
         (:mod:`blendkv.kernels.triton.chunk_shift`); False if the kernels cannot run here (the
         caller then does it with torch ops)."""
@@ -145,7 +145,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
         if kept.segments is None:
             return False
-        args = (kv_cache, which, shrink, k, v, recomputed, kept, num_chunks, cos, sin,
+        args = (kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks, cos, sin,
                 attention_scaling)  # fmt: skip
         if self._first_use("chunk_shift", shift_kept_rows, *args):
             return True

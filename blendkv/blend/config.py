@@ -9,6 +9,7 @@ from blendkv.errors import ConfigError
 
 SELECTIONS = ("v_deviation", "k_deviation", "attention", "random", "prophet", "heads")
 CORRECTIONS = ("none", "k", "v", "kv")
+CORRECTION_PRIORS = ("pooled", "zero")
 # Selections whose score exists only at their one selection layer; re-checks deeper in the
 # model (``schedule``, ``reselect``) score these by V deviation.
 _ONE_SHOT = ("prophet", "heads", "attention", "random")
@@ -49,8 +50,12 @@ class BlendConfig:
             is CacheBlend as published. At a selection layer
             the dropped rows keep the fresh K/V computed there (exact); at later layers each
             chunk's kept rows get the mean (fresh - reused) shift of that chunk's recomputed
-            rows, per head, shrunk by ``n / (n + correction_shrink)`` for ``n`` such rows.
+            rows, per head, shrunk towards a prior with ``n`` such rows:
+            ``(sum + correction_shrink * prior) / (n + correction_shrink)``.
         correction_shrink: the pseudo-count of that shrinkage (tokens, >= 0; default 32).
+        correction_prior: what a chunk's shift is shrunk towards: ``zero`` (default) or
+            ``pooled``, the mean shift of all the sequence's recomputed rows (itself shrunk
+            by ``N / (N + correction_shrink)`` for ``N`` such rows).
         chunk_head_tokens: the first this-many tokens of every chunk are always recomputed
             (EPIC/CacheClip "chunk heads"); they count against ``recompute_ratio``.
         chunk_samples: this many rows of every chunk, evenly spaced over it, are always
@@ -78,6 +83,7 @@ class BlendConfig:
     # ratio and TTFT on SmolLM2-135M and Qwen2.5-0.5B (README, "Fusion strategies").
     correction: str = "k"
     correction_shrink: float = 32.0
+    correction_prior: str = "zero"
     chunk_head_tokens: int = 0
     chunk_samples: int = 0
     reselect: int = 0
@@ -105,6 +111,11 @@ class BlendConfig:
             raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.correction not in CORRECTIONS:
             raise ConfigError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        if self.correction_prior not in CORRECTION_PRIORS:
+            raise ConfigError(
+                f"correction_prior must be one of {CORRECTION_PRIORS}, "
+                f"got {self.correction_prior!r}"
+            )
         s = self.correction_shrink
         if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0:
             raise ConfigError(f"correction_shrink must be a number >= 0, got {s!r}")
@@ -195,6 +206,8 @@ class BlendConfig:
         extra = (self.correction, shrink, self.chunk_head_tokens, self.reselect)
         if not self.skip_exact:
             extra += ("recompute exact",)
+        if self.correction != "none" and self.correction_prior == "pooled":
+            extra += ("pooled prior",)
         if self.chunk_samples:
             extra += ("samples", self.chunk_samples)
         return repr(base + extra).encode()

@@ -3,7 +3,11 @@
 At a layer past the selection, the recomputed reused rows show how far this request's context
 moves a chunk's K/V away from the stored one. The rows not recomputed get the same move on
 average: for each chunk and KV head, the mean of (fresh - reused) over the chunk's recomputed
-rows, shrunk towards zero by ``n / (n + shrink)`` when only ``n`` of its rows were recomputed.
+rows, shrunk with a pseudo-count ``shrink`` towards a prior when only ``n`` of its rows were
+recomputed: ``(sum + shrink * prior) / (n + shrink)``. The prior is the mean over all the
+sequence's ``N`` recomputed rows, itself shrunk the same way (``sum_all / (N + shrink)``;
+``pooled``: every chunk moves alike in part, and a chunk with few recomputed rows borrows the
+others'), or zero (``n / (n + shrink)`` of the chunk's own mean).
 It costs one read and one write of the kept rows' K/V per layer, no attention.
 
 K is shifted before RoPE (a mean over rows at different positions means nothing after it):
@@ -21,13 +25,18 @@ from blendkv.layers.rotary import rotate_half
 
 
 def chunk_mean_shift(
-    delta: torch.Tensor, chunk_ids: torch.Tensor, num_chunks: int, shrink: float
+    delta: torch.Tensor, chunk_ids: torch.Tensor, num_chunks: int, shrink: float, pooled: bool
 ) -> torch.Tensor:
     """delta [N, H, D] (fresh - reused of recomputed rows), chunk_ids [N] ->
-    [num_chunks, H, D]: per-chunk mean, times ``n / (n + shrink)``; 0 for chunks without rows."""
+    [num_chunks, H, D]: ``(sum + shrink * prior) / (n + shrink)`` per chunk, the prior the sum
+    of all N rows over ``N + shrink`` (``pooled``) or 0 (then 0 for chunks without rows)."""
     sums_counts = _sums_index_add if delta.device.type == "cpu" else _sums_one_hot
     sums, counts = sums_counts(delta.float(), chunk_ids, num_chunks)
     weight = 1.0 / (counts + shrink).clamp_min(1e-12)  # mean (sum / n) times n / (n + shrink)
+    if pooled and len(delta):
+        # the chunks' sums added in chunk order (cumsum is sequential), as the kernels add them
+        prior = sums.cumsum(0)[-1] / (counts.sum() + shrink)
+        sums = sums + prior * shrink
     return sums * weight[:, None, None]
 
 
@@ -77,13 +86,15 @@ def correct_kept_rows(
     kv_cache: torch.Tensor,
     which: str,
     shrink: float,
+    pooled: bool,
     recomputed: Rows,
     k: torch.Tensor,
     v: torch.Tensor,
     kept: Rows,
     num_chunks: int,
 ) -> None:
-    """Shift the ``kept`` rows' K and/or V (``which``: ``k``, ``v`` or ``kv``) in ``kv_cache``.
+    """Shift the ``kept`` rows' K and/or V (``which``: ``k``, ``v`` or ``kv``) in ``kv_cache``
+    by :func:`chunk_mean_shift` (``shrink``, ``pooled``).
 
     ``k`` (pre-RoPE) / ``v`` [T, Hkv, D]: the layer's fresh rows; ``recomputed.rows`` are the
     recomputed ones among them, whose slots still hold the reused K/V (call this before the
@@ -95,19 +106,19 @@ def correct_kept_rows(
         return
     if recomputed.segments is not None:
         cos, sin = rotary.tables(kv_cache.device)
-        if backend.shift_kept_rows(kv_cache, which, shrink, k, v, recomputed, kept, num_chunks,
-                                   cos, sin, rotary.attention_scaling):  # fmt: skip
+        if backend.shift_kept_rows(kv_cache, which, shrink, pooled, k, v, recomputed, kept,
+                                   num_chunks, cos, sin, rotary.attention_scaling):  # fmt: skip
             return
     if "v" in which:
         old_v = _read(kv_cache, 1, recomputed.slots)
         delta = v[recomputed.rows].float() - old_v.float()
-        shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink)
+        shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink, pooled)
         cur_v = _read(kv_cache, 1, kept.slots)
         _write(kv_cache, 1, _per_row(shift, kept.chunk_ids).add_(cur_v), kept.slots)
     if "k" in which:
         old_k = _read(kv_cache, 0, recomputed.slots)
         delta = k[recomputed.rows].float() - rotary.unrotate_k(recomputed.positions, old_k.float())
-        shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink)
+        shift = chunk_mean_shift(delta, recomputed.chunk_ids, num_chunks, shrink, pooled)
         # RoPE of the per-chunk shift at each kept row's position, rotate_half taken on the
         # [chunks, H, D] shift (exact: it permutes and negates); cos/sin of the kept positions
         # are gathered once per step (the rotary memo; ``kept`` is the same tensor every layer).

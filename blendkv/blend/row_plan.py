@@ -222,6 +222,7 @@ class BlendRowPlan(RowPlan):
             kv_cache,
             sb.config.correction,
             float(sb.config.correction_shrink),
+            sb.config.correction_prior == "pooled",
             recomputed,
             k,
             v,

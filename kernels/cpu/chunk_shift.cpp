@@ -7,6 +7,7 @@
 //
 //   pool        [2, blocks, block_size, H, D]  the layer's KV pool (K rotated), contiguous
 //   which       1 = K, 2 = V, 3 = both
+//   shrink, pooled  the pseudo-count, and whether the prior is the mean of all the rows (else 0)
 //   k, v        [T, H, D]  the layer's fresh rows (K before RoPE); rows may be strided
 //   rec_rows    [N] int64  the recomputed reused rows among them, in chunk order or not
 //   rec_slots, rec_positions, rec_chunks   [N] int64  their slots (still holding the reused
@@ -14,8 +15,9 @@
 //   kept_slots, kept_positions, kept_chunks  [M] int64  the rows to shift
 //   cos, sin    [P, D] float32  rotary tables (attention_scaling s folded in), both halves
 //
-// Per chunk c and element: shift = sum over c's recomputed rows of (fresh - reused) times
-// 1 / (n_c + shrink), summed in row order as index_add_ sums. K's reused rows are read back with
+// Per chunk c and element: shift = (sum over c's recomputed rows of (fresh - reused), summed in
+// row order as index_add_ sums, + prior * shrink) times 1 / (n_c + shrink); the pooled prior is
+// the chunks' sums added in chunk order over (the number of rows + shrink). K's reused rows are read back with
 // the rotation undone ((k cos - rotate_half(k) sin) / s^2); the K shift is rotated to each kept
 // row's position and added (x cos, then one FMA with rotate_half(x) sin, as torch's addcmul_
 // runs on AVX-512). Everything in float32, rounded to the pool's dtype on the way out; on the
@@ -46,7 +48,8 @@ struct Rows {
 template <typename T>
 std::vector<float> chunk_shift(const T* pool_half, const T* fresh, int64_t row_stride,
                                int64_t head_stride, const int64_t* rec_rows, const Rows& rec,
-                               bool is_k, int64_t num_chunks, double shrink, const float* cos,
+                               bool is_k, int64_t num_chunks, double shrink, bool pooled,
+                               const float* cos,
                                const float* sin, float inv_s2, int64_t H, int64_t D) {
   const int64_t width = H * D, half = D / 2;
   std::vector<float> sums(num_chunks * width, 0.0f), counts(num_chunks, 0.0f);
@@ -78,6 +81,19 @@ std::vector<float> chunk_shift(const T* pool_half, const T* fresh, int64_t row_s
       for (int64_t d = 0; d < D; ++d) {
         sum[h * D + d] += to_float(f[d]) - old[h * D + d];
       }
+    }
+  }
+  if (pooled && rec.count > 0) {
+    std::vector<float> prior(width, 0.0f);
+    float total = 0.0f;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      total += counts[c];
+      for (int64_t j = 0; j < width; ++j) prior[j] += sums[c * width + j];
+    }
+    const float shrink_f = static_cast<float>(shrink);
+    for (int64_t j = 0; j < width; ++j) prior[j] = prior[j] / (total + shrink_f) * shrink_f;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      for (int64_t j = 0; j < width; ++j) sums[c * width + j] += prior[j];
     }
   }
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -119,7 +135,7 @@ void add_shift(T* pool_half, const std::vector<float>& shift, const Rows& kept, 
 }
 
 template <typename T>
-void run(at::Tensor& pool, int64_t which, double shrink, const at::Tensor& k,
+void run(at::Tensor& pool, int64_t which, double shrink, bool pooled, const at::Tensor& k,
          const at::Tensor& v, const int64_t* rec_rows, const Rows& rec, const Rows& kept,
          int64_t num_chunks, const float* cos, const float* sin, float inv_s2) {
   const int64_t H = pool.size(3), D = pool.size(4);
@@ -131,7 +147,8 @@ void run(at::Tensor& pool, int64_t which, double shrink, const at::Tensor& k,
     T* pool_half = base + half * half_size;
     const auto shift =
         chunk_shift<T>(pool_half, fresh.data_ptr<T>(), fresh.stride(0), fresh.stride(1),
-                       rec_rows, rec, half == 0, num_chunks, shrink, cos, sin, inv_s2, H, D);
+                       rec_rows, rec, half == 0, num_chunks, shrink, pooled, cos, sin, inv_s2,
+                       H, D);
     add_shift<T>(pool_half, shift, kept, half == 0, cos, sin, H, D);
   }
 }
@@ -142,7 +159,8 @@ const int64_t* long_data(const at::Tensor& t, int64_t n, const char* name) {
   return t.data_ptr<int64_t>();
 }
 
-void shift_kept_rows(at::Tensor pool, int64_t which, double shrink, const at::Tensor& k,
+void shift_kept_rows(at::Tensor pool, int64_t which, double shrink, bool pooled,
+                     const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& rec_rows,
                      const at::Tensor& rec_slots, const at::Tensor& rec_positions,
                      const at::Tensor& rec_chunks, const at::Tensor& kept_slots,
@@ -191,10 +209,10 @@ void shift_kept_rows(at::Tensor pool, int64_t which, double shrink, const at::Te
   if (n == 0 || m == 0) return;
   const float inv_s2 = static_cast<float>(1.0 / (attention_scaling * attention_scaling));
   if (dtype == at::kFloat) {
-    run<float>(pool, which, shrink, k, v, rows, rec, kept, num_chunks, cos.data_ptr<float>(),
-               sin.data_ptr<float>(), inv_s2);
+    run<float>(pool, which, shrink, pooled, k, v, rows, rec, kept, num_chunks,
+               cos.data_ptr<float>(), sin.data_ptr<float>(), inv_s2);
   } else {
-    run<c10::BFloat16>(pool, which, shrink, k, v, rows, rec, kept, num_chunks,
+    run<c10::BFloat16>(pool, which, shrink, pooled, k, v, rows, rec, kept, num_chunks,
                        cos.data_ptr<float>(), sin.data_ptr<float>(), inv_s2);
   }
 }
@@ -203,7 +221,7 @@ void shift_kept_rows(at::Tensor pool, int64_t which, double shrink, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(blendkv_cpu, m) {
   m.def(
-      "shift_kept_rows(Tensor(a!) pool, int which, float shrink, Tensor k, Tensor v, "
+      "shift_kept_rows(Tensor(a!) pool, int which, float shrink, bool pooled, Tensor k, Tensor v, "
       "Tensor rec_rows, Tensor rec_slots, Tensor rec_positions, Tensor rec_chunks, "
       "Tensor kept_slots, Tensor kept_positions, Tensor kept_chunks, int num_chunks, "
       "Tensor cos, Tensor sin, float attention_scaling) -> ()");

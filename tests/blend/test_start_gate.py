@@ -24,9 +24,9 @@ def _corrupt_k(monkeypatch):
     """A broken K correction: it moves the fresh K of the rows the layer recomputes."""
     real = row_plan.correct_kept_rows
 
-    def broken(backend, rotary, kv_cache, which, shrink, recomputed, k, v, kept, n):
+    def broken(backend, rotary, kv_cache, which, shrink, pooled, recomputed, k, v, kept, n):
         k.add_(0.5)
-        return real(backend, rotary, kv_cache, which, shrink, recomputed, k, v, kept, n)
+        return real(backend, rotary, kv_cache, which, shrink, pooled, recomputed, k, v, kept, n)
 
     monkeypatch.setattr(row_plan, "correct_kept_rows", broken)
 

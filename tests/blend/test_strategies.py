@@ -315,11 +315,18 @@ def test_correction_makes_the_check_layer_exact(llm):
 def test_chunk_mean_shift_and_shrinkage():
     delta = torch.tensor([1.0, 3.0, 10.0]).view(3, 1, 1).expand(3, 2, 2)
     chunks = torch.tensor([0, 0, 2])
-    exact = chunk_mean_shift(delta, chunks, 3, shrink=0.0)
-    assert exact[0].eq(2.0).all() and exact[1].eq(0.0).all() and exact[2].eq(10.0).all()
-    shrunk = chunk_mean_shift(delta, chunks, 3, shrink=2.0)  # n / (n + 2)
-    assert shrunk[0].eq(1.0).all()
+    for pooled in (False, True):  # no shrinkage: the prior does not matter
+        exact = chunk_mean_shift(delta, chunks, 3, shrink=0.0, pooled=pooled)
+        assert exact[0].eq(2.0).all() and exact[1].eq(0.0).all() and exact[2].eq(10.0).all()
+    shrunk = chunk_mean_shift(delta, chunks, 3, shrink=2.0, pooled=False)  # n / (n + 2)
+    assert shrunk[0].eq(1.0).all() and shrunk[1].eq(0.0).all()
     torch.testing.assert_close(shrunk[2], torch.full((2, 2), 10.0 / 3))
+    # towards the three rows' sum shrunk the same way, 14 / (3 + 2): (sum + 2 * 14 / 5) / (n + 2)
+    pooled = chunk_mean_shift(delta, chunks, 3, shrink=2.0, pooled=True)
+    for c, (total, n) in enumerate([(4.0, 2), (0.0, 0), (10.0, 1)]):
+        want = torch.full((2, 2), (total + 2 * 14 / 5) / (n + 2))
+        torch.testing.assert_close(pooled[c], want)
+    assert chunk_mean_shift(delta[:0], chunks[:0], 3, 2.0, pooled=True).eq(0.0).all()
 
 
 def test_chunk_sums_one_hot_path_equals_the_cpu_path():
@@ -351,6 +358,7 @@ def test_config_validation_and_cache_key():
         dict(reselect=3),
         dict(reselect=1, schedule=((5, 0.1),)),
         dict(selection="oracle"),
+        dict(correction_prior="chunk"),
     ):
         with pytest.raises(ConfigError):
             BlendConfig(**bad)
@@ -358,6 +366,7 @@ def test_config_validation_and_cache_key():
     base = BlendConfig(**cacheblend)
     assert base.cache_key() == repr((0.15, 1, "v_deviation", (), 0)).encode()
     assert BlendConfig(**cacheblend, correction_shrink=3.0).cache_key() == base.cache_key()
+    assert BlendConfig(**cacheblend, correction_prior="pooled").cache_key() == base.cache_key()
     keys = {base.cache_key()} | {
         BlendConfig(**kw).cache_key()
         for kw in (
@@ -367,9 +376,10 @@ def test_config_validation_and_cache_key():
             dict(chunk_head_tokens=4),
             dict(reselect=1),
             dict(selection="v_deviation"),
+            dict(correction_prior="pooled"),
         )
     }
-    assert len(keys) == 7
+    assert len(keys) == 8
     with pytest.raises(ConfigError, match="out of range"):
         BlendConfig(reselect=2).validate_for(2)
     reselect = BlendConfig(recompute_ratio=0.1, reselect=2, selection="v_deviation")
@@ -386,6 +396,9 @@ def test_method_names():
     assert parse_method("blend@0.1").blend.skip_exact
     assert not parse_method("blend@0.1:prophet+ck+s32+x0").blend.skip_exact
     assert parse_method("blend@0.1:prophet+e8").blend.chunk_samples == 8
+    assert parse_method("blend@0.1").blend.correction_prior == "zero"
+    assert parse_method("blend@0.1:prophet+ck+s32+pp").blend.correction_prior == "pooled"
+    assert parse_method("blend@0.1:prophet+ck+s32+pp+p0").blend.correction_prior == "zero"
     for bad in ("blend@0.1:prophet+zz", "blend@0.1:+cv", "blend@0.1:heads+rs9"):
         with pytest.raises(MethodError):
             parse_method(bad)

@@ -297,15 +297,20 @@ def test_elementwise_and_blend_kernels_at_llama8b_shapes():
     segments = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
     pos = torch.arange(3000, device=dev)
 
-    def rows_of(idx, current=None, seg=None):
-        return Rows(pos[idx], slots[idx], chunk_of[idx], current, seg)
+    kept_counts = torch.bincount(chunk_of[kept], minlength=10)
+    kept_segments = torch.cat((counts.new_zeros(1), kept_counts.cumsum(0))).to(torch.int32)
 
-    want, got = pool.clone(), pool.clone()
-    correct_kept_rows(TorchAttentionBackend(dev), rope, want, "kv", 32.0,
-                      rows_of(rec, rows), kk, vv, rows_of(kept), 10)  # fmt: skip
-    correct_kept_rows(TritonAttentionBackend(dev), rope, got, "kv", 32.0,
-                      rows_of(rec, rows, segments), kk, vv, rows_of(kept), 10)  # fmt: skip
-    close(got, want)
+    def rows_of(idx, current=None, seg=None, parts=1):
+        return Rows(pos[idx], slots[idx], chunk_of[idx], current, seg, parts)
+
+    for pooled in (False, True):
+        want, got = pool.clone(), pool.clone()
+        correct_kept_rows(TorchAttentionBackend(dev), rope, want, "kv", 32.0, pooled,
+                          rows_of(rec, rows), kk, vv, rows_of(kept), 10)  # fmt: skip
+        correct_kept_rows(TritonAttentionBackend(dev), rope, got, "kv", 32.0, pooled,
+                          rows_of(rec, rows, segments), kk, vv,
+                          rows_of(kept, None, kept_segments, 4), 10)  # fmt: skip
+        close(got, want)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

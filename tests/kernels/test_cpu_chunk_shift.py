@@ -54,10 +54,12 @@ def _case(dtype, rope_scaling=None, seed=4):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("which", ["k", "v", "kv"])
-def test_cpp_correction_matches_the_torch_code(dtype, which):
+@pytest.mark.parametrize("pooled", [False, True])
+def test_cpp_correction_matches_the_torch_code(dtype, which, pooled):
     rope, pool, rec, k, v, kept, cpp = _case(dtype)
     expected, actual = pool.clone(), pool.clone()
-    correct_kept_rows(TorchAttentionBackend("cpu"), rope, expected, which, 8.0, rec, k, v, kept, 4)
+    args = (which, 8.0, pooled)
+    correct_kept_rows(TorchAttentionBackend("cpu"), rope, expected, *args, rec, k, v, kept, 4)
     assert cpp.fused_chunk_shift
     segments = torch.tensor([0, 4, 4, 7, 10], dtype=torch.int32)  # what the row plan passes
     rec = rec._replace(segments=segments)
@@ -70,7 +72,7 @@ def test_cpp_correction_matches_the_torch_code(dtype, which):
             return getattr(original, name)
 
     cpp.ops = Spy()
-    correct_kept_rows(cpp, rope, actual, which, 8.0, rec, k, v, kept, 4)
+    correct_kept_rows(cpp, rope, actual, *args, rec, k, v, kept, 4)
     assert calls == ["shift_kept_rows"]
     assert not torch.equal(expected, pool)
     if dtype == torch.float32:
@@ -78,9 +80,12 @@ def test_cpp_correction_matches_the_torch_code(dtype, which):
     else:  # one rounding of the sum apart at most
         torch.testing.assert_close(actual.float(), expected.float(), atol=0, rtol=2**-7)
     chunk1 = kept.chunk_ids == 1
-    for half in (0, 1):  # chunk 1 (no recomputed row) and the recomputed rows are untouched
+    for half in (0, 1):  # the recomputed rows are untouched, and chunk 1 (no recomputed row)
         flat_a, flat_p = actual[half].flatten(0, 1), pool[half].flatten(0, 1)
-        assert torch.equal(flat_a[kept.slots[chunk1]], flat_p[kept.slots[chunk1]])
+        moved = "kv"[half] in which
+        # ... unless the prior is the pooled mean
+        same = torch.equal(flat_a[kept.slots[chunk1]], flat_p[kept.slots[chunk1]])
+        assert same != (pooled and moved)
         assert torch.equal(flat_a[rec.slots], flat_p[rec.slots])
 
 
@@ -90,9 +95,10 @@ def test_cpp_correction_with_attention_scaling():
     rope, pool, rec, k, v, kept, cpp = _case(torch.float32, rope_scaling=scaling, seed=9)
     assert rope.attention_scaling != 1.0
     expected, actual = pool.clone(), pool.clone()
-    correct_kept_rows(TorchAttentionBackend("cpu"), rope, expected, "k", 2.0, rec, k, v, kept, 4)
+    correct_kept_rows(TorchAttentionBackend("cpu"), rope, expected, "k", 2.0, True, rec, k, v,
+                      kept, 4)  # fmt: skip
     rec = rec._replace(segments=torch.tensor([0, 4, 4, 7, 10], dtype=torch.int32))
-    correct_kept_rows(cpp, rope, actual, "k", 2.0, rec, k, v, kept, 4)
+    correct_kept_rows(cpp, rope, actual, "k", 2.0, True, rec, k, v, kept, 4)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -102,11 +108,11 @@ def test_cpp_correction_rejects_bad_rows():
     bad = kept._replace(slots=kept.slots + 10_000)
     with pytest.raises(RuntimeError, match="slot out of the pool"):
         cpp.ops.shift_kept_rows(
-            pool, 1, 8.0, k, v, rec.rows, rec.slots, rec.positions, rec.chunk_ids, bad.slots,
-            bad.positions, bad.chunk_ids, 4, cos, sin, 1.0,
+            pool, 1, 8.0, False, k, v, rec.rows, rec.slots, rec.positions, rec.chunk_ids,
+            bad.slots, bad.positions, bad.chunk_ids, 4, cos, sin, 1.0,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="chunk index"):
         cpp.ops.shift_kept_rows(
-            pool, 1, 8.0, k, v, rec.rows, rec.slots, rec.positions, rec.chunk_ids, kept.slots,
-            kept.positions, kept.chunk_ids, 2, cos, sin, 1.0,
+            pool, 1, 8.0, False, k, v, rec.rows, rec.slots, rec.positions, rec.chunk_ids,
+            kept.slots, kept.positions, kept.chunk_ids, 2, cos, sin, 1.0,
         )  # fmt: skip

@@ -172,9 +172,11 @@ def test_query_mass_splits_long_keys(device):
 @DTYPES
 @pytest.mark.parametrize("which", ["k", "v", "kv"])
 @pytest.mark.parametrize("parts", [1, 3])
-def test_chunk_shift_kernel_matches_the_torch_correction(device, dtype, which, parts):
-    """One launch gives the pool the torch correction gives it, however many programs share a
-    chunk's kept rows (chunk 1 has no recomputed row: its kept rows stay as they are)."""
+@pytest.mark.parametrize("pooled", [False, True])
+def test_chunk_shift_kernel_matches_the_torch_correction(device, dtype, which, parts, pooled):
+    """The kernels give the pool the torch correction gives it, however many programs share a
+    chunk's kept rows (chunk 1 has no recomputed row: its kept rows stay as they are unless the
+    prior is the pooled mean)."""
     from transformers import LlamaConfig
 
     from blendkv.blend.correction import Rows, correct_kept_rows
@@ -200,7 +202,7 @@ def test_chunk_shift_kernel_matches_the_torch_correction(device, dtype, which, p
         return Rows(positions[idx], slots[idx], chunk_of[idx], current, segments, parts)
 
     expected, actual = pool.clone(), pool.clone()
-    args = (which, 8.0)
+    args = (which, 8.0, pooled)
     correct_kept_rows(TorchAttentionBackend(device), rope, expected, *args,
                       rows_of(rec, rows), k, v, rows_of(kept), 3)  # fmt: skip
     segments = torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=device)

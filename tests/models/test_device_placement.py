@@ -119,5 +119,5 @@ def test_kept_row_correction_stays_on_cuda():
     with fake_cuda():
         delta = torch.empty(5, 2, 8, device="cuda")
         chunk_ids = torch.zeros(5, dtype=torch.long, device="cuda")
-        shift = chunk_mean_shift(delta, chunk_ids, 3, 1.0)
+        shift = chunk_mean_shift(delta, chunk_ids, 3, 1.0, pooled=True)
     assert shift.device.type == "cuda" and shift.shape == (3, 2, 8)
