@@ -138,7 +138,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def shift_kept_rows(self, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks,
                         cos, sin, attention_scaling) -> bool:  # fmt: skip
-        """A blended layer's K/V correction in one launch
+        """A blended layer's K/V correction in one launch, two with the pooled prior
         (:mod:`blendkv.kernels.triton.chunk_shift`); False if the kernels cannot run here (the
         caller then does it with torch ops)."""
         from blendkv.kernels.triton.chunk_shift import shift_kept_rows

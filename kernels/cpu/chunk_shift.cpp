@@ -7,7 +7,7 @@
 //
 //   pool        [2, blocks, block_size, H, D]  the layer's KV pool (K rotated), contiguous
 //   which       1 = K, 2 = V, 3 = both
-//   shrink, pooled  the pseudo-count, and whether the prior is the mean of all the rows (else 0)
+//   shrink      the shrinkage's pseudo-count; pooled: its prior is all rows' (else 0)
 //   k, v        [T, H, D]  the layer's fresh rows (K before RoPE); rows may be strided
 //   rec_rows    [N] int64  the recomputed reused rows among them, in chunk order or not
 //   rec_slots, rec_positions, rec_chunks   [N] int64  their slots (still holding the reused
@@ -17,11 +17,11 @@
 //
 // Per chunk c and element: shift = (sum over c's recomputed rows of (fresh - reused), summed in
 // row order as index_add_ sums, + prior * shrink) times 1 / (n_c + shrink); the pooled prior is
-// the chunks' sums added in chunk order over (the number of rows + shrink). K's reused rows are read back with
-// the rotation undone ((k cos - rotate_half(k) sin) / s^2); the K shift is rotated to each kept
-// row's position and added (x cos, then one FMA with rotate_half(x) sin, as torch's addcmul_
-// runs on AVX-512). Everything in float32, rounded to the pool's dtype on the way out; on the
-// AMD EPYC here the pool's bits equal the torch code's.
+// the chunks' sums added in chunk order over (the number of rows + shrink), else 0. K's reused
+// rows are read back with the rotation undone ((k cos - rotate_half(k) sin) / s^2); the K shift
+// is rotated to each kept row's position and added (x cos, then one FMA with rotate_half(x) sin,
+// as torch's addcmul_ runs on AVX-512). Everything in float32, rounded to the pool's dtype on the
+// way out; on the AMD EPYC here the pool's bits equal the torch code's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,8 +49,8 @@ template <typename T>
 std::vector<float> chunk_shift(const T* pool_half, const T* fresh, int64_t row_stride,
                                int64_t head_stride, const int64_t* rec_rows, const Rows& rec,
                                bool is_k, int64_t num_chunks, double shrink, bool pooled,
-                               const float* cos,
-                               const float* sin, float inv_s2, int64_t H, int64_t D) {
+                               const float* cos, const float* sin, float inv_s2, int64_t H,
+                               int64_t D) {
   const int64_t width = H * D, half = D / 2;
   std::vector<float> sums(num_chunks * width, 0.0f), counts(num_chunks, 0.0f);
   std::vector<float> old(width);
@@ -160,8 +160,7 @@ const int64_t* long_data(const at::Tensor& t, int64_t n, const char* name) {
 }
 
 void shift_kept_rows(at::Tensor pool, int64_t which, double shrink, bool pooled,
-                     const at::Tensor& k,
-                     const at::Tensor& v, const at::Tensor& rec_rows,
+                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& rec_rows,
                      const at::Tensor& rec_slots, const at::Tensor& rec_positions,
                      const at::Tensor& rec_chunks, const at::Tensor& kept_slots,
                      const at::Tensor& kept_positions, const at::Tensor& kept_chunks,
