@@ -232,7 +232,7 @@ def shift_kept_rows(
                   BLOCK_HALF=triton.next_power_of_2(half))  # fmt: skip
     fresh = (k, v, recomputed.rows, recomputed.slots, recomputed.positions, recomputed.segments)
     strides = (*k.stride()[:2], *v.stride()[:2], *kv_cache.stride()[:4])
-    sums = kv_cache.new_empty(1, dtype=torch.float32)  # read only with the pooled prior
+    sums = kv_cache  # a stand-in, never read: only the pooled prior reads sums
     if pooled:
         sums = kv_cache.new_empty((2, num_chunks, num_kv_heads, head_dim), dtype=torch.float32)
         _sums_kernel[(num_chunks, num_kv_heads)](
