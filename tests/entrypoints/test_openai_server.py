@@ -3,6 +3,7 @@ by the official ``openai`` client, LangChain's ``ChatOpenAI`` and raw HTTP."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -162,18 +163,37 @@ def test_seeded_sampling_is_reproducible(client):
     assert len({first, sample(8), sample(9), sample(10)}) > 1  # the seed is used
 
 
-def test_documents_chat_equals_in_process_blended_generate(client, offline):
+def test_every_blend_config_field_is_a_blend_option():
+    """A ``BlendConfig`` field added without its ``BlendOptions`` field cannot be set over HTTP."""
+    from blendkv.entrypoints.openai.protocol import BlendOptions, ChatCompletionRequest
+    from blendkv.entrypoints.openai.serving import blend_config
+
+    assert set(BlendOptions.model_fields) == {f.name for f in dataclasses.fields(BlendConfig)}
+    options = {"correction": "kv", "correction_prior": "pooled", "correction_shrink": 8.0}
+    req = ChatCompletionRequest(messages=HELLO, documents=[{"text": "x"}], blend=options)
+    assert blend_config(req) == BlendConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"recompute_ratio": 0.3},
+        {"recompute_ratio": 0.3, "correction": "kv", "correction_prior": "pooled", "reselect": 1},
+    ],
+    ids=["ratio", "correction"],
+)
+def test_documents_chat_equals_in_process_blended_generate(client, offline, options):
     query = "Which city is the capital of France?"
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL,
         messages=[{"role": "user", "content": query}],
         max_tokens=10,
         temperature=0,
-        extra_body={"documents": [{"text": d} for d in DOCS], "blend": {"recompute_ratio": 0.3}},
+        extra_body={"documents": [{"text": d} for d in DOCS], "blend": options},
     )
     resp = raw.parse()
     prompt = {"documents": DOCS, "query": query, "system": None}
-    [ref] = offline.generate(prompt, greedy(10), blend=BlendConfig(recompute_ratio=0.3))
+    [ref] = offline.generate(prompt, greedy(10), blend=BlendConfig(**options))
     assert resp.choices[0].message.content == ref.text
     stats = resp.blendkv
     assert stats["num_chunks"] == 2 and stats["tokens_reused"] == ref.blend_stats.tokens_reused
@@ -282,6 +302,12 @@ BAD_REQUESTS = {
     "bad blend ratio": (
         CHAT,
         {"messages": HELLO, "documents": [{"text": "x"}], "blend": {"recompute_ratio": 2}},
+        400,
+        "blend",
+    ),  # fmt: skip
+    "bad correction prior": (
+        CHAT,
+        {"messages": HELLO, "documents": [{"text": "x"}], "blend": {"correction_prior": "mean"}},
         400,
         "blend",
     ),  # fmt: skip

@@ -160,6 +160,13 @@ class BlendOptions(StrictModel):
     selection: str | None = None
     schedule: list[tuple[int, float]] | None = None
     seed: int | None = None
+    correction: str | None = None
+    correction_shrink: float | None = None
+    correction_prior: str | None = None
+    chunk_head_tokens: int | None = None
+    chunk_samples: int | None = None
+    reselect: int | None = None
+    skip_exact: bool | None = None
 
 
 class RAGOptions(StrictModel):
