@@ -74,29 +74,23 @@ class ReadSnapshot:
     def view(self, key: bytes) -> ChunkKV | None:
         """The chunk's K/V as a zero-copy, read-only tensor; None on a miss or a corrupt value
         (counted like :meth:`KVStore.get`)."""
-        store = self._store
-        with store._lock:
-            if self.closed:
-                raise StoreError("the read snapshot is closed")
-            corrupt_before = store.corrupt
-            chunk = _view(store, self.txn, key)
-            if chunk is None:
-                if store.corrupt != corrupt_before:
-                    store._deferred_deletes.add(key)
-                return None
-            store._record_use(key, flush=False)
-            return chunk
+        return self._locked_read(_view, key)
 
     def view_encoded(self, key: bytes):
         """The chunk's value as stored, zero-copy over the map: a tensor (codec ``none``) or
         an :class:`~blendkv.store.codecs.EncodedKV` whose tensors view the map (decode it
         while loading). None on a miss or a corrupt value; valid until :meth:`close`."""
+        return self._locked_read(_view_value, key)
+
+    def _locked_read(self, read, key: bytes):
+        """``read(store, txn, key)`` under the store's lock; a value found corrupt is deleted
+        when the snapshot closes, a hit is recorded as a use."""
         store = self._store
         with store._lock:
             if self.closed:
                 raise StoreError("the read snapshot is closed")
             corrupt_before = store.corrupt
-            value = _view_value(store, self.txn, key)
+            value = read(store, self.txn, key)
             if value is None:
                 if store.corrupt != corrupt_before:
                     store._deferred_deletes.add(key)
