@@ -16,18 +16,32 @@ import torch
 
 from blendkv.kernels.cpu_extension import load_ops
 
-# Consecutive rows per task: G * 32 query rows share each key block (the best of 8-64 on the CPU).
-BLOCK_ROWS = 32
+# Query rows per task, at most (G query heads per row): they share each key block the task
+# reads (``blendkv bench attention`` times it against 32 rows). The kernel splits a call's rows
+# finer when that few tasks would leave threads idle.
+BLOCK_QUERY_ROWS = 288
+
+
+def block_rows(group: int) -> int:
+    """Rows per task for ``group`` query heads per KV head (at least 8)."""
+    return max(8, BLOCK_QUERY_ROWS // group)
+
+
+# The mass from the attention pass's own probabilities needs a row of keys per task and per
+# query row a worker holds (float32); past this many floats (64 MiB) the kernel recomputes the
+# scores instead.
+MAX_PROB_FLOATS = 1 << 24
 
 
 class RowsKernel:
     """The C++ kernel. ``ops``: ``torch.ops.blendkv_cpu``; built and loaded here when None
     (raises :class:`~blendkv.kernels.cpu_extension.CPUKernelBuildError` when it cannot be)."""
 
-    def __init__(self, ops=None) -> None:
+    def __init__(self, ops=None, max_prob_floats: int = MAX_PROB_FLOATS) -> None:
         if ops is None:
             ops = load_ops()
         self.ops = ops
+        self.max_prob_floats = max_prob_floats
 
     def __call__(
         self,
@@ -46,8 +60,10 @@ class RowsKernel:
 
         ``mass`` [S] float32 (contiguous): adds the softmax probability the rows pay each key,
         summed over rows and query heads (ProphetKV's score,
-        :func:`~blendkv.kernels.attention_mass.query_attention_mass`), from a second pass over
-        the scores (no P.V): the query rows' attention and their score in one call.
+        :func:`~blendkv.kernels.attention_mass.query_attention_mass`): each task of the
+        attention pass sums its rows' probabilities, then the tasks' sums are added in order
+        (past ``max_prob_floats`` of buffers, a second pass recomputes the scores instead): the
+        query rows' attention and their score in one call.
 
         ``window``: a row at ``p`` sees keys ``p - window < j <= p`` (the keys before every
         row's window are not read); ``soft_cap``: scores ``cap * tanh(s / cap)``."""
@@ -58,11 +74,12 @@ class RowsKernel:
             values.contiguous(),
             positions.contiguous(),
             scale,
-            BLOCK_ROWS,
+            block_rows(q.shape[1] // keys.shape[1]),
             dst,
             mass,
             0 if window is None else int(window),
             0.0 if soft_cap is None else float(soft_cap),
+            self.max_prob_floats,
         )
         if dst is not out:
             out.copy_(dst)

@@ -13,7 +13,8 @@ query pass dominates, it may not. The prediction, in seconds (tensor-free, sched
 
 ``N`` prompt tokens, ``L`` layers. ``row_layers`` counts the layers before the first selection
 with every row, the repaired and always-computed rows after it, the dropped rows' Q/K/V at a
-selection layer, and ProphetKV's first pass (the non-reused rows through every layer) -- the
+selection layer, and ProphetKV's first pass (the non-reused rows through every layer; those
+before the first chunk it settles, and they leave the fused forward) -- the
 unit :class:`~blendkv.blend.row_plan.BlendRowPlan` reports. The rates are the
 :class:`~blendkv.blend.controller.LoadingController`'s moving averages: row-layers per second of
 fused prefills and of plain prefill steps, bytes per second per tier.
@@ -66,11 +67,12 @@ class CostChoice:
 @dataclass(frozen=True)
 class RequestShape:
     """One blended request, in tokens: its prompt, its stored chunk tokens by the tier they are
-    read from, and its chunk tokens not stored yet."""
+    read from, its chunk tokens not stored yet, and its tokens before the first chunk."""
 
     num_prompt_tokens: int
     reused_by_tier: dict[str, int]
     missing_tokens: int = 0
+    lead_tokens: int = 0
 
     @property
     def reused_tokens(self) -> int:
@@ -122,20 +124,24 @@ def request_shape(state, manager, controller: LoadingController, device_tier=Non
             missing += len(chunk)
         else:
             by_tier[tier] = by_tier.get(tier, 0) + len(chunk)
-    return RequestShape(len(state.prompt.token_ids), by_tier, missing)
+    starts = state.prompt.chunk_starts
+    lead = starts[0] if starts else len(state.prompt.token_ids)
+    return RequestShape(len(state.prompt.token_ids), by_tier, missing, lead)
 
 
 def blend_row_layers(config: BlendConfig, num_layers: int, reused: int, other: int,
-                     qkv_share: float) -> float:  # fmt: skip
+                     qkv_share: float, lead: int = 0) -> float:  # fmt: skip
     """Row-layers of a fused prefill of ``reused`` chunk tokens and ``other`` always-computed
-    tokens, as :class:`~blendkv.blend.row_plan.BlendRowPlan` counts them (selection passes
-    included)."""
+    tokens, ``lead`` of them before the first chunk, as
+    :class:`~blendkv.blend.row_plan.BlendRowPlan` counts them (selection passes included; the
+    lead rows ProphetKV's pass computed leave at the first selection)."""
     selections = config.selection_layers(num_layers)
     prophet = config.selection == "prophet" and 0.0 < config.planned_ratio < 1.0 and reused > 0
     cost = float(other * num_layers) if prophet else 0.0  # ProphetKV's query pass
+    always = other - lead if prophet else other
     count, prev = reused + other, 0
     for layer in sorted(selections):
-        kept = other + round(selections[layer] * reused)
+        kept = always + round(selections[layer] * reused)
         # At layer 0 a full-reuse or ProphetKV pick uses stored K/V: no fresh Q/K/V there.
         projected = not (layer == 0 and (config.full_reuse or config.selection == "prophet"))
         dropped = (count - kept) * qkv_share if projected else 0.0
@@ -157,7 +163,8 @@ def predict_blend_seconds(
         return None
     reused = shape.reused_tokens
     other = shape.num_prompt_tokens - reused
-    row_layers = blend_row_layers(config, model.num_layers, reused, other, model.qkv_share)
+    row_layers = blend_row_layers(config, model.num_layers, reused, other, model.qkv_share,
+                                  shape.lead_tokens)  # fmt: skip
     compute = row_layers / rate
     loaded_layers = model.num_layers - config.first_partial_layer
     load = 0.0

@@ -95,6 +95,8 @@ class BlendRowPlan(RowPlan):
         self._exact: dict[int, torch.Tensor] = {}  # seq index -> rows made exact this layer
         # seq index -> its correction's rows, kept while the row set stays (until a selection)
         self._correction_rows: dict[int, tuple] = {}
+        # seq index -> its rows the query pass computed exactly (left out of this forward)
+        self._settled: dict[int, int] = {}
         for sb in blends:
             sb._events = []
         self._record()
@@ -122,6 +124,10 @@ class BlendRowPlan(RowPlan):
         for sb, schedule in zip(self.blends, self.schedules, strict=True):
             if layer_idx in schedule:
                 before = int(keep.sum())
+                if sb.query_scores is not None and layer_idx == min(schedule):
+                    settled = self._settled_by_query_pass(sb)
+                    self._settled[sb.index] = int(settled.sum())
+                    keep[settled] = False
                 self._select(attn, sb, layer_idx, schedule[layer_idx], attn_metadata, q, k, v,
                              kv_cache, keep)  # fmt: skip
                 n_in = int((self.seq_ids == sb.index).sum())
@@ -135,6 +141,17 @@ class BlendRowPlan(RowPlan):
             self._key_counts.append((layer_idx, int(self.positions.sum()) + len(self.rows)))
         self._record()
         return None if keep.all() else keep
+
+    def _settled_by_query_pass(self, sb: SeqBlend) -> torch.Tensor:
+        """Rows (of the current set) that ProphetKV's query pass already computed exactly:
+        ``sb``'s rows before its first reused one (a system prompt, the template's head). They
+        see no reused K/V, and the pass wrote their K/V at every layer, so the fused forward
+        skips them. Rows between or after chunks saw reused K/V there: they stay."""
+        mine = self.seq_ids == sb.index
+        reused = mine & self.reused
+        if not reused.any():
+            return torch.zeros_like(mine)
+        return mine & ~self.reused & (self.positions < self.positions[reused].min())
 
     def _select(self, attn, sb: SeqBlend, layer_idx, ratio, md, q, k, v, kv_cache, keep) -> None:
         """Drop from ``keep`` the reused rows of ``sb`` that are not among the top ``ratio``."""
@@ -277,11 +294,12 @@ class BlendRowPlan(RowPlan):
 
     def _record(self) -> None:
         """Rows computed through the last layer so far, per blended sequence (final after the
-        last selection layer: rows only ever leave the set there), and the row-layers run."""
+        last selection layer: rows only ever leave the set there; those the query pass settled
+        count), and the row-layers run."""
         for sb in self.blends:
             lo, hi = self.starts[sb.index], self.starts[sb.index + 1]
             mine = self.rows[(self.rows >= lo) & (self.rows < hi)] - lo
-            sb.stats.tokens_recomputed = len(mine)
+            sb.stats.tokens_recomputed = len(mine) + self._settled.get(sb.index, 0)
             sb.stats.reused_tokens_recomputed = int(sb.reused[mine].sum())
             cost, prev, count = sb.extra_row_layers, 0, hi - lo
             for layer, n_in, n_out, projected in sb._events:

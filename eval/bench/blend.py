@@ -1,13 +1,14 @@
 """Blend benchmark: TTFT of full prefill vs CacheBlend vs full reuse on MuSiQue dev prompts.
 
-All methods run on the same examples, interleaved (full, blend, reuse for one example, then
-the next), with the chunk store warmed first and the prefix cache off, so each TTFT is one
-complete prefill of the whole prompt. Correctness first: ``blend@1.0`` must reproduce full
-prefill's greedy tokens before anything is timed (checked on the first example). Divergence
+All methods run on the same examples, interleaved (full, blend, reuse for one example,
+``--repeats`` times, the median TTFT kept; then the next), with the chunk store warmed first
+and the prefix cache off, so each TTFT is one complete prefill of the whole prompt.
+Correctness first: ``blend@1.0`` must reproduce full prefill's greedy tokens before anything
+is timed (checked on the first example). Divergence
 is the teacher-forced KL of each method's next-token distributions from full prefill's along
 full prefill's greedy answer (first 16 tokens).
 
-    blendkv bench blend [--model PATH] [--limit 5] [--dtype bfloat16] [--ratio 0.15]
+    blendkv bench blend [--model PATH] [--limit 5] [--repeats 3] [--dtype bfloat16] [--ratio 0.15]
 """
 
 from __future__ import annotations
@@ -115,15 +116,19 @@ def main(args) -> int:
     for p in prompts:
         ids = manager.prepare(p, methods["blend"]).prompt.token_ids
         row = {"prompt_tokens": len(ids)}
-        row["ttft_full"], _ = _ttft_full(llm, ids, one)
-        for name, cfg in methods.items():
-            out = llm.generate([p], one, blend=cfg)[0]
-            s = out.blend_stats
-            row[f"ttft_{name}"] = out.metrics.ttft
-            row[f"load_s_{name}"] = s.load_seconds
-            row[f"recompute_{name}"] = s.recompute_fraction
-            row[f"hit_{name}"] = s.chunks_hit == s.num_chunks
-            row[f"kv_bytes_{name}"] = s.kv_bytes_loaded
+        ttfts: dict[str, list[float]] = {"full": [], **{name: [] for name in methods}}
+        for _ in range(max(1, getattr(args, "repeats", 1))):  # interleaved, medians kept
+            ttfts["full"].append(_ttft_full(llm, ids, one)[0])
+            for name, cfg in methods.items():
+                out = llm.generate([p], one, blend=cfg)[0]
+                s = out.blend_stats
+                ttfts[name].append(out.metrics.ttft)
+                row[f"load_s_{name}"] = s.load_seconds
+                row[f"recompute_{name}"] = s.recompute_fraction
+                row[f"hit_{name}"] = s.chunks_hit == s.num_chunks
+                row[f"kv_bytes_{name}"] = s.kv_bytes_loaded
+        for name, values in ttfts.items():
+            row[f"ttft_{name}"] = statistics.median(values)
         answer = llm.generate([ids], answer_params)[0].outputs[0].token_ids
         ref = _teacher_forced(llm, ids, answer, None, one)
         for name, cfg in methods.items():

@@ -62,6 +62,9 @@ def register_bench(sub) -> None:
     add_config_args(b, EngineConfig, ("model",))
     b.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
     b.add_argument("--limit", type=int, default=5)
+    b.add_argument(
+        "--repeats", type=int, default=1, help="TTFTs per method and example, interleaved: median"
+    )
     add_config_args(b, EngineConfig, ("dtype",), defaults={"dtype": "bfloat16"})
     b.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
     b.add_argument("--selection", default=None, help="default: BlendConfig's")

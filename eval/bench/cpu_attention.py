@@ -12,7 +12,14 @@ alike), median ms of ``--repeats`` each, one JSON line per case:
   for rows in more than ``paged_decode.MAX_RUNS`` runs), the C++ decode kernel;
 - ``rows``: 656 scattered rows and a 64-token tail over 6,300 keys: split attention (the
   reference), the removed grouped masked SDPA, the C++ rows kernel;
-- ``causal``: a fresh 2,048-token prefill: SDPA's causal flash kernel, the C++ rows kernel.
+- ``causal``: a fresh 2,048-token prefill: SDPA's causal flash kernel, the C++ rows kernel;
+- ``query``: ProphetKV's query pass at one layer, 55 rows at the end of 6,300 keys with the
+  mass they pay each key: the torch reference, the C++ kernel recomputing the scores for the
+  mass, the C++ kernel keeping the attention pass's probabilities;
+- ``block rows``: the C++ kernel with 32 rows per task against its default
+  (:func:`~blendkv.kernels.cpu_prefill.block_rows`) for the scattered rows and a 6,300-token
+  causal prefill (few rows, as the query pass's, are split finer either way), with the caches
+  warm and with 64 MiB touched before each call (cold, as between a forward's layers).
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import torch
 from blendkv.eval.bench.gemm import _time_interleaved
 from blendkv.kernels import paged_decode
 from blendkv.kernels.attention import AttentionMetadata
+from blendkv.kernels.attention_mass import attention_with_mass
 from blendkv.kernels.cpu_decode import DecodeKernel, dense_decode_layout
-from blendkv.kernels.cpu_prefill import RowsKernel
+from blendkv.kernels.cpu_prefill import RowsKernel, block_rows
 from blendkv.kernels.split_attention import build_row_groups, split_masked_attention
 from blendkv.kernels.torch_attention import dense_causal_attention, masked_attention
 
@@ -87,13 +95,13 @@ def decode_case(runs: int) -> tuple[dict, torch.Tensor]:
     return calls, out
 
 
-def check_and_time(case: str, calls: dict, out_of, repeats: int) -> dict:
+def check_and_time(case: str, calls: dict, out_of, repeats: int, before=None) -> dict:
     results = []
     for fn in calls.values():  # correctness first (and the warm-up)
         results.append(out_of(fn).clone())
     for got in results[1:]:
         torch.testing.assert_close(got, results[0], atol=1e-4, rtol=1e-4)
-    ms = {k: v * 1e3 for k, v in _time_interleaved(calls, repeats).items()}
+    ms = {k: v * 1e3 for k, v in _time_interleaved(calls, repeats, before).items()}
     first = next(iter(ms))
     ratios = {f"{k}/{first}": round(v / ms[first], 2) for k, v in ms.items() if k != first}
     return {"case": case, "ms": {k: round(v, 2) for k, v in ms.items()}, **ratios}
@@ -131,3 +139,49 @@ def main(args: argparse.Namespace) -> None:
     }
     out2 = torch.empty_like(q)
     print(json.dumps({**info, **check_and_time("causal2048", calls, lambda f: f(), args.repeats)}))
+    query = torch.arange(6300 - 55, 6300)
+    q = torch.randn(len(query), HQ, D)
+    print(json.dumps({**info, **check_and_time("query55_over6300", _query_calls(q, keys, values,
+                                                query), lambda f: f(), args.repeats)}))  # fmt: skip
+    # As in a forward, where the layers between two calls evict their keys: 64 MiB touched
+    # before each timed call (cold), and without it (warm).
+    junk = torch.zeros(16 << 20)
+    for name, pos in (("rows720", positions), ("causal6300", None)):
+        pos = torch.arange(6300) if pos is None else pos
+        q = torch.randn(len(pos), HQ, D)
+        calls = _block_rows_calls(q, keys, values, pos, rows.ops)
+        for cache, before in (("warm", None), ("cold", lambda: junk.add_(1.0))):
+            case = f"{name}_over6300_block_rows_{cache}"
+            row = check_and_time(case, calls, lambda f: f(), args.repeats, before)
+            print(json.dumps({**info, **row}))
+
+
+def _query_calls(q, keys, values, positions) -> dict:
+    """The query rows' output and mass, side by side ([out, mass] flattened)."""
+    recompute, keep, out = RowsKernel(max_prob_floats=0), RowsKernel(), torch.empty_like(q)
+
+    def cpp(kernel):
+        mass = torch.zeros(keys.shape[0])
+        kernel(q, keys, values, positions, SCALE, out, mass)
+        return torch.cat([out.flatten(), mass])
+
+    def reference():
+        o, mass = attention_with_mass(q, keys, values, positions, scale=SCALE)
+        return torch.cat([o.flatten(), mass])
+
+    return {
+        "torch": reference,
+        "cpp_recomputed": lambda: cpp(recompute),
+        "cpp_kept": lambda: cpp(keep),
+    }
+
+
+def _block_rows_calls(q, keys, values, positions, ops) -> dict:
+    """The op with 32 rows per task and with its default."""
+    out, default = torch.empty_like(q), block_rows(HQ // HKV)
+
+    def call(rows_per_task):
+        ops.rows_attention(q, keys, values, positions, SCALE, rows_per_task, out, None, 0, 0.0)
+        return out
+
+    return {"rows32": lambda: call(32), f"rows{default}": lambda: call(default)}

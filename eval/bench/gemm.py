@@ -20,11 +20,14 @@ import statistics
 import time
 
 
-def _time_interleaved(calls: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each call, the calls taking turns (machine noise hits all alike)."""
+def _time_interleaved(calls: dict, repeats: int, before=None) -> dict[str, float]:
+    """Median seconds of each call, the calls taking turns (machine noise hits all alike);
+    ``before()`` runs untimed before each call."""
     times: dict[str, list[float]] = {label: [] for label in calls}
     for _ in range(repeats):
         for label, fn in calls.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             times[label].append(time.perf_counter() - t0)

@@ -19,10 +19,16 @@
 // and a row stops at its own position. Scores (RI rows x KJ keys)
 // and P.V (RI rows x 64 dims) are register-blocked loops over GCC vector types.
 //
-// With `mass` [S] (ProphetKV's query rows) the attention pass also keeps each row's log-sum-exp,
-// and a second pass over the scores alone (add_mass, one task per key block) adds the
-// probability every row and query head pays each key: the rows' output and their score in one
-// call.
+// With `mass` [S] (ProphetKV's query rows) the attention pass also keeps its rows' exponentiated
+// scores and the running max each key block's were taken at; when a task's rows are done it
+// rescales them to probabilities and sums them over its rows into its own row of partial sums,
+// added up in task order at the end: the probability every row and query head pays each key,
+// the rows' output and their score in one call. Where those buffers would pass
+// `max_prob_floats`, the attention pass keeps each row's log-sum-exp only and a second pass
+// (add_mass, one task per key block) recomputes the scores.
+//
+// A call's rows go in blocks of at most `block_rows`, smaller when that few tasks would leave
+// threads idle (ProphetKV's ~30 query rows: 2 blocks of 18 rather than 32 + 3).
 //
 // A sliding window (window > 0: a row at p sees keys p - window < j <= p) starts a task's key
 // walk at its first row's first key (rounded down to a register block): the keys before every
@@ -74,6 +80,9 @@ struct RowsArgs {
   int64_t num_rows, num_kv_heads, num_q_heads, group, head_dim, block_rows;
   float scale;
   float* lse = nullptr;  // [n, Hq]: each row's log-sum-exp of its scaled scores (mass pass)
+  // The mass from the attention pass: each task's rows' probabilities summed into its own row
+  // of mass_parts [tasks, ldk], added up in task order afterwards (add_mass otherwise).
+  float* mass_parts = nullptr;
   int64_t window = 0;    // > 0: a row at p sees keys p - window < j <= p
   float soft_cap = 0.f;  // > 0: scores soft_cap * tanh(score / soft_cap)
 };
@@ -208,6 +217,10 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
   auto* out = static_cast<scalar_t*>(a.out);
   const int64_t* pos = a.positions;
   std::vector<float> qf(mpad * D), s(mpad * BK), o(mpad * D), m(mpad), l(mpad);
+  // With mass_parts: the task's rows' exps over their keys [row][ldk], and the running max
+  // each key block's exps took [row][key block].
+  std::vector<float> probs, mb;
+  if (a.mass_parts != nullptr) probs.resize(mpad * a.ldk);
   const int64_t blocks = (a.num_rows + BR - 1) / BR;
   for (int64_t t = queue.next++; t < queue.size; t = queue.next++) {
     const int64_t task = queue.order[t], h = task / blocks, r0 = (task % blocks) * BR;
@@ -228,6 +241,13 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
     const float* kt = a.kt + h * D * a.ldk;
     // A window: from the first row's first key, rounded down to a register block of keys.
     const int64_t kstart = win > 0 ? std::max<int64_t>(0, first - win + 1) / KJ * KJ : 0;
+    const int64_t kblocks = (end - kstart + BK - 1) / BK;
+    if (a.mass_parts != nullptr) mb.resize(mrows * kblocks);
+    // Row i's exps over keys [k0, k0 + count) of the block kept, with the max they took.
+    auto keep = [&](int64_t i, int64_t k0, int64_t count) {
+      std::copy_n(s.data() + i * BK, count, probs.data() + i * a.ldk + k0);
+      mb[i * kblocks + (k0 - kstart) / BK] = m[i];
+    };
     for (int64_t k0 = kstart; k0 < end; k0 += BK) {
       const int64_t nk = std::min(BK, end - k0);
       // every row sees every key of the block (a window: the last row's window starts by k0)
@@ -237,6 +257,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
         if (a.soft_cap > 0.f) cap_scores(s.data(), mrows, nk, a.soft_cap);
         for (int64_t i = 0; i < mrows; ++i) {
           softmax_row(s.data() + i * BK, i < rows ? nk : 0, nk, m[i], l[i], o.data() + i * D, D);
+          if (a.mass_parts != nullptr && i < rows) keep(i, k0, nk);
         }
         values_block(s.data(), a.values + k0 * a.ldv + h * D, a.ldv, o.data(), mrows, nk, D);
         continue;
@@ -261,6 +282,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
           } else {
             softmax_row(s.data() + i * BK, n, nki, m[i], l[i], o.data() + i * D, D);
           }
+          if (a.mass_parts != nullptr && n > 0) keep(i, k0, n);
         }
         values_block(si, a.values + k0 * a.ldv + h * D, a.ldv, o.data() + i0 * D, RI, nki, D);
       }
@@ -272,6 +294,24 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
         scalar_t* dst = out + (r * Hq + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[i * D + d] * inv);
         if (a.lse != nullptr) a.lse[r * Hq + h * G + g] = m[i] + std::log(l[i]);
+      }
+    }
+    if (a.mass_parts == nullptr) continue;
+    // exp(s - block max) * exp(block max - lse) = the probability, over each row's own keys,
+    // summed over the task's rows in order.
+    float* part = a.mass_parts + task * a.ldk;
+    std::fill(part, part + a.ldk, 0.f);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t p = pos[r0 + i / G], lo = win > 0 ? std::max<int64_t>(0, p - win + 1) : 0;
+      const float lse = m[i] + std::log(l[i]);
+      const float* pi = probs.data() + i * a.ldk;
+      for (int64_t t = 0; t < kblocks; ++t) {
+        const int64_t k0 = kstart + t * BK;
+        const int64_t j0 = std::max(lo, k0), j1 = std::min(p + 1, k0 + BK);
+        if (j0 >= j1) continue;
+        const float f = std::exp(mb[i * kblocks + t] - lse);
+#pragma omp simd
+        for (int64_t j = j0; j < j1; ++j) part[j] += pi[j] * f;
       }
     }
   }
@@ -287,10 +327,11 @@ void dispatch_rows(const RowsArgs& a, RowsQueue& queue) {
 }
 
 
-// The mass pass (rows_attention's optional `mass`): mass[j] += sum over rows and query heads of
-// each row's softmax probability of key j, exp(score - lse). One task per block of BK keys
-// (no two tasks add to the same key); the scores are recomputed with scores_block on the same
-// scaled float32 q as the attention pass, so they are the bits its softmax saw.
+// The mass pass, when the attention pass kept no probabilities: mass[j] += sum over rows and
+// query heads of each row's softmax probability of key j, exp(score - lse), the scores
+// recomputed by scores_block on the same scaled float32 q `qs` as the attention pass, so they
+// are the bits its softmax saw. One task per block of BK keys (no two tasks add to the same
+// key), rows and heads in one order: the same sum on every call.
 void add_mass(const RowsArgs& a, const float* qs, int64_t used, float* mass) {
   const int64_t G = a.group, D = a.head_dim, Hq = a.num_q_heads, n = a.num_rows;
   const int64_t rows = n * G, mrows = (rows + RI - 1) / RI * RI;
@@ -300,12 +341,11 @@ void add_mass(const RowsArgs& a, const float* qs, int64_t used, float* mass) {
       const int64_t k0 = b * BK, nk = std::min(BK, used - k0);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-        const float* qh = qs + h * mrows * D;
         for (int64_t i0 = 0; i0 < mrows; i0 += RI) {
           const int64_t last = std::min(i0 + RI, rows) - 1;  // rows ascend: skip unseeing ones
           const int64_t nki = std::clamp<int64_t>(a.positions[last / G] - k0 + 1, 0, nk);
           if (nki == 0) continue;
-          scores_block(qh + i0 * D, a.kt + h * D * a.ldk + k0, a.ldk, s.data(), RI,
+          scores_block(qs + (h * mrows + i0) * D, a.kt + h * D * a.ldk + k0, a.ldk, s.data(), RI,
                        (nki + KJ - 1) / KJ * KJ, D);
           if (a.soft_cap > 0.f) cap_scores(s.data(), RI, nki, a.soft_cap);
           for (int64_t i = i0; i <= last; ++i) {
@@ -328,7 +368,7 @@ void add_mass(const RowsArgs& a, const float* qs, int64_t used, float* mass) {
 void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                     const at::Tensor& positions, double scale, int64_t block_rows,
                     at::Tensor out, const std::optional<at::Tensor>& mass, int64_t window,
-                    double soft_cap) {
+                    double soft_cap, int64_t max_prob_floats) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(),
               "rows_attention: q [n, Hq, D], keys/values [S, Hkv, D]");
   TORCH_CHECK(out.sizes() == q.sizes(), "rows_attention: out must have q's shape");
@@ -342,7 +382,8 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
                   positions.is_cpu() && positions.dim() == 1 && positions.size(0) == q.size(0),
               "rows_attention: positions: [n] contiguous int64 CPU tensor");
   TORCH_CHECK(block_rows >= 1, "rows_attention: block_rows >= 1");
-  TORCH_CHECK(window >= 0 && soft_cap >= 0, "rows_attention: window, soft_cap >= 0");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0 && max_prob_floats >= 0,
+              "rows_attention: window, soft_cap, max_prob_floats >= 0");
   TORCH_CHECK(!mass || (mass->is_contiguous() && mass->scalar_type() == at::kFloat &&
                         mass->is_cpu() && mass->dim() == 1 && mass->size(0) == keys.size(0)),
               "rows_attention: mass: [S] contiguous float32 CPU tensor");
@@ -385,26 +426,39 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
       }
     }
   });
+  // Blocks of at most block_rows rows; more, smaller ones while the tasks would not share out
+  // evenly over the threads and are few (a last round with idle threads costs a whole task).
+  const int64_t threads = at::get_num_threads();
+  int64_t blocks = (n + block_rows - 1) / block_rows;
+  while (blocks < n && (blocks * Hkv) % threads != 0 && blocks * Hkv < 4 * threads) ++blocks;
+  const int64_t rows_per_block = (n + blocks - 1) / blocks;
+  blocks = (n + rows_per_block - 1) / rows_per_block;
   RowsArgs a{q.data_ptr(), ktp, vf.data_ptr<float>(), ldk, Hkv * D, pp, out.data_ptr(), n, Hkv,
-             q.size(1), q.size(1) / Hkv, D, block_rows, static_cast<float>(scale)};
+             q.size(1), q.size(1) / Hkv, D, rows_per_block, static_cast<float>(scale)};
   a.window = window;
   a.soft_cap = static_cast<float>(soft_cap);
-  at::Tensor lse;
+  const int64_t num_tasks = blocks * a.num_kv_heads;
+  const int64_t workers = std::min<int64_t>(threads, num_tasks);
+  at::Tensor lse, parts;
   if (mass) {
     lse = at::empty({n, q.size(1)}, q.options().dtype(at::kFloat));
     a.lse = lse.data_ptr<float>();
+    // Kept probabilities: a row per task, and each worker's rows of exps (run_rows').
+    const int64_t mpad = (rows_per_block * a.group + RI - 1) / RI * RI;
+    if ((num_tasks + workers * mpad) * ldk <= max_prob_floats) {
+      parts = at::empty({num_tasks, ldk}, q.options().dtype(at::kFloat));
+      a.mass_parts = parts.data_ptr<float>();
+    }
   }
-  const int64_t blocks = (n + block_rows - 1) / block_rows, num_tasks = blocks * a.num_kv_heads;
   // Longest context first: a task's cost grows with its last row's position.
   std::vector<int64_t> order(num_tasks);
   std::iota(order.begin(), order.end(), 0);
   auto last = [&](int64_t task) {
-    return pp[std::min(n, (task % blocks) * block_rows + block_rows) - 1];
+    return pp[std::min(n, (task % blocks) * rows_per_block + rows_per_block) - 1];
   };
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return last(x) > last(y); });
   RowsQueue queue{order.data(), num_tasks};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     if (dtype == at::kFloat) {
       dispatch_rows<float>(a, queue);
@@ -413,6 +467,19 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
     }
   });
   if (!mass) return;
+  if (a.mass_parts != nullptr) {  // the tasks' sums, added in task order: the same every call
+    float* mp = mass->data_ptr<float>();
+    at::parallel_for(0, used, BK, [&](int64_t lo, int64_t hi) {
+      std::vector<float> acc(hi - lo, 0.f);
+      for (int64_t t = 0; t < num_tasks; ++t) {
+        const float* part = a.mass_parts + t * ldk + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < hi - lo; ++j) acc[j] += part[j];
+      }
+      for (int64_t j = lo; j < hi; ++j) mp[j] += acc[j - lo];
+    });
+    return;
+  }
   // q scaled to float32 per kv head, its G heads' rows r-major ([Hkv, rows padded to RI, D]),
   // as the attention pass's tasks build it.
   const int64_t G = a.group, mrows = (n * G + RI - 1) / RI * RI;
@@ -430,6 +497,6 @@ TORCH_LIBRARY_FRAGMENT(blendkv_cpu, m) {
   m.def(
       "rows_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, float scale, "
       "int block_rows, Tensor(a!) out, Tensor(b!)? mass=None, int window=0, "
-      "float soft_cap=0.0) -> ()");
+      "float soft_cap=0.0, int max_prob_floats=16777216) -> ()");
   m.impl("rows_attention", c10::DispatchKey::CPU, TORCH_FN(rows_attention));
 }

@@ -130,7 +130,8 @@ def test_budget_respected(llm, name, plans):
 def test_cost_counts_selection(llm, plans):
     """V deviation: layer 0 in full, Q/K/V of every row at the check layer, then the picked
     rows; prophet: its query pass, then the picked rows from layer 0 on (it picks before the
-    projections: the dropped rows never run them)."""
+    projections: the dropped rows never run them, nor do the rows before the first chunk,
+    which the query pass computed exactly)."""
     for selection in ("v_deviation", "prophet"):
         out, _ = prompt_logits(llm, PROMPT, BlendConfig(recompute_ratio=0.3, selection=selection))
         plan = plans[-1]
@@ -142,7 +143,9 @@ def test_cost_counts_selection(llm, plans):
         if selection == "v_deviation":
             expected = n + kept + (n - kept) * share + kept * (NUM_LAYERS - 2)
         else:
-            expected = others * NUM_LAYERS + kept * NUM_LAYERS
+            lead = llm.blend_manager().prepare(PROMPT, BlendConfig()).prompt.chunk_starts[0]
+            assert lead > 0
+            expected = others * NUM_LAYERS + (kept - lead) * NUM_LAYERS
         assert out.blend_stats.row_layers == pytest.approx(expected)
         assert out.blend_stats.full_row_layers == n * NUM_LAYERS
 
@@ -454,6 +457,31 @@ def test_row_layers_count_the_prophet_query_pass(llm, plans):
     assert plan.row_layers(NUM_LAYERS) > sb.extra_row_layers > 0
 
 
+def test_rows_the_query_pass_settled_are_not_recomputed(llm, plans, monkeypatch):
+    """ProphetKV's fused forward leaves out the rows before the first chunk (the template's
+    head): they see no reused K/V, so the query pass computed them exactly and wrote their K/V
+    at every layer. Recomputing them changes nothing but the cost."""
+    from blendkv.blend.row_plan import BlendRowPlan
+
+    config = BlendConfig(recompute_ratio=0.3)
+    llm.generate([PROMPT], GREEDY, blend=config)  # the chunks computed and stored first
+    settled, prompt = prompt_logits(llm, PROMPT, config)
+    plan = plans[-1]
+    lead = prompt.chunk_starts[0]
+    assert lead > 0 and not (plan.rows < lead).any()
+    monkeypatch.setattr(
+        BlendRowPlan, "_settled_by_query_pass", lambda self, sb: torch.zeros_like(self.reused)
+    )
+    again, _ = prompt_logits(llm, PROMPT, config)
+    assert (plans[-1].rows < lead).sum() == lead  # recomputed this time
+    torch.testing.assert_close(
+        settled.extra["prompt_logits"], again.extra["prompt_logits"], atol=1e-5, rtol=0
+    )
+    assert settled.blend_stats.tokens_recomputed == again.blend_stats.tokens_recomputed
+    saved = lead * NUM_LAYERS
+    assert again.blend_stats.row_layers - settled.blend_stats.row_layers == pytest.approx(saved)
+
+
 def test_rows_prophet_drops_skip_layer_0s_projections(llm, monkeypatch):
     """ProphetKV's picks are known before layer 0 (its query pass): the dropped rows never run
     the input norm and Q/K/V. V deviation needs every row's fresh V at its check layer."""
@@ -470,13 +498,15 @@ def test_rows_prophet_drops_skip_layer_0s_projections(llm, monkeypatch):
             return original(normed)
 
         monkeypatch.setattr(layers[i].self_attn, "project", project)
-    n = len(llm.blend_manager().prepare(PROMPT, BlendConfig()).prompt.token_ids)
+    prompt = llm.blend_manager().prepare(PROMPT, BlendConfig()).prompt
+    n, lead = len(prompt.token_ids), prompt.chunk_starts[0]
     out = llm.generate([PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=0.3))[0]
     kept = out.blend_stats.tokens_recomputed
-    assert 0 < kept < n
-    # the query pass's rows first, then the fused forward's (the kept rows only, at layer 0),
-    # then the decode steps'
-    assert seen[0][1] == kept and seen[1][1] == kept
+    assert 0 < lead < kept < n
+    # the query pass's rows first, then the fused forward's (the kept rows only, at layer 0,
+    # less those before the first chunk: the query pass settled them), then the decode steps'
+    assert seen[0][0] == seen[1][0] == n - out.blend_stats.tokens_reused
+    assert seen[0][1] == kept - lead and seen[1][1] == kept - lead
     for i in seen:
         seen[i].clear()
     out = llm.generate([PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=0.3,

@@ -9,7 +9,7 @@ import torch
 from helpers import dense_attention_reference as dense_reference
 from helpers import needs_cpp_compiler
 
-from blendkv.kernels.cpu_prefill import BLOCK_ROWS, RowsKernel
+from blendkv.kernels.cpu_prefill import RowsKernel, block_rows
 
 pytestmark = needs_cpp_compiler
 
@@ -32,12 +32,12 @@ def _positions(layout: str, n_keys: int, gen) -> torch.Tensor:
 )
 def test_rows_attention_equals_the_oracle(heads, dtype, layout):
     """Constant-size (G, D) pairs and the generic loop; keys over several 256-key blocks (and a
-    partial last one); rows not a multiple of the task's block (``BLOCK_ROWS``)."""
+    partial last one); rows not a multiple of the task's block (``block_rows``)."""
     hkv, g, d = heads
     gen = torch.Generator().manual_seed(hkv * 100 + g * 10 + d)
     n_keys = 601
     positions = _positions(layout, n_keys, gen)
-    assert layout == "edges" or len(positions) % BLOCK_ROWS  # a partial last block of rows
+    assert layout == "edges" or len(positions) % block_rows(g)  # a partial last block of rows
     q = torch.randn(len(positions), hkv * g, d, generator=gen).to(dtype)
     k = torch.randn(n_keys, hkv, d, generator=gen).to(dtype)
     v = torch.randn(n_keys, hkv, d, generator=gen).to(dtype)
@@ -58,14 +58,16 @@ def _mass_oracle(q, k, positions, scale) -> torch.Tensor:
     return probs.sum(dim=(0, 1))
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-probs", "recomputed-scores"])
 @pytest.mark.parametrize("layout", ["scattered", "causal", "chunk", "edges"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads", [(3, 3, 64), (2, 7, 64), (2, 5, 16)], ids=lambda h: "x".join(map(str, h))
 )
-def test_rows_attention_adds_the_mass_the_rows_pay_each_key(heads, dtype, layout):
-    """``mass``: ProphetKV's score (a second pass over the scores) next to the same output;
-    added to what the tensor holds; zero past the last row's position."""
+def test_rows_attention_adds_the_mass_the_rows_pay_each_key(heads, dtype, layout, kept):
+    """``mass``: ProphetKV's score next to the same output, from the probabilities the
+    attention pass kept or (past ``max_prob_floats``) from recomputed scores; added to what the
+    tensor holds; zero past the last row's position."""
     hkv, g, d = heads
     gen = torch.Generator().manual_seed(hkv * 100 + g * 10 + d + 1)
     n_keys = 601
@@ -75,12 +77,40 @@ def test_rows_attention_adds_the_mass_the_rows_pay_each_key(heads, dtype, layout
     v = torch.randn(n_keys, hkv, d, generator=gen).to(dtype)
     out, alone = torch.empty_like(q), torch.empty_like(q)
     mass = torch.full((n_keys,), 0.5)
-    RowsKernel()(q, k, v, positions, d**-0.5, out, mass)
+    RowsKernel(max_prob_floats=1 << 24 if kept else 0)(q, k, v, positions, d**-0.5, out, mass)
     RowsKernel()(q, k, v, positions, d**-0.5, alone)
     assert torch.equal(out, alone)
     want = _mass_oracle(q, k, positions, d**-0.5) + 0.5
     torch.testing.assert_close(mass.double(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(mass[-30:], torch.full((30,), 0.5))
+
+
+def test_rows_attention_is_the_same_for_any_split_of_its_rows():
+    """Rows are independent: blocks of 1, 5 or 32 rows per task (and the kernel's finer split
+    for few rows), one thread or two, give the same bits. The mass is summed per task, then
+    over tasks in order: the same bits for the same split, the same sums to rounding across
+    splits."""
+    from blendkv.kernels.cpu_extension import load_ops
+
+    ops = load_ops()
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(35, 9, 64, generator=gen), torch.randn(500, 3, 64, generator=gen)
+    v = torch.randn(500, 3, 64, generator=gen)
+    positions = torch.arange(465, 500)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n_threads, block_rows in ((1, 32), (2, 32), (2, 5), (2, 1), (2, 5)):
+            torch.set_num_threads(n_threads)
+            out, mass = torch.empty_like(q), torch.zeros(500)
+            ops.rows_attention(q, k, v, positions, 0.125, block_rows, out, mass, 0, 0.0)
+            results.append((out, mass))
+    finally:
+        torch.set_num_threads(threads)
+    for out, mass in results[1:]:
+        assert torch.equal(out, results[0][0])
+        torch.testing.assert_close(mass, results[0][1], atol=0, rtol=1e-5)
+    assert torch.equal(results[2][1], results[4][1])
 
 
 def test_query_rows_attention_matches_the_torch_product():
