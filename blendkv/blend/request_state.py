@@ -22,8 +22,9 @@ class BlendStats:
                                                   |<------- tokens_recomputed ------->|
 
     ``tokens_recomputed`` counts the rows of the fused prefill: the repaired reused tokens
-    *and* every other token it computed, so ``tokens_reused + tokens_recomputed`` exceeds the
-    prompt by the repaired ones. When a fused prefill ran::
+    *and* every other token it computed (with ProphetKV, the tokens before the first chunk
+    count though its first pass computed them), so ``tokens_reused + tokens_recomputed``
+    exceeds the prompt by the repaired ones. When a fused prefill ran::
 
         tokens_reused - reused_tokens_recomputed + tokens_recomputed + prefix_cached_tokens
             == num_prompt_tokens
