@@ -19,7 +19,8 @@ alike), median ms of ``--repeats`` each, one JSON line per case:
 - ``block rows``: the C++ kernel with 32 rows per task against its default
   (:func:`~blendkv.kernels.cpu_prefill.block_rows`) for the scattered rows and a 6,300-token
   causal prefill (few rows, as the query pass's, are split finer either way), with the caches
-  warm and with 64 MiB touched before each call (cold, as between a forward's layers).
+  warm and with 64 MiB touched before each call (cold, as between a forward's layers);
+- ``dtype``: the C++ kernel on the same rows in float32 and in bfloat16.
 """
 
 from __future__ import annotations
@@ -95,12 +96,12 @@ def decode_case(runs: int) -> tuple[dict, torch.Tensor]:
     return calls, out
 
 
-def check_and_time(case: str, calls: dict, out_of, repeats: int, before=None) -> dict:
+def check_and_time(case: str, calls: dict, out_of, repeats: int, before=None, tol=1e-4) -> dict:
     results = []
     for fn in calls.values():  # correctness first (and the warm-up)
-        results.append(out_of(fn).clone())
+        results.append(out_of(fn).float().clone())
     for got in results[1:]:
-        torch.testing.assert_close(got, results[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, results[0], atol=tol, rtol=tol)
     ms = {k: v * 1e3 for k, v in _time_interleaved(calls, repeats, before).items()}
     first = next(iter(ms))
     ratios = {f"{k}/{first}": round(v / ms[first], 2) for k, v in ms.items() if k != first}
@@ -154,6 +155,24 @@ def main(args: argparse.Namespace) -> None:
             case = f"{name}_over6300_block_rows_{cache}"
             row = check_and_time(case, calls, lambda f: f(), args.repeats, before)
             print(json.dumps({**info, **row}))
+    # The kernel on the same rows in float32 and in bfloat16 (with AVX512-BF16: q.k as bf16 pair
+    # dot products), outputs equal to bfloat16's rounding.
+    for name, pos in (("rows720", positions), ("causal6300", torch.arange(6300))):
+        q = torch.randn(len(pos), HQ, D)
+        calls = _dtype_calls(q, keys, values, pos, rows)
+        row = check_and_time(f"{name}_over6300_dtype", calls, lambda f: f(), args.repeats, tol=3e-2)
+        print(json.dumps({**info, **row}))
+
+
+def _dtype_calls(q, keys, values, positions, kernel) -> dict:
+    calls = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        qd, kd, vd = (t.to(dtype) for t in (q, keys, values))
+        out = torch.empty_like(qd)
+        calls[name] = lambda qd=qd, kd=kd, vd=vd, out=out: (
+            kernel(qd, kd, vd, positions, SCALE, out) or out
+        )
+    return calls
 
 
 def _query_calls(q, keys, values, positions) -> dict:

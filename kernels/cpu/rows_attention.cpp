@@ -11,13 +11,15 @@
 //   values     [S, Hkv, D]    rows of Hkv * D contiguous values (a slice of the pool, or gathered)
 //
 // The keys the rows see are transposed once per call into float32 [Hkv, D, S'] (bf16 values
-// copied to float32). One task per (kv head, block of consecutive rows), longest context first:
-// it folds the G = Hq / Hkv query heads of its rows into one block of G * rows query rows (each
-// key is read once for all of them), walks the keys up to its last row's position in blocks of
-// BK, and keeps an online softmax per query row in float32. Only key blocks past the task's
-// first row's position are masked: there each block of RI rows goes up to its last row's key
-// and a row stops at its own position. Scores (RI rows x KJ keys)
-// and P.V (RI rows x 64 dims) are register-blocked loops over GCC vector types.
+// copied to float32); bfloat16 keys on a CPU with bf16 dot products (AVX512-BF16) into pairs
+// of dims [Hkv, D / 2, S'] instead, scored with vdpbf16ps (both products of a pair into a
+// float32 sum: half the instructions). One task per (kv head, block of consecutive rows),
+// longest context first: it folds the G = Hq / Hkv query heads of its rows into one block of
+// G * rows query rows (each key is read once for all of them), walks the keys up to its last
+// row's position in blocks of BK, and keeps an online softmax per query row in float32. Only
+// key blocks past the task's first row's position are masked: there each block of RI rows goes
+// up to its last row's key and a row stops at its own position. Scores (RI rows x KJ keys) and
+// P.V (RI rows x 64 dims) are register-blocked loops over GCC vector types.
 //
 // With `mass` [S] (ProphetKV's query rows) the attention pass also keeps its rows' exponentiated
 // scores and the running max each key block's were taken at; when a task's rows are done it
@@ -42,12 +44,20 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <numeric>
 #include <optional>
 #include <vector>
 
 #include "tasks.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BLENDKV_BF16_DOT 1  // bfloat16 q.k as pair dot products (vdpbf16ps), float32 sums
+#else
+#define BLENDKV_BF16_DOT 0
+#endif
 
 namespace {
 
@@ -80,6 +90,8 @@ struct RowsArgs {
   int64_t num_rows, num_kv_heads, num_q_heads, group, head_dim, block_rows;
   float scale;
   float* lse = nullptr;  // [n, Hq]: each row's log-sum-exp of its scaled scores (mass pass)
+  // bfloat16 on a CPU with bf16 dot products, instead of kt: [Hkv, D / 2, ldk] pairs of dims
+  const uint32_t* ktb = nullptr;
   // The mass from the attention pass: each task's rows' probabilities summed into its own row
   // of mass_parts [tasks, ldk], added up in task order afterwards (add_mass otherwise).
   float* mass_parts = nullptr;
@@ -118,6 +130,37 @@ inline void scores_block(const float* qf, const float* kt, int64_t ldk, float* s
     }
   }
 }
+
+#if BLENDKV_BF16_DOT
+// scores_block for bfloat16: qb[i][d2] and kb[d2 * ldk + j] hold dims (2 d2, 2 d2 + 1) of row i
+// and key j; one vdpbf16ps adds both products of a pair into float32, so half the
+// instructions of the float32 loop. The sums are scaled at the end (q stays as given).
+inline void scores_block_bf16(const uint32_t* qb, const uint32_t* kb, int64_t ldk, float* s,
+                              int64_t mpad, int64_t kpad, int64_t D, float scale) {
+  const int64_t D2 = D / 2;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < mpad; i += RI) {
+    for (int64_t j = 0; j < kpad; j += KJ) {
+      __m512 acc[RI][2];
+      for (int64_t r = 0; r < RI; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int64_t d2 = 0; d2 < D2; ++d2) {
+        const uint32_t* kp = kb + d2 * ldk + j;
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + W);
+        for (int64_t r = 0; r < RI; ++r) {
+          const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(qb[(i + r) * D2 + d2]));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, k0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, k1);
+        }
+      }
+      for (int64_t r = 0; r < RI; ++r) {
+        _mm512_storeu_ps(s + (i + r) * BK + j, _mm512_mul_ps(acc[r][0], sc));
+        _mm512_storeu_ps(s + (i + r) * BK + j + W, _mm512_mul_ps(acc[r][1], sc));
+      }
+    }
+  }
+}
+#endif
 
 // o[i][:] += sum_j p[i][j] * v[j][:] for i < mpad, j < nk; v rows `ldv` floats apart. Head
 // dims that are a multiple of 64 go 64 at a time (RI rows x 4 vectors of accumulators).
@@ -216,7 +259,10 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
   const auto* q = static_cast<const scalar_t*>(a.q);
   auto* out = static_cast<scalar_t*>(a.out);
   const int64_t* pos = a.positions;
-  std::vector<float> qf(mpad * D), s(mpad * BK), o(mpad * D), m(mpad), l(mpad);
+  const bool dot = a.ktb != nullptr;  // (bfloat16 only)
+  const int64_t D2 = D / 2;
+  std::vector<float> qf(dot ? 0 : mpad * D), s(mpad * BK), o(mpad * D), m(mpad), l(mpad);
+  std::vector<uint32_t> qb(dot ? mpad * D2 : 0);
   // With mass_parts: the task's rows' exps over their keys [row][ldk], and the running max
   // each key block's exps took [row][key block].
   std::vector<float> probs, mb;
@@ -227,10 +273,16 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
     const int64_t r1 = std::min(a.num_rows, r0 + BR), rows = (r1 - r0) * G;
     const int64_t mrows = (rows + RI - 1) / RI * RI;  // this task's rows (a last block is short)
     std::fill(qf.begin(), qf.end(), 0.f);
+    std::fill(qb.begin(), qb.end(), 0u);
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < G; ++g) {
         const scalar_t* src = q + (r * Hq + h * G + g) * D;
-        float* dst = qf.data() + ((r - r0) * G + g) * D;
+        const int64_t i = (r - r0) * G + g;
+        if (dot) {  // the bfloat16 pairs as they are
+          std::memcpy(qb.data() + i * D2, src, D * sizeof(scalar_t));
+          continue;
+        }
+        float* dst = qf.data() + i * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * a.scale;
       }
     }
@@ -238,7 +290,17 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.f);
     const int64_t first = pos[r0], end = pos[r1 - 1] + 1, win = a.window;
-    const float* kt = a.kt + h * D * a.ldk;
+    // Scores of task rows [i0, i0 + count) (count a multiple of RI) over keys [k0, k0 + kpad).
+    auto scores = [&](int64_t i0, int64_t count, int64_t k0, int64_t kpad, float* dst) {
+#if BLENDKV_BF16_DOT
+      if (dot) {
+        scores_block_bf16(qb.data() + i0 * D2, a.ktb + h * D2 * a.ldk + k0, a.ldk, dst, count,
+                          kpad, D, a.scale);
+        return;
+      }
+#endif
+      scores_block(qf.data() + i0 * D, a.kt + h * D * a.ldk + k0, a.ldk, dst, count, kpad, D);
+    };
     // A window: from the first row's first key, rounded down to a register block of keys.
     const int64_t kstart = win > 0 ? std::max<int64_t>(0, first - win + 1) / KJ * KJ : 0;
     const int64_t kblocks = (end - kstart + BK - 1) / BK;
@@ -253,7 +315,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
       // every row sees every key of the block (a window: the last row's window starts by k0)
       if (k0 + nk - 1 <= first && (win == 0 || k0 > end - 1 - win)) {
         const int64_t kpad = (nk + KJ - 1) / KJ * KJ;
-        scores_block(qf.data(), kt + k0, a.ldk, s.data(), mrows, kpad, D);
+        scores(0, mrows, k0, kpad, s.data());
         if (a.soft_cap > 0.f) cap_scores(s.data(), mrows, nk, a.soft_cap);
         for (int64_t i = 0; i < mrows; ++i) {
           softmax_row(s.data() + i * BK, i < rows ? nk : 0, nk, m[i], l[i], o.data() + i * D, D);
@@ -270,7 +332,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
         if (nki == 0) continue;
         const int64_t kpad = (nki + KJ - 1) / KJ * KJ;
         float* si = s.data() + i0 * BK;
-        scores_block(qf.data() + i0 * D, kt + k0, a.ldk, si, RI, kpad, D);
+        scores(i0, RI, k0, kpad, si);
         if (a.soft_cap > 0.f) cap_scores(si, RI, nki, a.soft_cap);
         for (int64_t i = i0; i < i0 + RI; ++i) {
           const int64_t n =
@@ -332,8 +394,8 @@ void dispatch_rows(const RowsArgs& a, RowsQueue& queue) {
 // recomputed by scores_block on the same scaled float32 q `qs` as the attention pass, so they
 // are the bits its softmax saw. One task per block of BK keys (no two tasks add to the same
 // key), rows and heads in one order: the same sum on every call.
-void add_mass(const RowsArgs& a, const float* qs, int64_t used, float* mass) {
-  const int64_t G = a.group, D = a.head_dim, Hq = a.num_q_heads, n = a.num_rows;
+void add_mass(const RowsArgs& a, const void* qs, int64_t used, float* mass) {
+  const int64_t G = a.group, D = a.head_dim, Hq = a.num_q_heads, n = a.num_rows, D2 = D / 2;
   const int64_t rows = n * G, mrows = (rows + RI - 1) / RI * RI;
   at::parallel_for(0, (used + BK - 1) / BK, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(RI * BK), acc(BK);
@@ -345,8 +407,17 @@ void add_mass(const RowsArgs& a, const float* qs, int64_t used, float* mass) {
           const int64_t last = std::min(i0 + RI, rows) - 1;  // rows ascend: skip unseeing ones
           const int64_t nki = std::clamp<int64_t>(a.positions[last / G] - k0 + 1, 0, nk);
           if (nki == 0) continue;
-          scores_block(qs + (h * mrows + i0) * D, a.kt + h * D * a.ldk + k0, a.ldk, s.data(), RI,
-                       (nki + KJ - 1) / KJ * KJ, D);
+          const int64_t kpad = (nki + KJ - 1) / KJ * KJ;
+#if BLENDKV_BF16_DOT
+          if (a.ktb != nullptr) {
+            scores_block_bf16(static_cast<const uint32_t*>(qs) + (h * mrows + i0) * D2,
+                              a.ktb + h * D2 * a.ldk + k0, a.ldk, s.data(), RI, kpad, D, a.scale);
+          } else
+#endif
+          {
+            scores_block(static_cast<const float*>(qs) + (h * mrows + i0) * D,
+                         a.kt + h * D * a.ldk + k0, a.ldk, s.data(), RI, kpad, D);
+          }
           if (a.soft_cap > 0.f) cap_scores(s.data(), RI, nki, a.soft_cap);
           for (int64_t i = i0; i <= last; ++i) {
             const int64_t r = i / G, g = i % G;
@@ -407,16 +478,26 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   const int64_t ldk = (used + KJ - 1) / KJ * KJ + W;
   // Only the padding is zeroed: every other float is written below (zeroing all of it costs a
   // pass over the keys).
-  at::Tensor kt = at::empty({Hkv, D, ldk}, q.options().dtype(at::kFloat));
+  // bfloat16 keys on a CPU with bf16 dot products: pairs of dims, [Hkv, D / 2, ldk] (half the
+  // bytes, and half the instructions per score).
+  const bool dot = BLENDKV_BF16_DOT && dtype == at::kBFloat16 && D % 2 == 0;
+  const int64_t D2 = D / 2;
+  at::Tensor kt = dot ? at::empty({Hkv, D2, ldk}, q.options().dtype(at::kInt))
+                      : at::empty({Hkv, D, ldk}, q.options().dtype(at::kFloat));
   kt.narrow(2, used, ldk - used).zero_();
   at::Tensor vf = dtype == at::kFloat ? values : values.narrow(0, 0, used).to(at::kFloat);
-  float* ktp = kt.data_ptr<float>();
+  float* ktp = dot ? nullptr : kt.data_ptr<float>();
+  auto* ktb = dot ? reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>()) : nullptr;
   constexpr int64_t TILE = 64;
   at::parallel_for(0, Hkv * ((used + TILE - 1) / TILE), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t h = t % Hkv, j0 = t / Hkv * TILE, j1 = std::min(used, j0 + TILE);
       for (int64_t j = j0; j < j1; ++j) {
-        if (dtype == at::kFloat) {
+        if (dot) {
+          const auto* src = reinterpret_cast<const uint32_t*>(keys.data_ptr<c10::BFloat16>()) +
+                            (j * Hkv + h) * D2;
+          for (int64_t d2 = 0; d2 < D2; ++d2) ktb[(h * D2 + d2) * ldk + j] = src[d2];
+        } else if (dtype == at::kFloat) {
           const float* src = keys.data_ptr<float>() + (j * Hkv + h) * D;
           for (int64_t d = 0; d < D; ++d) ktp[(h * D + d) * ldk + j] = src[d];
         } else {
@@ -437,6 +518,7 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
              q.size(1), q.size(1) / Hkv, D, rows_per_block, static_cast<float>(scale)};
   a.window = window;
   a.soft_cap = static_cast<float>(soft_cap);
+  a.ktb = ktb;
   const int64_t num_tasks = blocks * a.num_kv_heads;
   const int64_t workers = std::min<int64_t>(threads, num_tasks);
   at::Tensor lse, parts;
@@ -480,15 +562,13 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
     });
     return;
   }
-  // q scaled to float32 per kv head, its G heads' rows r-major ([Hkv, rows padded to RI, D]),
-  // as the attention pass's tasks build it.
+  // q per kv head as the attention pass's tasks stage it, its G heads' rows r-major ([Hkv, rows
+  // padded to RI, D]): scaled to float32, or (bf16 dot products) the bfloat16 pairs as given.
   const int64_t G = a.group, mrows = (n * G + RI - 1) / RI * RI;
-  at::Tensor qs = (q.to(at::kFloat) * static_cast<float>(scale))
-                      .view({n, Hkv, G, D})
-                      .permute({1, 0, 2, 3})
-                      .reshape({Hkv, n * G, D});
+  at::Tensor qs = dot ? q.view(at::kInt) : q.to(at::kFloat) * static_cast<float>(scale);
+  qs = qs.view({n, Hkv, G, dot ? D2 : D}).permute({1, 0, 2, 3}).reshape({Hkv, n * G, -1});
   qs = at::constant_pad_nd(qs, {0, 0, 0, mrows - n * G}).contiguous();
-  add_mass(a, qs.data_ptr<float>(), used, mass->data_ptr<float>());
+  add_mass(a, qs.data_ptr(), used, mass->data_ptr<float>());
 }
 
 }  // namespace
