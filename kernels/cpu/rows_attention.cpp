@@ -19,7 +19,9 @@
 // row's position in blocks of BK, and keeps an online softmax per query row in float32. Only
 // key blocks past the task's first row's position are masked: there each block of RI rows goes
 // up to its last row's key and a row stops at its own position. Scores (RI rows x KJ keys) and
-// P.V (RI rows x 64 dims) are register-blocked loops over GCC vector types.
+// P.V (RI rows x 64 dims) are register-blocked loops over GCC vector types. With bf16 dot
+// products and head dims a multiple of 64, the values go into pairs of keys [Hkv, S' / 2, D]
+// too and P.V is a pair dot product of P rounded to bfloat16 (as GPU flash kernels round it).
 //
 // With `mass` [S] (ProphetKV's query rows) the attention pass also keeps its rows' exponentiated
 // scores and the running max each key block's were taken at; when a task's rows are done it
@@ -90,8 +92,10 @@ struct RowsArgs {
   int64_t num_rows, num_kv_heads, num_q_heads, group, head_dim, block_rows;
   float scale;
   float* lse = nullptr;  // [n, Hq]: each row's log-sum-exp of its scaled scores (mass pass)
-  // bfloat16 on a CPU with bf16 dot products, instead of kt: [Hkv, D / 2, ldk] pairs of dims
+  // bfloat16 on a CPU with bf16 dot products, instead of kt: [Hkv, D / 2, ldk] pairs of dims,
+  // and (D a multiple of 64) instead of values: [Hkv, ldk / 2, D] pairs of keys
   const uint32_t* ktb = nullptr;
+  const uint32_t* vb = nullptr;
   // The mass from the attention pass: each task's rows' probabilities summed into its own row
   // of mass_parts [tasks, ldk], added up in task order afterwards (add_mass otherwise).
   float* mass_parts = nullptr;
@@ -203,6 +207,81 @@ inline void values_block(const float* p, const float* v, int64_t ldv, float* o, 
   }
 }
 
+#if BLENDKV_BF16_DOT
+// values_block for bfloat16 values, D a multiple of 64: vb[j2 * D + d] holds value dim d of
+// keys (2 j2, 2 j2 + 1). Each row's probabilities are rounded to bfloat16 pairs of keys (as
+// GPU flash kernels round P for their P.V), one vdpbf16ps adds both keys' products into
+// float32: half the instructions of the float32 loop. A key past nk counts zero.
+inline void values_block_bf16(const float* p, const uint32_t* vb, float* o, int64_t mpad,
+                              int64_t nk, int64_t D) {
+  const int64_t nk2 = (nk + 1) / 2;
+  uint32_t pb[RI][BK / 2];
+  for (int64_t i = 0; i < mpad; i += RI) {
+    for (int64_t r = 0; r < RI; ++r) {
+      const float* pr = p + (i + r) * BK;
+      for (int64_t j = 0; j < nk2 * 2; j += 2 * W) {
+        const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + j + W), _mm512_loadu_ps(pr + j));
+        _mm512_storeu_si512(pb[r] + j / 2, (__m512i)x);
+      }
+      if (nk % 2 != 0) pb[r][nk2 - 1] &= 0xffffu;  // key nk: the upper half of the last pair
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * W) {
+      __m512 acc[RI][4];
+      for (int64_t r = 0; r < RI; ++r) {
+        for (int64_t c = 0; c < 4; ++c) acc[r][c] = _mm512_loadu_ps(o + (i + r) * D + d0 + c * W);
+      }
+      for (int64_t j2 = 0; j2 < nk2; ++j2) {
+        const uint32_t* vj = vb + j2 * D + d0;
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vj),
+                       v1 = (__m512bh)_mm512_loadu_si512(vj + W),
+                       v2 = (__m512bh)_mm512_loadu_si512(vj + 2 * W),
+                       v3 = (__m512bh)_mm512_loadu_si512(vj + 3 * W);
+        for (int64_t r = 0; r < RI; ++r) {
+          const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[r][j2]));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, v0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, v1);
+          acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b, v2);
+          acc[r][3] = _mm512_dpbf16_ps(acc[r][3], b, v3);
+        }
+      }
+      for (int64_t r = 0; r < RI; ++r) {
+        for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(o + (i + r) * D + d0 + c * W, acc[r][c]);
+      }
+    }
+  }
+}
+#endif
+
+// Scores of `count` staged query rows of kv head h (from row i0; count a multiple of RI) over
+// keys [k0, k0 + kpad): float32 rows D apart, pre-scaled, or (bf16 dot products) bfloat16
+// pairs of dims D / 2 apart, scaled after the sums.
+inline void score_rows(const RowsArgs& a, const void* qh, int64_t i0, int64_t count, int64_t h,
+                       int64_t k0, int64_t kpad, float* dst, int64_t D) {
+#if BLENDKV_BF16_DOT
+  if (a.ktb != nullptr) {
+    const int64_t D2 = D / 2;
+    scores_block_bf16(static_cast<const uint32_t*>(qh) + i0 * D2, a.ktb + h * D2 * a.ldk + k0,
+                      a.ldk, dst, count, kpad, D, a.scale);
+    return;
+  }
+#endif
+  scores_block(static_cast<const float*>(qh) + i0 * D, a.kt + h * D * a.ldk + k0, a.ldk, dst,
+               count, kpad, D);
+}
+
+// o[i][:] += P.V over keys [k0, k0 + nk) of kv head h for `count` rows: float32 values or
+// (bf16 dot products, D a multiple of 64) bfloat16 pairs of keys.
+inline void value_rows(const RowsArgs& a, const float* p, int64_t count, int64_t h, int64_t k0,
+                       int64_t nk, float* o, int64_t D) {
+#if BLENDKV_BF16_DOT
+  if (a.vb != nullptr) {
+    values_block_bf16(p, a.vb + (h * (a.ldk / 2) + k0 / 2) * D, o, count, nk, D);
+    return;
+  }
+#endif
+  values_block(p, a.values + k0 * a.ldv + h * D, a.ldv, o, count, nk, D);
+}
+
 // One row of a block's scores: online-softmax update over its first n of nk keys (the rest
 // zeroed, as values_block reads all nk); the row's running max m, sum l and output o rescaled.
 inline void softmax_row(float* si, int64_t n, int64_t nk, float& m, float& l, float* o,
@@ -290,17 +369,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.f);
     const int64_t first = pos[r0], end = pos[r1 - 1] + 1, win = a.window;
-    // Scores of task rows [i0, i0 + count) (count a multiple of RI) over keys [k0, k0 + kpad).
-    auto scores = [&](int64_t i0, int64_t count, int64_t k0, int64_t kpad, float* dst) {
-#if BLENDKV_BF16_DOT
-      if (dot) {
-        scores_block_bf16(qb.data() + i0 * D2, a.ktb + h * D2 * a.ldk + k0, a.ldk, dst, count,
-                          kpad, D, a.scale);
-        return;
-      }
-#endif
-      scores_block(qf.data() + i0 * D, a.kt + h * D * a.ldk + k0, a.ldk, dst, count, kpad, D);
-    };
+    const void* qh = dot ? static_cast<const void*>(qb.data()) : qf.data();
     // A window: from the first row's first key, rounded down to a register block of keys.
     const int64_t kstart = win > 0 ? std::max<int64_t>(0, first - win + 1) / KJ * KJ : 0;
     const int64_t kblocks = (end - kstart + BK - 1) / BK;
@@ -315,13 +384,13 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
       // every row sees every key of the block (a window: the last row's window starts by k0)
       if (k0 + nk - 1 <= first && (win == 0 || k0 > end - 1 - win)) {
         const int64_t kpad = (nk + KJ - 1) / KJ * KJ;
-        scores(0, mrows, k0, kpad, s.data());
+        score_rows(a, qh, 0, mrows, h, k0, kpad, s.data(), D);
         if (a.soft_cap > 0.f) cap_scores(s.data(), mrows, nk, a.soft_cap);
         for (int64_t i = 0; i < mrows; ++i) {
           softmax_row(s.data() + i * BK, i < rows ? nk : 0, nk, m[i], l[i], o.data() + i * D, D);
           if (a.mass_parts != nullptr && i < rows) keep(i, k0, nk);
         }
-        values_block(s.data(), a.values + k0 * a.ldv + h * D, a.ldv, o.data(), mrows, nk, D);
+        value_rows(a, s.data(), mrows, h, k0, nk, o.data(), D);
         continue;
       }
       // Masked: each register block of RI rows goes up to its last row's key only (rows
@@ -332,7 +401,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
         if (nki == 0) continue;
         const int64_t kpad = (nki + KJ - 1) / KJ * KJ;
         float* si = s.data() + i0 * BK;
-        scores(i0, RI, k0, kpad, si);
+        score_rows(a, qh, i0, RI, h, k0, kpad, si, D);
         if (a.soft_cap > 0.f) cap_scores(si, RI, nki, a.soft_cap);
         for (int64_t i = i0; i < i0 + RI; ++i) {
           const int64_t n =
@@ -346,7 +415,7 @@ void run_rows(const RowsArgs& a, RowsQueue& queue) {
           }
           if (a.mass_parts != nullptr && n > 0) keep(i, k0, n);
         }
-        values_block(si, a.values + k0 * a.ldv + h * D, a.ldv, o.data() + i0 * D, RI, nki, D);
+        value_rows(a, si, RI, h, k0, nki, o.data() + i0 * D, D);
       }
     }
     for (int64_t r = r0; r < r1; ++r) {
@@ -403,21 +472,15 @@ void add_mass(const RowsArgs& a, const void* qs, int64_t used, float* mass) {
       const int64_t k0 = b * BK, nk = std::min(BK, used - k0);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+        const void* qh = a.ktb != nullptr
+                             ? static_cast<const void*>(static_cast<const uint32_t*>(qs) + h * mrows * D2)
+                             : static_cast<const float*>(qs) + h * mrows * D;
         for (int64_t i0 = 0; i0 < mrows; i0 += RI) {
           const int64_t last = std::min(i0 + RI, rows) - 1;  // rows ascend: skip unseeing ones
           const int64_t nki = std::clamp<int64_t>(a.positions[last / G] - k0 + 1, 0, nk);
           if (nki == 0) continue;
           const int64_t kpad = (nki + KJ - 1) / KJ * KJ;
-#if BLENDKV_BF16_DOT
-          if (a.ktb != nullptr) {
-            scores_block_bf16(static_cast<const uint32_t*>(qs) + (h * mrows + i0) * D2,
-                              a.ktb + h * D2 * a.ldk + k0, a.ldk, s.data(), RI, kpad, D, a.scale);
-          } else
-#endif
-          {
-            scores_block(static_cast<const float*>(qs) + (h * mrows + i0) * D,
-                         a.kt + h * D * a.ldk + k0, a.ldk, s.data(), RI, kpad, D);
-          }
+          score_rows(a, qh, i0, RI, h, k0, kpad, s.data(), D);
           if (a.soft_cap > 0.f) cap_scores(s.data(), RI, nki, a.soft_cap);
           for (int64_t i = i0; i <= last; ++i) {
             const int64_t r = i / G, g = i % G;
@@ -485,9 +548,22 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   at::Tensor kt = dot ? at::empty({Hkv, D2, ldk}, q.options().dtype(at::kInt))
                       : at::empty({Hkv, D, ldk}, q.options().dtype(at::kFloat));
   kt.narrow(2, used, ldk - used).zero_();
-  at::Tensor vf = dtype == at::kFloat ? values : values.narrow(0, 0, used).to(at::kFloat);
+  // Their values as pairs of keys, [Hkv, ldk / 2, D] (head dims a multiple of 64), for the
+  // P.V dot products; else float32 (bfloat16 ones copied).
+  const bool dotv = dot && D % 64 == 0;
+  const int64_t ldk2 = ldk / 2;
+  at::Tensor vbt = dotv ? at::empty({Hkv, ldk2, D, 2}, q.options().dtype(at::kBFloat16))
+                        : at::Tensor();
+  at::Tensor vf =
+      dtype == at::kFloat || dotv ? values : values.narrow(0, 0, used).to(at::kFloat);
   float* ktp = dot ? nullptr : kt.data_ptr<float>();
   auto* ktb = dot ? reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>()) : nullptr;
+  auto* vbp = dotv ? reinterpret_cast<uint16_t*>(vbt.data_ptr<c10::BFloat16>()) : nullptr;
+  if (dotv && used % 2 != 0) {  // the pair of the last key: the key past it counts zero
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t d = 0; d < D; ++d) vbp[((h * ldk2 + used / 2) * D + d) * 2 + 1] = 0;
+    }
+  }
   constexpr int64_t TILE = 64;
   at::parallel_for(0, Hkv * ((used + TILE - 1) / TILE), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
@@ -497,6 +573,11 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
           const auto* src = reinterpret_cast<const uint32_t*>(keys.data_ptr<c10::BFloat16>()) +
                             (j * Hkv + h) * D2;
           for (int64_t d2 = 0; d2 < D2; ++d2) ktb[(h * D2 + d2) * ldk + j] = src[d2];
+          if (!dotv) continue;
+          const auto* v = reinterpret_cast<const uint16_t*>(values.data_ptr<c10::BFloat16>()) +
+                          (j * Hkv + h) * D;
+          uint16_t* dst = vbp + (h * ldk2 + j / 2) * D * 2 + j % 2;
+          for (int64_t d = 0; d < D; ++d) dst[2 * d] = v[d];
         } else if (dtype == at::kFloat) {
           const float* src = keys.data_ptr<float>() + (j * Hkv + h) * D;
           for (int64_t d = 0; d < D; ++d) ktp[(h * D + d) * ldk + j] = src[d];
@@ -514,11 +595,13 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   while (blocks < n && (blocks * Hkv) % threads != 0 && blocks * Hkv < 4 * threads) ++blocks;
   const int64_t rows_per_block = (n + blocks - 1) / blocks;
   blocks = (n + rows_per_block - 1) / rows_per_block;
-  RowsArgs a{q.data_ptr(), ktp, vf.data_ptr<float>(), ldk, Hkv * D, pp, out.data_ptr(), n, Hkv,
+  RowsArgs a{q.data_ptr(), ktp, dotv ? nullptr : vf.data_ptr<float>(), ldk, Hkv * D, pp,
+             out.data_ptr(), n, Hkv,
              q.size(1), q.size(1) / Hkv, D, rows_per_block, static_cast<float>(scale)};
   a.window = window;
   a.soft_cap = static_cast<float>(soft_cap);
   a.ktb = ktb;
+  a.vb = dotv ? reinterpret_cast<const uint32_t*>(vbp) : nullptr;
   const int64_t num_tasks = blocks * a.num_kv_heads;
   const int64_t workers = std::min<int64_t>(threads, num_tasks);
   at::Tensor lse, parts;
