@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from blendkv.config import EngineConfig
-from blendkv.errors import (
+from blendkv.openmp_env import set_openmp_defaults
+
+set_openmp_defaults()  # before anything below imports torch (blendkv.openmp_env)
+
+from blendkv.config import EngineConfig  # noqa: E402
+from blendkv.errors import (  # noqa: E402
     BlendKVError,
     EmptyPromptError,
     InvalidRequestError,
@@ -18,8 +22,8 @@ from blendkv.errors import (
     ModelLoadError,
     PromptTooLongError,
 )
-from blendkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from blendkv.sampling_params import SamplingParams
+from blendkv.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from blendkv.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from blendkv.entrypoints.llm import LLM
