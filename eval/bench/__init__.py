@@ -10,6 +10,8 @@ results.
   (:mod:`~blendkv.eval.bench.profile_gpu` with ``--profile``);
   :mod:`~blendkv.eval.bench.launches`: the kernels a request launches, counted on the CPU.
 - :mod:`~blendkv.eval.bench.gemm`: the CPU GEMM libraries at a model's shapes.
+- :mod:`~blendkv.eval.bench.threads`: the CPU engine per OpenMP wait setting, alone and beside
+  a busy process.
 - :mod:`~blendkv.eval.bench.prefetch`: reads ahead of a step against reads in it, cold
   (:mod:`~blendkv.eval.bench.page_cache`, :mod:`~blendkv.eval.bench.redis_server`).
 - :mod:`~blendkv.eval.bench.store`, :mod:`~blendkv.eval.bench.store_scaling`: the chunk store's

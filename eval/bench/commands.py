@@ -1,5 +1,5 @@
-"""``blendkv bench engine|decode|sampler|blend|gpu|gemm|attention|gpu-attention|launches|
-prefetch|store``: benchmarks, correctness first, ratios side by side.
+"""``blendkv bench engine|decode|threads|sampler|blend|gpu|gemm|attention|gpu-attention|
+launches|prefetch|store``: benchmarks, correctness first, ratios side by side.
 
 The CLI finds this command through the ``blendkv.commands`` entry-point group (pyproject.toml),
 so the engine never imports the harness. Each kind's module is imported only when it runs
@@ -38,6 +38,17 @@ def register_bench(sub) -> None:
     dm.add_argument("--repeats", type=int, default=3, help="timings (best of N, interleaved)")
     dm.add_argument("--json", default=None, help="also write the results to this file")
     dm.set_defaults(func=_run("deterministic"))
+    th = bench.add_parser(
+        "threads",
+        help="CPU prefill and decode per OpenMP wait setting, alone and beside a busy process",
+    )
+    add_config_args(th, EngineConfig, ("model", "dtype"))
+    th.add_argument("--prefill-tokens", type=int, default=1024)
+    th.add_argument("--num-requests", type=int, default=8)
+    th.add_argument("--output-tokens", type=int, default=32)
+    th.add_argument("--repeats", type=int, default=1, help="rounds of every setting and load")
+    th.add_argument("--json", default=None, help="also write the results to this file")
+    th.set_defaults(func=_run("threads"))
     d = bench.add_parser("decode", help="batched decode vs transformers and llama.cpp (one stream)")
     add_config_args(d, EngineConfig, ("model", "dtype"), defaults={"dtype": "float32"})
     d.add_argument("--num-requests", type=int, default=32)
