@@ -5,6 +5,7 @@ import os
 import sys
 from pathlib import Path
 
+import blendkv  # noqa: F401  # isort: skip  (first: it sets OpenMP's wait before torch loads)
 import pytest
 import torch
 
