@@ -220,7 +220,8 @@ inline void values_block_bf16(const float* p, const uint32_t* vb, float* o, int6
     for (int64_t r = 0; r < RI; ++r) {
       const float* pr = p + (i + r) * BK;
       for (int64_t j = 0; j < nk2 * 2; j += 2 * W) {
-        const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + j + W), _mm512_loadu_ps(pr + j));
+        const __m512bh x =
+            _mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + j + W), _mm512_loadu_ps(pr + j));
         _mm512_storeu_si512(pb[r] + j / 2, (__m512i)x);
       }
       if (nk % 2 != 0) pb[r][nk2 - 1] &= 0xffffu;  // key nk: the upper half of the last pair
@@ -228,7 +229,9 @@ inline void values_block_bf16(const float* p, const uint32_t* vb, float* o, int6
     for (int64_t d0 = 0; d0 < D; d0 += 4 * W) {
       __m512 acc[RI][4];
       for (int64_t r = 0; r < RI; ++r) {
-        for (int64_t c = 0; c < 4; ++c) acc[r][c] = _mm512_loadu_ps(o + (i + r) * D + d0 + c * W);
+        for (int64_t c = 0; c < 4; ++c) {
+          acc[r][c] = _mm512_loadu_ps(o + (i + r) * D + d0 + c * W);
+        }
       }
       for (int64_t j2 = 0; j2 < nk2; ++j2) {
         const uint32_t* vj = vb + j2 * D + d0;
@@ -245,7 +248,9 @@ inline void values_block_bf16(const float* p, const uint32_t* vb, float* o, int6
         }
       }
       for (int64_t r = 0; r < RI; ++r) {
-        for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(o + (i + r) * D + d0 + c * W, acc[r][c]);
+        for (int64_t c = 0; c < 4; ++c) {
+          _mm512_storeu_ps(o + (i + r) * D + d0 + c * W, acc[r][c]);
+        }
       }
     }
   }
@@ -472,9 +477,9 @@ void add_mass(const RowsArgs& a, const void* qs, int64_t used, float* mass) {
       const int64_t k0 = b * BK, nk = std::min(BK, used - k0);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-        const void* qh = a.ktb != nullptr
-                             ? static_cast<const void*>(static_cast<const uint32_t*>(qs) + h * mrows * D2)
-                             : static_cast<const float*>(qs) + h * mrows * D;
+        const void* qh = a.ktb != nullptr ? static_cast<const void*>(
+                                                static_cast<const uint32_t*>(qs) + h * mrows * D2)
+                                          : static_cast<const float*>(qs) + h * mrows * D;
         for (int64_t i0 = 0; i0 < mrows; i0 += RI) {
           const int64_t last = std::min(i0 + RI, rows) - 1;  // rows ascend: skip unseeing ones
           const int64_t nki = std::clamp<int64_t>(a.positions[last / G] - k0 + 1, 0, nk);
@@ -596,8 +601,8 @@ void rows_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   const int64_t rows_per_block = (n + blocks - 1) / blocks;
   blocks = (n + rows_per_block - 1) / rows_per_block;
   RowsArgs a{q.data_ptr(), ktp, dotv ? nullptr : vf.data_ptr<float>(), ldk, Hkv * D, pp,
-             out.data_ptr(), n, Hkv,
-             q.size(1), q.size(1) / Hkv, D, rows_per_block, static_cast<float>(scale)};
+             out.data_ptr(), n, Hkv, q.size(1), q.size(1) / Hkv, D, rows_per_block,
+             static_cast<float>(scale)};
   a.window = window;
   a.soft_cap = static_cast<float>(soft_cap);
   a.ktb = ktb;
