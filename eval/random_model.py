@@ -87,12 +87,14 @@ def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
 
 
 def save_random_model(
-    path: Path, shape: str, dtype: torch.dtype, device: str, seed: int = 0
+    path: Path, shape: str, dtype: torch.dtype, device: str, seed: int = 0, **overrides
 ) -> torch.nn.Module:
-    """Write a random ``shape`` checkpoint to ``path``; return the transformers model."""
+    """Write a random ``shape`` checkpoint (config fields replaced by ``overrides``) to ``path``;
+    return the transformers model."""
     import transformers
 
     arch, fields = SHAPES[shape]
+    fields = {**fields, **overrides}
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

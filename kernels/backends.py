@@ -43,7 +43,12 @@ def _backend(name: str, device: str) -> AttentionBackend:
     if name == "cpu":
         return CpuAttentionBackend(device)
     if name == "triton":
-        if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        # On the CPU: interpreted (tests), or compiled for a GPU and never run
+        # (blendkv.kernels.triton.offline_compile sets BLENDKV_TRITON_COMPILE_ONLY).
+        on_cpu = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(
+            "BLENDKV_TRITON_COMPILE_ONLY"
+        )
+        if torch.device(device).type != "cuda" and not on_cpu:
             raise ValueError(
                 "the triton attention backend runs on CUDA; on the CPU it needs "
                 "TRITON_INTERPRET=1 (slow, for verification) -- use attention_backend='cpu'"

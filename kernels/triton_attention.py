@@ -82,6 +82,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         # The prefill kernel's tiles from this GPU generation's tuned table (prefill_tiles);
         # off: the kernel's defaults (benchmarks compare the two).
         self.tuned_tiles = True
+        # Whose table: None, this device's generation; (major, minor) another's (offline_compile).
+        self.tiles_capability: tuple[int, int] | None = None
         self._tiles: dict = {}  # (group, head_dim, dtype) -> PrefillTiles
 
     def step_layouts(self, md: AttentionMetadata) -> list:
@@ -258,7 +260,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
             return DEFAULT_TILES
         key = (group, head_dim, dtype)
         if key not in self._tiles:
-            self._tiles[key] = tuned_tiles(self.device, group, head_dim, dtype)
+            self._tiles[key] = tuned_tiles(
+                self.device, group, head_dim, dtype, self.tiles_capability
+            )
         return self._tiles[key]
 
     def _build_layout(self, md: AttentionMetadata, group: int, windowed: bool,

@@ -79,12 +79,17 @@ def load_table(path: Path) -> dict[str, PrefillTiles]:
 
 
 def tuned_tiles(
-    device: torch.device, group: int, head_dim: int, dtype: torch.dtype
+    device: torch.device,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    capability: tuple[int, int] | None = None,
 ) -> PrefillTiles:
-    """The tuned tiles for this device's generation and head shape, else :data:`DEFAULT_TILES`."""
-    if device.type != "cuda":
+    """The tuned tiles for this device's generation (or ``capability``'s) and head shape, else
+    :data:`DEFAULT_TILES`."""
+    if capability is None and device.type != "cuda":
         return DEFAULT_TILES
-    table = load_table(table_path(torch.cuda.get_device_capability(device)))
+    table = load_table(table_path(capability or torch.cuda.get_device_capability(device)))
     return table.get(table_key(group, head_dim, dtype), DEFAULT_TILES)
 
 

@@ -1,0 +1,306 @@
+"""Compile every Triton kernel the engine launches for a GPU this machine does not have.
+
+    python -m blendkv.kernels.triton.offline_compile [--arch 90] [--shapes tiny,qwen05,llama8b]
+        [--dtype bfloat16] [--json FILE]
+
+Triton lowers a kernel to PTX and assembles a cubin (its bundled ``ptxas``) without a device.
+Here the engine runs a short workload on the CPU with the Triton backend -- batched and
+chunked prefill, decode, the default blend, CacheBlend's pick, the K+V correction with the
+pooled prior, an int8 store -- and every kernel launch is compiled for the target instead of
+run. No kernel writes its outputs, so the tokens are meaningless (and no correctness is
+checked: the interpreter tests do that); what it checks is what only a GPU build showed before:
+
+- each launch the engine makes at these shapes compiles for the target (the interpreter accepts
+  code that the compiler rejects);
+- each compiled variant's shared memory fits the target's per-block limit (else the launch fails
+  on the GPU with ``OutOfResources``);
+- registers and spills per variant (``cuobjdump --dump-resource-usage`` of the cubin), reported.
+
+Shapes are :mod:`blendkv.eval.random_model`'s with 2 layers, a 512-token vocabulary and an MLP
+of at most 1,024 columns: the kernels' specializations depend on the hidden size, the head
+counts, the head size and the dtype, not on those. The prefill kernel's tiles are the tuned
+table's for the target (``kernels/triton/tuned``) where it has the head shape.
+
+Exit status 1 when a launch does not compile or does not fit; the JSON holds every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+COMPILE_ONLY_ENV = "BLENDKV_TRITON_COMPILE_ONLY"
+
+# Largest shared memory one block may use (opt-in), bytes, per compute capability.
+SHARED_LIMITS = {80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: 232_448, 100: 232_448}
+
+# Every kernel module: imported before any engine code, so each ``@triton.jit`` makes a
+# compiled (not interpreted) function.
+KERNEL_MODULES = (
+    "chunk_shift",
+    "decode_attention",
+    "elementwise",
+    "kv_write",
+    "prefill_attention",
+    "query_mass",
+    "rope_load",
+)
+
+
+@dataclass
+class Variant:
+    """One compiled specialization of a kernel."""
+
+    kernel: str
+    shape: str
+    hash: str  # Triton's key of the compiled binary
+    num_warps: int
+    num_stages: int
+    shared: int  # bytes of shared memory the launch asks for
+    registers: int | None = None  # per thread, from the cubin
+    local: int | None = None  # bytes of local memory per thread (spills)
+    constants: dict = field(default_factory=dict)
+
+
+class OfflineDriver:
+    """What :meth:`JITFunction.run` asks of Triton's driver, for a device that is not here."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+
+def _resources(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, local bytes) of a cubin's one function, from the bundled cuobjdump."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    fields = dict(
+        part.split(":", 1) for line in out.splitlines() if "REG:" in line for part in line.split()
+    )
+    return int(fields.get("REG", -1)), int(fields.get("LOCAL", -1))
+
+
+@contextlib.contextmanager
+def compile_only(arch: int, variants: list[Variant], shape: list[str]) -> Iterator[None]:
+    """Within: a Triton launch compiles its kernel for ``sm_<arch>`` (once per
+    specialization, as on a GPU), appends a :class:`Variant` and runs nothing."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+    seen = {v.hash for v in variants}
+
+    def compile_launch(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        md = kernel.metadata
+        if md.hash not in seen:
+            seen.add(md.hash)
+            registers, local = _resources(kernel.asm["cubin"])
+            constants = {k: v for k, v in kwargs.items() if isinstance(v, int | bool)}
+            variants.append(
+                Variant(
+                    self.fn.__name__,
+                    shape[0],
+                    md.hash,
+                    md.num_warps,
+                    md.num_stages,
+                    md.shared,
+                    registers,
+                    local,
+                    constants,
+                )  # fmt: skip
+            )
+        return None
+
+    driver.set_active(OfflineDriver(arch))
+    JITFunction.run = compile_launch
+    os.environ[COMPILE_ONLY_ENV] = str(arch)
+    try:
+        yield
+    finally:
+        JITFunction.run = run
+        driver.set_active(None)  # the next use finds the machine's own driver
+        os.environ.pop(COMPILE_ONLY_ENV, None)
+
+
+def _checks_pass(name, kernel, check, module, like) -> bool:
+    """The element-wise kernels' start checks compare outputs no kernel writes here: each
+    kernel is compiled by its check's launch and switched on, as a passing check does."""
+    with contextlib.suppress(AssertionError):
+        check(kernel, module, like)
+    return True
+
+
+def run_workload(model_dir: Path, dtype: str, store: Path, arch: int, codec: str | None,
+                 variants: list[Variant], shape: str) -> None:  # fmt: skip
+    """The engine's launches, compiled: batched prefill and decode, a chunked prefill, and three
+    blends whose chunks come from the store (``codec``). The store is filled first by the CPU
+    backend: no compiled kernel writes an output, and the codecs refuse to store what unwritten
+    memory may hold (NaN)."""
+    from blendkv import LLM, SamplingParams
+    from blendkv.blend.config import BlendConfig
+    from blendkv.eval.random_model import random_text
+
+    def engine(backend="triton"):
+        llm = LLM(
+            str(model_dir),
+            dtype=dtype,
+            device="cpu",
+            attention_backend=backend,
+            enable_prefix_caching=False,
+            max_model_len=2048,
+            max_num_batched_tokens=256,
+            kv_store_dir=str(store),
+            kv_codec=codec,
+            blend_start_gate=False,
+            blend_cost_check=False,
+        )
+        if backend == "triton":
+            llm.engine.attn_backend.tiles_capability = divmod(arch, 10)
+        return llm
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompt = {
+        "documents": [random_text(40 + 10 * i, 10 + i) for i in range(3)],
+        "query": random_text(12, 20),
+    }
+    llm = engine("cpu")
+    llm.generate([prompt], greedy, blend=BlendConfig())
+    llm.blend_manager().flush()  # the chunks' writes
+    llm.close()
+    with compile_only(arch, variants, [shape]):
+        _compiled_workload(engine, prompt, greedy)
+
+
+def _compiled_workload(engine, prompt, greedy) -> None:
+    from blendkv.blend.config import BlendConfig
+    from blendkv.eval.random_model import random_text
+
+    llm = engine()
+    llm.generate([random_text(30, 1), random_text(60, 2)], greedy)
+    # ~900 tokens in steps of 256: the third and fourth steps split their keys over programs
+    llm.generate([random_text(900, 3)], greedy)
+    for blend in (
+        BlendConfig(),
+        BlendConfig(selection="v_deviation", recompute_ratio=0.15, correction="none"),
+        BlendConfig(correction="kv", correction_prior="pooled"),
+    ):
+        llm.generate([prompt], greedy, blend=blend)
+    llm.close()
+
+
+def compile_shape(shape: str, dtype: str, arch: int, variants: list[Variant]) -> None:
+    import torch
+
+    from blendkv.eval.random_model import SHAPES, save_random_model
+    from blendkv.layers import fused_kernels
+
+    mlp = min(SHAPES[shape][1]["intermediate_size"], 1024)
+    with tempfile.TemporaryDirectory(prefix=f"blendkv-compile-{shape}-") as tmp:
+        model_dir = Path(tmp) / "model"
+        save_random_model(model_dir, shape, getattr(torch, dtype), "cpu", num_hidden_layers=2,
+                          vocab_size=512, intermediate_size=mlp)  # fmt: skip
+        passes = fused_kernels._passes
+        fused_kernels._passes = _checks_pass
+        try:
+            for codec in (None, "int8"):
+                store = Path(tmp) / f"store-{codec}"
+                run_workload(model_dir, dtype, store, arch, codec, variants, shape)
+        finally:
+            fused_kernels._passes = passes
+
+
+def problems(variants: list[Variant], arch: int) -> list[str]:
+    limit = SHARED_LIMITS.get(arch)
+    out = []
+    for v in variants:
+        if limit is not None and v.shared > limit:
+            out.append(f"{v.kernel} ({v.shape}): {v.shared} bytes of shared memory > {limit}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m blendkv.kernels.triton.offline_compile",
+        description="Compile the engine's Triton kernels for a GPU without one.",
+    )
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100)")
+    p.add_argument("--shapes", default="tiny,qwen05,llama8b")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--json", type=Path, help="write every compiled variant here")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        p.error("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them")
+    import importlib
+
+    from blendkv.eval.random_model import SHAPES
+
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    for name in KERNEL_MODULES:
+        importlib.import_module(f"blendkv.kernels.triton.{name}")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    variants: list[Variant] = []
+    failed = []
+    for shape in args.shapes.split(","):
+        try:
+            compile_shape(shape, args.dtype, args.arch, variants)
+        except Exception as e:  # a compile error: report it with its shape, go on
+            failed.append(f"{shape}: {type(e).__name__}: {str(e)[:2000]}")
+    failed += problems(variants, args.arch)
+    print(f"{'kernel':<26} {'shape':<8} {'warps':>5} {'stages':>6} {'shared':>8} {'regs':>5} "
+          f"{'spill B':>7}")  # fmt: skip
+    for v in sorted(variants, key=lambda v: (v.kernel, v.shape, v.shared)):
+        print(f"{v.kernel:<26} {v.shape:<8} {v.num_warps:>5} {v.num_stages:>6} {v.shared:>8} "
+              f"{v.registers if v.registers is not None else '-':>5} "
+              f"{v.local if v.local is not None else '-':>7}")  # fmt: skip
+    print(f"{len(variants)} variants of {len({v.kernel for v in variants})} kernels compiled "
+          f"for sm_{args.arch}")  # fmt: skip
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"arch": args.arch, "variants": [asdict(v) for v in variants], "failed": failed},
+                indent=1,
+            )  # fmt: skip
+        )
+    for line in failed:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
