@@ -16,12 +16,18 @@ agree with the references to float32 reduction order.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+# Rows a program: one on a GPU (the kernels as written and measured); the CPU interpreter pays
+# per program, not per element, so there a program takes 16.
+ROWS_PER_PROGRAM = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["rows"])  # one binary for every row count
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -30,23 +36,25 @@ def _rms_norm_kernel(
     stride_x,
     stride_r,
     stride_o,
+    rows,
     n,
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (cols < n)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
     h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / n
+    var = tl.sum(h * h, axis=1)[:, None] / n
     h = (h * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,7 +69,7 @@ def rms_norm(
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1
     if rows:
-        _rms_norm_kernel[(rows,)](
+        _rms_norm_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
             x,
             x if residual is None else residual,
             out,
@@ -69,25 +77,27 @@ def rms_norm(
             x.stride(0),
             x.stride(0) if residual is None else residual.stride(0),
             out.stride(0),
+            rows,
             n,
             eps,
             HAS_RES=residual is not None,
             BLOCK=triton.next_power_of_2(n),
+            ROWS=ROWS_PER_PROGRAM,
         )
     return out if residual is None else (out, residual)
 
 
 @triton.jit
 def _rotate(
-    src_ptr, dst_ptr, t, cos, sin, stride_t, stride_h, num_heads, half, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    src_ptr, dst_ptr, t, tmask, cos, sin, stride_t, stride_h, num_heads, half,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Row ``t`` of ``src`` rotated into ``dst`` (contiguous); -> the rotated values (``dst``'s
-    dtype), their head and dim indices and mask."""
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
+    """Rows ``t`` ([ROWS, 1, 1], ``tmask`` the real ones) of ``src`` rotated into ``dst``
+    (contiguous); -> the rotated values (``dst``'s dtype), their head and dim indices and mask."""
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, BLOCK_D)[None, None, :]
     dim = 2 * half
-    mask = (h < num_heads) & (d < dim)
+    mask = tmask & (h < num_heads) & (d < dim)
     partner = tl.where(d < half, d + half, d - half)
     base = src_ptr + t * stride_t + h * stride_h
     x = tl.load(base + d, mask=mask, other=0.0)
@@ -101,7 +111,7 @@ def _rotate(
     return out, h, d, mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rotary_qk_kernel(
     q_ptr,
     k_ptr,
@@ -110,6 +120,7 @@ def _rotary_qk_kernel(
     pos_ptr,
     cos_ptr,
     sin_ptr,
+    num_tokens,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -131,26 +142,30 @@ def _rotary_qk_kernel(
     BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)[None, :]
-    dmask = d < 2 * half
+    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None, None]
+    tmask = t < num_tokens
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    dmask = tmask & (d < 2 * half)
     dt = q_out_ptr.dtype.element_ty
     # The tables are float32; torch casts them to the activations' dtype first.
     cos = tl.load(cos_ptr + pos * 2 * half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(sin_ptr + pos * 2 * half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
-    _rotate(q_ptr, q_out_ptr, t, cos, sin, stride_qt, stride_qh, num_heads, half, BLOCK_H, BLOCK_D)
-    k, h, d, mask = _rotate(k_ptr, k_out_ptr, t, cos, sin, stride_kt, stride_kh, num_kv_heads,
-                            half, BLOCK_HKV, BLOCK_D)  # fmt: skip
+    _rotate(q_ptr, q_out_ptr, t, tmask, cos, sin, stride_qt, stride_qh, num_heads, half, BLOCK_H,
+            BLOCK_D)  # fmt: skip
+    k, h, d, mask = _rotate(k_ptr, k_out_ptr, t, tmask, cos, sin, stride_kt, stride_kh,
+                            num_kv_heads, half, BLOCK_HKV, BLOCK_D)  # fmt: skip
     if WRITE_KV:  # the rotated K and V into the pool (kv_write's layout; slot < 0: padding)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
-            dst += h * stride_ch + d
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-            tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + stride_c2, v.to(cache_ptr.dtype.element_ty), mask=mask)
+        slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
+        mask = mask & (slot >= 0)
+        slot = tl.where(slot >= 0, slot, 0)
+        dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
+        dst += h * stride_ch + d
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_c2, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_qk(
@@ -187,7 +202,7 @@ def rotary_qk(
         kv_cache, v, slot_mapping = q_out, k_out, positions
         cache_strides, v_strides = (0, 0, 0, 0, 1), (0, 0)
     if num_tokens:
-        _rotary_qk_kernel[(num_tokens,)](
+        _rotary_qk_kernel[(triton.cdiv(num_tokens, ROWS_PER_PROGRAM),)](
             q,
             k,
             q_out,
@@ -195,6 +210,7 @@ def rotary_qk(
             positions,
             cos_table,
             sin_table,
+            num_tokens,
             q.stride(0),
             q.stride(1),
             k.stride(0),
@@ -211,15 +227,18 @@ def rotary_qk(
             BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(dim),
             WRITE_KV=write,
+            ROWS=ROWS_PER_PROGRAM,
         )
     return q_out, k_out
 
 
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+@triton.jit(do_not_specialize=["rows"])
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (cols < n)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
@@ -235,7 +254,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block
-        )
+        grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(n, block))
+        _silu_and_mul_kernel[grid](
+            gate_up, out, gate_up.stride(0), out.stride(0), rows, n, BLOCK=block,
+            ROWS=ROWS_PER_PROGRAM,
+        )  # fmt: skip
     return out

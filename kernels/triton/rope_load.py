@@ -2,11 +2,12 @@
 every layer's cache in one launch (torch reference: :func:`rope_load_reference`, i.e.
 ``RotaryEmbedding.rotate_k`` then ``write_kv_cache`` per layer).
 
-Grid ``(num_tokens, num_layers)``: a program rotates one token's ``[kv_heads, head_dim]`` K of one
-layer in float32 (HF ``rotate_half``: ``x * cos + cat(-x2, x1) * sin``), casts on store, and
-copies its V. The layers' caches are addressed as one strided tensor ``[L, 2, num_blocks, ...]``
-when they are views of one pool with a uniform layer stride (the engine allocates them so);
-otherwise the kernel is launched once per layer.
+Grid ``(num_tokens / rows, num_layers)``: a program rotates the ``[kv_heads, head_dim]`` K of
+one layer's tokens (one on a GPU, 16 under the interpreter) in float32 (HF ``rotate_half``:
+``x * cos + cat(-x2, x1) * sin``), casts on store, and copies its V. The layers' caches are
+addressed as one strided tensor ``[L, 2, num_blocks, ...]`` when they are views of one pool with
+a uniform layer stride (the engine allocates them so); otherwise the kernel is launched once per
+layer.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import triton
 import triton.language as tl
 
 from blendkv.kernels.torch_attention import write_kv_cache
+from blendkv.kernels.triton.elementwise import ROWS_PER_PROGRAM
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rope_load_kernel(
     kv_ptr,
     positions_ptr,
@@ -39,21 +41,22 @@ def _rope_load_kernel(
     stride_cd,
     stride_rope,
     block_size,
+    num_tokens,
     num_kv_heads,
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None, None]
     layer = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    position = tl.load(positions_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    position = tl.load(positions_ptr + t, mask=slot >= 0, other=0).to(tl.int64)
     half = head_dim // 2
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < num_kv_heads) & (d < head_dim)
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    mask = (slot >= 0) & (h < num_kv_heads) & (d < head_dim)
+    slot = tl.where(slot >= 0, slot, 0)
     src = kv_ptr + layer * stride_kl + t * stride_kt + h * stride_kh
     x = tl.load(src + d * stride_kd, mask=mask, other=0.0).to(tl.float32)
     # rotate_half(x)[d] = -x[d + half] for d < half, x[d - half] otherwise.
@@ -61,8 +64,9 @@ def _rope_load_kernel(
     partner = tl.where(first_half, d + half, d - half)
     x_rot = tl.load(src + partner * stride_kd, mask=mask, other=0.0).to(tl.float32)
     x_rot = tl.where(first_half, -x_rot, x_rot)
-    cos = tl.load(cos_ptr + position * stride_rope + d, mask=d < head_dim, other=0.0)
-    sin = tl.load(sin_ptr + position * stride_rope + d, mask=d < head_dim, other=0.0)
+    rope_mask = (t < num_tokens) & (d < head_dim)
+    cos = tl.load(cos_ptr + position * stride_rope + d, mask=rope_mask, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_rope + d, mask=rope_mask, other=0.0)
     k = x * cos + x_rot * sin
     v = tl.load(src + stride_k2 + d * stride_kd, mask=mask, other=0.0)
     dst = (
@@ -133,7 +137,7 @@ def rope_load(
         else [(c[None], kv[i : i + 1]) for i, c in enumerate(caches)]
     )
     for cache, layer_kv in groups:
-        _rope_load_kernel[(num_tokens, layer_kv.shape[0])](
+        _rope_load_kernel[(triton.cdiv(num_tokens, ROWS_PER_PROGRAM), layer_kv.shape[0])](
             layer_kv,
             positions,
             slots,
@@ -144,10 +148,12 @@ def rope_load(
             *cache.stride(),
             cos.stride(0),
             cache.shape[3],
+            num_tokens,
             num_kv_heads,
             head_dim,
             BLOCK_H=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(head_dim),
+            ROWS=ROWS_PER_PROGRAM,
         )
 
 

@@ -95,6 +95,35 @@ def test_silu_and_mul(device, dtype):
     _close(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
 
 
+@pytest.mark.parametrize("rows_per_program", [1, 16])
+def test_rows_spread_over_programs(device, monkeypatch, rows_per_program):
+    """37 rows: a GPU's one row a program and the interpreter's 16 (the last program part
+    empty) give the references' values, padding rows of the pool write skipped."""
+    from blendkv.kernels.triton.kv_write import write_kv_reference
+
+    monkeypatch.setattr(ops, "ROWS_PER_PROGRAM", rows_per_program)
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(40, eps=1e-5).to(device)
+    x = torch.randn(37, 40, generator=g).to(device)
+    _close(ops.rms_norm(x.clone(), norm.weight, 1e-5), norm(x))
+    gate_up = torch.randn(37, 2 * 48, generator=g).to(device)
+    gate, up = gate_up.split(48, dim=-1)
+    _close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    rope, q, k, v = _rope_and_fused_qkv(37, 4, device, torch.float32)
+    positions = torch.randint(0, 256, (37,), generator=g).to(device)
+    slots = torch.randperm(48, generator=g)[:37].to(device)
+    slots[::5] = -1
+    cos, sin = rope.tables(device)
+    ref_q, ref_k = rope.apply_rotary(positions, q, k)
+    expected = torch.zeros((2, 12, 4, *k.shape[1:]), device=device)
+    write_kv_reference(expected, ref_k, v, slots)
+    pool = torch.zeros_like(expected)
+    out_q, out_k = ops.rotary_qk(positions, q, k, cos, sin, pool, v, slots)
+    _close(out_q, ref_q)
+    _close(out_k, ref_k)
+    _close(pool, expected)
+
+
 def test_model_switched_to_the_kernels_gives_the_same_logits(tiny_llama_dir, device):
     """A tiny Llama through the loader with the Triton backend uses the kernels everywhere and
     gives the torch backend's prompt logits (fp32)."""

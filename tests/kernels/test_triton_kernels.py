@@ -280,8 +280,15 @@ def rotary():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["one_pool", "separate"])
-def test_rope_load(rotary, device, dtype, layout):
+@pytest.mark.parametrize("rows_per_program", [1, 16], ids=["gpu_rows", "interpreter_rows"])
+def test_rope_load(rotary, device, dtype, layout, rows_per_program, monkeypatch):
+    import sys
+
     from blendkv.kernels.torch_attention import write_kv_cache
+
+    monkeypatch.setattr(
+        sys.modules["blendkv.kernels.triton.rope_load"], "ROWS_PER_PROGRAM", rows_per_program
+    )
 
     num_layers, first, num_tokens, heads, dim = 3, 1, 5, 2, 8
     gen = torch.Generator().manual_seed(1)
