@@ -44,7 +44,7 @@ def _backend(name: str, device: str) -> AttentionBackend:
         return CpuAttentionBackend(device)
     if name == "triton":
         # On the CPU: interpreted (tests), or compiled for a GPU and never run
-        # (blendkv.kernels.triton.offline_compile sets BLENDKV_TRITON_COMPILE_ONLY).
+        # (`blendkv bench compile` sets BLENDKV_TRITON_COMPILE_ONLY).
         on_cpu = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(
             "BLENDKV_TRITON_COMPILE_ONLY"
         )

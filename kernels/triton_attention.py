@@ -82,7 +82,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         # The prefill kernel's tiles from this GPU generation's tuned table (prefill_tiles);
         # off: the kernel's defaults (benchmarks compare the two).
         self.tuned_tiles = True
-        # Whose table: None, this device's generation; (major, minor) another's (offline_compile).
+        # Whose table: None, this device's generation; (major, minor) another's (bench compile).
         self.tiles_capability: tuple[int, int] | None = None
         self._tiles: dict = {}  # (group, head_dim, dtype) -> PrefillTiles
 

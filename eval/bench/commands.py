@@ -1,5 +1,5 @@
 """``blendkv bench engine|decode|threads|sampler|blend|gpu|gemm|attention|gpu-attention|
-launches|prefetch|store``: benchmarks, correctness first, ratios side by side.
+launches|compile|prefetch|store``: benchmarks, correctness first, ratios side by side.
 
 The CLI finds this command through the ``blendkv.commands`` entry-point group (pyproject.toml),
 so the engine never imports the harness. Each kind's module is imported only when it runs
@@ -128,6 +128,7 @@ def register_bench(sub) -> None:
     _add_attention(bench)
     _add_gpu_attention(bench)
     _add_launches(bench)
+    _add_compile(bench)
     _add_prefetch(bench)
     _add_store(bench)
 
@@ -184,6 +185,17 @@ def _add_launches(bench) -> None:
     )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_run("launches"))
+
+
+def _add_compile(bench) -> None:
+    p = bench.add_parser(
+        "compile", help="the engine's Triton kernels compiled for a GPU generation, without one"
+    )
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100)")
+    p.add_argument("--shapes", default="tiny,qwen05,llama8b", help="eval.random_model shapes")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--json", default=None, help="write every compiled variant here")
+    p.set_defaults(func=_run("compile"))
 
 
 def _store_arg(text: str) -> str:

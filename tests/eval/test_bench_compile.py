@@ -1,5 +1,5 @@
-"""The Triton kernels compiled for an H100 on a machine without a GPU
-(:mod:`blendkv.kernels.triton.offline_compile`). Each run is a fresh process without
+"""``blendkv bench compile``: the Triton kernels compiled for an H100 on a machine without a GPU
+(:mod:`blendkv.eval.bench.compile`). Each run is a fresh process without
 ``TRITON_INTERPRET`` (the suite interprets), with its own Triton cache, so every kernel is
 compiled here."""
 
@@ -15,7 +15,10 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from blendkv.kernels.triton.offline_compile import Variant, main, problems  # noqa: E402
+from blendkv.cli import main  # noqa: E402
+from blendkv.eval.bench.compile import Variant, problems  # noqa: E402
+
+CLI = "import sys; from blendkv.cli import main; sys.exit(main(sys.argv[1:]))"
 
 # Every kernel the engine launches on the Triton backend for a Llama model (the batched,
 # chunked and split-key prefill, decode, ProphetKV's pass, CacheBlend's pick, the K/V
@@ -45,7 +48,7 @@ def compile_env(tmp_path) -> dict:
 def test_every_engine_kernel_compiles_for_an_h100(tmp_path):
     out = tmp_path / "variants.json"
     done = subprocess.run(
-        [sys.executable, "-m", "blendkv.kernels.triton.offline_compile", "--arch", "90",
+        [sys.executable, "-c", CLI, "bench", "compile", "--arch", "90",
          "--shapes", "tiny,llama8b", "--json", str(out)],
         env=compile_env(tmp_path), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -68,7 +71,7 @@ BAD_KERNEL = textwrap.dedent(
     import torch
     import triton
     import triton.language as tl
-    from blendkv.kernels.triton.offline_compile import compile_only
+    from blendkv.eval.bench.compile import compile_only
 
     @triton.jit
     def add_rows(x_ptr, out_ptr, rows, N: tl.constexpr):
@@ -118,6 +121,5 @@ def test_shared_memory_over_the_targets_limit_is_a_problem():
 
 def test_refuses_to_interpret(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--shapes", "tiny"])
-    assert exit_info.value.code == 2 and "unset TRITON_INTERPRET" in capsys.readouterr().err
+    assert main(["bench", "compile", "--shapes", "tiny"]) == 2
+    assert "unset TRITON_INTERPRET" in capsys.readouterr().err

@@ -1,7 +1,8 @@
-"""Compile every Triton kernel the engine launches for a GPU this machine does not have.
+"""``blendkv bench compile``: every Triton kernel the engine launches, compiled for a GPU this
+machine does not have.
 
-    python -m blendkv.kernels.triton.offline_compile [--arch 90] [--shapes tiny,qwen05,llama8b]
-        [--dtype bfloat16] [--json FILE]
+    blendkv bench compile [--arch 90] [--shapes tiny,qwen05,llama8b] [--dtype bfloat16]
+        [--json FILE]
 
 Triton lowers a kernel to PTX and assembles a cubin (its bundled ``ptxas``) without a device.
 Here the engine runs a short workload on the CPU with the Triton backend -- batched and
@@ -22,6 +23,8 @@ counts, the head size and the dtype, not on those. The prefill kernel's tiles ar
 table's for the target (``kernels/triton/tuned``) where it has the head shape.
 
 Exit status 1 when a launch does not compile or does not fit; the JSON holds every variant.
+Run it in a process where ``TRITON_INTERPRET`` is unset (the kernels must be compiled, not
+interpreted).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -252,31 +254,25 @@ def problems(variants: list[Variant], arch: int) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m blendkv.kernels.triton.offline_compile",
-        description="Compile the engine's Triton kernels for a GPU without one.",
-    )
-    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100)")
-    p.add_argument("--shapes", default="tiny,qwen05,llama8b")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--json", type=Path, help="write every compiled variant here")
-    args = p.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        p.error("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them")
+        print("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them",
+              file=sys.stderr)  # fmt: skip
+        return 2
     import importlib
 
     from blendkv.eval.random_model import SHAPES
 
-    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
-        p.error(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+        print(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}", file=sys.stderr)
+        return 2
     for name in KERNEL_MODULES:
         importlib.import_module(f"blendkv.kernels.triton.{name}")
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     variants: list[Variant] = []
     failed = []
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         try:
             compile_shape(shape, args.dtype, args.arch, variants)
         except Exception as e:  # a compile error: report it with its shape, go on
@@ -291,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(variants)} variants of {len({v.kernel for v in variants})} kernels compiled "
           f"for sm_{args.arch}")  # fmt: skip
     if args.json:
-        args.json.write_text(
+        Path(args.json).write_text(
             json.dumps(
                 {"arch": args.arch, "variants": [asdict(v) for v in variants], "failed": failed},
                 indent=1,
@@ -300,7 +296,3 @@ def main(argv: list[str] | None = None) -> int:
     for line in failed:
         print(f"FAILED {line}", file=sys.stderr)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
