@@ -116,7 +116,7 @@ def _resources(cubin: bytes) -> tuple[int | None, int | None]:
 
 
 @contextlib.contextmanager
-def compile_only(arch: int, variants: list[Variant], shape: list[str]) -> Iterator[None]:
+def compile_only(arch: int, variants: list[Variant], shape: str) -> Iterator[None]:
     """Within: a Triton launch compiles its kernel for ``sm_<arch>`` (once per
     specialization, as on a GPU), appends a :class:`Variant` and runs nothing."""
     from triton.runtime.driver import driver
@@ -135,7 +135,7 @@ def compile_only(arch: int, variants: list[Variant], shape: list[str]) -> Iterat
             variants.append(
                 Variant(
                     self.fn.__name__,
-                    shape[0],
+                    shape,
                     md.hash,
                     md.num_warps,
                     md.num_stages,
@@ -203,7 +203,7 @@ def run_workload(model_dir: Path, dtype: str, store: Path, arch: int, codec: str
     llm.generate([prompt], greedy, blend=BlendConfig())
     llm.blend_manager().flush()  # the chunks' writes
     llm.close()
-    with compile_only(arch, variants, [shape]):
+    with compile_only(arch, variants, shape):
         _compiled_workload(engine, prompt, greedy)
 
 

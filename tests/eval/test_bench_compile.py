@@ -86,7 +86,7 @@ BAD_KERNEL = textwrap.dedent(
         add_rows[(1,)](x, out, 3, N=16)
         print("ran", out[0].item())
     else:
-        with compile_only(90, [], ["test"]):
+        with compile_only(90, [], "test"):
             add_rows[(1,)](x, out, 3, N=16)
     """
 )
