@@ -170,8 +170,8 @@ def run_workload(model_dir: Path, dtype: str, store: Path, arch: int, codec: str
                  variants: list[Variant], shape: str) -> None:  # fmt: skip
     """The engine's launches, compiled: batched prefill and decode, a chunked prefill, and three
     blends whose chunks come from the store (``codec``). The store is filled first by the CPU
-    backend: no compiled kernel writes an output, and the codecs refuse to store what unwritten
-    memory may hold (NaN)."""
+    backend: no compiled kernel writes an output, so chunks computed here would hold unwritten
+    memory (without it, the 8B shape's int8 loads were never launched)."""
     from blendkv import LLM, SamplingParams
     from blendkv.blend.config import BlendConfig
     from blendkv.eval.random_model import random_text
