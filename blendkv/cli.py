@@ -7,9 +7,9 @@ import logging
 import os
 import sys
 
-from blendkv.blend.config import BlendConnectorConfig
 from blendkv.commands.config_args import add_config_args, config_kwargs
 from blendkv.config import EngineConfig
+from blendkv.connector.config import BlendConnectorConfig
 from blendkv.errors import BlendKVError
 
 _COMMANDS = ("generate", "chat", "ingest", "ask", "docs", "store", "demo", "serve")

@@ -55,7 +55,7 @@ class EngineConfig:
             (blendkv.engine.kv_connector): a registered name ("blend", the default), a factory
             ``context -> connector``, or None (dict prompts are then refused).
         kv_connector_config: the connector's own config (for "blend" a
-            blendkv.blend.config.BlendConnectorConfig); None: the connector's defaults.
+            blendkv.connector.config.BlendConnectorConfig); None: the connector's defaults.
         cache_dir: where downloaded and converted models are cached.
         seed: the engine's random seed.
         num_threads: torch intra-op threads; None leaves torch's default.
@@ -68,7 +68,7 @@ class EngineConfig:
             (blendkv.kernels.batch_invariant). Off by default: it costs (docs/benchmarks.md).
         blend_audit_rate: the fraction of blended requests that also run full prefill after
             their answer, when the engine is idle, to measure the first token's KL(full ||
-            blend) and top-1 agreement (blendkv.blend.audit); drawn with ``seed``. 0: never.
+            blend) and top-1 agreement (blendkv.guards.audit); drawn with ``seed``. 0: never.
     """
 
     model: str | None = None

@@ -110,7 +110,7 @@ def from_vllm_names(options: dict[str, Any]) -> dict[str, Any]:
 def connector_options() -> tuple[str, ...]:
     """The blend connector's option names (:class:`BlendConnectorConfig`'s fields)."""
     # Deferred: `import blendkv` imports this module and must not load blendkv.blend.
-    from blendkv.blend.config import BlendConnectorConfig
+    from blendkv.connector.config import BlendConnectorConfig
 
     return tuple(f.name for f in fields(BlendConnectorConfig))
 
@@ -168,7 +168,7 @@ def create_engine_config(**options: Any) -> EngineConfig:
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     connector = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     if connector:
-        from blendkv.blend.config import BlendConnectorConfig  # deferred, as above
+        from blendkv.connector.config import BlendConnectorConfig  # deferred, as above
 
         spec = engine.get("kv_connector", "blend")
         if spec is None or (isinstance(spec, str) and spec != "blend"):

@@ -14,9 +14,9 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from blendkv.blend.config import BlendConnectorConfig
 from blendkv.commands.config_args import add_config_args
 from blendkv.config import EngineConfig
+from blendkv.connector.config import BlendConnectorConfig
 from blendkv.errors import ConfigError
 
 

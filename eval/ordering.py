@@ -17,7 +17,7 @@ import numpy as np
 
 from blendkv.eval.examples import Example, Passage
 from blendkv.rag.chunk_order import CHUNK_ORDERS, check_chunk_order, order_by_relevance
-from blendkv.store.embedding import MiniLMEmbedder
+from blendkv.rag.embedding import MiniLMEmbedder
 
 __all__ = ["CHUNK_ORDERS", "order_examples", "relevance_ranks"]
 

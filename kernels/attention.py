@@ -154,7 +154,7 @@ class AttentionBackend(ABC):
         sin: torch.Tensor,
     ) -> None:
         """:meth:`load_rotated_kv` of an encoded chunk (an ``int8`` / ``int4`` store's value,
-        :class:`blendkv.kernels.kv_decode.EncodedChunk`), decoded as it is written. This is the
+        :class:`blendkv.kernels.kv_dequant.EncodedChunk`), decoded as it is written. This is the
         reference (decode, then :meth:`load_rotated_kv`'s reference); backends decode in their
         load kernels instead, writing the same bits."""
         kv = chunk.decode(kv_caches[first_layer].dtype)

@@ -87,7 +87,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def load_encoded_kv(self, kv_caches, first_layer, chunk, positions, slots, cos, sin) -> None:
         """Decoded while written, by ``decode_rope_write_kv`` (``kernels/cpu/rope_write.cpp``)."""
-        from blendkv.kernels.kv_decode import cpu_decode_rope_write
+        from blendkv.kernels.kv_dequant import cpu_decode_rope_write
 
         args = (kv_caches, first_layer, chunk, positions, slots, cos, sin)
         if self.ops is not None and cpu_decode_rope_write(self.ops, *args):

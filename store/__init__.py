@@ -1,16 +1,15 @@
-"""blendkv.store: persistent chunk K/V (LMDB), a memory tier, and the FAISS chunk index.
+"""blendkv.store: persistent chunk K/V (LMDB or Redis) and a memory tier in front of it.
 
-Entry points: :func:`open_kv_store` (an LMDB or Redis :class:`ChunkKVStore`, K/V only),
-:class:`ChunkStore` (K/V + index kept in step), :func:`chunk_key`, :class:`ModelFingerprint`,
-:func:`chunk_token_ids`. Heavy modules (FAISS, transformers) are imported only by the classes
-that need them at use time.
+Entry points: :func:`open_kv_store` (an LMDB or Redis :class:`ChunkKVStore`), :func:`chunk_key`,
+:class:`ModelFingerprint`. Chunking, embedding and the FAISS index (retrieval) live in
+:mod:`blendkv.rag`; its :class:`~blendkv.rag.chunk_store.ChunkStore` keeps a K/V store and an
+index in step.
 """
 
 from __future__ import annotations
 
 from .backends import open_kv_store
 from .base import ChunkKVStore, StoreSnapshot
-from .chunking import TextChunk, chunk_token_ids
 from .errors import (
     CorruptValueError,
     EmbedderMismatchError,
@@ -31,14 +30,11 @@ __all__ = [
     "ChunkKV",
     "ChunkKVStore",
     "ChunkMeta",
-    "ChunkStore",
-    "ChunkIndex",
     "CorruptValueError",
     "EmbedderMismatchError",
     "FingerprintMismatchError",
     "KVStore",
     "MemoryTier",
-    "MiniLMEmbedder",
     "ModelFingerprint",
     "NewChunk",
     "PutResult",
@@ -49,26 +45,7 @@ __all__ = [
     "StoreReadOnlyError",
     "StoreSnapshot",
     "StoreStats",
-    "TextChunk",
     "VerifyReport",
     "chunk_key",
-    "chunk_token_ids",
     "open_kv_store",
 ]
-
-
-def __getattr__(name: str):
-    # FAISS and the embedder load on first use, so `import blendkv.store` stays light.
-    if name in ("ChunkStore", "SearchHit"):
-        from . import chunk_store
-
-        return getattr(chunk_store, name)
-    if name == "ChunkIndex":
-        from .index import ChunkIndex
-
-        return ChunkIndex
-    if name == "MiniLMEmbedder":
-        from .embedding import MiniLMEmbedder
-
-        return MiniLMEmbedder
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from blendkv.kernels.kv_decode import EncodedChunk
+from blendkv.kernels.kv_dequant import EncodedChunk
 from blendkv.store.codecs import encode
 
 

@@ -18,14 +18,14 @@ if not torch.cuda.is_available():
 # and times none of their first requests; tests/entrypoints/test_warmup.py turns it on.
 os.environ.setdefault("BLENDKV_WARMUP", "0")
 os.environ.setdefault("BLENDKV_BLEND_GATE", "0")  # tests that want it ask for it
-# Nor the blend cost check (blendkv.blend.cost_policy): measured rates would turn tests' default
+# Nor the blend cost check (blendkv.guards.cost_check): measured rates would turn tests' default
 # blends into full prefill at random; tests/blend/test_never_loses.py asks for it.
 os.environ.setdefault("BLENDKV_BLEND_COST_CHECK", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(
-    0, str(Path(__file__).parent / "rag")
-)  # rag_helpers, shared by rag/ and integrations/
+# rag_helpers (shared by rag/ and integrations/) and store_helpers (by store/ and rag/)
+sys.path.insert(0, str(Path(__file__).parent / "rag"))
+sys.path.insert(0, str(Path(__file__).parent / "store"))
 
 from helpers import make_tiny_model_dir  # noqa: E402
 
@@ -104,3 +104,42 @@ def _collect_after_module():
     a test left in a reference cycle (tests/rag/test_pipeline_lifetime.py guards the pipeline)."""
     yield
     gc.collect()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def arch_dir(request):
+    """(architecture, tiny model directory), for each architecture family the blend supports."""
+    return request.param, request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture(scope="module")
+def blend_llm(arch_dir):
+    """A blending engine on ``arch_dir``'s tiny model (float32, 4-token blocks, no prefix cache)."""
+    from blendkv import LLM
+
+    _, path = arch_dir
+    llm = LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(arch_dir):
+    """transformers' model of ``arch_dir`` (the oracle), float32."""
+    import transformers
+
+    _, path = arch_dir
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def fp():
+    """A model fingerprint for store tests (tests/store/store_helpers.py)."""
+    from store_helpers import make_fingerprint
+
+    return make_fingerprint()
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return tmp_path / "store"

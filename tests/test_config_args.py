@@ -114,8 +114,8 @@ def test_fields_without_a_flag_type_or_unknown_names_are_refused():
 
 def test_every_documented_config_field_has_help():
     """EngineConfig's and BlendConnectorConfig's docstrings document every field."""
-    from blendkv.blend.config import BlendConnectorConfig
     from blendkv.config import EngineConfig
+    from blendkv.connector.config import BlendConnectorConfig
 
     for cls in (EngineConfig, BlendConnectorConfig):
         docs = attribute_docs(cls)

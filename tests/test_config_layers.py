@@ -7,8 +7,8 @@ from dataclasses import fields
 
 import pytest
 
-from blendkv.blend.config import BlendConnectorConfig, blend_connector_config
 from blendkv.config import EngineConfig
+from blendkv.connector.config import BlendConnectorConfig, blend_connector_config
 from blendkv.engine_args import connector_options, create_engine_config
 from blendkv.errors import ConfigError
 

@@ -107,7 +107,7 @@ def test_gpu_memory_utilization_sizes_the_pool_from_what_is_left(monkeypatch):
         resolve_kv_cache_memory_bytes(EngineConfig(gpu_memory_utilization=0.5), "cuda")
     assert resolve_kv_cache_memory_bytes(EngineConfig(kv_cache_memory_bytes=7), "cuda") == 7
     # the blend connector's device tier comes out of the same fraction
-    from blendkv.blend.config import BlendConnectorConfig
+    from blendkv.connector.config import BlendConnectorConfig
 
     tier = BlendConnectorConfig(kv_device_cache_bytes=4 * GiB)
     config = EngineConfig(gpu_memory_utilization=0.9, kv_connector_config=tier)

@@ -18,7 +18,7 @@ one launch. Capturable because nothing in it depends on the request except devic
   it, does nothing);
 - loading overlaps the pass: a graph cannot wait for the loader's events inside, so the pass
   is captured as consecutive graphs cut where the loader's stages begin
-  (:func:`~blendkv.blend.layerwise_write.load_stages`: layers 0, 1-2, 3-6, 7-14, ...), and the
+  (:func:`~blendkv.loading.layer_load.load_stages`: layers 0, 1-2, 3-6, 7-14, ...), and the
   host orders the stream on a stage's loaded K/V before replaying its segment, as the eager
   pass waits at each layer. One replay for the whole pass waited for every layer's loads first:
   on an H200 it lost 5-7 ms to the eager pass at 6-16K tokens.
@@ -36,9 +36,9 @@ from collections.abc import Callable
 
 import torch
 
-from blendkv.blend.layerwise_write import load_stages
 from blendkv.engine.cuda_graphs import CudaGraphCapture, SegmentsReplay
 from blendkv.kernels.attention import AttentionMetadata
+from blendkv.loading.layer_load import load_stages
 from blendkv.models.hooks import LayerHooks, RowPlan
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ import torch
 
 from blendkv.blend.config import BlendConfig
 from blendkv.blend.correction import Rows, correct_kept_rows, shift_parts
-from blendkv.blend.request_state import BlendStats
 from blendkv.blend.selection import SelectionInputs, score_rows, top_rows
+from blendkv.blend.stats import BlendStats
 from blendkv.kernels.uploads import upload
 from blendkv.models.hooks import RowPlan
 

@@ -16,7 +16,7 @@ one position later (and the last one a computed row or the next chunk's first); 
 scored selection layer every candidate's stored K/V is read as well. (At ratio 1.0 no row is
 dropped: every stored value is overwritten by a fresh one before it is read, yet still loaded.)
 
-Pure functions of positions; :mod:`blendkv.blend.chunk_loader` applies them. The prefix cache
+Pure functions of positions; :mod:`blendkv.loading.chunk_loader` applies them. The prefix cache
 stays safe: a blended prompt's blocks are salted with its chunk set and blend config, so a
 request that hits them has the same chunk layout and query start, hence the same readable set.
 """

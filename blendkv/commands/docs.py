@@ -46,7 +46,9 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.rag.catalog import open_catalog
-    from blendkv.store import ChunkStore, MiniLMEmbedder, StoreNotFoundError
+    from blendkv.rag.chunk_store import ChunkStore
+    from blendkv.rag.embedding import MiniLMEmbedder
+    from blendkv.store import StoreNotFoundError
     from blendkv.store.redis_store import is_redis_url
 
     if not is_redis_url(args.store) and not (Path(args.store) / "data.mdb").exists():

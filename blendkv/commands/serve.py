@@ -7,12 +7,12 @@ import ipaddress
 import logging
 import os
 
-from blendkv.blend.audit import DEFAULT_WARN_KL, WARN_WINDOW
 from blendkv.cli import add_model_args, engine_kwargs
 from blendkv.commands.ingest import add_store_max_bytes_arg
 from blendkv.config import resolve_device
 from blendkv.engine_args import create_engine_config, follow_store_dtype
 from blendkv.errors import BlendKVError, ConfigError
+from blendkv.guards.audit import DEFAULT_WARN_KL, WARN_WINDOW
 from blendkv.sizes import size_arg
 
 logger = logging.getLogger(__name__)

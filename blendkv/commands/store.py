@@ -4,7 +4,7 @@
 ``verify`` checks every value, the index against the store, and the document catalog against
 the store (:mod:`blendkv.rag.consistency`); it exits 1 on any problem. ``compact`` gives the
 pages of deleted and evicted chunks back to the disk (:mod:`blendkv.store.compact`).
-``convert`` writes a new store with another K/V codec (:mod:`blendkv.store.convert`).
+``convert`` writes a new store with another K/V codec (:mod:`blendkv.rag.store_convert`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
     if not _exists(args.store):
         return 2  # a usage error, as `ask` on a missing store
     from blendkv.rag.catalog import open_catalog
+    from blendkv.rag.chunk_store import ChunkStore
     from blendkv.rag.consistency import check_documents
-    from blendkv.store import ChunkStore, MiniLMEmbedder
+    from blendkv.rag.embedding import MiniLMEmbedder
 
     # fingerprint=None: inspect mode (metadata and checks, no K/V served); the embedder is
     # only named (its weights load on first embed, which inspection never does).
@@ -118,7 +119,7 @@ def run_convert(args: argparse.Namespace) -> int:
         return 2
     from tqdm import tqdm
 
-    from blendkv.store.convert import convert_store
+    from blendkv.rag.store_convert import convert_store
 
     with tqdm(desc="convert", unit="chunk", disable=args.no_progress) as bar:
         result = convert_store(args.src, args.dst, args.codec, progress=bar.update)

@@ -1,7 +1,7 @@
 """The KV connector: how an engine extension brings K/V from outside (and saves it).
 
 Shaped like vLLM v1's ``KVConnectorBase_V1``: one object with a scheduler side and a worker side.
-The engine sees only this interface; blending (``blendkv.blend.connector``) is one
+The engine sees only this interface; blending (``blendkv.connector.blend_connector``) is one
 implementation, a test's dict-backed connector another. Configured with
 ``EngineConfig(kv_connector=...)``.
 
@@ -207,4 +207,4 @@ def create_kv_connector(spec: Any, context: KVConnectorContext) -> KVConnectorBa
 
 
 # Registered connectors by name, imported on use (the engine depends on none of them).
-KV_CONNECTORS = {"blend": "blendkv.blend.connector:BlendConnector"}
+KV_CONNECTORS = {"blend": "blendkv.connector.blend_connector:BlendConnector"}

@@ -287,7 +287,7 @@ class LLMEngine:
         auditor = getattr(self.kv_connector, "auditor", None)
         for request_id, logits in result.logits.items():
             if auditor is not None and auditor.take_logits(request_id, logits):
-                continue  # asked for the blend audit only (blendkv.blend.audit)
+                continue  # asked for the blend audit only (blendkv.guards.audit)
             self.requests[request_id].add_prompt_logits(logits)
         self.scheduler.update_from_output(out)
         now = time.perf_counter()
@@ -325,7 +325,7 @@ class LLMEngine:
         return outputs
 
     def blend_audit_records(self) -> list:
-        """The blend audits landed so far, oldest first (:mod:`blendkv.blend.audit`)."""
+        """The blend audits landed so far, oldest first (:mod:`blendkv.guards.audit`)."""
         auditor = getattr(self.kv_connector, "auditor", None)
         return list(auditor.records) if auditor is not None else []
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from blendkv.blend.prompt import apply_template
+from blendkv.connector.prompt import apply_template
 from blendkv.engine.llm_engine import LLMEngine
 from blendkv.engine_args import create_engine_config
 from blendkv.entrypoints.router import OutputRouter
@@ -36,9 +36,10 @@ class LLM:
     :class:`~blendkv.config.EngineConfig` is accepted (``dtype``, ``block_size``,
     ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
     ``enable_prefix_caching``, ...), and so is every one of the blend connector's
-    :class:`~blendkv.blend.config.BlendConnectorConfig` (``kv_store_dir``, ``prefetch_kv``, ...),
-    and vLLM's names where they mean something here (``gpu_memory_utilization``,
-    ``tensor_parallel_size=1``, ...: :func:`~blendkv.engine_args.from_vllm_names`); any other
+    :class:`~blendkv.connector.config.BlendConnectorConfig` (``kv_store_dir``,
+    ``prefetch_kv``, ...), and vLLM's names where they mean something here
+    (``gpu_memory_utilization``, ``tensor_parallel_size=1``, ...:
+    :func:`~blendkv.engine_args.from_vllm_names`); any other
     raises :class:`~blendkv.errors.ConfigError`.
 
     A short warm-up request runs at load (:mod:`blendkv.entrypoints.warmup`), so the first
@@ -55,7 +56,7 @@ class LLM:
         self.engine = LLMEngine(self.config)
         if warmup_enabled(warmup):  # the first request's TTFT is then its own
             warm_up(self.engine)
-        from blendkv.blend.start_gate import gate_at_start  # not at import: blendkv.blend
+        from blendkv.guards.start_gate import gate_at_start  # not at import: blendkv.blend
 
         self.start_gate = gate_at_start(self.engine)  # blend@1.0 is full prefill, or no blending
         # Every step's outputs go to their own request's consumer: interleaved streams (and a
@@ -74,9 +75,9 @@ class LLM:
 
     def blend_manager(self):
         """The chunk-KV store and blended-prompt machinery of the blend KV connector
-        (:class:`~blendkv.blend.manager.BlendManager`), created on first use."""
+        (:class:`~blendkv.connector.manager.BlendManager`), created on first use."""
         # The connector is a plugin loaded by name: importing blendkv does not load it.
-        from blendkv.blend.connector import BlendConnector
+        from blendkv.connector.blend_connector import BlendConnector
 
         conn = self.engine.kv_connector
         if not isinstance(conn, BlendConnector):
@@ -184,7 +185,7 @@ class LLM:
         return list(ids)
 
     def blend_audit_records(self) -> list:
-        """The blend audits so far (``blend_audit_rate``; :mod:`blendkv.blend.audit`), oldest
+        """The blend audits so far (``blend_audit_rate``; :mod:`blendkv.guards.audit`), oldest
         first. Audits still pending run first: they wait for an idle engine."""
         auditor = getattr(self.engine.kv_connector, "auditor", None)
         if auditor is not None:

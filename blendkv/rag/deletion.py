@@ -35,8 +35,8 @@ class DeletedDocument:
 
 
 def delete_document(store, catalog: DocumentCatalog, doc_id: str) -> DeletedDocument:
-    """Delete ``doc_id`` from ``store`` (a :class:`~blendkv.store.ChunkStore`) and ``catalog``
-    as the module docstring says; a document neither lists nor stores is a no-op."""
+    """Delete ``doc_id`` from ``store`` (a :class:`~blendkv.rag.chunk_store.ChunkStore`) and
+    ``catalog`` as the module docstring says; a document neither lists nor stores is a no-op."""
     kv = store.kv
     source = catalog.get(doc_id).get("source")
     owned = kv.document_chunks(doc_id)

@@ -1,7 +1,7 @@
 """Why did ``ask`` answer that? The assembled prompt with its pieces marked, and full prefill
 run beside the blend on exactly the same prompt tokens.
 
-The prompt is shown piece by piece, as :class:`~blendkv.blend.prompt.PromptBuilder` assembled
+The prompt is shown piece by piece, as :class:`~blendkv.connector.prompt.PromptBuilder` assembled
 it (each piece is tokenised on its own, so decoding a piece gives exactly its text)::
 
     | template | instruction | chunk 1 | ... | chunk k | query | template suffix |

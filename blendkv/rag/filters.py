@@ -7,8 +7,8 @@ it holds a wanted value. A document without the key never matches. A callable ge
 entry (``doc_id``, ``source``, ``metadata``, ``num_chunks``, ``added``) and returns a bool.
 
 The filter selects documents in the catalog; the search then runs among their chunks only
-(:meth:`blendkv.store.ChunkStore.search` with ``ids``), so it returns the ``k`` best matching
-chunks, never fewer while enough match.
+(:meth:`blendkv.rag.chunk_store.ChunkStore.search` with ``ids``), so it returns the ``k`` best
+matching chunks, never fewer while enough match.
 """
 
 from __future__ import annotations

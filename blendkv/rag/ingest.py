@@ -28,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from blendkv.rag.chunking import chunk_token_ids
 from blendkv.rag.consistency import DocumentAction, document_action
 from blendkv.rag.deletion import delete_document
 from blendkv.rag.documents import LoadedInputs, SourceDocument, content_doc_id, load_inputs
 from blendkv.rag.errors import DocumentError, EmptyDocumentError, RAGError
 from blendkv.rag.types import IngestReport
-from blendkv.store import NewChunk, chunk_token_ids
+from blendkv.store import NewChunk
 from blendkv.store.capacity import IngestPlan, plan_ingest
 
 logger = logging.getLogger(__name__)

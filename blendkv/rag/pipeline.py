@@ -27,7 +27,9 @@ from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.rag import deletion
 from blendkv.rag.catalog import open_catalog
 from blendkv.rag.chunk_order import DEFAULT_CHUNK_ORDER, check_chunk_order, order_chunks
+from blendkv.rag.chunk_store import ChunkStore
 from blendkv.rag.consistency import check_documents
+from blendkv.rag.embedding import MiniLMEmbedder
 from blendkv.rag.errors import NoChunksError, RAGError
 from blendkv.rag.filters import DocumentFilter, check_filter
 from blendkv.rag.ingest import DocumentIngester
@@ -36,8 +38,6 @@ from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
 from blendkv.sampling_params import SamplingParams
 from blendkv.store import StoreNotFoundError
 from blendkv.store.capacity import IngestPlan, store_max_bytes_arg
-from blendkv.store.chunk_store import ChunkStore
-from blendkv.store.embedding import MiniLMEmbedder
 from blendkv.store.redis_store import is_redis_url
 from blendkv.text import replace_lone_surrogates
 
@@ -229,7 +229,7 @@ class RAGPipeline:
             return doc_id in self.catalog or bool(self.store.kv.document_chunks(doc_id))
 
     def verify(self):
-        """The store's :meth:`~blendkv.store.ChunkStore.verify` (values, index) plus the
+        """The store's :meth:`~blendkv.rag.chunk_store.ChunkStore.verify` (values, index) plus the
         catalog's agreement with the store (:func:`~blendkv.rag.consistency.check_documents`)."""
         with self._ingest_lock, self._store_lock:
             self._check_open()

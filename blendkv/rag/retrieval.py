@@ -17,7 +17,7 @@ from blendkv.rag.types import RetrievedChunk
 def retrieve_chunks(
     store, catalog: DocumentCatalog, question: str, k: int, filter: DocumentFilter | None = None
 ) -> list[RetrievedChunk]:
-    """The ``k`` chunks of ``store`` (a :class:`~blendkv.store.ChunkStore`) closest to
+    """The ``k`` chunks of ``store`` (a :class:`~blendkv.rag.chunk_store.ChunkStore`) closest to
     ``question``, best first; the caller holds the pipeline's store lock."""
     documents = catalog.documents()
     allowed: set[str] | None = None

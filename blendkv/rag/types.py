@@ -60,7 +60,7 @@ class RetrievedChunk:
 @dataclass
 class RAGAnswer:
     """A generated answer, the chunks it was generated from (in prompt order), the blend stats
-    (:class:`blendkv.blend.request_state.BlendStats`) and the time to first token in seconds.
+    (:class:`blendkv.connector.request_state.BlendStats`) and the time to first token in seconds.
     ``prompt`` is the blended prompt dict it was generated from (:mod:`blendkv.rag.explain`
     shows and replays it)."""
 

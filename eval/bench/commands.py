@@ -12,9 +12,9 @@ import argparse
 import importlib
 from pathlib import Path
 
-from blendkv.blend.config import BlendConnectorConfig
 from blendkv.commands.config_args import add_config_args
 from blendkv.config import EngineConfig
+from blendkv.connector.config import BlendConnectorConfig
 
 
 def register_bench(sub) -> None:

@@ -2,7 +2,7 @@
 
 Wraps the step's pieces for one request with wall-clock timers (each layer's norm, attention
 and MLP; the row plan's selection and correction; final norm, logits, sampling); loading comes
-from the request's :class:`~blendkv.blend.request_state.BlendStats`. Prints the row-weighted and
+from the request's :class:`~blendkv.connector.request_state.BlendStats`. Prints the row-weighted and
 key-weighted compute floors (defined in docs/benchmarks.md): what the recompute would cost at
 full prefill's speed, pricing rows alike or attention by (row, key) pairs. With
 ``prune_last_layer`` both sides count the last layer's extra rows at the Q/K/V share of a row.

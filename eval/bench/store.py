@@ -139,7 +139,7 @@ def bench_lookup(root: Path, num_entries: int, probes: int = 2000) -> dict:
 def bench_faiss(num_vectors: int, queries: int = 200) -> dict:
     import faiss
 
-    from blendkv.store.index import ChunkIndex
+    from blendkv.rag.index import ChunkIndex
 
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((num_vectors, 384)).astype(np.float32)

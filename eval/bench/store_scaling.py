@@ -152,7 +152,7 @@ def _measure(store, fp, shape, real, backend, model, size, fill_s) -> dict:
 def bench_faiss(sizes) -> list[dict]:
     import faiss
 
-    from blendkv.store.index import ChunkIndex
+    from blendkv.rag.index import ChunkIndex
 
     faiss.omp_set_num_threads(1)
     rng = np.random.default_rng(0)

@@ -306,7 +306,7 @@ def decode_rope_load(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    """:func:`rope_load` of an encoded chunk (:class:`blendkv.kernels.kv_decode.EncodedChunk`,
+    """:func:`rope_load` of an encoded chunk (:class:`blendkv.kernels.kv_dequant.EncodedChunk`,
     on the caches' device): decoded in the kernel, in one launch per layer group. Torch
     reference: :func:`decode_rope_load_reference` (the same bits)."""
     num_layers, _, num_new, num_kv_heads, head_dim = chunk.shape

@@ -159,7 +159,7 @@ def test_precomputing_a_chunk_longer_than_the_model_is_a_clear_error(tiny_llama_
 def test_documents_are_tokenized_once(tiny_llama_dir):
     """A document seen again is not re-tokenized (RAG prompts repeat documents); the ids are
     the tokenizer's, and a caller mutating a returned list changes nothing."""
-    from blendkv.blend.prompt import PromptBuilder
+    from blendkv.connector.prompt import PromptBuilder
     from blendkv.models.model_files import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(tiny_llama_dir))

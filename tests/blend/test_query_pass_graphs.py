@@ -113,7 +113,7 @@ def test_each_segment_replays_once_its_layers_are_loaded(tiny_llama_dir, tmp_pat
     its own layers' K/V only, and every layer runs after its wait. Fails if the replay waits
     for every layer first (what a single graph had to do) or skips a wait."""
     from blendkv.blend import query_pass_graphs as qpg
-    from blendkv.blend.layerwise_write import load_stages
+    from blendkv.loading.layer_load import load_stages
 
     log = []
     connector_cls = blend_connector.BlendConnector

@@ -18,9 +18,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
-from blendkv.blend.connector import BlendConnector
 from blendkv.blend.correction import chunk_mean_shift
 from blendkv.blend.selection import query_attention_mass
+from blendkv.connector.blend_connector import BlendConnector
 from blendkv.errors import ConfigError
 from blendkv.eval.methods import MethodError, parse_method
 

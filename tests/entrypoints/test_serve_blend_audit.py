@@ -1,5 +1,5 @@
 """The blend audit in the server: audited requests land in ``/metrics`` histograms, and a mean
-KL above ``blend_audit_warn_kl`` logs a warning (``blendkv.blend.audit``)."""
+KL above ``blend_audit_warn_kl`` logs a warning (``blendkv.guards.audit``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_audits_reach_metrics_and_warn(tmp_path, caplog):
         "temperature": 0,
         "documents": [{"text": d} for d in DOCS],
     }
-    with caplog.at_level(logging.WARNING, logger="blendkv.blend.audit"):
+    with caplog.at_level(logging.WARNING, logger="blendkv.guards.audit"):
         with running_server(app) as url:
             before = scrape(url)
             assert before["blendkv_blend_audit_kl_count"] == 0

@@ -14,7 +14,7 @@ from blendkv.eval.journal import Journal, JournalError
 from blendkv.eval.ordering import order_examples, relevance_ranks
 from blendkv.eval.runner import EvalConfig
 from blendkv.rag.chunk_order import ChunkOrderError
-from blendkv.store.embedding import MiniLMEmbedder
+from blendkv.rag.embedding import MiniLMEmbedder
 
 from .test_eval_resume import SETTINGS
 

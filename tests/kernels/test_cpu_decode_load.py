@@ -9,7 +9,7 @@ import torch
 from codec_cases import encoded_chunk, rotary_tables
 from helpers import needs_cpp_compiler
 
-from blendkv.kernels.kv_decode import cpu_decode_rope_write, load_encoded_reference
+from blendkv.kernels.kv_dequant import cpu_decode_rope_write, load_encoded_reference
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 
 pytestmark = needs_cpp_compiler

@@ -46,7 +46,7 @@ def test_unreadable_tokenizer_file_is_a_typed_error(no_tokenizer_dir):
 def test_embedder_load_prints_no_progress_bar(capfd):
     from transformers.utils import logging as hf_logging
 
-    from blendkv.store.embedding import MiniLMEmbedder
+    from blendkv.rag.embedding import MiniLMEmbedder
 
     assert hf_logging.is_progress_bar_enabled()
     capfd.readouterr()

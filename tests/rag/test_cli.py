@@ -104,8 +104,8 @@ def test_missing_store_exits_2_without_a_model(tmp_path, capsys):
 def test_engine_options_reach_the_engine_config():
     """--num-threads, --no-prune-last-layer and the prefetch options go into every model
     command's engine kwargs; serve's --no-prefix-caching (an alias) turns the prefix cache off."""
-    from blendkv.blend.config import BlendConnectorConfig
     from blendkv.cli import build_parser, engine_kwargs
+    from blendkv.connector.config import BlendConnectorConfig
     from blendkv.engine_args import create_engine_config
 
     for command in (["generate", "hi"], ["ask", "q", "--store", "s"], ["serve"]):

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from blendkv.rag.catalog import DocumentCatalog
+from blendkv.rag.chunk_store import ChunkStore
 from blendkv.rag.consistency import check_documents
 from blendkv.rag.deletion import delete_document
 from blendkv.rag.errors import InvalidFilterError, NoChunksError
 from blendkv.rag.filters import check_filter, document_matches, parse_filter_args
 from blendkv.rag.retrieval import retrieve_chunks
-from blendkv.store import ChunkStore, NewChunk
+from blendkv.store import NewChunk
 from blendkv.store.fingerprint import ModelFingerprint
 
 FP = ModelFingerprint(

@@ -29,7 +29,7 @@ from pathlib import Path
 from blendkv import LLM
 from blendkv.rag import RAGPipeline
 from blendkv.rag.catalog import DocumentCatalog
-from blendkv.store import ChunkStore
+from blendkv.rag.chunk_store import ChunkStore
 
 model, store, docs, where = sys.argv[1:5]
 
@@ -168,7 +168,7 @@ CTRL_C_CHILD = r"""
 import os, signal, sys
 import blendkv.rag.pipeline
 from blendkv.cli import main
-from blendkv.store import ChunkStore
+from blendkv.rag.chunk_store import ChunkStore
 
 # Ctrl-C as in a terminal, even where the tests run as a background job (SIGINT ignored).
 signal.signal(signal.SIGINT, signal.default_int_handler)

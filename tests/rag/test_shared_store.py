@@ -16,7 +16,7 @@ from redis_server import RedisServer
 
 from blendkv import LLM, SamplingParams
 from blendkv.rag import RAGPipeline
-from blendkv.store import MiniLMEmbedder
+from blendkv.rag.embedding import MiniLMEmbedder
 
 DOCS = [
     "The Amber Lighthouse stands on Gull Point and was built in 1871 by Ada Whitcombe.",

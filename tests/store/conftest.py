@@ -7,19 +7,8 @@ import pytest
 
 # The helpers module is also run as a script by subprocess tests; make it importable by name.
 sys.path.insert(0, str(Path(__file__).parent))
-from store_helpers import make_fingerprint  # noqa: E402
 
 from blendkv.store.kv_store import KVStore  # noqa: E402
-
-
-@pytest.fixture
-def fp():
-    return make_fingerprint()
-
-
-@pytest.fixture
-def store_path(tmp_path):
-    return tmp_path / "store"
 
 
 @pytest.fixture

@@ -78,6 +78,6 @@ def _rendered_turns(system: str | None, turns: list[ChatMessage], tokenizer) -> 
 def _render(tokenizer, messages: list[dict]) -> str:
     # As the blended prompt's own template pieces: a template without a system role gets the
     # system text folded into the first user turn.
-    from blendkv.blend.prompt import apply_template
+    from blendkv.connector.prompt import apply_template
 
     return apply_template(tokenizer, messages, tokenize=False, add_generation_prompt=True)

@@ -6,7 +6,7 @@ Three sources:
 * the engine thread, after every step (:meth:`ServerMetrics.on_step`, an ``AsyncLLM`` step
   listener): tokens in/out, TTFT and end-to-end latency, blend counters, and how many requests
   received a token in the step (the continuous batch at work), and the blend audits that
-  landed (first-token KL and top-1 agreement histograms; ``blendkv.blend.audit``);
+  landed (first-token KL and top-1 agreement histograms; ``blendkv.guards.audit``);
 * the engine's published :class:`~blendkv.entrypoints.async_llm.EngineStats`, read at scrape
   time: running/waiting requests, KV blocks used, steps, aborts.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from blendkv.blend.audit import DEFAULT_WARN_KL, AuditWatch
 from blendkv.entrypoints.async_llm import AsyncLLM
+from blendkv.guards.audit import DEFAULT_WARN_KL, AuditWatch
 from blendkv.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)

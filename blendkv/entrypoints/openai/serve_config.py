@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blendkv.blend.audit import DEFAULT_WARN_KL
+from blendkv.guards.audit import DEFAULT_WARN_KL
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ServeConfig:
     max_request_documents, max_document_tokens: per-request limits on chat ``documents``
         (None: 1024 documents, max_model_len tokens; :mod:`.request_limits`).
     blend_audit_warn_kl: with ``blend_audit_rate`` > 0, warn when the mean first-token KL of
-        the recent audits passes it (nats; :mod:`blendkv.blend.audit`).
+        the recent audits passes it (nats; :mod:`blendkv.guards.audit`).
     """
 
     api_key: str | None = None

@@ -240,7 +240,7 @@ def render_chat(served: Served, messages: list[dict]) -> list[int]:
 
 def blend_config(req: ChatCompletionRequest) -> BlendConfig | None:
     """The request's own ``BlendConfig``; None when it set no blend field (the engine's default,
-    which its cost check may run as full prefill: :mod:`blendkv.blend.cost_policy`)."""
+    which its cost check may run as full prefill: :mod:`blendkv.guards.cost_check`)."""
     fields = req.blend.model_dump(exclude_none=True) if req.blend is not None else {}
     if not fields:
         return None

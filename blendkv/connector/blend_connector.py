@@ -1,0 +1,398 @@
+"""Blending as a KV connector: stored chunk K/V in, a fused prefill that repairs it.
+
+Scheduler side: a blended request's prefill runs whole (never chunked) while some chunk token has
+no K/V in its blocks yet, and costs the budget what it computes
+(``BlendRequestState.estimated_cost``); nothing counts as computed in advance, since every row
+runs the layers before the check layer.
+Worker side: before the forward, the chunks are loaded into the request's blocks
+(:mod:`blendkv.loading.chunk_loader`); the forward then follows :class:`BlendRowPlan`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from blendkv.blend.prophet import run_query_pass
+from blendkv.blend.query_pass_graphs import QueryPassGraphs
+from blendkv.blend.row_plan import BlendRowPlan
+from blendkv.blend.stats import BlendStats
+from blendkv.connector.config import blend_connector_config
+from blendkv.connector.manager import BlendManager
+from blendkv.connector.request_state import BlendRequestState
+from blendkv.connector.step_metadata import BlendConnectorMetadata, FusedPrefill
+from blendkv.engine.kv_connector import (
+    ConnectorPrompt,
+    ForwardInputs,
+    KVConnectorBase,
+    KVConnectorContext,
+)
+from blendkv.guards.audit import AUDIT_ID_PREFIX, BlendAuditor
+from blendkv.guards.cost_check import ModelCosts, apply_choice, cost_check_enabled, qkv_share
+from blendkv.guards.start_gate import refused_prompt
+from blendkv.loading.chunk_loader import ChunkLoader
+from blendkv.loading.controller import LoadingController
+from blendkv.loading.device_timer import DeviceStepTimer
+from blendkv.loading.layer_load import (
+    LayerwiseLoad,
+    account_writes,
+    resolve_pipelined,
+    spare_cpu_core,
+)
+from blendkv.loading.prefetch import ChunkPrefetcher
+from blendkv.models.model_files import weights_hash
+
+
+class BlendConnector(KVConnectorBase):
+    def __init__(self, context: KVConnectorContext) -> None:
+        super().__init__(context)
+        self._manager = None
+        self._loader = None
+        self._states: dict[str, BlendRequestState] = {}
+        self._metadata: BlendConnectorMetadata | None = None
+        self._step = []  # this step's SeqBlends
+        self._layer_load = None  # this step's LayerwiseLoad
+        self._row_plan = None
+        self._forward_start = 0.0
+        self.controller = LoadingController()
+        self.config = blend_connector_config(context.config.kv_connector_config)
+        # Layer-wise pipelined loading (pipeline_kv_load: None picks per device); benchmarks
+        # switch it between requests to time both paths on the same engine.
+        self.pipelined = self.config.pipeline_kv_load
+        self._load_stream = None  # CUDA: the side stream of pipelined loads, made once
+        self._prefetcher = None  # reads queued requests' chunks ahead (prefetch_kv)
+        # None picks per device and store; benchmarks switch it between requests.
+        self.prefetch = self.config.prefetch_kv
+        # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
+        self.auditor = BlendAuditor(context.config.blend_audit_rate, context.config.seed)
+        self.blend_refused: str | None = None  # why the start gate refused to blend (start_gate)
+        # Blend or full prefill by predicted cost (cost_policy); benchmarks may switch it.
+        self.cost_check = cost_check_enabled(self.config.blend_cost_check)
+        self._prefill_start: float | None = None
+        # CUDA: the device's time of prefill steps, read later without a sync (device_timer)
+        self._timer = DeviceStepTimer() if context.info.device.startswith("cuda") else None
+        self._prefill_event = self._forward_event = None
+        self._pieces, self._captures = None, 0  # the step's graph runner, its captures at start
+
+    @property
+    def manager(self):
+        """The chunk-KV store and prompt machinery (:class:`BlendManager`), made on first use."""
+        if self._manager is None:
+            ctx, conf = self.context, self.config
+            self._manager = BlendManager(
+                ctx.model,
+                ctx.tokenizer,
+                ctx.attn_backend,
+                architecture=ctx.info.architecture,
+                weights_hash=weights_hash(ctx.resolved),
+                dtype=ctx.info.dtype,
+                store_dir=conf.kv_store_dir,
+                store_max_bytes=conf.kv_store_max_bytes,
+                memory_tier_bytes=conf.kv_store_memory_bytes,
+                kv_codec=conf.kv_codec,
+                request_cache_bytes=conf.request_cache_bytes,
+                anchor_system=conf.anchor_system,
+                anchor_instruction=conf.anchor_instruction,
+                anchor_boundary_tokens=conf.anchor_boundary_tokens,
+            )
+            info = ctx.info
+            # On CUDA, values read from storage land in pinned memory (async copies).
+            self._manager.store.pin_memory = info.device.startswith("cuda")
+            self._loader = ChunkLoader(
+                self._manager,
+                (info.num_layers, info.num_kv_heads, info.head_dim),
+                info.device,
+                self.controller,
+                ctx.model.model.embed_tokens.weight.dtype,
+                device_cache_bytes=conf.kv_device_cache_bytes,
+            )
+            self._loader.layer_windows = [
+                getattr(layer.self_attn, "sliding_window", None) for layer in ctx.model.model.layers
+            ]
+        return self._manager
+
+    @property
+    def prefetcher(self):
+        """The :class:`ChunkPrefetcher` of the manager's current store (None when off)."""
+        store = self.manager.store
+        # LMDB on the CPU is read in place from its memory map: warming the page cache is the
+        # read (mostly waiting on the disk). Elsewhere values are read into memory and held.
+        in_place = self.context.info.device == "cpu" and store.reads_in_place
+        setting = self.prefetch
+        if setting is None:
+            setting = self.context.info.device != "cpu" or in_place or spare_cpu_core()
+        if not setting:
+            return None
+        if self._prefetcher is not None and self._prefetcher.store is not store:
+            self._prefetcher.close()  # the manager switched stores (BlendManager.use_store)
+            self._prefetcher = None
+        if self._prefetcher is None:
+            budget = self.config.prefetch_kv_bytes
+            self._prefetcher = ChunkPrefetcher(store, hold=not in_place, max_bytes=budget)
+        self._loader.prefetcher = self._prefetcher
+        return self._prefetcher
+
+    # ---- requests -----------------------------------------------------------------------
+    def prepare_prompt(self, prompt: dict, options) -> ConnectorPrompt:
+        state = self.manager.prepare(prompt, options)
+        if self.blend_refused:  # the start gate failed: full prefill of the same tokens
+            return refused_prompt(state, self.blend_refused)
+        if options is not None:  # the request's own config: quality is the user's call
+            state.stats.cost_reason = "the request's own BlendConfig: run as given"
+        elif self.cost_check:
+            state = self._choose(state)
+            if state.stats.cost_choice == "full_prefill":
+                return refused_prompt(state, state.stats.cost_reason)
+        return ConnectorPrompt(
+            state.prompt.token_ids,
+            cache_salt=state.salt,
+            kv_transfer_params=state,
+            # Rows before the query may stop being computed after the check layer.
+            min_logits_position=state.prompt.query_start if state.prompt.chunks else 0,
+        )
+
+    def _choose(self, state: BlendRequestState) -> BlendRequestState:
+        """``state`` with the cost check's choice in its stats (and config, when cheaper)."""
+        ctx, info = self.context, self.context.info
+        if self._timer is not None:  # the spans the device has finished since
+            self._timer.collect(self.controller)
+        loader = self._loader
+        nbytes = 2 * info.num_kv_heads * info.head_dim * loader.itemsize
+        model = ModelCosts(info.num_layers, nbytes, qkv_share(ctx.model))
+        overlapped = resolve_pipelined(self.pipelined, loader.device, ctx.attn_backend)
+        return apply_choice(state, self.manager, self.controller, model, overlapped,
+                            loader.device_tier)  # fmt: skip
+
+    def add_request(self, request_id: str, kv_transfer_params) -> None:
+        if isinstance(kv_transfer_params, BlendRequestState):
+            self._states[request_id] = kv_transfer_params
+            if kv_transfer_params.chunk_keys:  # a refused or chunkless prompt is full prefill
+                state = kv_transfer_params
+                self.auditor.choose(request_id, state.prompt.token_ids, state.stats)
+            self.manager.find_missing(kv_transfer_params)  # computed as precompute work
+            prefetcher = self.prefetcher
+            if prefetcher is not None and kv_transfer_params.chunk_keys:
+                prefetcher.submit(request_id, self._to_read(kv_transfer_params.chunk_keys))
+
+    def _to_read(self, keys: list[bytes]) -> list[bytes]:
+        """The keys a prefetch reads: stored (a miss is computed in the step), not waiting in
+        the background writer, nor (when values are held) in the memory tier already."""
+        manager, held = self.manager, self._prefetcher.hold
+        tier, on_device = manager.store.memory_tier, self._loader.device_tier or ()
+        return [k for k in keys if k not in on_device and manager.pending(k) is None
+                and not (held and k in tier) and manager.has(k)]  # fmt: skip
+
+    def request_stats(self, seq) -> BlendStats | None:
+        state = self._states.get(seq.request_id)
+        if state is None:
+            return None
+        stats = state.stats
+        m = seq.metrics
+        if m.first_token_time is not None:
+            stats.ttft = m.first_token_time - m.arrival_time
+        # Also when the prefix cache served every chunk and no fused prefill ran.
+        stats.prefix_cached_tokens = max(stats.prefix_cached_tokens, m.num_cached_tokens)
+        return stats
+
+    def request_finished(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self.auditor.request_finished(request_id)
+        if self._prefetcher is not None:
+            self._prefetcher.release(request_id)
+
+    def close(self) -> None:
+        if self._prefetcher is not None:  # before the store it reads closes
+            self._prefetcher.close()
+            self._prefetcher = None
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = self._loader = None
+
+    # ---- scheduler side -----------------------------------------------------------------
+    def get_precompute_work(self, seq) -> list[tuple[int, int]]:
+        state = self._states.get(seq.request_id)
+        if state is None or not state.missing:
+            return []
+        return state.precompute_work(len(self.manager.anchor_ids))
+
+    def get_background_work(self) -> list[tuple[str, int]]:
+        return self.auditor.background_work()
+
+    def has_background_work(self) -> bool:
+        return self.auditor.has_work()
+
+    def kv_ready(self, seq) -> bool:
+        prefetcher = self._prefetcher
+        return prefetcher is None or prefetcher.ready(seq.request_id)
+
+    def fused_prefill_cost(self, seq, num_computed_tokens: int, num_new_tokens: int):
+        state = self._states.get(seq.request_id)
+        if state is None or not state.needs_fusion(num_computed_tokens):
+            return None
+        return state.estimated_cost(num_new_tokens, self.context.info.num_layers)
+
+    def build_connector_meta(self, scheduler_output) -> BlendConnectorMetadata:
+        meta = BlendConnectorMetadata()
+        for i, (seq, num_new) in enumerate(scheduler_output.scheduled):
+            state = self._states.get(seq.request_id)
+            if state is not None and state.needs_fusion(seq.num_computed_tokens):
+                meta.fused.append(
+                    FusedPrefill(
+                        i, seq.request_id, seq.num_computed_tokens, num_new, tuple(seq.block_table)
+                    )
+                )
+        scheduled = scheduler_output.scheduled
+        if not meta.fused and all(
+            s.num_computed_tokens + n <= s.num_prompt_tokens for s, n in scheduled
+        ):
+            meta.prefill_rows = sum(n for _, n in scheduled)
+        return meta
+
+    # ---- worker side --------------------------------------------------------------------
+    def run_precompute(self, work) -> None:
+        by_request: dict[str, list[int]] = {}
+        for w in work:
+            if w.request_id.startswith(AUDIT_ID_PREFIX):
+                ctx = self.context
+                self.auditor.run(w.request_id, ctx.model, ctx.attn_backend)
+                continue
+            by_request.setdefault(w.request_id, []).append(w.index)
+        for request_id, indices in by_request.items():
+            self.manager.run_precompute(self._states[request_id], indices)
+
+    def start_load_kv(self, inputs: ForwardInputs) -> None:
+        meta = self._metadata
+        self._step = []
+        plain = meta is not None and meta.prefill_rows > 0 and not meta.fused
+        self._prefill_start = time.perf_counter() if plain else None  # full prefill's rate
+        self._prefill_event = self._timer.start() if plain and self._timer else None
+        self._pieces, self._captures = inputs.pieces, getattr(inputs.pieces, "captures", 0)
+        if meta is None or not meta.fused:
+            return
+        self.manager  # noqa: B018  (the store and loader exist from here on)
+        writes = []
+        block_size = inputs.kv_caches[0].shape[2]
+        device = inputs.kv_caches[0].device
+        overlapped = resolve_pipelined(self.pipelined, device, self.context.attn_backend)
+        for f in meta.fused:
+            state = self._states[f.request_id]
+            blend, chunk_writes = self._loader.load(
+                f.index,
+                state,
+                f.num_computed_tokens,
+                f.num_new_tokens,
+                f.block_table,
+                block_size,
+                overlapped,
+            )
+            self._step.append(blend)
+            writes.extend(chunk_writes)
+        ctx = self.context
+        if device.type == "cuda" and self._load_stream is None:
+            import torch
+
+            self._load_stream = torch.cuda.Stream(device=device)
+        self._layer_load = LayerwiseLoad(
+            ctx.attn_backend,
+            inputs.kv_caches,
+            [
+                layer.self_attn.rotary_emb.tables(ctx.info.device)
+                for layer in ctx.model.model.layers
+            ],
+            writes,
+            pipelined=self.pipelined,
+            stream=self._load_stream,
+        )
+        self._layer_load.start()
+
+    def row_plan(self, inputs: ForwardInputs):
+        if not self._step:
+            return None
+        ctx = self.context
+        md, caches = inputs.attn_metadata, inputs.kv_caches
+        self._forward_start = time.perf_counter()
+        self._forward_event = self._timer.start() if self._timer is not None else None
+        # ProphetKV's query pass (a no-op without a prophet request) reads the loaded K/V of
+        # every layer: it waits for each layer's writes like the forward does.
+        run_query_pass(
+            ctx.model,
+            inputs.input_ids,
+            md,
+            caches,
+            self._step,
+            ctx.attn_backend,
+            self,
+            inputs.pieces,
+            inputs.query_graphs,
+        )
+        self._row_plan = BlendRowPlan(
+            md, self._step, ctx.attn_backend, len(caches), qkv_share(ctx.model)
+        )
+        return self._row_plan
+
+    def make_graphs(self, kv_caches, block_size, max_rows):
+        """ProphetKV's query pass whole (:mod:`blendkv.blend.query_pass_graphs`), on a
+        backend whose attention leaves the log-sum-exp the score reads."""
+        ctx = self.context
+        if not ctx.attn_backend.attention_lse or max_rows < 1:
+            return None
+        return QueryPassGraphs(
+            ctx.model, ctx.attn_backend, kv_caches, block_size, ctx.info.max_model_len,
+            min(256, max_rows),
+        )  # fmt: skip
+
+    def needs_layer_hooks(self) -> bool:
+        return self._layer_load is not None
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        if self._layer_load is not None:
+            self._layer_load.wait(layer_idx)
+
+    def wait_for_save(self) -> None:
+        """The forward is done: finish the layer writes, account their time, and feed the
+        loading controller what this step measured."""
+        load = self._layer_load
+        if load is None:
+            self._record_prefill()
+            return
+        forward_seconds = time.perf_counter() - self._forward_start
+        load.finish()
+        account_writes(load, self.controller)
+        if self._row_plan is None or self._captured():
+            return
+        row_layers = self._row_plan.row_layers(self.context.info.num_layers)
+        if self._forward_event is not None:  # CUDA: host time says nothing about compute
+            self._timer.stop(self._forward_event, "blend", row_layers, load.waited)
+        elif load.device.type == "cpu":
+            self.controller.record_compute(row_layers, forward_seconds - load.waited)
+
+    def _record_prefill(self) -> None:
+        """A step of plain prefills only: full prefill's rate (on the CPU: CUDA runs
+        asynchronously, host time says nothing about its compute)."""
+        if self._prefill_start is None or self._captured():
+            return
+        rows = self._metadata.prefill_rows * self.context.info.num_layers
+        if self._prefill_event is not None:  # CUDA: timed by events, read at a later step
+            self._timer.stop(self._prefill_event, "full", rows)
+        elif self.context.info.device == "cpu":
+            self.controller.record_full_compute(rows, time.perf_counter() - self._prefill_start)
+
+    def _captured(self) -> bool:
+        """Whether this step captured CUDA graphs: its time is no rate to learn."""
+        return getattr(self._pieces, "captures", 0) != self._captures
+
+    def clear_connector_metadata(self) -> None:
+        meta = self._metadata
+        super().clear_connector_metadata()
+        if self._layer_load is not None:  # the forward failed: let the writer thread end
+            try:
+                self._layer_load.finish()
+            except Exception:  # noqa: BLE001  (the forward's own error is the one reported)
+                pass
+        if self._loader is not None:  # after the writes: they may read from the snapshot
+            self._loader.end_step()
+        if self._prefetcher is not None and meta is not None:
+            for f in meta.fused:  # loaded: what was held for them may go
+                self._prefetcher.release(f.request_id)
+        self._step = []
+        self._layer_load = None
+        self._row_plan = None

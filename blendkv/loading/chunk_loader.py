@@ -1,0 +1,334 @@
+"""Finding a fused prefill's chunk K/V and handing it to the layer-wise writer.
+
+Per chunk, before the forward: its K/V from the device tier (``kv_device_cache_bytes``: chunks
+kept in device memory, no host-to-device copy), the background writer's pending set, the memory
+tier or the store (the controller picks the tier), or, if missing, computed now and handed to
+the background writer. With a device tier, a raw chunk loaded whole is copied into device
+memory by its writes and kept there once they are done. Sources are used in place (on the CPU,
+LMDB values are zero-copy views through one read snapshot per step). On the CPU, LMDB reads
+are deferred to a thread behind the full layer; a value found evicted or corrupt then is
+computed before the first layer reads it.
+The writes themselves: :mod:`blendkv.loading.layer_load`. Call :meth:`ChunkLoader.end_step`
+once the step's writes are done. Values of an ``int8`` / ``int4`` store are read as stored
+(``get_encoded`` / ``view_encoded``) and stay encoded (:func:`~blendkv.kernels.kv_dequant.as_chunk`)
+until the load kernel decodes them into the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+
+from blendkv.blend.row_plan import SeqBlend
+from blendkv.blend.window_skip import computed_rows, layer_skips
+from blendkv.connector.manager import BlendManager
+from blendkv.connector.request_state import BlendRequestState
+from blendkv.kernels.kv_dequant import EncodedChunk, as_chunk
+from blendkv.loading.controller import LoadingController
+from blendkv.loading.layer_load import ChunkWrite
+from blendkv.store.base import fill_misses
+from blendkv.store.memory_tier import MemoryTier
+
+
+class ChunkLoader:
+    def __init__(
+        self,
+        manager: BlendManager,
+        kv_shape: tuple[int, int, int],
+        device: torch.device | str = "cpu",
+        controller: LoadingController | None = None,
+        dtype: torch.dtype = torch.float32,
+        device_cache_bytes: int = 0,
+    ) -> None:
+        """``kv_shape``: (num_layers, num_kv_heads, head_dim) of a stored chunk; ``dtype``: the
+        model's (the stored K/V's); ``device_cache_bytes``: the device tier's budget (0: none)."""
+        self.manager = manager
+        self.kv_shape = kv_shape
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.device = torch.device(device)
+        self.controller = controller or LoadingController()
+        self._snapshot = None  # this step's LMDB read snapshot (CPU), opened on first use
+        # Benchmarks switch these off to time copying reads (``store.get``) / LMDB reads before
+        # the forward on the same engine.
+        self.zero_copy_reads = True
+        self.defer_reads = True
+        # Reads made while the request was queued (:mod:`blendkv.loading.prefetch`), or None.
+        self.prefetcher = None
+        # Per layer, its sliding window or None (set by the connector): a full-reuse blend does
+        # not load what no window reads (:mod:`blendkv.blend.window_skip`).
+        self.layer_windows: list[int | None] = []
+        # Chunk K/V kept in device memory (kv_device_cache_bytes), or None; this step's
+        # candidates for it: (key, write), kept once the writes are done (end_step).
+        self.device_tier = MemoryTier(device_cache_bytes) if device_cache_bytes else None
+        self._keep: list[tuple[bytes, ChunkWrite]] = []
+
+    def load(
+        self,
+        index: int,
+        state: BlendRequestState,
+        start: int,
+        num_new: int,
+        block_table,
+        block_size: int,
+        overlapped: bool = True,
+    ) -> tuple[SeqBlend, list[ChunkWrite]]:
+        """Find the K/V of the chunks of ``state`` past position ``start`` (the prefix-cache
+        hit) for the blocks of ``block_table``; returns the sequence's part of the step's row
+        state and the writes into its blocks. ``overlapped``: whether the writes will run
+        behind the forward (the loading controller raises an "auto" ratio only then)."""
+        t0 = time.perf_counter()
+        stats = state.stats
+        precompute_before = stats.precompute_seconds
+        errors_before = self.manager.store.connection_errors
+        stats.prefix_cached_tokens = start
+        config = state.config
+        first = config.first_partial_layer
+        spans = state.prompt.chunk_spans
+        todo = [i for i, (_, e) in enumerate(spans) if e > start]
+        computed = state.take_precomputed()  # computed in earlier steps (precompute work)
+        ask = [i for i in todo if i not in computed]
+        missing = [i for i, stored in zip(ask, self._has([state.chunk_keys[i] for i in ask]),
+                                          strict=True) if not stored]  # fmt: skip
+        computed.update(self._compute(state, missing))
+        table = torch.tensor(block_table, dtype=torch.long)
+        reused = torch.zeros(num_new, dtype=torch.bool)
+        writes: list[ChunkWrite] = []
+        layer_bytes: dict[str, int] = {}
+        chunk_ids = torch.full((num_new,), -1, dtype=torch.long)
+        chunk_offsets = torch.full((num_new,), -1, dtype=torch.long)
+        num_layers, kv_heads, head_dim = self.kv_shape
+        skips = self._window_skips(state, todo, start, first)
+        # Last chunk first: a prefetch thread still reading this request's chunks goes from the
+        # first, so the two meet in the middle instead of queueing behind each other.
+        for i in reversed(todo):
+            s, e = spans[i]
+            lo = max(s, start)
+            reused[lo - start : e - start] = True
+            chunk_ids[lo - start : e - start] = i
+            chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
+            # per loaded layer, a prefix its sliding window never reads: reused, not loaded
+            base = min(skips[i], default=0)
+            lo += base
+            stats.window_skipped_tokens += sum(skips[i])
+            if lo == e:
+                continue
+            own = [k - base for k in skips[i]]  # what each layer skips past ``lo``
+            keep = (slice(first, None), slice(None), slice(lo - s, None))  # layers, positions
+            kv, tier, fetch, recover = computed.get(i), "computed", None, None
+            t_fetch = time.perf_counter()
+            if kv is None:
+                found = self._fetch(state.chunk_keys[i], stats)
+                if found is None:  # evicted or corrupt since the lookup: compute it after all
+                    kv = self._compute(state, [i])[i]
+                else:
+                    kv, tier = found
+                    stats.chunks_hit += 1
+                    if callable(kv):  # read later, in the loading thread
+                        view, kv = kv, None
+                        fetch = _deferred_fetch(view, keep)
+                        recover = _recovery(self, state, i, keep, stats)
+            positions = torch.arange(lo, e)
+            if kv is not None:
+                kv = kv[keep]
+            slots = table[positions // block_size] * block_size + positions % block_size
+            write = ChunkWrite(
+                kv,
+                first,
+                positions.to(self.device, non_blocking=True),
+                slots.to(self.device, non_blocking=True),
+                owner=(stats, tier),
+                fetch_seconds=time.perf_counter() - t_fetch,
+                fetch=fetch,
+                recover=recover,
+                layer_skips=own if any(own) else None,
+            )
+            if lo == s and first == 0:  # the whole chunk: the device tier may keep it
+                self._offer(state.chunk_keys[i], write, tier)
+            writes.append(write)
+            token_nbytes = 2 * kv_heads * head_dim * self.itemsize
+            loaded_nbytes = sum(e - lo - k for k in own) * token_nbytes
+            stats.kv_bytes_loaded += loaded_nbytes
+            layer_nbytes = loaded_nbytes // max(1, num_layers - first)  # a mean layer's
+            if tier != "computed" and num_layers > first:
+                layer_bytes[tier] = layer_bytes.get(tier, 0) + layer_nbytes
+        stats.tokens_reused = int(reused.sum())
+        exact = self._exact_rows(state, todo, start, num_new)
+        if config.auto_ratio:
+            ratio = self.controller.choose_ratio(
+                config.min_recompute_ratio,
+                config.max_recompute_ratio,
+                stats.tokens_reused,
+                num_new - stats.tokens_reused,
+                layer_bytes,
+                overlapped,
+            )
+            config = dataclasses.replace(config, recompute_ratio=ratio)
+            stats.chosen_recompute_ratio = ratio
+        stats.store_errors += self.manager.store.connection_errors - errors_before
+        precomputed = stats.precompute_seconds - precompute_before
+        stats.load_seconds += time.perf_counter() - t0 - precomputed
+        gen = torch.Generator().manual_seed(config.seed)
+        blend = SeqBlend(
+            index,
+            reused,
+            config,
+            state.prompt.query_start,
+            stats.tokens_reused,
+            gen,
+            stats,
+            chunk_ids=chunk_ids,
+            chunk_offsets=chunk_offsets,
+            num_chunks=len(spans),
+            exact=exact,
+        )
+        return blend, writes
+
+    def _exact_rows(self, state, todo: list[int], start: int, num_new: int):
+        """bool [num_new]: the rows of chunks whose stored K/V is full prefill's (stored
+        behind exactly the prompt's tokens before them, by a lossless codec), or None."""
+        if self.manager.fingerprint.kv_codec != "none":
+            return None
+        tokens = state.prompt.token_ids
+        contexts = state.chunk_contexts
+        exact = None
+        for i in todo:
+            s, e = state.prompt.chunk_spans[i]
+            context = contexts[i] if contexts else self.manager.anchor_ids
+            if len(context) == s and list(context) == tokens[:s]:
+                if exact is None:
+                    exact = torch.zeros(num_new, dtype=torch.bool)
+                exact[max(s, start) - start : e - start] = True
+        return exact
+
+    def _has(self, keys: list[bytes]) -> list[bool]:
+        """Whether each chunk is on the device, stored or waiting in the writer."""
+        tier = self.device_tier or ()
+        return fill_misses([key in tier for key in keys], keys, self.manager.has_many)
+
+    def _offer(self, key: bytes, write: ChunkWrite, tier: str) -> None:
+        """A whole chunk's write, for the device tier to keep once it is done: computed K/V as
+        it is (on the device, owned), a raw stored value through a device copy its writes
+        fill (read values may be views of a read snapshot, or in host memory)."""
+        dt = self.device_tier
+        kv = write.kv
+        if dt is None or tier == "device" or not isinstance(kv, torch.Tensor):
+            return  # off, already there, a deferred read or an encoded value
+        if kv.numel() * kv.element_size() > dt.max_bytes:
+            return
+        if tier != "computed":
+            write.device_copy = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
+        self._keep.append((key, write))
+
+    def _fetch(
+        self, key: bytes, stats
+    ) -> tuple[torch.Tensor | EncodedChunk | Callable, str] | None:
+        """A stored chunk's K/V (read-only, shared with the memory tier; encoded as stored) and
+        its tier; for an LMDB view read later (``defer_reads``), a function that reads it
+        instead."""
+        if self.device_tier is not None:
+            kv = self.device_tier.get(key)
+            if kv is not None:
+                stats.chunks_on_device += 1
+                return kv, "device"
+        tensor = self.manager.pending(key)
+        if tensor is not None:
+            return tensor, "memory"
+        got = self.prefetcher.take(key) if self.prefetcher is not None else None
+        if got is not None:
+            stats.chunks_prefetched += 1
+            stats.prefetch_seconds += got.seconds
+            if got.kv is not None:  # held: read while the request waited
+                return self._placed(as_chunk(got.kv)), "memory"
+        store = self.manager.store
+        tiers = ["memory", store.tier] if key in store.memory_tier else [store.tier]
+        tier = self.controller.choose_tier(tiers)
+        viewable = self.device.type == "cpu" and store.reads_in_place
+        if self.zero_copy_reads and viewable and tier != "memory":
+            if self._snapshot is None:
+                self._snapshot = store.snapshot()
+            if self._snapshot is not None:
+                if self.defer_reads:
+                    return functools.partial(self._snapshot.view_encoded, key), tier
+                value = self._snapshot.view_encoded(key)
+                return None if value is None else (as_chunk(value), tier)
+        value = store.get_encoded(key, skip_memory_tier=tier != "memory")
+        if value is None:
+            return None
+        return self._placed(as_chunk(value)), tier
+
+    def _placed(self, kv: torch.Tensor | EncodedChunk) -> torch.Tensor | EncodedChunk:
+        """A host tensor where the writes take it from: as it is on the CPU or when pinned (the
+        side stream copies it), else copied to the device now."""
+        if self.device.type == "cpu" or kv.is_pinned():
+            return kv
+        return kv.to(self.device, non_blocking=True)
+
+    def _window_skips(
+        self, state: BlendRequestState, todo: list[int], start: int, first: int
+    ) -> dict[int, list[int]]:
+        """Per chunk of ``todo``, per loaded layer (``first`` on), how many leading tokens (past
+        ``start``) that layer never reads: with a sliding window and no reused row ever
+        recomputed (full reuse; why not otherwise: :mod:`blendkv.blend.window_skip`); else 0."""
+        num_layers = self.kv_shape[0]
+        windows = list(self.layer_windows[first:num_layers])
+        unknown = len(windows) != num_layers - first  # windows not set (or not this model's)
+        if not state.config.full_reuse or unknown or all(w is None for w in windows):
+            return {i: [0] * (num_layers - first) for i in todo}
+        loaded = [(max(state.prompt.chunk_spans[i][0], start), state.prompt.chunk_spans[i][1])
+                  for i in todo]  # fmt: skip
+        seq_len = len(state.prompt.token_ids)
+        rows = computed_rows(loaded, start, seq_len)
+        return dict(zip(todo, layer_skips(loaded, rows, seq_len, windows), strict=True))
+
+    def end_step(self) -> None:
+        """The step's writes are done: the device tier keeps the whole chunks they copied
+        (a write cut short by a failed step is not kept); release the step's read snapshot
+        (views into it die)."""
+        for key, w in self._keep:
+            if w.device_copy is None:
+                self.device_tier.put(key, w.kv)
+            elif w.copied_layers == len(w.kv):
+                self.device_tier.put(key, w.device_copy)
+        self._keep = []
+        if self._snapshot is not None:
+            self._snapshot.close()
+            self._snapshot = None
+
+    def _compute(self, state: BlendRequestState, misses: list[int]) -> dict[int, torch.Tensor]:
+        """Compute the missed chunks (one forward each) and hand them to the background writer."""
+        if not misses:
+            return {}
+        t0 = time.perf_counter()
+        chunks = [state.prompt.chunks[i] for i in misses]
+        contexts = state.chunk_contexts and [state.chunk_contexts[i] for i in misses]
+        kvs = self.manager.compute_kv(chunks, contexts)
+        self.manager.write_back([state.chunk_keys[i] for i in misses], chunks, kvs)
+        state.stats.precompute_seconds += time.perf_counter() - t0
+        state.stats.chunks_missed += len(misses)
+        return dict(zip(misses, kvs, strict=True))
+
+
+def _deferred_fetch(
+    view: Callable, keep: tuple
+) -> Callable[[], torch.Tensor | EncodedChunk | None]:
+    """Reads a chunk viewed later: its kept layers and positions, or None if it is gone."""
+
+    def fetch() -> torch.Tensor | EncodedChunk | None:
+        value = view()
+        return None if value is None else as_chunk(value)[keep]
+
+    return fetch
+
+
+def _recovery(loader: ChunkLoader, state: BlendRequestState, i: int, keep: tuple, stats):
+    """Computes chunk ``i`` when its deferred read finds it evicted or corrupt."""
+
+    def recover() -> torch.Tensor:
+        stats.chunks_hit -= 1
+        return loader._compute(state, [i])[i][keep]
+
+    return recover
