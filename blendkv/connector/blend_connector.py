@@ -65,7 +65,7 @@ class BlendConnector(KVConnectorBase):
         # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
         self.auditor = BlendAuditor(context.config.blend_audit_rate, context.config.seed)
         self.blend_refused: str | None = None  # why the start gate refused to blend (start_gate)
-        # Blend or full prefill by predicted cost (cost_policy); benchmarks may switch it.
+        # Blend or full prefill by predicted cost (cost_check); benchmarks may switch it.
         self.cost_check = cost_check_enabled(self.config.blend_cost_check)
         self._prefill_start: float | None = None
         # CUDA: the device's time of prefill steps, read later without a sync (device_timer)

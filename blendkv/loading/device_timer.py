@@ -1,4 +1,4 @@
-"""Compute time of prefill steps on a CUDA device, for the cost check (``cost_policy``).
+"""Compute time of prefill steps on a CUDA device, for the cost check (``cost_check``).
 
 On CUDA the host only queues the work, so its clock says nothing about a step's compute. A
 :class:`DeviceStepTimer` records an event on the compute stream where the step's forward starts

@@ -341,7 +341,7 @@ class RAGPipeline:
             sources,
             self.blended_prompt(question, sources, system),
             params,
-            blend,  # None: the engine's default, and its cost check (blend.cost_policy)
+            blend,  # None: the engine's default, and its cost check (guards.cost_check)
         )
 
     @staticmethod

@@ -117,7 +117,7 @@ def test_the_budget_bounds_the_tier(tiny_llama_dir, tmp_path):
 def test_a_write_cut_short_is_not_kept(tiny_llama_dir, tmp_path, monkeypatch):
     """A step whose writes failed part-way: the chunk copied whole is kept, the one whose
     write failed is not (the next request would read layers never written)."""
-    from blendkv.blend import layerwise_write
+    from blendkv.loading import layer_load
 
     warm = make_llm(tiny_llama_dir, tmp_path / "store")
     n = len(warm.blend_manager().prepare(PROMPT, BLEND).prompt.token_ids)
@@ -126,7 +126,7 @@ def test_a_write_cut_short_is_not_kept(tiny_llama_dir, tmp_path, monkeypatch):
     llm = make_llm(tiny_llama_dir, tmp_path / "store", 64 << 20, pipelined=False)  # in order
     loader = loader_of(llm)
     loader.zero_copy_reads = False
-    original = layerwise_write.LayerwiseLoad._write
+    original = layer_load.LayerwiseLoad._write
     calls = []
 
     def failing(self, w, layer, count):
@@ -137,11 +137,11 @@ def test_a_write_cut_short_is_not_kept(tiny_llama_dir, tmp_path, monkeypatch):
             raise OSError("device lost")
         original(self, w, layer, count)
 
-    monkeypatch.setattr(layerwise_write.LayerwiseLoad, "_write", failing)
+    monkeypatch.setattr(layer_load.LayerwiseLoad, "_write", failing)
     with pytest.raises(OSError, match="device lost"):
         llm.generate([PROMPT], ONE, blend=BLEND)
     assert len(loader.device_tier) == 1 and loader._keep == []
-    monkeypatch.setattr(layerwise_write.LayerwiseLoad, "_write", original)
+    monkeypatch.setattr(layer_load.LayerwiseLoad, "_write", original)
     got, stats = run(llm, n)
     assert stats.chunks_on_device == 1 and torch.equal(got, want)
     llm.close()

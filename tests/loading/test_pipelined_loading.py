@@ -145,21 +145,21 @@ def test_cuda_load_stages_cover_every_layer_once_in_doubling_steps(num_layers):
 def test_default_pipelines_on_the_cpu_only_with_a_spare_core(monkeypatch):
     """``pipeline_kv_load=None``: the loading thread runs only when torch's threads leave a
     core free; True and False are kept as given; anything else is refused."""
-    from blendkv.blend import layerwise_write
+    from blendkv.loading import layer_load
     from blendkv.connector.config import BlendConnectorConfig
     from blendkv.kernels.torch_attention import TorchAttentionBackend
 
     pool = [torch.zeros(2, 2, 4, 1, 8)]
-    write = layerwise_write.ChunkWrite(
+    write = layer_load.ChunkWrite(
         torch.zeros(1, 2, 3, 1, 8), 0, torch.arange(3), torch.arange(3)
     )
 
     def resolved(setting, threads, cores):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-        monkeypatch.setattr(layerwise_write.os, "sched_getaffinity", lambda pid: set(range(cores)))
+        monkeypatch.setattr(layer_load.os, "sched_getaffinity", lambda pid: set(range(cores)))
         tables = (torch.ones(8, 8), torch.zeros(8, 8))
         backend = TorchAttentionBackend("cpu")
-        return layerwise_write.LayerwiseLoad(backend, pool, tables, [write], setting).pipelined
+        return layer_load.LayerwiseLoad(backend, pool, tables, [write], setting).pipelined
 
     assert resolved(None, threads=2, cores=2) is False
     assert resolved(None, threads=2, cores=4) is True
