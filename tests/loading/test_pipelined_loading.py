@@ -145,14 +145,12 @@ def test_cuda_load_stages_cover_every_layer_once_in_doubling_steps(num_layers):
 def test_default_pipelines_on_the_cpu_only_with_a_spare_core(monkeypatch):
     """``pipeline_kv_load=None``: the loading thread runs only when torch's threads leave a
     core free; True and False are kept as given; anything else is refused."""
-    from blendkv.loading import layer_load
     from blendkv.connector.config import BlendConnectorConfig
     from blendkv.kernels.torch_attention import TorchAttentionBackend
+    from blendkv.loading import layer_load
 
     pool = [torch.zeros(2, 2, 4, 1, 8)]
-    write = layer_load.ChunkWrite(
-        torch.zeros(1, 2, 3, 1, 8), 0, torch.arange(3), torch.arange(3)
-    )
+    write = layer_load.ChunkWrite(torch.zeros(1, 2, 3, 1, 8), 0, torch.arange(3), torch.arange(3))
 
     def resolved(setting, threads, cores):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
