@@ -29,7 +29,7 @@ import torch
 from blendkv import SamplingParams
 from blendkv.blend.config import SELECTIONS, BlendConfig
 from blendkv.errors import BlendKVError, ConfigError
-from blendkv.rag.fidelity import TeacherForced, generate_cold, teacher_forced_logits
+from blendkv.guards.fidelity import TeacherForced, generate_cold, teacher_forced_logits
 
 __all__ = ["Method", "MethodError", "MethodRun", "parse_method", "parse_methods", "run_method"]
 

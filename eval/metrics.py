@@ -8,7 +8,7 @@ words so scores do not depend on the model being evaluated. Rouge-L comes from `
 
 Fidelity metrics compare a method's logits with full prefill's logits for the same prompt
 (and, teacher-forced, along full prefill's answer tokens); they live in
-:mod:`blendkv.rag.fidelity` (``ask --compare-full`` uses them too) and are re-exported here.
+:mod:`blendkv.guards.fidelity` (``ask --compare-full`` uses them too) and are re-exported here.
 All functions are deterministic.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from blendkv.rag.fidelity import (
+from blendkv.guards.fidelity import (
     Fidelity,
     first_token_agreement,
     kl_divergence,

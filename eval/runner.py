@@ -184,7 +184,7 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         if not examples:
             return result
         _warm_up(llm, hf, methods, stores, prompts[0])
-        keys, num_tokens = _store_chunks(stores, prompts[0])
+        keys, num_tokens = _store_chunks(llm, stores, prompts[0])
         result.config["store_bytes_per_token"] = {
             c: stores.bytes_per_token(c, keys, num_tokens) for c in stores.codecs
         }  # (the first example's chunks)
@@ -192,7 +192,7 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         bar = tqdm(list(zip(examples, prompts, strict=True)), desc="eval", disable=not progress)
         variants = config.variants
         for ex, prompt in bar:
-            _store_chunks(stores, prompt)  # untimed: every chunk is a hit in the timed runs
+            _store_chunks(llm, stores, prompt)  # untimed: every chunk is a hit in the timed runs
             runs, rows, cached = _run_example(llm, hf, variants, stores, prompt, params,
                                               config.answer_tokens, reference)  # fmt: skip
             records = _score_example([m for m, _ in variants], ex, prompt, runs, rows, config)
@@ -211,12 +211,11 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         llm.close()
 
 
-def _store_chunks(stores: CodecStores, prompt: ExamplePrompt) -> tuple[list[bytes], int]:
+def _store_chunks(llm, stores: CodecStores, prompt: ExamplePrompt) -> tuple[list[bytes], int]:
     """Stores ``prompt``'s chunks not stored yet, in the engine's store and every codec's
     (each encodes them its way); returns their keys and token count."""
-    manager = stores.manager
-    state = manager.prepare(prompt.blended, None)
-    manager.precompute(state.prompt.chunks, contexts=state.chunk_contexts)
+    state = stores.manager.prepare(prompt.blended, None)
+    llm.precompute_chunks(state.prompt.chunks, contexts=state.chunk_contexts)
     stores.fill(state.chunk_keys)
     return state.chunk_keys, sum(len(c) for c in state.prompt.chunks)
 
@@ -235,7 +234,7 @@ def _warm_up(llm, hf, methods: list[Method], stores: CodecStores, first: Example
     small = {**first.blended, "documents": first.blended["documents"][:1]}
     ids = llm.blend_manager().prepare(small, None).prompt.token_ids
     tiny = ExamplePrompt(small, list(ids), list(ids))
-    _store_chunks(stores, tiny)
+    _store_chunks(llm, stores, tiny)
     for m in methods:
         run_method(llm, hf, m, tiny, SamplingParams(max_tokens=2))
 

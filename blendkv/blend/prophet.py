@@ -6,7 +6,8 @@ cheap. At each layer the attention the query rows (positions from ``query_start`
 position is summed over heads and rows, and over layers. The fused forward then recomputes the
 top-scored reused rows from layer 0 (``selection="prophet"``, :class:`BlendRowPlan`). The pass
 writes the non-reused rows' K/V at every layer; the fused forward computes and overwrites them.
-It runs through the model's one layer loop with :class:`QueryPassRowPlan` as its row plan.
+The model runner runs the pass (:func:`plan_query_pass` says what to run) through the model's one
+layer loop with :class:`QueryPassRowPlan` as its row plan, or replays it from a captured graph.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from blendkv.blend.row_plan import SeqBlend
 from blendkv.kernels.attention import QueryMassRequest, kept_rows
-from blendkv.models.hooks import RowPlan
+from blendkv.models.hooks import QueryPass, QueryPassPlan, QueryPassReplay
 
 
 def needs_query_pass(sb: SeqBlend) -> bool:
@@ -23,7 +24,7 @@ def needs_query_pass(sb: SeqBlend) -> bool:
     return cfg.selection == "prophet" and 0.0 < cfg.recompute_ratio < 1.0 and sb.total_reused > 0
 
 
-class QueryPassRowPlan(RowPlan):
+class QueryPassRowPlan(QueryPassPlan):
     """Keeps every row; at every layer adds the query rows' attention mass to each blended
     sequence's ``query_scores`` (indexed by absolute position).
 
@@ -41,15 +42,20 @@ class QueryPassRowPlan(RowPlan):
     and writes them itself.
     """
 
-    def __init__(self, attn_metadata, blends: list[SeqBlend], attn_backend,
-                 last_layer: int | None = None) -> None:  # fmt: skip
-        md = attn_metadata
+    def __init__(
+        self, attn_metadata, blends: list[SeqBlend], attn_backend, last_layer: int | None = None
+    ) -> None:
+        self.md = attn_metadata
         self.last_layer = last_layer
-        dev = md.positions.device
-        self.rows = torch.arange(md.num_tokens)
+        self.rows = torch.arange(attn_metadata.num_tokens)
         self.backend = attn_backend
         self.blends = blends
         self.in_attention = attn_backend.scores_in_attention
+        self._seqs = []
+
+    def begin(self) -> None:
+        md, blends = self.md, self.blends
+        dev = md.positions.device
         requests = {}
         # (seq blend, its rows, their positions and slots, query rows, their positions, key
         # slots, keys every query row sees)
@@ -122,19 +128,20 @@ class QueryPassRowPlan(RowPlan):
         for sb in self.blends:
             sb.query_scores = sb.query_scores.cpu()
 
+    def take_replayed(self, scores: torch.Tensor) -> None:
+        (sb,) = self.blends  # a replay is one sequence's pass
+        sb.query_scores = scores.cpu()
 
-def run_query_pass(
-    model, input_ids, attn_metadata, kv_caches, blends, attn_backend, hooks=None, pieces=None,
-    graphs=None,
-) -> None:  # fmt: skip
-    """The first stage for every ``prophet`` sequence of the step (no-op without one).
-    ``hooks``: the connector, so each layer waits for its loaded K/V (pipelined loading);
-    ``pieces``: how the forward's dense pieces run (:mod:`blendkv.models.pieces`);
-    ``graphs``: a :class:`~blendkv.blend.query_pass_graphs.QueryPassGraphs` that replays the
-    whole pass where it can (else, or None, the pass runs eagerly)."""
+
+def plan_query_pass(input_ids, attn_metadata, blends, attn_backend, num_layers: int):
+    """The query pass of every ``prophet`` sequence of the step, for the model runner to run
+    (None without one): the rows without reused K/V of those sequences, their metadata and
+    :class:`QueryPassRowPlan`. Counts the pass's work on each sequence (``extra_row_layers``,
+    ``extra_key_row_layers``: its rows at every layer, each attending to its position + 1
+    keys), beside the fused forward's, for the stats, the profile floors and the controller."""
     prophets = [sb for sb in blends if needs_query_pass(sb)]
     if not prophets:
-        return
+        return None
     md = attn_metadata
     starts = md.query_start_loc_cpu
     keep = torch.zeros(md.num_tokens, dtype=torch.bool)
@@ -143,55 +150,34 @@ def run_query_pass(
     sub = md.subset(keep)
     ids = input_ids[kept_rows(keep, input_ids.device)]
     positions_cpu = sub.positions_cpu = sub.host_positions()  # (read back once at most)
-    num_layers = len(kv_caches)
-    if graphs is None or not _replayed(graphs, ids, sub, positions_cpu, prophets, hooks):
-        # Scoring in attention needs the last layer's attention too (its MLP is wasted:
-        # ~1/30th of the pass); scoring in kernels can stop after the last layer's projections.
-        kv_only = not attn_backend.scores_in_attention
-        last_layer = num_layers - 1 if kv_only else None
-        plan = QueryPassRowPlan(sub, prophets, attn_backend, last_layer)
-        model(
-            ids,
-            sub.positions,
-            kv_caches,
-            sub,
-            row_plan=plan,
-            hooks=hooks,
-            kv_only=kv_only,
-            pieces=pieces,
-        )
-        plan.finish()
-    # The pass's work, counted with the fused forward's (stats, profile floors, controller):
-    # its rows at every layer, each attending to (scored over) its position + 1 keys.
+    # Scoring in attention needs the last layer's attention too (its MLP is wasted: ~1/30th of
+    # the pass); scoring in kernels can stop after the last layer's projections.
+    kv_only = not attn_backend.scores_in_attention
+    plan = QueryPassRowPlan(sub, prophets, attn_backend, num_layers - 1 if kv_only else None)
     for sb in prophets:
         lo, hi = sub.query_start_loc_cpu[sb.index], sub.query_start_loc_cpu[sb.index + 1]
         keys = int(positions_cpu[lo:hi].sum()) + hi - lo
         sb.extra_row_layers = float((hi - lo) * num_layers)
         sb.extra_key_row_layers = keys * num_layers
+    return QueryPass(ids, sub, plan, kv_only, _replay(ids, sub, positions_cpu, prophets))
 
 
-def _replayed(graphs, ids, sub, positions_cpu, prophets, hooks) -> bool:
-    """The pass of a step's one ProphetKV sequence from ``graphs``, each segment after its
-    layers' loaded K/V; False where it cannot replay (the caller runs it eagerly)."""
+def _replay(ids, sub, positions_cpu, prophets) -> QueryPassReplay | None:
+    """What a captured pass of the step's one ProphetKV sequence replays from; None where it
+    cannot (more than one such sequence, or no query row)."""
     if len(prophets) != 1:
-        return False
+        return None
     sb = prophets[0]
     lo, hi = sub.query_start_loc_cpu[sb.index], sub.query_start_loc_cpu[sb.index + 1]
     is_query = positions_cpu[lo:hi] >= sb.query_start
-    seq_len = sub.seq_lens_cpu[sb.index]
-    if not bool(is_query.any()) or not graphs.can_run(hi - lo, seq_len):
-        return False
-    first = hi - lo - int(is_query.sum())  # the query rows are the sequence's last
-    scores = graphs.run(
+    if not bool(is_query.any()):
+        return None
+    return QueryPassReplay(
         ids[lo:hi],
         sub.positions[lo:hi],
         sub.slot_mapping[lo:hi],
-        first,
+        hi - lo - int(is_query.sum()),  # the query rows are the sequence's last
         sub.seq_lens[sb.index : sb.index + 1],
         sub.block_table[sb.index],
-        None if hooks is None else hooks.wait_for_layer_load,
+        sub.seq_lens_cpu[sb.index],
     )
-    if scores is None:  # the capture failed: eager from now on
-        return False
-    sb.query_scores = scores[:seq_len].cpu()
-    return True

@@ -4,16 +4,17 @@ Scheduler side: a blended request's prefill runs whole (never chunked) while som
 no K/V in its blocks yet, and costs the budget what it computes
 (``BlendRequestState.estimated_cost``); nothing counts as computed in advance, since every row
 runs the layers before the check layer.
-Worker side: before the forward, the chunks are loaded into the request's blocks
-(:mod:`blendkv.loading.chunk_loader`); the forward then follows :class:`BlendRowPlan`.
+Worker side: the runner hands over the chunks it precomputed (:meth:`save_chunk_kv`); before
+the forward the chunks are loaded into the request's blocks (:mod:`blendkv.loading.chunk_loader`),
+the runner runs ProphetKV's query pass this connector plans (:meth:`query_pass`), and the
+forward follows :class:`BlendRowPlan`. The connector never runs the model.
 """
 
 from __future__ import annotations
 
 import time
 
-from blendkv.blend.prophet import run_query_pass
-from blendkv.blend.query_pass_graphs import QueryPassGraphs
+from blendkv.blend.prophet import plan_query_pass
 from blendkv.blend.row_plan import BlendRowPlan
 from blendkv.blend.stats import BlendStats
 from blendkv.connector.config import blend_connector_config
@@ -26,7 +27,7 @@ from blendkv.engine.kv_connector import (
     KVConnectorBase,
     KVConnectorContext,
 )
-from blendkv.guards.audit import AUDIT_ID_PREFIX, BlendAuditor
+from blendkv.engine.scheduler_output import PrecomputeWork
 from blendkv.guards.cost_check import ModelCosts, apply_choice, cost_check_enabled, qkv_share
 from blendkv.guards.start_gate import refused_prompt
 from blendkv.loading.chunk_loader import ChunkLoader
@@ -43,6 +44,8 @@ from blendkv.models.model_files import weights_hash
 
 
 class BlendConnector(KVConnectorBase):
+    runs_query_passes = True
+
     def __init__(self, context: KVConnectorContext) -> None:
         super().__init__(context)
         self._manager = None
@@ -52,7 +55,7 @@ class BlendConnector(KVConnectorBase):
         self._step = []  # this step's SeqBlends
         self._layer_load = None  # this step's LayerwiseLoad
         self._row_plan = None
-        self._forward_start = 0.0
+        self._forward_start: float | None = None  # this step's blended compute began
         self.controller = LoadingController()
         self.config = blend_connector_config(context.config.kv_connector_config)
         # Layer-wise pipelined loading (pipeline_kv_load: None picks per device); benchmarks
@@ -62,8 +65,6 @@ class BlendConnector(KVConnectorBase):
         self._prefetcher = None  # reads queued requests' chunks ahead (prefetch_kv)
         # None picks per device and store; benchmarks switch it between requests.
         self.prefetch = self.config.prefetch_kv
-        # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
-        self.auditor = BlendAuditor(context.config.blend_audit_rate, context.config.seed)
         self.blend_refused: str | None = None  # why the start gate refused to blend (start_gate)
         # Blend or full prefill by predicted cost (cost_check); benchmarks may switch it.
         self.cost_check = cost_check_enabled(self.config.blend_cost_check)
@@ -71,7 +72,7 @@ class BlendConnector(KVConnectorBase):
         # CUDA: the device's time of prefill steps, read later without a sync (device_timer)
         self._timer = DeviceStepTimer() if context.info.device.startswith("cuda") else None
         self._prefill_event = self._forward_event = None
-        self._pieces, self._captures = None, 0  # the step's graph runner, its captures at start
+        self._graph_captures, self._captures = None, 0  # the step's capture count, at start
 
     @property
     def manager(self):
@@ -81,7 +82,6 @@ class BlendConnector(KVConnectorBase):
             self._manager = BlendManager(
                 ctx.model,
                 ctx.tokenizer,
-                ctx.attn_backend,
                 architecture=ctx.info.architecture,
                 weights_hash=weights_hash(ctx.resolved),
                 dtype=ctx.info.dtype,
@@ -148,6 +148,8 @@ class BlendConnector(KVConnectorBase):
             kv_transfer_params=state,
             # Rows before the query may stop being computed after the check layer.
             min_logits_position=state.prompt.query_start if state.prompt.chunks else 0,
+            approximate=bool(state.chunk_keys),  # a chunkless prompt is full prefill
+            stats=state.stats,
         )
 
     def _choose(self, state: BlendRequestState) -> BlendRequestState:
@@ -165,9 +167,6 @@ class BlendConnector(KVConnectorBase):
     def add_request(self, request_id: str, kv_transfer_params) -> None:
         if isinstance(kv_transfer_params, BlendRequestState):
             self._states[request_id] = kv_transfer_params
-            if kv_transfer_params.chunk_keys:  # a refused or chunkless prompt is full prefill
-                state = kv_transfer_params
-                self.auditor.choose(request_id, state.prompt.token_ids, state.stats)
             self.manager.find_missing(kv_transfer_params)  # computed as precompute work
             prefetcher = self.prefetcher
             if prefetcher is not None and kv_transfer_params.chunk_keys:
@@ -195,7 +194,6 @@ class BlendConnector(KVConnectorBase):
 
     def request_finished(self, request_id: str) -> None:
         self._states.pop(request_id, None)
-        self.auditor.request_finished(request_id)
         if self._prefetcher is not None:
             self._prefetcher.release(request_id)
 
@@ -208,21 +206,22 @@ class BlendConnector(KVConnectorBase):
             self._manager = self._loader = None
 
     # ---- scheduler side -----------------------------------------------------------------
-    def get_precompute_work(self, seq) -> list[tuple[int, int]]:
+    def get_precompute_work(self, seq) -> list[PrecomputeWork]:
         state = self._states.get(seq.request_id)
         if state is None or not state.missing:
             return []
-        return state.precompute_work(len(self.manager.anchor_ids))
-
-    def get_background_work(self) -> list[tuple[str, int]]:
-        return self.auditor.background_work()
-
-    def has_background_work(self) -> bool:
-        return self.auditor.has_work()
+        return state.precompute_work(seq.request_id, self.manager.store_anchor_ids)
 
     def kv_ready(self, seq) -> bool:
         prefetcher = self._prefetcher
         return prefetcher is None or prefetcher.ready(seq.request_id)
+
+    def needs_query_pass(self, seq) -> bool:
+        cfg = self._states[seq.request_id].config
+        if cfg.selection != "prophet":
+            return False
+        # "auto": the loading controller picks the ratio at load; the pass is planned then
+        return cfg.auto_ratio or 0.0 < cfg.recompute_ratio < 1.0
 
     def fused_prefill_cost(self, seq, num_computed_tokens: int, num_new_tokens: int):
         state = self._states.get(seq.request_id)
@@ -248,16 +247,10 @@ class BlendConnector(KVConnectorBase):
         return meta
 
     # ---- worker side --------------------------------------------------------------------
-    def run_precompute(self, work) -> None:
-        by_request: dict[str, list[int]] = {}
-        for w in work:
-            if w.request_id.startswith(AUDIT_ID_PREFIX):
-                ctx = self.context
-                self.auditor.run(w.request_id, ctx.model, ctx.attn_backend)
-                continue
-            by_request.setdefault(w.request_id, []).append(w.index)
-        for request_id, indices in by_request.items():
-            self.manager.run_precompute(self._states[request_id], indices)
+    def save_chunk_kv(self, work: PrecomputeWork, kv, seconds: float) -> None:
+        state = self._states.get(work.request_id)
+        if state is not None:  # (not aborted meanwhile)
+            self.manager.save_precomputed(state, work.index, kv, seconds)
 
     def start_load_kv(self, inputs: ForwardInputs) -> None:
         meta = self._metadata
@@ -265,7 +258,8 @@ class BlendConnector(KVConnectorBase):
         plain = meta is not None and meta.prefill_rows > 0 and not meta.fused
         self._prefill_start = time.perf_counter() if plain else None  # full prefill's rate
         self._prefill_event = self._timer.start() if plain and self._timer else None
-        self._pieces, self._captures = inputs.pieces, getattr(inputs.pieces, "captures", 0)
+        self._graph_captures = inputs.captures_graphs
+        self._captures = inputs.captures_graphs() if inputs.captures_graphs else 0
         if meta is None or not meta.fused:
             return
         self.manager  # noqa: B018  (the store and loader exist from here on)
@@ -283,6 +277,7 @@ class BlendConnector(KVConnectorBase):
                 f.block_table,
                 block_size,
                 overlapped,
+                inputs.precompute,
             )
             self._step.append(blend)
             writes.extend(chunk_writes)
@@ -304,41 +299,40 @@ class BlendConnector(KVConnectorBase):
         )
         self._layer_load.start()
 
+    def query_pass(self, inputs: ForwardInputs):
+        """ProphetKV's query pass of the step's ``prophet`` sequences (None without one): it
+        reads the loaded K/V of every layer, waiting for each layer's writes as the forward
+        does (this connector's hooks)."""
+        if not self._step:
+            return None
+        self._begin_forward()
+        return plan_query_pass(
+            inputs.input_ids,
+            inputs.attn_metadata,
+            self._step,
+            self.context.attn_backend,
+            len(inputs.kv_caches),
+        )
+
     def row_plan(self, inputs: ForwardInputs):
         if not self._step:
             return None
+        if self._forward_start is None:  # no query pass ran: the forward begins here
+            self._begin_forward()
         ctx = self.context
-        md, caches = inputs.attn_metadata, inputs.kv_caches
-        self._forward_start = time.perf_counter()
-        self._forward_event = self._timer.start() if self._timer is not None else None
-        # ProphetKV's query pass (a no-op without a prophet request) reads the loaded K/V of
-        # every layer: it waits for each layer's writes like the forward does.
-        run_query_pass(
-            ctx.model,
-            inputs.input_ids,
-            md,
-            caches,
+        self._row_plan = BlendRowPlan(
+            inputs.attn_metadata,
             self._step,
             ctx.attn_backend,
-            self,
-            inputs.pieces,
-            inputs.query_graphs,
-        )
-        self._row_plan = BlendRowPlan(
-            md, self._step, ctx.attn_backend, len(caches), qkv_share(ctx.model)
+            len(inputs.kv_caches),
+            qkv_share(ctx.model),
         )
         return self._row_plan
 
-    def make_graphs(self, kv_caches, block_size, max_rows):
-        """ProphetKV's query pass whole (:mod:`blendkv.blend.query_pass_graphs`), on a
-        backend whose attention leaves the log-sum-exp the score reads."""
-        ctx = self.context
-        if not ctx.attn_backend.attention_lse or max_rows < 1:
-            return None
-        return QueryPassGraphs(
-            ctx.model, ctx.attn_backend, kv_caches, block_size, ctx.info.max_model_len,
-            min(256, max_rows),
-        )  # fmt: skip
+    def _begin_forward(self) -> None:
+        """The step's blended compute starts (the query pass, if any, then the forward)."""
+        self._forward_start = time.perf_counter()
+        self._forward_event = self._timer.start() if self._timer is not None else None
 
     def needs_layer_hooks(self) -> bool:
         return self._layer_load is not None
@@ -378,7 +372,8 @@ class BlendConnector(KVConnectorBase):
 
     def _captured(self) -> bool:
         """Whether this step captured CUDA graphs: its time is no rate to learn."""
-        return getattr(self._pieces, "captures", 0) != self._captures
+        captures = self._graph_captures
+        return captures is not None and captures() != self._captures
 
     def clear_connector_metadata(self) -> None:
         meta = self._metadata
@@ -396,3 +391,4 @@ class BlendConnector(KVConnectorBase):
         self._step = []
         self._layer_load = None
         self._row_plan = None
+        self._forward_start = None

@@ -1,8 +1,9 @@
-"""Turns blended prompts into request states and owns the chunk K/V (store, writer, precompute).
+"""Turns blended prompts into request states and owns the chunk K/V (store, writer).
 
 One manager per engine. It owns the chunk-KV store (LMDB with a memory tier in front), the
 background writer that stores chunks computed at query time, the prompt builder and the anchor
-every chunk is precomputed behind. The store's fingerprint ties it to this model, dtype,
+every chunk is precomputed behind; the model runner computes chunk K/V, the manager stores it.
+The store's fingerprint ties it to this model, dtype,
 tokenizer, RoPE configuration and anchor. With ``request_cache_bytes`` (the server), chunks
 computed at query time go to a bounded private store read after the main one, never into it
 (:mod:`blendkv.store.layered`); without a store directory, the private store is all there is,
@@ -14,18 +15,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
-import time
 from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from blendkv.blend.config import BlendConfig
-from blendkv.blend.precompute import compute_chunks_kv
 from blendkv.connector.prompt import BlendedPrompt, PromptBuilder
 from blendkv.connector.prompt_input import parse_prompt
 from blendkv.connector.request_state import BlendRequestState
-from blendkv.errors import PromptTooLongError
 from blendkv.layers.rotary import rope_parameters
 from blendkv.store import (
     FingerprintMismatchError,
@@ -61,7 +59,6 @@ class BlendManager:
         self,
         model,
         tokenizer,
-        attn_backend,
         *,
         architecture: str,
         weights_hash: str,
@@ -75,9 +72,7 @@ class BlendManager:
         anchor_boundary_tokens: int = 0,
         kv_codec: str | None = None,
     ) -> None:
-        self.model = model
         self.tokenizer = tokenizer
-        self.attn_backend = attn_backend
         self.builder = PromptBuilder(tokenizer)
         # What chunks computed at query time are prefilled behind (request documents, misses)
         self.anchor_ids = self.builder.anchor(anchor_system, anchor_instruction)
@@ -291,21 +286,6 @@ class BlendManager:
         return b"blend:" + h.digest()
 
     # ---------------------------------------------------------------- chunk K/V
-    def compute_kv(
-        self, chunks: list[list[int]], contexts: list[list[int]] | None = None
-    ) -> list[torch.Tensor]:
-        """Each chunk's K (pre-RoPE) and V, prefilled alone behind its context (default: the
-        store's anchor, as ingest stores it; one forward each), on the model's device."""
-        contexts = contexts or [self.store_anchor_ids] * len(chunks)
-        limit = self.model.model.rotary_emb.max_position
-        for chunk, context in zip(chunks, contexts, strict=True):
-            if len(context) + len(chunk) > limit:
-                raise PromptTooLongError(
-                    f"a chunk of {len(chunk)} tokens behind the {len(context)}-token "
-                    f"anchor exceeds the model's {limit} positions; split it into smaller chunks"
-                )
-        return compute_chunks_kv(self.model, self.attn_backend, contexts, chunks)
-
     def has(self, key: bytes) -> bool:
         """The chunk is stored or waiting in the writer (its value may still turn out corrupt)."""
         return self.writer.pending(key) is not None or key in self.store
@@ -338,58 +318,50 @@ class BlendManager:
             seen.add(key)
         state.missing = missing
 
-    def run_precompute(self, state: BlendRequestState, indices: list[int]) -> None:
-        """Compute the request's missed chunks ``indices`` (one forward each), hand them to the
-        background writer and keep them on ``state`` for its fused prefill. A chunk another
-        request computed meanwhile is left to the prefill's loading (a store hit)."""
-        t0 = time.perf_counter()
-        contexts = state.chunk_contexts
-        for i in indices:
-            key = state.chunk_keys[i]
-            if self.has(key):
-                continue
-            chunk = state.prompt.chunks[i]
-            kv = self.compute_kv([chunk], [contexts[i]] if contexts else None)[0]
-            self.write_back([key], [chunk], [kv])
-            state.precomputed[i] = kv
+    def save_precomputed(
+        self, state: BlendRequestState, index: int, kv: torch.Tensor, seconds: float
+    ) -> None:
+        """The runner computed the request's missing chunk ``index`` (in ``seconds``): hand it
+        to the background writer and keep it on ``state`` for its fused prefill. A chunk
+        another request stored meanwhile is left to the prefill's loading (a store hit)."""
+        key = state.chunk_keys[index]
+        if not self.has(key):
+            self.write_back([key], [state.prompt.chunks[index]], [kv])
+            state.precomputed[index] = kv
             state.stats.chunks_missed += 1
-        done = set(indices)
-        state.missing = [i for i in state.missing if i not in done]
-        state.stats.precompute_seconds += time.perf_counter() - t0
+        state.missing = [i for i in state.missing if i != index]
+        state.stats.precompute_seconds += seconds
 
-    def precompute(
-        self, chunks: list[list[int]], texts=None, doc_id=None, progress=None, contexts=None
-    ) -> list:
-        """Ingest: compute and store the K/V of chunks not stored yet (synchronously, in
-        batches of one forward each), each behind its context (default: the store's anchor,
-        :attr:`store_anchor_ids`). Returns a
-        PutResult per chunk (None: already stored)."""
+    def missing_chunks(
+        self, chunks: list[list[int]], contexts: list[list[int]] | None = None
+    ) -> tuple[list[bytes], list[int]]:
+        """Ingest: each chunk's key behind its context (default: the store's anchor,
+        :attr:`store_anchor_ids`), and the indices of those not in the document store yet."""
         self.flush()
         contexts = contexts or [self.store_anchor_ids] * len(chunks)
         keys = [self.chunk_key(c, ctx) for c, ctx in zip(chunks, contexts, strict=True)]
-        results: list = [None] * len(chunks)
-        todo = [i for i, key in enumerate(keys) if key not in self.document_store]
-        if progress is not None and len(todo) < len(chunks):
-            progress(len(chunks) - len(todo))
-        for start in range(0, len(todo), _PRECOMPUTE_BATCH):
-            batch = todo[start : start + _PRECOMPUTE_BATCH]
-            kvs = self.compute_kv([chunks[i] for i in batch], [contexts[i] for i in batch])
-            new = [
-                NewChunk(
-                    keys[i],
-                    kv.cpu(),
-                    text=texts[i] if texts is not None else self.tokenizer.decode(chunks[i]),
-                    token_ids=tuple(chunks[i]),
-                    doc_id=doc_id,
-                    position=i,
-                )
-                for i, kv in zip(batch, kvs, strict=True)
-            ]
-            for i, result in zip(batch, self.document_store.put_many(new), strict=True):
-                results[i] = result
-            if progress is not None:
-                progress(len(batch))
-        return results
+        return keys, [i for i, key in enumerate(keys) if key not in self.document_store]
 
-
-_PRECOMPUTE_BATCH = 8  # chunks per store transaction at ingest
+    def store_chunks(
+        self,
+        keys: list[bytes],
+        chunks: list[list[int]],
+        kvs,
+        texts: list[str] | None = None,
+        doc_id: str | None = None,
+        positions: list[int] | None = None,
+    ) -> list:
+        """Ingest: put computed chunks into the document store in one transaction; a PutResult
+        per chunk (``positions``: each one's place in its document; default 0, 1, ...)."""
+        new = [
+            NewChunk(
+                key,
+                kv.cpu(),
+                text=texts[i] if texts is not None else self.tokenizer.decode(chunk),
+                token_ids=tuple(chunk),
+                doc_id=doc_id,
+                position=positions[i] if positions is not None else i,
+            )
+            for i, (key, chunk, kv) in enumerate(zip(keys, chunks, kvs, strict=True))
+        ]
+        return self.document_store.put_many(new)

@@ -8,6 +8,7 @@ from typing import Any
 from blendkv.blend.config import BlendConfig
 from blendkv.blend.stats import BlendStats
 from blendkv.connector.prompt import BlendedPrompt
+from blendkv.engine.scheduler_output import PrecomputeWork
 
 
 @dataclass
@@ -22,17 +23,19 @@ class BlendRequestState:
     # What each chunk is precomputed behind (BlendManager.chunk_contexts); None: the anchor.
     chunk_contexts: list[list[int]] | None = None
     # Chunks whose K/V was not stored when the request came and is not computed yet, by index:
-    # the scheduler runs them as precompute work (BlendManager.run_precompute) before admission.
+    # the scheduler has the runner compute them (precompute work) before admission.
     missing: list[int] = field(default_factory=list)
     # Chunks computed by that work, index -> K/V, until the fused prefill uses them.
     precomputed: dict[int, Any] = field(default_factory=dict)
 
-    def precompute_work(self, anchor_len: int) -> list[tuple[int, int]]:
-        """(chunk index, tokens its forward runs: context + chunk) of each missing chunk."""
+    def precompute_work(self, request_id: str, anchor_ids: list[int]) -> list[PrecomputeWork]:
+        """The forward of each missing chunk: behind its context (None: ``anchor_ids``)."""
         contexts = self.chunk_contexts
         chunks = self.prompt.chunks
         return [
-            (i, (len(contexts[i]) if contexts else anchor_len) + len(chunks[i]))
+            PrecomputeWork(
+                request_id, i, tuple(contexts[i] if contexts else anchor_ids), tuple(chunks[i])
+            )
             for i in self.missing
         ]
 

@@ -34,6 +34,8 @@ class PreparedRequest:
     kv_transfer_params: Any = None  # the KV connector's payload for a dict prompt
     cache_salt: bytes = b""
     logits_from: int | None = None
+    approximate: bool = False  # its K/V is not exactly full prefill's (the audit may sample it)
+    stats: Any = None  # the connector's stats object its outputs carry (an audit joins it)
 
 
 class InputProcessor:
@@ -148,4 +150,6 @@ class InputProcessor:
             kv_transfer_params=connector_prompt and connector_prompt.kv_transfer_params,
             cache_salt=connector_prompt.cache_salt if connector_prompt is not None else b"",
             logits_from=logits_from,
+            approximate=connector_prompt is not None and connector_prompt.approximate,
+            stats=connector_prompt and connector_prompt.stats,
         )

@@ -1,20 +1,23 @@
-"""The KV connector: how an engine extension brings K/V from outside (and saves it).
+"""The KV connector: how stored K/V reaches the engine (and how new K/V is saved).
 
 Shaped like vLLM v1's ``KVConnectorBase_V1``: one object with a scheduler side and a worker side.
-The engine sees only this interface; blending (``blendkv.connector.blend_connector``) is one
-implementation, a test's dict-backed connector another. Configured with
-``EngineConfig(kv_connector=...)``.
+It finds, prefetches, loads and saves K/V and decides what a request needs; it never runs the
+model: every forward (the batch, chunk precompute, a query pass, an audit) is the model
+runner's. The engine sees only this interface; blending
+(:class:`blendkv.connector.blend_connector.BlendConnector`) is one implementation, a test's
+dict-backed connector another. Configured with ``EngineConfig(kv_connector=...)``.
 
     request in ──prepare_prompt / add_request──▶ connector keeps per-request state
-    scheduler ──get_precompute_work────────▶ side work first (document chunks), as prefill
+    scheduler ──get_precompute_work────────▶ chunks whose K/V must be computed first
               ──kv_ready───────────────────▶ False: its K/V is still being read (it may wait)
               ──get_num_new_matched_tokens──▶ tokens whose K/V comes from outside (skipped)
               ──fused_prefill_cost─────────▶ prefills that must run whole, and their cost
               ──update_state_after_alloc───▶ blocks are allocated: remember what to load
+              ──needs_query_pass───────────▶ the fused prefill runs a query pass first
               ──build_connector_meta───────▶ KVConnectorMetadata, carried on SchedulerOutput
-    runner    ──run_precompute (the step's side work, before the batch)
+    runner    ──(precompute forwards) save_chunk_kv(work, kv)
     runner    ──bind_connector_metadata, start_load_kv (K/V into the request's blocks)
-              ──row_plan──────────────────▶ rows each layer computes (None = all)
+              ──query_pass ─▶ (the runner runs it) ──row_plan (rows each layer computes)
     forward   ──wait_for_layer_load(l) / save_kv_layer(l)   (LayerHooks, per layer)
     runner    ──wait_for_save, clear_connector_metadata
     engine    ──request_stats (into RequestOutput.blend_stats), request_finished
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +43,7 @@ if TYPE_CHECKING:
     from blendkv.engine.scheduler_output import PrecomputeWork, SchedulerOutput
     from blendkv.engine.sequence import Sequence
     from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
-    from blendkv.models.hooks import RowPlan
-    from blendkv.models.pieces import Pieces
+    from blendkv.models.hooks import QueryPass, RowPlan
 
 
 class KVConnectorMetadata:
@@ -69,23 +72,32 @@ class ConnectorPrompt:
     cache_salt: bytes = b""
     kv_transfer_params: Any = None
     min_logits_position: int = 0
+    # Its K/V is not exactly full prefill's (reused K/V): the engine's audit may sample it.
+    approximate: bool = False
+    # The stats object the request's outputs carry (``request_stats``), or None.
+    stats: Any = None
 
 
 @dataclass
 class ForwardInputs:
-    """The step's tensors, as the worker side sees them."""
+    """The step's tensors, as the worker side sees them. ``precompute``: the runner's chunk
+    precompute (``(contexts, chunks) -> K/V``), for a chunk the connector finds evicted or
+    corrupt between the step's lookup and its load (the runner runs the forward)."""
 
     input_ids: torch.Tensor
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
-    pieces: Pieces | None = None  # how the forward runs its dense pieces (None: eagerly)
-    # the connector's own graphs (KVConnectorBase.make_graphs; None: its passes run eagerly)
-    query_graphs: Any = None
+    precompute: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None
+    # whether this step captures CUDA graphs (its time is no rate to learn)
+    captures_graphs: Callable[[], bool] | None = None
 
 
 class KVConnectorBase(LayerHooks, ABC):
     """Base class. Every method has a do-nothing default (dict prompts are refused), so the
     base class itself is the engine's connector when ``EngineConfig.kv_connector`` is None."""
+
+    # Whether this connector asks for query passes (the engine then sets up their graphs).
+    runs_query_passes: bool = False
 
     def __init__(self, context: KVConnectorContext) -> None:
         self.context = context
@@ -113,21 +125,13 @@ class KVConnectorBase(LayerHooks, ABC):
         """Flush what is pending and release resources (the engine is shutting down)."""
 
     # ---- scheduler side -----------------------------------------------------------------
-    def get_precompute_work(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Work the connector must run before ``seq`` can be admitted, not yet done: (item
-        index, token cost) pairs, each one forward (a document chunk whose K/V is not stored).
-        The scheduler spreads them over steps under its token budget and holds ``seq``
-        (no blocks) until this is empty. Pure ints; called again after every step."""
+    def get_precompute_work(self, seq: Sequence) -> list[PrecomputeWork]:
+        """Chunks whose K/V must be computed before ``seq`` can be admitted, not yet done: one
+        forward each, run by the model runner, which hands the result to
+        :meth:`save_chunk_kv`. The scheduler spreads them over steps under its token budget
+        and holds ``seq`` (no blocks) until this is empty. Pure Python; called again after
+        every step."""
         return []
-
-    def get_background_work(self) -> list[tuple[str, int]]:
-        """Low-priority work (a blend audit's full prefill): (work id, token cost) pairs the
-        scheduler hands out as precompute items only in a step where no request waits or
-        runs; run by :meth:`run_precompute`."""
-        return []
-
-    def has_background_work(self) -> bool:
-        return False
 
     def kv_ready(self, seq: Sequence) -> bool:
         """False while the connector is still reading a waiting request's K/V ahead of its
@@ -150,6 +154,11 @@ class KVConnectorBase(LayerHooks, ABC):
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
         """Blocks for ``seq`` are allocated; ``num_external_tokens`` of them are to be loaded."""
 
+    def needs_query_pass(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s fused prefill (just admitted) runs a query pass first (see
+        :meth:`query_pass`); the scheduler lists it in ``SchedulerOutput.query_passes``."""
+        return False
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The worker side's instructions for this step (called once, after scheduling)."""
         return KVConnectorMetadata()
@@ -161,21 +170,22 @@ class KVConnectorBase(LayerHooks, ABC):
     def clear_connector_metadata(self) -> None:
         self._metadata = None
 
-    def run_precompute(self, work: list[PrecomputeWork]) -> None:
-        """Run the step's precompute items (from :meth:`get_precompute_work`), before the
-        batch's forward; a finished item is no longer returned by ``get_precompute_work``."""
+    def save_chunk_kv(self, work: PrecomputeWork, kv: torch.Tensor, seconds: float) -> None:
+        """The runner computed ``work``'s chunk: ``kv`` [num_layers, 2, T, kv_heads, head_dim]
+        (K before RoPE, V), in ``seconds``. Store it; ``work`` is then done."""
 
     def start_load_kv(self, inputs: ForwardInputs) -> None:
         """Start bringing this step's external K/V into the blocks (before the forward)."""
 
-    def row_plan(self, inputs: ForwardInputs) -> RowPlan | None:
-        """Rows each layer computes this step; None = every row at every layer."""
+    def query_pass(self, inputs: ForwardInputs) -> QueryPass | None:
+        """The pass the runner runs before this step's forward (for the requests in
+        ``SchedulerOutput.query_passes``), or None. The runner runs it through the model's
+        layer loop (or a captured graph) with this connector's layer hooks."""
         return None
 
-    def make_graphs(self, kv_caches: list, block_size: int, max_rows: int) -> Any:
-        """Captured graphs of passes of the connector's own (ProphetKV's query pass), handed
-        back by every step as ``ForwardInputs.query_graphs``; the engine asks on CUDA with
-        graphs on. None (here): it has none."""
+    def row_plan(self, inputs: ForwardInputs) -> RowPlan | None:
+        """Rows each layer computes this step (after the query pass, if any); None = every row
+        at every layer."""
         return None
 
     def needs_layer_hooks(self) -> bool:
@@ -190,6 +200,19 @@ class KVConnectorBase(LayerHooks, ABC):
 
     def wait_for_save(self) -> None:
         """Block until this step's saves are handed off (the forward is done)."""
+
+
+def load_stages(num_layers: int) -> list[tuple[int, int]]:
+    """Layer ranges a connector's loads complete together on CUDA: 1, 2, 4, 8, ... layers. Each
+    stage's copy is about as long as the compute of all the layers before it, so loading stays
+    ahead of the forward, while a request costs ~log2(layers) launches per chunk, not one per
+    layer (per-layer launches cost more host time than the copies they hid). A captured query
+    pass is cut at the same layers (:mod:`blendkv.engine.query_pass_graphs`)."""
+    stages, lo, size = [], 0, 1
+    while lo < num_layers:
+        stages.append((lo, min(lo + size, num_layers)))
+        lo, size = lo + size, 2 * size
+    return stages
 
 
 def create_kv_connector(spec: Any, context: KVConnectorContext) -> KVConnectorBase:

@@ -38,6 +38,7 @@ from blendkv.engine.scheduler import Scheduler
 from blendkv.engine.sequence import Sequence, SequenceStatus
 from blendkv.engine.structured_output import StructuredOutputs
 from blendkv.errors import ConfigError, InvalidRequestError
+from blendkv.guards.audit import Auditor
 from blendkv.kernels.attention import KVCacheSpec
 from blendkv.kernels.backends import get_attention_backend
 from blendkv.layers.batch_invariant import enable_batch_invariance
@@ -101,12 +102,15 @@ class LLMEngine:
             config.enable_prefix_caching,
             place_in_runs=self.attn_backend.prefers_block_runs,
         )
+        # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
+        self.auditor = Auditor(config.blend_audit_rate, config.seed)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             connector=self.kv_connector,
+            auditor=self.auditor,
         )
         info = self.info
         spec = KVCacheSpec(
@@ -139,10 +143,10 @@ class LLMEngine:
         if graphs and config.max_graph_rows:  # (no attention inside: any backend)
             # each piece is captured at its first use of a size
             self.runner.piece_graphs = PiecewiseGraphs(self.device, config.max_graph_rows)
-            # the connector's passes (ProphetKV's query pass), each captured at first use
-            self.runner.query_graphs = self.kv_connector.make_graphs(
-                self.runner.kv_caches, config.block_size, config.max_graph_rows
-            )
+            if self.kv_connector.runs_query_passes:  # (ProphetKV's first stage)
+                self.runner.query_graphs = self.runner.make_query_graphs(
+                    self.info.max_model_len, config.max_graph_rows
+                )
         self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
         self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
         self._ids = itertools.count()
@@ -216,9 +220,10 @@ class LLMEngine:
         first = states[0].seq
         first.logits_from = req.logits_from
         self.kv_connector.add_request(request_id, req.kv_transfer_params)
-        auditor = getattr(self.kv_connector, "auditor", None)
-        if auditor is not None and params.n == 1:  # n > 1 is never audited
-            first.logits_from = auditor.wants_logits(request_id, req.logits_from)
+        if req.approximate:
+            self.auditor.choose(request_id, req.prompt_token_ids, req.stats)
+            if params.n == 1:  # n > 1 is never audited
+                first.logits_from = self.auditor.wants_logits(request_id, req.logits_from)
         first.pending_children = [state.seq for state in states[1:]]
         if params.n > 1:
             self.parents[request_id] = ParentRequest(request_id, states)
@@ -254,6 +259,7 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         self.runner.release(request_id)
         self.kv_connector.request_finished(request_id)
+        self.auditor.request_finished(request_id)
         if state is not None and seq is not None:
             state.finish_reason = "abort"
         return seq is not None
@@ -268,6 +274,7 @@ class LLMEngine:
             self.runner.release(seq.request_id)
             state.finish_reason = "abort"
         self.kv_connector.request_finished(parent.request_id)
+        self.auditor.request_finished(parent.request_id)
         return bool(running)
 
     def has_unfinished_requests(self) -> bool:
@@ -279,14 +286,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._last_step_num_scheduled = len(out.scheduled)
         self.runner.run_precompute(out)
+        for audit in out.audits:
+            self.auditor.record(audit.request_id, self.runner.full_prefill_logits(audit))
         if not out.scheduled:
             self.scheduler.update_from_output(out)
             return []
         result = self.runner.execute(out)
         sampled_seqs, sampled = result.sampled_seqs, result.sampled
-        auditor = getattr(self.kv_connector, "auditor", None)
         for request_id, logits in result.logits.items():
-            if auditor is not None and auditor.take_logits(request_id, logits):
+            if self.auditor.take_logits(request_id, logits):
                 continue  # asked for the blend audit only (blendkv.guards.audit)
             self.requests[request_id].add_prompt_logits(logits)
         self.scheduler.update_from_output(out)
@@ -316,18 +324,19 @@ class LLMEngine:
             outputs.append(state.make_output(self.kv_connector.request_stats(seq)))
             if seq.is_finished:
                 self.kv_connector.request_finished(seq.request_id)
+                self.auditor.request_finished(seq.request_id)
         for parent in parents.values():
             first = parent.states[0].seq
             outputs.append(parent.make_output(self.kv_connector.request_stats(first)))
             if parent.finished:
                 del self.parents[parent.request_id]
                 self.kv_connector.request_finished(parent.request_id)
+                self.auditor.request_finished(parent.request_id)
         return outputs
 
     def blend_audit_records(self) -> list:
         """The blend audits landed so far, oldest first (:mod:`blendkv.guards.audit`)."""
-        auditor = getattr(self.kv_connector, "auditor", None)
-        return list(auditor.records) if auditor is not None else []
+        return list(self.auditor.records)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

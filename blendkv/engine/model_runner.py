@@ -1,5 +1,14 @@
 """Turns a :class:`SchedulerOutput` into tensors, runs the model, samples. Makes no decisions.
 
+The runner runs every forward pass of the engine, each through the model's one layer loop:
+
+- the step's batch (prefills, decodes, fused prefills), then sampling;
+- chunk precompute: a document chunk prefilled alone behind its context, its K/V handed to the
+  KV connector to store (``SchedulerOutput.precompute``, and ingest);
+- a query pass before a fused prefill (``SchedulerOutput.query_passes``), with the row plan the
+  connector gives it, eagerly or replayed from a captured graph;
+- an audit's full prefill (``SchedulerOutput.audits``): the last prompt row's logits.
+
 The paged KV pool (one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``)
 is allocated, written and read by the attention backend; a KV connector, if any, loads external
 K/V into it before the forward and gives the forward its row plan and layer hooks.
@@ -7,6 +16,7 @@ K/V into it before the forward and gives the forward its row plan and layer hook
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,14 +24,15 @@ import torch
 
 from blendkv.engine.kv_connector import ForwardInputs
 from blendkv.engine.penalties import TokenCounts
+from blendkv.errors import PromptTooLongError
 from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
 from blendkv.kernels.uploads import upload_list
-from blendkv.models.hooks import output_row_order
+from blendkv.models.hooks import LayerHooks, QueryPass, output_row_order
 
 if TYPE_CHECKING:
     from blendkv.engine.kv_connector import KVConnectorBase
     from blendkv.engine.sampler import Sampler
-    from blendkv.engine.scheduler_output import SchedulerOutput
+    from blendkv.engine.scheduler_output import AuditWork, SchedulerOutput
     from blendkv.engine.sequence import Sequence
 
 
@@ -91,7 +102,7 @@ class ModelRunner:
         # steps (blendkv.engine.piecewise_graphs): set up by the engine on CUDA.
         self.decode_graphs = None
         self.piece_graphs = None
-        self.query_graphs = None  # the connector's (KVConnectorBase.make_graphs)
+        self.query_graphs = None  # query passes replayed whole (engine.query_pass_graphs)
         # Grammar matchers for structured outputs (StructuredOutputs), set up by the engine.
         self.structured_outputs = None
 
@@ -131,16 +142,68 @@ class ModelRunner:
         ids = upload_list(input_ids, torch.long, self.device)
         return ModelInputs(ids, md, sample_indices, sample_seqs, logits_rows)
 
-    # -------------------------------------------------------------- execute
+    # ------------------------------------------------------------ precompute
     @torch.inference_mode()
     def run_precompute(self, out: SchedulerOutput) -> None:
-        """The step's connector side work (document chunks), before the batch's forward."""
-        if out.precompute:
-            self.connector.run_precompute(out.precompute)
+        """The step's chunk precompute, before the batch: each chunk's K/V to the connector."""
+        for work in out.precompute:
+            t0 = time.perf_counter()
+            kv = self.compute_chunk_kv([list(work.context_ids)], [list(work.chunk_ids)])[0]
+            self.connector.save_chunk_kv(work, kv, time.perf_counter() - t0)
 
     @torch.inference_mode()
+    def compute_chunk_kv(
+        self, contexts: list[list[int]], chunks: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """K (before RoPE) and V of each chunk prefilled alone at the positions after its
+        context (``contexts[i]``: the anchor's ids, or the anchor and the previous chunk's last
+        ids): ``[num_layers, 2, len(chunk), kv_heads, head_dim]`` each, on the model's device.
+
+        One forward per chunk, on purpose: stored K/V is addressed by content, so its bits must
+        not depend on which chunks were computed beside it (a batched forward changes the
+        GEMMs' row count, and with it their rounding). No KV pool (dense metadata); the last
+        layer stops after its projections (``kv_only``): its attention and MLP are never used.
+        """
+        limit = self.model.model.rotary_emb.max_position
+        spec, device = self.spec, self.device
+        outs = []
+        for context, chunk in zip(contexts, chunks, strict=True):
+            assert chunk, "empty chunks are rejected before precompute"
+            if len(context) + len(chunk) > limit:
+                raise PromptTooLongError(
+                    f"a chunk of {len(chunk)} tokens behind the {len(context)}-token anchor "
+                    f"exceeds the model's {limit} positions; split it into smaller chunks"
+                )
+            ids = list(context) + list(chunk)
+            out = torch.empty(
+                (spec.num_layers, 2, len(chunk), spec.num_kv_heads, spec.head_dim),
+                dtype=spec.dtype,
+                device=device,
+            )
+            md = self.attn_backend.dense_metadata([len(ids)])
+            input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+            saver = _ChunkKVSaver(out, len(context))
+            self.model(input_ids, md.positions, None, md, hooks=saver, kv_only=True)
+            outs.append(out)
+        return outs
+
+    # ----------------------------------------------------------------- audit
+    @torch.inference_mode()
+    def full_prefill_logits(self, work: AuditWork) -> torch.Tensor:
+        """Logits ``[vocab]`` (float32, CPU) of an audited prompt's last row under plain full
+        prefill: one forward without the KV pool (dense metadata), as chunk precompute runs."""
+        token_ids = list(work.token_ids)
+        md = self.attn_backend.dense_metadata([len(token_ids)])
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        last = torch.tensor([len(token_ids) - 1], dtype=torch.long, device=self.device)
+        hidden = self.model(ids, md.positions, None, md, output_rows=last)
+        return self.model.compute_logits(hidden[-1:])[0].float().cpu()
+
+    # -------------------------------------------------------------- execute
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step: external K/V in, forward (one layer loop), logits, sampling."""
+        """Run one step: external K/V in, a query pass if asked, forward (one layer loop),
+        logits, sampling."""
         self.attn_backend.copy_blocks(self.kv_caches, out.blocks_to_copy)
         inputs = self.prepare_inputs(out)
         md = inputs.attn_metadata
@@ -148,9 +211,13 @@ class ModelRunner:
         conn.bind_connector_metadata(out.kv_connector_metadata)
         try:
             fwd = ForwardInputs(
-                inputs.input_ids, md, self.kv_caches, self.piece_graphs, self.query_graphs
+                inputs.input_ids, md, self.kv_caches, self.compute_chunk_kv, self._graph_captures
             )
             conn.start_load_kv(fwd)
+            if out.query_passes:
+                query_pass = conn.query_pass(fwd)
+                if query_pass is not None:
+                    self._run_query_pass(query_pass)
             plan = conn.row_plan(fwd)
             outputs = inputs.output_rows() if self.prune_last_layer else None
             if plan is None and self._use_graphs(md):
@@ -185,6 +252,60 @@ class ModelRunner:
         sample_logits = self.model.compute_logits(hidden[remap(inputs.sample_indices)])
         sampled = self.sample(sample_logits, inputs.sample_seqs)
         return StepResult(inputs.sample_seqs, sampled, logits)
+
+    def _run_query_pass(self, query_pass: QueryPass) -> None:
+        """A query pass over the loaded K/V: replayed from a captured graph where it can (each
+        segment after its layers' loads), else through the layer loop, each layer after its
+        loaded K/V (the connector's hooks)."""
+        graphs, replay, plan = self.query_graphs, query_pass.replay, query_pass.row_plan
+        if graphs is not None and replay is not None:
+            if graphs.can_run(len(replay.input_ids), replay.seq_len):
+                scores = graphs.run(
+                    replay.input_ids,
+                    replay.positions,
+                    replay.slot_mapping,
+                    replay.first_query_row,
+                    replay.seq_lens,
+                    replay.block_table,
+                    self.connector.wait_for_layer_load,
+                )
+                if scores is not None:  # None: the capture failed, eager from now on
+                    plan.take_replayed(scores[: replay.seq_len])
+                    return
+        md = query_pass.attn_metadata
+        plan.begin()
+        self.model(
+            query_pass.input_ids,
+            md.positions,
+            self.kv_caches,
+            md,
+            row_plan=plan,
+            hooks=self.connector,
+            kv_only=query_pass.kv_only,
+            pieces=self.piece_graphs,
+        )
+        plan.finish()
+
+    def make_query_graphs(self, max_model_len: int, max_rows: int):
+        """Query passes replayed whole (:class:`QueryPassGraphs`, each padded size captured at
+        its first use), on a backend whose attention leaves the log-sum-exp the scores read;
+        None elsewhere."""
+        from blendkv.engine.query_pass_graphs import QueryPassGraphs
+
+        if not self.attn_backend.attention_lse or max_rows < 1:
+            return None
+        return QueryPassGraphs(
+            self.model,
+            self.attn_backend,
+            self.kv_caches,
+            self.block_size,
+            max_model_len,
+            min(256, max_rows),
+        )
+
+    def _graph_captures(self) -> int:
+        """CUDA graphs captured so far by this runner's dense pieces."""
+        return getattr(self.piece_graphs, "captures", 0)
 
     def _use_graphs(self, md: AttentionMetadata) -> bool:
         # Graph replay runs no Python, so no per-layer connector hooks either.
@@ -230,3 +351,15 @@ class ModelRunner:
 
 def _identity(idx: list[int]) -> list[int]:
     return idx
+
+
+class _ChunkKVSaver(LayerHooks):
+    """Copies the chunk rows' fresh K (before RoPE) and V of every layer into one tensor."""
+
+    def __init__(self, out: torch.Tensor, first_row: int) -> None:
+        self.out = out
+        self.first_row = first_row
+
+    def save_kv_layer(self, layer_idx, k, v, kv_cache, attn_metadata) -> None:
+        self.out[layer_idx, 0] = k[self.first_row :]
+        self.out[layer_idx, 1] = v[self.first_row :]

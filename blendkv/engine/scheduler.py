@@ -19,8 +19,11 @@ Every step it fills one token budget (``max_num_batched_tokens``) with, in order
    prefills. Such a request is ``PRECOMPUTING`` (in :attr:`Scheduler.precomputing`, holding no
    blocks) until its last item ran, then it joins the waiting queue. Spread over steps this
    way, a request with many new documents never stalls the decodes and prefills of others;
-4. the connector's background work (``get_background_work``: a blend audit's full prefill),
-   only in a step where no request runs, waits or precomputes.
+4. an audit's full prefill (``blendkv.guards.audit``), only in a step where no request runs,
+   waits or precomputes.
+
+A fused prefill whose connector wants a query pass first (``needs_query_pass``: ProphetKV's
+first stage) is listed in ``SchedulerOutput.query_passes``; the runner runs both.
 
 A request with ``n > 1`` samples is one sequence until its prompt is computed: in the step that
 computes the prompt's last token, its other samples (``Sequence.pending_children``) are forked
@@ -38,11 +41,12 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from blendkv.engine.block_manager import BlockManager
-from blendkv.engine.scheduler_output import PrecomputeWork, SchedulerOutput
+from blendkv.engine.scheduler_output import SchedulerOutput
 from blendkv.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from blendkv.engine.kv_connector import KVConnectorBase
+    from blendkv.guards.audit import Auditor
 
 
 class Scheduler:
@@ -53,9 +57,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         connector: KVConnectorBase | None = None,
+        auditor: Auditor | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.connector = connector
+        self.auditor = auditor
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -92,7 +98,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         if self.waiting or self.running or self.precomputing:
             return True
-        return self.connector is not None and self.connector.has_background_work()
+        return self.auditor is not None and self.auditor.has_work()
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -102,9 +108,11 @@ class Scheduler:
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
         self._schedule_precompute(out, budget)
-        if self.connector is not None and not (self.running or self.waiting or self.precomputing):
-            for work_id, cost in self.connector.get_background_work():
-                out.precompute.append(PrecomputeWork(work_id, -1, cost))
+        idle = not (self.running or self.waiting or self.precomputing)
+        if idle and self.auditor is not None:
+            audit = self.auditor.next_work()
+            if audit is not None:
+                out.audits.append(audit)
         self._fork(out)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         if self.connector is not None:
@@ -164,12 +172,13 @@ class Scheduler:
             return
         prefills = any(n > 1 for _, n in out.scheduled)
         for seq in self.precomputing:
-            for index, cost in self.connector.get_precompute_work(seq):
+            for work in self.connector.get_precompute_work(seq):
+                cost = work.num_tokens
                 if cost > budget:
                     oversized = cost > self.max_num_batched_tokens
                     if not (oversized and not prefills and not out.precompute):
                         return
-                out.precompute.append(PrecomputeWork(seq.request_id, index, cost))
+                out.precompute.append(work)
                 budget -= cost
                 if budget <= 0:
                     return
@@ -212,6 +221,8 @@ class Scheduler:
             seq.metrics.num_cached_tokens = num_cached
         if conn is not None:
             conn.update_state_after_alloc(seq, num_external)
+            if fused_cost is not None and conn.needs_query_pass(seq):
+                out.query_passes.append(seq.request_id)
         self.running.append(seq)
         out.scheduled.append((seq, num_new))
         return budget - min(cost, budget)

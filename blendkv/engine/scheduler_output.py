@@ -16,14 +16,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class SchedulerOutput:
-    """The contract between scheduler and model runner for one step.
+    """The contract between scheduler and model runner for one step: what the runner runs.
 
-    ``scheduled`` lists (sequence, num_scheduled_tokens) in batch order; a sequence's tokens
-    this step are positions ``[num_computed_tokens, num_computed_tokens + n)``. ``forked`` maps
-    a scheduled sequence's request id to the sequences forked from it this step (``n > 1``):
-    they run no tokens, and each samples its first token from the same logits row.
-    ``precompute`` lists the KV connector's side work this step (a request's document chunks,
-    one forward each, run before the batch; see :class:`PrecomputeWork`).
+    Four kinds of work, each run by the model runner:
+
+    - ``scheduled``: (sequence, num_scheduled_tokens) in batch order, one flattened forward; a
+      sequence's tokens this step are positions
+      ``[num_computed_tokens, num_computed_tokens + n)``. ``forked`` maps a scheduled
+      sequence's request id to the sequences forked from it this step (``n > 1``): they run no
+      tokens, and each samples its first token from the same logits row.
+    - ``query_passes``: request ids among ``scheduled`` whose fused prefill first runs a query
+      pass (ProphetKV's first stage: the rows without reused K/V over the loaded K/V, to score
+      which reused rows the forward recomputes).
+    - ``precompute``: document chunks whose K/V a waiting request needs (see
+      :class:`PrecomputeWork`), one forward each, before the batch.
+    - ``audits``: full prefills of audited requests (see :class:`AuditWork`), only in an
+      otherwise idle step.
     """
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -31,7 +39,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     forked: dict[str, list[Sequence]] = field(default_factory=dict)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    query_passes: list[str] = field(default_factory=list)
     precompute: list[PrecomputeWork] = field(default_factory=list)
+    audits: list[AuditWork] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -43,14 +53,33 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.precompute
+        return not self.scheduled and not self.precompute and not self.audits
 
 
 @dataclass(frozen=True)
 class PrecomputeWork:
-    """One unit of a request's precompute: the connector's item ``index`` (a document chunk)
-    of request ``request_id``, costing ``num_tokens`` of the step's token budget."""
+    """One document chunk of request ``request_id`` whose K/V is not stored: the connector's
+    chunk ``index``. The runner prefills ``context_ids + chunk_ids`` (one forward, no KV
+    pool) and hands the chunk rows' K/V to the connector, which stores it."""
 
     request_id: str
     index: int
-    num_tokens: int
+    context_ids: tuple[int, ...]
+    chunk_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.context_ids) + len(self.chunk_ids)
+
+
+@dataclass(frozen=True)
+class AuditWork:
+    """Full prefill of an audited request's prompt (``blendkv.guards.audit``): the runner
+    computes the last prompt row's logits, one forward without the KV pool."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)

@@ -24,6 +24,8 @@ from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
 from blendkv.text import replace_lone_surrogates
 
+PRECOMPUTE_BATCH = 8  # chunks per store transaction (LLM.precompute_chunks)
+
 Prompt = Any  # str | list[int] | dict (blended prompt, see blendkv.blend)
 Message = dict[str, str]
 
@@ -85,6 +87,46 @@ class LLM:
                 f"this LLM's kv_connector is {self.config.kv_connector!r}, not 'blend'"
             )
         return conn.manager
+
+    def precompute_chunks(
+        self,
+        chunks: list[list[int]],
+        *,
+        contexts: list[list[int]] | None = None,
+        texts: list[str] | None = None,
+        doc_id: str | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> list:
+        """Compute and store the K/V of the chunks (token id lists) the blend connector's
+        document store lacks: each prefilled alone behind its context (default: the store's
+        anchor, as ingest stores it), ``PRECOMPUTE_BATCH`` chunks per store transaction.
+        Returns a ``PutResult`` per chunk (None: already stored); ``progress(n)`` counts the
+        chunks done."""
+        manager = self.blend_manager()
+        keys, todo = manager.missing_chunks(chunks, contexts)
+        contexts = contexts or [manager.store_anchor_ids] * len(chunks)
+        results: list = [None] * len(chunks)
+        if progress is not None and len(todo) < len(chunks):
+            progress(len(chunks) - len(todo))
+        for start in range(0, len(todo), PRECOMPUTE_BATCH):
+            batch = todo[start : start + PRECOMPUTE_BATCH]
+            with self.exclusive():  # the model is the engine's: not during a step
+                kvs = self.engine.runner.compute_chunk_kv(
+                    [contexts[i] for i in batch], [chunks[i] for i in batch]
+                )
+            put = manager.store_chunks(
+                [keys[i] for i in batch],
+                [chunks[i] for i in batch],
+                kvs,
+                texts=None if texts is None else [texts[i] for i in batch],
+                doc_id=doc_id,
+                positions=batch,
+            )
+            for i, result in zip(batch, put, strict=True):
+                results[i] = result
+            if progress is not None:
+                progress(len(batch))
+        return results
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -187,9 +229,8 @@ class LLM:
     def blend_audit_records(self) -> list:
         """The blend audits so far (``blend_audit_rate``; :mod:`blendkv.guards.audit`), oldest
         first. Audits still pending run first: they wait for an idle engine."""
-        auditor = getattr(self.engine.kv_connector, "auditor", None)
-        if auditor is not None:
-            self._wait_for(lambda: not auditor.has_work())
+        auditor = self.engine.auditor
+        self._wait_for(lambda: not auditor.has_work())
         return self.engine.blend_audit_records()
 
     # -------------------------------------------------------------- helpers

@@ -1,14 +1,16 @@
 """The blend audit: a sampled fraction of blended requests also runs full prefill, off the
-critical path, to watch fusion quality in production (issue 41, item 4b).
+critical path, to watch fusion quality in production. An engine-level policy: the engine owns
+the :class:`Auditor`, the scheduler hands out its work, the model runner runs it.
 
-``EngineConfig.blend_audit_rate`` picks blended requests with a seeded draw (deterministic for a
+``EngineConfig.blend_audit_rate`` picks requests whose K/V is not exactly full prefill's (the
+KV connector says so: ``ConnectorPrompt.approximate``) with a seeded draw (deterministic for a
 seed and an arrival order). An audited request's last prompt row logits (its first token's
 distribution) are kept when its fused prefill samples; its answer is untouched. When the request
-is finished (or aborted after its first token), the audit joins the blend connector's background
-work: the scheduler hands it out only in a step where nothing else waits or runs (no running,
-waiting or precomputing request), as one dense forward of the prompt (no KV pool, like chunk
-precompute). KL(full || blend) and top-1 agreement of the two distributions become an
-:class:`AuditRecord`, readable from ``engine.blend_audit_records()`` /
+is finished (or aborted after its first token), its audit is ready: the scheduler hands it out
+(``SchedulerOutput.audits``) only in a step where nothing else waits or runs (no running,
+waiting or precomputing request), and the runner runs it as one dense forward of the prompt (no
+KV pool, like chunk precompute). KL(full || blend) and top-1 agreement of the two distributions
+become an :class:`AuditRecord`, readable from ``engine.blend_audit_records()`` /
 ``LLM.blend_audit_records()`` and ``/metrics`` histograms.
 
 Pending audits are bounded (``MAX_PENDING``): under a load that never idles the oldest are
@@ -21,19 +23,23 @@ import logging
 import random
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from blendkv.engine.scheduler_output import AuditWork
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
-    "AUDIT_ID_PREFIX",
     "DEFAULT_WARN_KL",
     "MAX_PENDING",
     "AuditRecord",
     "AuditWatch",
-    "BlendAuditor",
+    "Auditor",
 ]
 
 logger = logging.getLogger(__name__)
 
-AUDIT_ID_PREFIX = "blendkv-audit:"
 MAX_PENDING = 64  # audits waiting for an idle step; older ones are dropped beyond it
 MAX_RECORDS = 1024  # records kept for readers (the oldest go first)
 # `blendkv serve --blend-audit-warn-kl`: mean first-token KL(full || blend), nats, over the last
@@ -63,11 +69,13 @@ class _Audit:
     done: bool = False  # the request finished: the audit may run
 
 
-class BlendAuditor:
-    """Chooses audited requests, keeps their blend logits, runs the full prefill and records.
+class Auditor:
+    """Chooses audited requests, keeps their blend logits, hands out their full prefills and
+    records the comparison. Pure Python but for the logits it is handed.
 
-    Lives in the blend connector; the engine asks it which requests need their last prompt row's
-    logits (:meth:`wants_logits`) and hands them over (:meth:`take_logits`)."""
+    The engine owns it: it asks which requests need their last prompt row's logits
+    (:meth:`wants_logits`), hands them over (:meth:`take_logits`), and the full prefill's
+    (:meth:`record`); the scheduler takes ready audits (:meth:`next_work`)."""
 
     def __init__(self, rate: float, seed: int) -> None:
         assert 0.0 <= rate <= 1.0
@@ -77,6 +85,7 @@ class BlendAuditor:
         self._hidden: set[str] = set()  # requests whose prompt logits the user did not ask
         self.records: deque[AuditRecord] = deque(maxlen=MAX_RECORDS)
         self._new: list[AuditRecord] = []  # not yet taken by take_new_records
+        self._running: dict[str, _Audit] = {}  # handed out by next_work, not yet recorded
         self.num_dropped = 0
 
     # ---- requests -----------------------------------------------------------------------
@@ -126,33 +135,31 @@ class BlendAuditor:
             del self._audits[old.request_id]
             self.num_dropped += 1
 
-    # ---- background work ----------------------------------------------------------------
-    def background_work(self) -> list[tuple[str, int]]:
-        """(work id, token cost) of the oldest audit ready to run, or nothing."""
+    # ---- work ---------------------------------------------------------------------------
+    def next_work(self) -> AuditWork | None:
+        """The oldest audit ready to run (its full prefill), or None; taken: the engine records
+        it (:meth:`record`) once the runner ran it."""
         for audit in self._audits.values():
             if audit.done:
-                return [(AUDIT_ID_PREFIX + audit.request_id, len(audit.token_ids))]
-        return []
+                del self._audits[audit.request_id]
+                self._running[audit.request_id] = audit
+                return AuditWork(audit.request_id, tuple(audit.token_ids))
+        return None
 
     def has_work(self) -> bool:
         return any(a.done for a in self._audits.values())
 
-    def run(self, work_id: str, model, attn_backend) -> AuditRecord:
-        """Full prefill of the audited prompt (one dense forward) and the comparison."""
-        import torch
+    def record(self, request_id: str, full_logits: torch.Tensor) -> AuditRecord:
+        """Compare the full prefill's last-row logits ``[V]`` with the blend's and keep it."""
+        from blendkv.guards.fidelity import kl_divergence
 
-        from blendkv.rag.fidelity import kl_divergence
-
-        assert work_id.startswith(AUDIT_ID_PREFIX)
-        audit = self._audits.pop(work_id[len(AUDIT_ID_PREFIX) :])
-        with torch.inference_mode():
-            full = full_prefill_last_logits(model, attn_backend, audit.token_ids)
+        audit = self._running.pop(request_id)
         blend = audit.blend_logits
         record = AuditRecord(
             request_id=audit.request_id,
-            kl=float(kl_divergence(full, blend)),
-            top1_agree=int(full.argmax()) == int(blend.argmax()),
-            full_top1=int(full.argmax()),
+            kl=float(kl_divergence(full_logits, blend)),
+            top1_agree=int(full_logits.argmax()) == int(blend.argmax()),
+            full_top1=int(full_logits.argmax()),
             blend_top1=int(blend.argmax()),
             num_prompt_tokens=len(audit.token_ids),
         )
@@ -171,19 +178,6 @@ class BlendAuditor:
         """Mean KL of the last ``n`` records, None without any."""
         recent = list(self.records)[-n:]
         return sum(r.kl for r in recent) / len(recent) if recent else None
-
-
-def full_prefill_last_logits(model, attn_backend, token_ids: list[int]):
-    """Logits ``[V]`` (float32, CPU) of the last prompt row under plain full prefill: one
-    forward without the KV pool (dense metadata), as chunk precompute runs."""
-    import torch
-
-    device = attn_backend.device
-    md = attn_backend.dense_metadata([len(token_ids)])
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    last = torch.tensor([len(token_ids) - 1], dtype=torch.long, device=device)
-    hidden = model(ids, md.positions, None, md, output_rows=last)
-    return model.compute_logits(hidden[-1:])[0].float().cpu()
 
 
 class AuditWatch:

@@ -90,7 +90,7 @@ def run_start_gate(engine) -> GateResult | None:
     Returns None when the engine's connector is not the blend connector."""
     from blendkv.blend.config import BlendConfig
     from blendkv.entrypoints.warmup import _fresh_block_pool
-    from blendkv.rag.fidelity import kl_divergence
+    from blendkv.guards.fidelity import kl_divergence
     from blendkv.sampling_params import SamplingParams
 
     conn = engine.kv_connector

@@ -2,9 +2,10 @@
 
 Per chunk, before the forward: its K/V from the device tier (``kv_device_cache_bytes``: chunks
 kept in device memory, no host-to-device copy), the background writer's pending set, the memory
-tier or the store (the controller picks the tier), or, if missing, computed now and handed to
-the background writer. With a device tier, a raw chunk loaded whole is copied into device
-memory by its writes and kept there once they are done. Sources are used in place (on the CPU,
+tier or the store (the controller picks the tier), or, if missing, computed now by the model
+runner (``ForwardInputs.precompute``) and handed to the background writer. With a device
+tier, a raw chunk loaded whole is copied into device memory by its writes and kept there once
+they are done. Sources are used in place (on the CPU,
 LMDB values are zero-copy views through one read snapshot per step). On the CPU, LMDB reads
 are deferred to a thread behind the full layer; a value found evicted or corrupt then is
 computed before the first layer reads it.
@@ -32,6 +33,9 @@ from blendkv.loading.controller import LoadingController
 from blendkv.loading.layer_load import ChunkWrite
 from blendkv.store.base import fill_misses
 from blendkv.store.memory_tier import MemoryTier
+
+# The runner's chunk precompute: (contexts, chunks) -> each chunk's K/V.
+Precompute = Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]]
 
 
 class ChunkLoader:
@@ -75,11 +79,14 @@ class ChunkLoader:
         block_table,
         block_size: int,
         overlapped: bool = True,
+        precompute: Precompute | None = None,
     ) -> tuple[SeqBlend, list[ChunkWrite]]:
         """Find the K/V of the chunks of ``state`` past position ``start`` (the prefix-cache
         hit) for the blocks of ``block_table``; returns the sequence's part of the step's row
         state and the writes into its blocks. ``overlapped``: whether the writes will run
-        behind the forward (the loading controller raises an "auto" ratio only then)."""
+        behind the forward (the loading controller raises an "auto" ratio only then).
+        ``precompute``: the runner's chunk precompute, for a chunk found missing now (evicted or
+        corrupt since the request's lookup)."""
         t0 = time.perf_counter()
         stats = state.stats
         precompute_before = stats.precompute_seconds
@@ -93,7 +100,7 @@ class ChunkLoader:
         ask = [i for i in todo if i not in computed]
         missing = [i for i, stored in zip(ask, self._has([state.chunk_keys[i] for i in ask]),
                                           strict=True) if not stored]  # fmt: skip
-        computed.update(self._compute(state, missing))
+        computed.update(self._compute(state, missing, precompute))
         table = torch.tensor(block_table, dtype=torch.long)
         reused = torch.zeros(num_new, dtype=torch.bool)
         writes: list[ChunkWrite] = []
@@ -123,14 +130,14 @@ class ChunkLoader:
             if kv is None:
                 found = self._fetch(state.chunk_keys[i], stats)
                 if found is None:  # evicted or corrupt since the lookup: compute it after all
-                    kv = self._compute(state, [i])[i]
+                    kv = self._compute(state, [i], precompute)[i]
                 else:
                     kv, tier = found
                     stats.chunks_hit += 1
                     if callable(kv):  # read later, in the loading thread
                         view, kv = kv, None
                         fetch = _deferred_fetch(view, keep)
-                        recover = _recovery(self, state, i, keep, stats)
+                        recover = _recovery(self, state, i, keep, stats, precompute)
             positions = torch.arange(lo, e)
             if kv is not None:
                 kv = kv[keep]
@@ -298,14 +305,19 @@ class ChunkLoader:
             self._snapshot.close()
             self._snapshot = None
 
-    def _compute(self, state: BlendRequestState, misses: list[int]) -> dict[int, torch.Tensor]:
-        """Compute the missed chunks (one forward each) and hand them to the background writer."""
+    def _compute(
+        self, state: BlendRequestState, misses: list[int], precompute: Precompute | None
+    ) -> dict[int, torch.Tensor]:
+        """Have the runner compute the missed chunks (one forward each) and hand them to the
+        background writer."""
         if not misses:
             return {}
+        assert precompute is not None, "a chunk is missing at load: the runner must compute it"
         t0 = time.perf_counter()
         chunks = [state.prompt.chunks[i] for i in misses]
-        contexts = state.chunk_contexts and [state.chunk_contexts[i] for i in misses]
-        kvs = self.manager.compute_kv(chunks, contexts)
+        contexts = state.chunk_contexts
+        contexts = [contexts[i] if contexts else self.manager.store_anchor_ids for i in misses]
+        kvs = precompute(contexts, chunks)
         self.manager.write_back([state.chunk_keys[i] for i in misses], chunks, kvs)
         state.stats.precompute_seconds += time.perf_counter() - t0
         state.stats.chunks_missed += len(misses)
@@ -324,11 +336,18 @@ def _deferred_fetch(
     return fetch
 
 
-def _recovery(loader: ChunkLoader, state: BlendRequestState, i: int, keep: tuple, stats):
+def _recovery(
+    loader: ChunkLoader,
+    state: BlendRequestState,
+    i: int,
+    keep: tuple,
+    stats,
+    precompute: Precompute | None,
+):
     """Computes chunk ``i`` when its deferred read finds it evicted or corrupt."""
 
     def recover() -> torch.Tensor:
         stats.chunks_hit -= 1
-        return loader._compute(state, [i])[i][keep]
+        return loader._compute(state, [i], precompute)[i][keep]
 
     return recover

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blendkv.engine.kv_connector import load_stages
 from blendkv.kernels.kv_dequant import EncodedChunk, is_encoded
 from blendkv.loading.controller import LoadingController
 
@@ -48,18 +49,6 @@ def resolve_pipelined(setting: bool | None, device: torch.device, backend) -> bo
     if setting is None:
         setting = spare_cpu_core()
     return setting and backend.thread_safe
-
-
-def load_stages(num_layers: int) -> list[tuple[int, int]]:
-    """Layer ranges loaded together on CUDA: 1, 2, 4, 8, ... layers. Each stage's copy is about
-    as long as the compute of all the layers before it, so loading stays ahead of the forward,
-    while a request costs ~log2(layers) launches per chunk, not one per layer (per-layer
-    launches cost more host time than the copies they hid)."""
-    stages, lo, size = [], 0, 1
-    while lo < num_layers:
-        stages.append((lo, min(lo + size, num_layers)))
-        lo, size = lo + size, 2 * size
-    return stages
 
 
 def _timing_event(stream):

@@ -107,6 +107,53 @@ class RowPlan(ABC):
         K/V into the pool and read it. Default: nothing."""
 
 
+@dataclass(frozen=True)
+class QueryPassReplay:
+    """One sequence's query pass as a captured graph replays it (``QueryPassGraphs.run``): its
+    rows' ids, positions and slots, where its query rows start, its ``seq_lens`` [1] and block
+    table on the device, and its key count."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    first_query_row: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    seq_len: int
+
+
+@dataclass
+class QueryPass:
+    """A pass of a few rows run before a fused forward, over the K/V already in the pool: the
+    model runner runs ``input_ids`` at ``attn_metadata`` through the layer loop following
+    ``row_plan`` (which scores keys as it goes), or replays it from a captured graph
+    (``replay``, None when it cannot). ``kv_only``: the last layer stops after its
+    projections."""
+
+    input_ids: torch.Tensor
+    attn_metadata: AttentionMetadata
+    row_plan: QueryPassPlan
+    kv_only: bool
+    replay: QueryPassReplay | None = None
+
+
+class QueryPassPlan(RowPlan):
+    """A query pass's row plan: keeps every row and scores keys as the layers run."""
+
+    @abstractmethod
+    def begin(self) -> None:
+        """The pass is about to run eagerly: set up the scores."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """The eager pass ran: bring the scores where their reader takes them."""
+
+    @abstractmethod
+    def take_replayed(self, scores: torch.Tensor) -> None:
+        """The pass was replayed from a captured graph instead: its scores [seq_len] float32
+        (a view of a static buffer: read before the next replay)."""
+
+
 class LayerHooks:
     """Layer-boundary callbacks (the worker side of a KV connector implements them)."""
 

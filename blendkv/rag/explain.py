@@ -7,7 +7,7 @@ it (each piece is tokenised on its own, so decoding a piece gives exactly its te
     | template | instruction | chunk 1 | ... | chunk k | query | template suffix |
      [0, a)      [a, b)       [b, ...)         [query_start, s)   [s, num_tokens)
 
-The comparison runs as ``blendkv eval`` scores a method (:mod:`blendkv.rag.fidelity`, which
+The comparison runs as ``blendkv eval`` scores a method (:mod:`blendkv.guards.fidelity`, which
 the evaluation harness shares): full prefill and the blend each run from an empty prefix cache,
 each followed by a teacher-forced request along full prefill's greedy answer; the answer KL is
 the mean KL(full || blend) of the next-token distributions along its first ``answer_tokens``
@@ -21,7 +21,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from blendkv.rag.fidelity import generate_cold, teacher_forced_fidelity, teacher_forced_logits
+from blendkv.guards.fidelity import generate_cold, teacher_forced_fidelity, teacher_forced_logits
 from blendkv.sampling_params import SamplingParams
 
 DEFAULT_ANSWER_TOKENS = 16

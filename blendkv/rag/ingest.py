@@ -266,7 +266,8 @@ class DocumentIngester:
             positions = todo[start : start + WRITE_BATCH]
             ids = [list(p.pieces[pos].token_ids) for pos in positions]
             with h.llm.exclusive():  # the model is the engine's: not during a step
-                kvs = m.compute_kv(ids)  # one forward for the batch
+                runner = h.llm.engine.runner  # one forward per chunk
+                kvs = runner.compute_chunk_kv([m.store_anchor_ids] * len(ids), ids)
             new = [
                 # The key the blend path computes for these ids, so queries hit it.
                 NewChunk(key, kv, p.pieces[pos].text, p.pieces[pos].token_ids, p.doc_id, pos)

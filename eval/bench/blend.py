@@ -103,7 +103,7 @@ def main(args) -> int:
     # Warm the store (precompute every chunk) and check correctness before timing.
     for p in prompts:
         state = manager.prepare(p, methods["blend"])
-        manager.precompute(state.prompt.chunks)
+        llm.precompute_chunks(state.prompt.chunks)
         llm.generate([p], one, blend=methods["blend"])  # first read: checksums, page cache
     first = prompts[0]
     ids0 = manager.prepare(first, methods["blend"]).prompt.token_ids

@@ -64,7 +64,7 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     default, ratio = BlendConfig(), BlendConfig(selection="v_deviation", recompute_ratio=args.ratio)
     reuse = BlendConfig(recompute_ratio=0.0)
     state = manager.prepare(prompt, default)
-    manager.precompute(state.prompt.chunks)
+    llm.precompute_chunks(state.prompt.chunks)
     full_ids = state.prompt.token_ids
     connector = llm.engine.kv_connector
     connector.cost_check = True  # the engine's choice is measured even where it is off

@@ -24,7 +24,6 @@ from blendkv.store.codecs import decode_reference, encode
 
 def chunk_kvs(model: str | None, data: Path, num_chunks: int, chunk_tokens: int = 256):
     from blendkv import LLM
-    from blendkv.blend.precompute import compute_chunks_kv
 
     llm = LLM(model, dtype="bfloat16", warmup=False)
     try:
@@ -38,10 +37,7 @@ def chunk_kvs(model: str | None, data: Path, num_chunks: int, chunk_tokens: int 
         ids = tok.encode(text, add_special_tokens=False)
         chunks = [ids[i * chunk_tokens : (i + 1) * chunk_tokens] for i in range(num_chunks)]
         anchor = list(manager.anchor_ids)
-        with torch.no_grad():
-            kvs = compute_chunks_kv(
-                manager.model, manager.attn_backend, [anchor] * len(chunks), chunks
-            )
+        kvs = llm.engine.runner.compute_chunk_kv([anchor] * len(chunks), chunks)
         return [kv.cpu() for kv in kvs]
     finally:
         llm.close()

@@ -15,7 +15,7 @@ the code path, not on widths or token counts (within a prompt's few hundred toke
 
 As on a GPU, the dense pieces between attentions replay captured graphs
 (:mod:`blendkv.engine.piecewise_graphs`), and so does ProphetKV's query pass, one graph per
-loading stage (:mod:`blendkv.blend.query_pass_graphs`; ``--eager``: neither): the capture
+loading stage (:mod:`blendkv.engine.query_pass_graphs`; ``--eager``: neither): the capture
 records a graph once, in the warm-up request, and each replay counts as one launch
 (``graph_replay``), the kernels inside it not at all.
 """
@@ -338,8 +338,8 @@ def main(args: argparse.Namespace) -> int:
 
     from blendkv import LLM, SamplingParams
     from blendkv.blend.config import BlendConfig
-    from blendkv.blend.query_pass_graphs import QueryPassGraphs
     from blendkv.engine.piecewise_graphs import PiecewiseGraphs
+    from blendkv.engine.query_pass_graphs import QueryPassGraphs
     from blendkv.eval.random_model import make_tokenizer, random_text
 
     torch.manual_seed(0)

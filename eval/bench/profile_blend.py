@@ -62,7 +62,8 @@ class _Timer:
 def profiled(llm, check_layer: int):
     """Yields a dict filled, after the block, with seconds per part of the step (the layers of
     ProphetKV's first pass apart)."""
-    from blendkv.blend import connector, prophet
+    from blendkv.blend import prophet
+    from blendkv.engine.model_runner import ModelRunner
 
     engine = llm.engine
     model = engine.model
@@ -95,17 +96,17 @@ def profiled(llm, check_layer: int):
     # Backends that score before attention (Triton); the torch one scores inside attention,
     # so on the CPU the scoring is part of "ProphetKV pass 1: attention".
     timer.wrap_class(prophet.QueryPassRowPlan, "select", "ProphetKV pass 1: scoring", patched)
-    original_query_pass = prophet.run_query_pass
+    original_query_pass = ModelRunner._run_query_pass
 
-    def run_query_pass(*args, **kwargs):
+    def run_query_pass(self, query_pass):
         in_query_pass[0] = True
         try:
-            return original_query_pass(*args, **kwargs)
+            return original_query_pass(self, query_pass)
         finally:
             in_query_pass[0] = False
 
-    connector.run_query_pass = run_query_pass  # where the connector calls it
-    patched.append((connector, "run_query_pass", original_query_pass))
+    ModelRunner._run_query_pass = run_query_pass  # where the runner runs it
+    patched.append((ModelRunner, "_run_query_pass", original_query_pass))
     out: dict = {}
     try:
         yield out

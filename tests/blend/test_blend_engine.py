@@ -152,7 +152,7 @@ def test_precomputing_a_chunk_longer_than_the_model_is_a_clear_error(tiny_llama_
 
     llm = LLM(str(tiny_llama_dir), dtype="float32")
     with pytest.raises(PromptTooLongError, match="split it into smaller chunks"):
-        llm.blend_manager().precompute([[5] * 1100])
+        llm.precompute_chunks([[5] * 1100])
     llm.close()
 
 

@@ -262,7 +262,7 @@ def fused_kv(llm, prompts_and_configs):
     engine, manager = llm.engine, llm.blend_manager()
     for prompt, config in prompts_and_configs:
         state = manager.prepare(prompt, config)
-        manager.precompute(state.prompt.chunks, contexts=state.chunk_contexts)
+        llm.precompute_chunks(state.prompt.chunks, contexts=state.chunk_contexts)
     seqs = []
     for prompt, config in prompts_and_configs:
         params = SamplingParams(temperature=0, max_tokens=2)

@@ -69,7 +69,7 @@ def test_precompute_with_contexts_is_what_a_request_reads(boundary_llm):
     m = boundary_llm.blend_manager()
     docs = [d + " (again)" for d in DOCS]
     state = m.prepare({**PROMPT, "documents": docs}, REUSE)
-    results = m.precompute(state.prompt.chunks, contexts=state.chunk_contexts)
+    results = boundary_llm.precompute_chunks(state.prompt.chunks, contexts=state.chunk_contexts)
     assert all(r is not None for r in results)
     assert all(key in m.store for key in state.chunk_keys)
     out = boundary_llm.generate([{**PROMPT, "documents": docs}], GREEDY, blend=REUSE)[0]

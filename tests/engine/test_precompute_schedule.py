@@ -7,6 +7,7 @@ from __future__ import annotations
 from blendkv.engine.block_manager import BlockManager
 from blendkv.engine.kv_connector import KVConnectorBase
 from blendkv.engine.scheduler import Scheduler
+from blendkv.engine.scheduler_output import PrecomputeWork
 from blendkv.engine.sequence import Sequence, SequenceStatus
 from blendkv.sampling_params import SamplingParams
 
@@ -26,18 +27,22 @@ class WorkConnector(KVConnectorBase):
         self.ran: list[tuple[str, int]] = []
 
     def get_precompute_work(self, seq):
-        return sorted(self.todo.get(seq.request_id, {}).items())
+        rid = seq.request_id
+        return [
+            PrecomputeWork(rid, i, (), tuple(range(cost)))
+            for i, cost in sorted(self.todo.get(rid, {}).items())
+        ]
 
-    def run_precompute(self, work):
-        for w in work:
-            assert self.todo[w.request_id].pop(w.index) == w.num_tokens
-            self.ran.append((w.request_id, w.index))
+    def save_chunk_kv(self, work, kv, seconds):
+        assert self.todo[work.request_id].pop(work.index) == work.num_tokens
+        self.ran.append((work.request_id, work.index))
 
 
 def step(sched: Scheduler):
     """Schedule, run the precompute, pretend the forward ran, append a token where sampled."""
     out = sched.schedule()
-    sched.connector.run_precompute(out.precompute)
+    for work in out.precompute:  # the runner's forward, stood in for
+        sched.connector.save_chunk_kv(work, None, 0.0)
     for seq in sched.update_from_output(out):
         seq.append_token(7)
         if seq.num_output_tokens >= seq.max_output_tokens:

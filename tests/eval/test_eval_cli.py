@@ -91,7 +91,7 @@ def test_every_chunk_is_a_hit_when_the_store_cannot_hold_the_run(eval_dir, tmp_p
     """The run's private store is bounded (a few GB for real runs): bounded here to about one
     example's chunks, every timed request still finds its chunks stored (each example's are
     stored just before it runs), so no chunk precompute lands in a method's TTFT."""
-    from blendkv.blend import manager
+    from blendkv.connector import manager
 
     records = [json.loads(line) for line in (eval_dir / "per_example.jsonl").open()]
     sizes = [r["kv_bytes_loaded"] for r in records if r["method"] == "reuse"]

@@ -11,7 +11,7 @@ from helpers import BLEND_QUERY as QUERY
 from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
-from blendkv.guards.audit import BlendAuditor
+from blendkv.guards.audit import Auditor
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 FULL_REUSE = BlendConfig(recompute_ratio=0.0)
@@ -115,12 +115,12 @@ def test_user_prompt_logits_are_kept(pair):
 
 def test_choice_is_seeded_and_follows_the_rate():
     def drawn(seed):
-        auditor = BlendAuditor(0.25, seed)
+        auditor = Auditor(0.25, seed)
         return [auditor.choose(f"r{i}", [1, 2]) for i in range(400)]
 
     assert drawn(3) == drawn(3) and drawn(3) != drawn(4)
     assert 60 < sum(drawn(3)) < 140
-    assert not BlendAuditor(1.0, 0).choose("blendkv-start-gate-blend", [1])
+    assert not Auditor(1.0, 0).choose("blendkv-start-gate-blend", [1])
     with pytest.raises(ConfigError, match="blend_audit_rate"):
         from blendkv.config import EngineConfig
 

@@ -132,7 +132,7 @@ def test_auto_ratio_bounds_are_checked():
 
 @pytest.mark.parametrize("num_layers", [1, 2, 3, 24, 30, 32])
 def test_cuda_load_stages_cover_every_layer_once_in_doubling_steps(num_layers):
-    from blendkv.loading.layer_load import load_stages
+    from blendkv.engine.kv_connector import load_stages
 
     stages = load_stages(num_layers)
     layers = [layer for lo, hi in stages for layer in range(lo, hi)]

@@ -109,7 +109,7 @@ def test_reused_k_rotated_with_each_layers_rope(gate):
         assert seq.num_computed_tokens >= seq.num_prompt_tokens
         bs = engine.config.block_size
         table = torch.tensor(seq.block_table)
-        stored = llm.blend_manager().compute_kv(p.chunks, state.chunk_contexts)
+        stored = llm.engine.runner.compute_chunk_kv(state.chunk_contexts, p.chunks)
         layers = engine.model.model.layers
         # a sliding layer does not load the chunk tokens its window never reads (window_skip)
         n, windows = len(p.token_ids), engine.kv_connector._loader.layer_windows

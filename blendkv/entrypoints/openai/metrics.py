@@ -80,9 +80,8 @@ class ServerMetrics:
     def attach(self, engine: AsyncLLM) -> None:
         """Observe ``engine``'s steps and export its stats (once, when the model is loaded)."""
         engine.add_step_listener(self.on_step)
-        self._auditor = getattr(engine.llm.engine.kv_connector, "auditor", None)
-        if self._auditor is not None:
-            self.audit_watch = AuditWatch(self._audit_warn_kl)
+        self._auditor = engine.llm.engine.auditor
+        self.audit_watch = AuditWatch(self._audit_warn_kl)
         self.registry.register(_EngineCollector(engine))
 
     def observe_http(self, route: str, status: int) -> None:

@@ -1,4 +1,4 @@
-"""ProphetKV's query pass replayed whole (:mod:`blendkv.blend.query_pass_graphs`): the scores,
+"""ProphetKV's query pass replayed whole (:mod:`blendkv.engine.query_pass_graphs`): the scores,
 the rows picked from them and the answer must be what the eager pass gives, at every padded
 size and after other requests went through the same static buffers.
 
@@ -16,10 +16,11 @@ from helpers import BLEND_DOCS, BLEND_QUERY
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
 
 from blendkv import LLM, SamplingParams  # noqa: E402
-from blendkv.blend import connector as blend_connector  # noqa: E402
 from blendkv.blend.config import BlendConfig  # noqa: E402
-from blendkv.blend.query_pass_graphs import QueryPassGraphs, pass_sizes  # noqa: E402
+from blendkv.connector.blend_connector import BlendConnector  # noqa: E402
 from blendkv.engine.cuda_graphs import EagerCapture  # noqa: E402
+from blendkv.engine.model_runner import ModelRunner  # noqa: E402
+from blendkv.engine.query_pass_graphs import QueryPassGraphs, pass_sizes  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 PROMPTS = [
@@ -47,9 +48,9 @@ def make_llm(path, store, backend="triton"):
 
 def with_query_graphs(llm, capture) -> QueryPassGraphs:
     """Give the engine the query pass's graphs on the CPU, made as the engine makes them on
-    CUDA (the connector's ``make_graphs``)."""
+    CUDA (the runner's ``make_query_graphs``)."""
     runner = llm.engine.runner
-    graphs = llm.engine.kv_connector.make_graphs(runner.kv_caches, runner.block_size, 2048)
+    graphs = runner.make_query_graphs(llm.engine.info.max_model_len, 2048)
     assert isinstance(graphs, QueryPassGraphs) and graphs.sizes[-1] == 256
     graphs.capture = capture
     runner.query_graphs = graphs
@@ -59,13 +60,14 @@ def with_query_graphs(llm, capture) -> QueryPassGraphs:
 def run_all(llm, monkeypatch):
     """Per prompt: the query pass's scores, the rows the blend recomputed, the tokens."""
     scores = []
-    original = blend_connector.run_query_pass
+    original = ModelRunner._run_query_pass
 
-    def recorded(*args, **kwargs):
-        original(*args, **kwargs)
-        scores.extend(sb.query_scores.clone() for sb in args[4] if sb.query_scores is not None)
+    def recorded(self, query_pass):
+        original(self, query_pass)
+        blends = query_pass.row_plan.blends
+        scores.extend(sb.query_scores.clone() for sb in blends if sb.query_scores is not None)
 
-    monkeypatch.setattr(blend_connector, "run_query_pass", recorded)
+    monkeypatch.setattr(ModelRunner, "_run_query_pass", recorded)
     out = []
     for prompt in PROMPTS:
         (result,) = llm.generate([prompt], GREEDY, blend=BlendConfig(recompute_ratio=0.3))
@@ -112,11 +114,11 @@ def test_each_segment_replays_once_its_layers_are_loaded(tiny_llama_dir, tmp_pat
     """The replayed pass overlaps the loading: a segment (one loading stage's layers) waits for
     its own layers' K/V only, and every layer runs after its wait. Fails if the replay waits
     for every layer first (what a single graph had to do) or skips a wait."""
-    from blendkv.blend import query_pass_graphs as qpg
-    from blendkv.loading.layer_load import load_stages
+    from blendkv.engine import query_pass_graphs as qpg
+    from blendkv.engine.kv_connector import load_stages
 
     log = []
-    connector_cls = blend_connector.BlendConnector
+    connector_cls = BlendConnector
     original_wait = connector_cls.wait_for_layer_load
 
     def wait(self, layer_idx):
@@ -202,7 +204,7 @@ def test_a_failed_capture_runs_the_pass_eagerly(tiny_llama_dir, tmp_path, monkey
 def test_backends_without_attention_lse_never_replay(tiny_llama_dir, tmp_path, monkeypatch):
     llm = make_llm(tiny_llama_dir, tmp_path / "torch", backend="torch")
     runner = llm.engine.runner
-    assert llm.engine.kv_connector.make_graphs(runner.kv_caches, 4, 2048) is None
+    assert runner.make_query_graphs(512, 2048) is None
     runner.query_graphs = graphs = QueryPassGraphs(
         runner.model, runner.attn_backend, runner.kv_caches, 4, 512, capture=EagerCapture()
     )

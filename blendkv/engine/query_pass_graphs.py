@@ -1,6 +1,7 @@
-"""ProphetKV's query pass replayed from one CUDA graph per padded row count.
+"""A query pass replayed from one CUDA graph per padded row count.
 
-The query pass (:mod:`blendkv.blend.prophet`) runs a few dozen rows (template, query) through
+A query pass (ProphetKV's first stage, :mod:`blendkv.blend.prophet`; the model runner runs it)
+runs a few dozen rows (template, query) through
 every layer over the loaded K/V. On a GPU its time is the host's: a layer's RoPE, attention,
 score and dense piece, and the Python around them, once per layer. Captured whole, the pass is
 one launch. Capturable because nothing in it depends on the request except device tensors:
@@ -18,7 +19,7 @@ one launch. Capturable because nothing in it depends on the request except devic
   it, does nothing);
 - loading overlaps the pass: a graph cannot wait for the loader's events inside, so the pass
   is captured as consecutive graphs cut where the loader's stages begin
-  (:func:`~blendkv.loading.layer_load.load_stages`: layers 0, 1-2, 3-6, 7-14, ...), and the
+  (:func:`~blendkv.engine.kv_connector.load_stages`: layers 0, 1-2, 3-6, 7-14, ...), and the
   host orders the stream on a stage's loaded K/V before replaying its segment, as the eager
   pass waits at each layer. One replay for the whole pass waited for every layer's loads first:
   on an H200 it lost 5-7 ms to the eager pass at 6-16K tokens.
@@ -37,8 +38,8 @@ from collections.abc import Callable
 import torch
 
 from blendkv.engine.cuda_graphs import CudaGraphCapture, SegmentsReplay
+from blendkv.engine.kv_connector import load_stages
 from blendkv.kernels.attention import AttentionMetadata
-from blendkv.loading.layer_load import load_stages
 from blendkv.models.hooks import LayerHooks, RowPlan
 
 logger = logging.getLogger(__name__)
