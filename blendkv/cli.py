@@ -8,7 +8,7 @@ import os
 import sys
 
 from blendkv.commands.config_args import add_config_args, config_kwargs
-from blendkv.config import EngineConfig
+from blendkv.config import CacheConfig, EngineConfig, GuardConfig
 from blendkv.connector.config import BlendConnectorConfig
 from blendkv.errors import BlendKVError
 
@@ -51,7 +51,11 @@ ENGINE_FLAGS = (
     "deterministic",
     "device",
     "attention_backend",
+    "cpu_gemm",
 )
+GUARD_FLAGS = ("blend_start_gate", "blend_cost_check")
+# EngineConfig and the configs nested in it: their fields are the engine's flat options.
+ENGINE_CONFIGS = (EngineConfig, CacheConfig, GuardConfig)
 CONNECTOR_FLAGS = (
     "kv_store_memory_bytes",
     "kv_device_cache_bytes",
@@ -68,8 +72,17 @@ FLAG_ALIASES = {"enable_prefix_caching": ("--prefix-caching",)}
 def add_model_args(p: argparse.ArgumentParser, engine_fields: tuple[str, ...] = ()) -> None:
     """Engine and blend connector options shared by every command that loads a model, plus
     the command's own ``engine_fields``."""
-    engine = p.add_argument_group("engine (EngineConfig)")
-    add_config_args(engine, EngineConfig, ENGINE_FLAGS + engine_fields, aliases=FLAG_ALIASES)
+    engine = p.add_argument_group("engine (EngineConfig, CacheConfig)")
+    add_config_args(engine, ENGINE_CONFIGS, ENGINE_FLAGS + engine_fields, aliases=FLAG_ALIASES)
+    engine.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run one short request at load, so the first request's TTFT is its own "
+        "(default: %(default)s)",
+    )
+    guards = p.add_argument_group("guards (GuardConfig)")
+    add_config_args(guards, GuardConfig, GUARD_FLAGS)
     connector = p.add_argument_group("blend connector (BlendConnectorConfig)")
     add_config_args(connector, BlendConnectorConfig, CONNECTOR_FLAGS)
     p.set_defaults(engine_fields=engine_fields)
@@ -82,9 +95,11 @@ def add_device_args(p: argparse.ArgumentParser, **defaults) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The parsed engine and connector options (all but ``model``), as ``LLM`` keywords."""
-    names = ENGINE_FLAGS + getattr(args, "engine_fields", ()) + CONNECTOR_FLAGS
-    return config_kwargs(args, [n for n in names if n != "model"])
+    """The parsed engine, guard and connector options (all but ``model``) and ``warmup``, as
+    ``LLM`` keywords."""
+    names = ENGINE_FLAGS + getattr(args, "engine_fields", ()) + GUARD_FLAGS + CONNECTOR_FLAGS
+    names = [n for n in names if n != "model"]
+    return {**config_kwargs(args, names), "warmup": args.warmup}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,21 +13,14 @@ from blendkv.errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "cpu", "triton")
+_GEMMS = ("auto", "onednn", "mkl")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Everything the user chooses about the engine when creating an :class:`~blendkv.LLM`.
-
-    Sizes are in tokens unless the name says blocks or bytes. A KV connector's own settings
-    (the blend connector's store, anchor and loading options) travel in
-    ``kv_connector_config``, which the engine hands to the connector unread.
+class CacheConfig:
+    """The paged KV pool: its blocks, how many, and prefix caching (vLLM's ``CacheConfig``).
 
     Attributes:
-        model: a local HF directory (config.json + safetensors) or a GGUF file; None: the
-            embedded SmolLM2-135M-Instruct.
-        dtype: auto: the faster on the device (bfloat16 on CUDA; on the CPU bfloat16 only
-            with native bf16 dot products, else float32).
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the pool; overrides kv_cache_memory_bytes.
         kv_cache_memory_bytes: bytes of the KV pool when num_kv_blocks and
@@ -37,15 +30,90 @@ class EngineConfig:
             this engine may hold; the KV pool gets what of it is left once the model is
             loaded (memory other processes hold counts as used). Overrides
             kv_cache_memory_bytes; activations are not profiled, they use the rest.
+        enable_prefix_caching: reuse the KV blocks of a prompt prefix seen before.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        util = self.gpu_memory_utilization
+        if util is not None and (
+            isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1
+        ):
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The engine's guards of answer fidelity (:mod:`blendkv.guards`): policies that watch or
+    overrule a KV connector whose K/V is not exactly full prefill's.
+
+    Attributes:
+        blend_start_gate: at engine start, check that a blend at ratio 1.0 of a canned prompt
+            is full prefill, else refuse to blend (blendkv.guards.start_gate). None: when
+            blending is configured (the blend connector was given settings).
+        blend_cost_check: before a blended request that passed no BlendConfig runs, predict
+            blend and full prefill from this engine's measurements and run the cheaper
+            (blendkv.guards.cost_check); a request's own BlendConfig always runs as given.
+        blend_audit_rate: the fraction of blended requests that also run full prefill after
+            their answer, when the engine is idle, to measure the first token's KL(full ||
+            blend) and top-1 agreement (blendkv.guards.audit); drawn with the engine's seed.
+            0: never.
+    """
+
+    blend_start_gate: bool | None = None
+    blend_cost_check: bool = True
+    blend_audit_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.blend_start_gate not in (None, True, False):
+            raise ConfigError(
+                f"blend_start_gate must be None, True or False, got {self.blend_start_gate!r}"
+            )
+        if self.blend_cost_check not in (True, False):
+            raise ConfigError(
+                f"blend_cost_check must be True or False, got {self.blend_cost_check!r}"
+            )
+        rate = self.blend_audit_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ConfigError(f"blend_audit_rate must be in [0, 1], got {rate!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the user chooses about the engine when creating an :class:`~blendkv.LLM`.
+
+    Sizes are in tokens unless the name says blocks or bytes. The KV pool's settings are a
+    :class:`CacheConfig` (``cache``), the guards' a :class:`GuardConfig` (``guards``). A KV
+    connector's own settings (the blend connector's store, anchor and loading options) travel
+    in ``kv_connector_config``, which the engine hands to the connector unread. ``LLM`` and
+    the command line take every field of all four flat (:mod:`blendkv.engine_args`).
+
+    Attributes:
+        model: a local HF directory (config.json + safetensors) or a GGUF file; None: the
+            embedded SmolLM2-135M-Instruct.
+        dtype: auto: the faster on the device (bfloat16 on CUDA; on the CPU bfloat16 only
+            with native bf16 dot products, else float32).
+        device: where the model, the KV pool and the step tensors live: auto (CUDA when
+            torch sees a GPU, else the CPU), cpu, cuda or cuda:N.
+        attention_backend: auto: triton on CUDA, cpu (the C++ kernels) on the CPU; torch: the
+            plain-torch reference; triton on the CPU runs under TRITON_INTERPRET=1 (tests).
+        cpu_gemm: the CPU's GEMM library for the linear maps: auto (oneDNN on CPUs not made by
+            Intel, MKL on Intel's, torch's own where neither runs), onednn or mkl (the goldens
+            and some benchmarks fix it).
+        cache: the KV pool (CacheConfig).
         max_num_seqs: the most requests in one batch.
         max_num_batched_tokens: the most tokens one step computes.
         max_model_len: the longest sequence; None: the model's max_position_embeddings.
-        enable_prefix_caching: reuse the KV blocks of a prompt prefix seen before.
         enable_chunked_prefill: split long prompts over several steps.
-        attention_backend: auto: triton on CUDA, cpu (the C++ kernels) on the CPU; torch: the
-            plain-torch reference; triton on the CPU runs under TRITON_INTERPRET=1 (tests).
-        device: where the model, the KV pool and the step tensors live: auto (CUDA when
-            torch sees a GPU, else the CPU), cpu, cuda or cuda:N.
         enforce_eager: CUDA only: run every step eagerly instead of replaying CUDA graphs
             (decode steps whole; the dense pieces of other steps: max_graph_rows).
         max_graph_rows: CUDA only: the most rows a prefill, blended or mixed step may compute
@@ -56,6 +124,7 @@ class EngineConfig:
             ``context -> connector``, or None (dict prompts are then refused).
         kv_connector_config: the connector's own config (for "blend" a
             blendkv.connector.config.BlendConnectorConfig); None: the connector's defaults.
+        guards: the fidelity guards (GuardConfig).
         cache_dir: where downloaded and converted models are cached.
         seed: the engine's random seed.
         num_threads: torch intra-op threads; None leaves torch's default.
@@ -66,34 +135,28 @@ class EngineConfig:
             does not depend on what else is in the batch, on the chunking or on prefix-cache
             hits: GEMMs in fixed row tiles, every query row attended as a decode row
             (blendkv.kernels.batch_invariant). Off by default: it costs (docs/benchmarks.md).
-        blend_audit_rate: the fraction of blended requests that also run full prefill after
-            their answer, when the engine is idle, to measure the first token's KL(full ||
-            blend) and top-1 agreement (blendkv.guards.audit); drawn with ``seed``. 0: never.
     """
 
     model: str | None = None
     dtype: str = field(default="auto", metadata={"choices": _DTYPES})
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
-    gpu_memory_utilization: float | None = None
+    device: str = "auto"
+    attention_backend: str = field(default="auto", metadata={"choices": _BACKENDS})
+    cpu_gemm: str = field(default="auto", metadata={"choices": _GEMMS})
+    cache: CacheConfig = field(default_factory=CacheConfig)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = field(default="auto", metadata={"choices": _BACKENDS})
-    device: str = "auto"
     enforce_eager: bool = False
     max_graph_rows: int = 2048
     kv_connector: Any = "blend"
     kv_connector_config: Any = None
+    guards: GuardConfig = field(default_factory=GuardConfig)
     cache_dir: str | None = None
     seed: int = 0
     num_threads: int | None = None
     prune_last_layer: bool = True
     deterministic: bool = False
-    blend_audit_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -106,6 +169,12 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.cpu_gemm not in _GEMMS:
+            raise ConfigError(f"cpu_gemm must be one of {_GEMMS}, got {self.cpu_gemm!r}")
+        if not isinstance(self.cache, CacheConfig):
+            raise ConfigError(f"cache must be a CacheConfig, got {self.cache!r}")
+        if not isinstance(self.guards, GuardConfig):
+            raise ConfigError(f"guards must be a GuardConfig, got {self.guards!r}")
         if self.max_graph_rows < 0:
             raise ConfigError(f"max_graph_rows must be >= 0, got {self.max_graph_rows}")
         if not (self.kv_connector is None or isinstance(self.kv_connector, str)):
@@ -114,15 +183,6 @@ class EngineConfig:
                     "kv_connector must be None, a registered name or a factory callable, "
                     f"got {self.kv_connector!r}"
                 )
-        _positive("block_size", self.block_size)
-        if self.num_kv_blocks is not None:
-            _positive("num_kv_blocks", self.num_kv_blocks)
-        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
-        util = self.gpu_memory_utilization
-        if util is not None and (
-            isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1
-        ):
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
@@ -138,9 +198,6 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.kv_connector_config is not None and self.kv_connector is None:
             raise ConfigError("kv_connector_config needs a kv_connector (it is None)")
-        rate = self.blend_audit_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-            raise ConfigError(f"blend_audit_rate must be in [0, 1], got {rate!r}")
 
 
 def _valid_device(device: object) -> bool:
@@ -196,9 +253,9 @@ def resolve_kv_cache_memory_bytes(config: EngineConfig, device: str) -> int:
     """Bytes for the KV pool: ``kv_cache_memory_bytes``, or with ``gpu_memory_utilization``
     what is left of that fraction of the GPU once the model is loaded (call it then), less the
     device memory the KV connector may hold (its config's ``kv_device_cache_bytes``, if any)."""
-    util = config.gpu_memory_utilization
+    util = config.cache.gpu_memory_utilization
     if util is None:
-        return config.kv_cache_memory_bytes
+        return config.cache.kv_cache_memory_bytes
     if not device.startswith("cuda"):
         raise ConfigError(
             f"gpu_memory_utilization={util} applies to CUDA devices; on {device!r} size the KV "

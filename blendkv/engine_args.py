@@ -1,9 +1,10 @@
 """Flat keyword options -> :class:`~blendkv.config.EngineConfig` (vLLM's ``EngineArgs`` idea).
 
 ``LLM(model, **kwargs)``, ``RAGPipeline(...)`` and the CLI take one flat set of names: the
-engine's own fields and the blend connector's (:class:`BlendConnectorConfig`). This module
-routes each name to its layer, so the engine config never names a connector's settings and a
-user never has to build the nested configs by hand. The blend package is a plugin loaded by
+engine's own fields, its KV pool's (:class:`CacheConfig`), its guards' (:class:`GuardConfig`)
+and the blend connector's (:class:`BlendConnectorConfig`). This module routes each name to its
+layer, so the engine config never names a connector's settings and a user never has to build
+the nested configs by hand. The blend package is a plugin loaded by
 name (importing blendkv does not load it), so its config class is imported when first needed.
 
 vLLM's engine argument names are accepted too (:func:`from_vllm_names`): most are already the
@@ -20,10 +21,13 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
-from blendkv.config import EngineConfig
+from blendkv.config import CacheConfig, EngineConfig, GuardConfig
 from blendkv.errors import ConfigError
 
-ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig))
+CACHE_OPTIONS = tuple(f.name for f in fields(CacheConfig))
+GUARD_OPTIONS = tuple(f.name for f in fields(GuardConfig))
+# The flat names of the engine's layers: EngineConfig's own fields and its nested configs'.
+ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig)) + CACHE_OPTIONS + GUARD_OPTIONS
 
 # vLLM name -> the engine's name for the same setting.
 VLLM_RENAMED = {"num_gpu_blocks_override": "num_kv_blocks", "download_dir": "cache_dir"}
@@ -167,6 +171,13 @@ def create_engine_config(**options: Any) -> EngineConfig:
     options = follow_store_dtype(options, options.get("kv_store_dir"))
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     connector = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
+    layers = (("cache", CacheConfig, CACHE_OPTIONS), ("guards", GuardConfig, GUARD_OPTIONS))
+    for name, cls, names in layers:
+        flat = {k: engine.pop(k) for k in names if k in engine}
+        base = engine.get(name, cls())
+        if not isinstance(base, cls):
+            raise ConfigError(f"{name} must be a {cls.__name__}, got {base!r}")
+        engine[name] = replace(base, **flat)
     if connector:
         from blendkv.connector.config import BlendConnectorConfig  # deferred, as above
 

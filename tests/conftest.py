@@ -14,20 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# No warm-up request at load (blendkv.entrypoints.warmup): the suite builds hundreds of engines
-# and times none of their first requests; tests/entrypoints/test_warmup.py turns it on.
-os.environ.setdefault("BLENDKV_WARMUP", "0")
-os.environ.setdefault("BLENDKV_BLEND_GATE", "0")  # tests that want it ask for it
-# Nor the blend cost check (blendkv.guards.cost_check): measured rates would turn tests' default
-# blends into full prefill at random; tests/blend/test_never_loses.py asks for it.
-os.environ.setdefault("BLENDKV_BLEND_COST_CHECK", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
 # rag_helpers (shared by rag/ and integrations/) and store_helpers (by store/ and rag/)
 sys.path.insert(0, str(Path(__file__).parent / "rag"))
 sys.path.insert(0, str(Path(__file__).parent / "store"))
 
-from helpers import make_tiny_model_dir  # noqa: E402
+from helpers import QuietLLM, make_tiny_model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -115,10 +108,9 @@ def arch_dir(request):
 @pytest.fixture(scope="module")
 def blend_llm(arch_dir):
     """A blending engine on ``arch_dir``'s tiny model (float32, 4-token blocks, no prefix cache)."""
-    from blendkv import LLM
 
     _, path = arch_dir
-    llm = LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False)
+    llm = QuietLLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False)
     yield llm
     llm.close()
 

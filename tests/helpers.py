@@ -8,8 +8,25 @@ import pytest
 import torch
 import transformers
 
+from blendkv import LLM
 from blendkv.eval import random_model
 from blendkv.eval.bench.engine import hf_greedy  # noqa: F401  (re-exported for tests)
+
+# Behaviour switches a test's engine runs without unless the test asks for them, set through
+# config (never the environment): no warm-up request at load (the suite builds many engines and
+# times none of their first requests), no start gate (tests that want it ask for it), no cost
+# check (measured rates would turn tests' default blends into full prefill at random).
+QUIET = {"warmup": False, "blend_start_gate": False, "blend_cost_check": False}
+# The same for a command that loads a model (``blendkv.cli.main`` or a spawned ``blendkv``).
+QUIET_FLAGS = ("--no-warmup", "--no-blend-start-gate", "--no-blend-cost-check")
+
+
+class QuietLLM(LLM):
+    """:class:`blendkv.LLM` with :data:`QUIET`'s settings unless given otherwise."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        super().__init__(model, **{**QUIET, **kwargs})
+
 
 TINY = dict(
     vocab_size=320,
@@ -71,9 +88,7 @@ BLEND_QUERY = "Which city is the capital of France?"
 def blend_llm(path, store, pipelined: bool | None):
     """An engine on ``path``'s tiny model for the loading tests: float32, blocks of 4, no
     prefix cache, its chunk store in ``store``."""
-    from blendkv import LLM
-
-    return LLM(
+    return QuietLLM(
         str(path),
         dtype="float32",
         block_size=4,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import pytest
+from helpers import QuietLLM
 
 from blendkv.config import EngineConfig
 from blendkv.connector.config import BlendConnectorConfig, blend_connector_config
@@ -47,11 +48,10 @@ def test_connector_options_are_validated_with_their_messages():
 
 
 def test_unknown_options_are_a_config_error_naming_them_and_the_valid_ones(tmp_path):
-    from blendkv import LLM
     from blendkv.rag import RAGPipeline
 
     with pytest.raises(ConfigError, match=r"unknown LLM option\(s\) 'kv_store'.*kv_store_dir"):
-        LLM("no-such-model", kv_store="x")  # refused before any model is looked for
+        QuietLLM("no-such-model", kv_store="x")  # refused before any model is looked for
     with pytest.raises(ConfigError, match=r"unknown RAGPipeline option\(s\) 'dtyp'.*dtype"):
         RAGPipeline(tmp_path / "store", dtyp="float32")
     assert not (tmp_path / "store").exists()

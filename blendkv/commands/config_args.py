@@ -58,27 +58,31 @@ def attribute_docs(cls: type) -> dict[str, str]:
 
 def add_config_args(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-    cls: type,
+    cls: type | Sequence[type],
     names: Iterable[str],
     *,
     aliases: Mapping[str, Sequence[str]] | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> None:
-    """Add ``--field-name`` for each of ``names`` (fields of the dataclass ``cls``).
+    """Add ``--field-name`` for each of ``names`` (fields of the dataclass ``cls``, or of the
+    first of several classes that has it: a config and its nested configs).
 
     ``aliases`` maps a field to more flag names for it (older spellings keep working; a bool's
     ``--no-`` form comes with each); ``defaults`` overrides the dataclass's default.
     """
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    docs = attribute_docs(cls)
+    classes = list(cls) if isinstance(cls, Sequence) else [cls]
+    owner: dict[str, type] = {}
+    for c in reversed(classes):
+        owner.update({f.name: c for f in dataclasses.fields(c)})
     aliases = aliases or {}
     defaults = defaults or {}
     for name in names:
-        if name not in fields:
-            raise ValueError(f"{cls.__name__} has no field {name!r}")
-        field = fields[name]
-        base = _base_type(hints[name], f"{cls.__name__}.{name}")
+        if name not in owner:
+            raise ValueError(f"{' / '.join(c.__name__ for c in classes)} has no field {name!r}")
+        c = owner[name]
+        field = {f.name: f for f in dataclasses.fields(c)}[name]
+        hints, docs = typing.get_type_hints(c), attribute_docs(c)
+        base = _base_type(hints[name], f"{c.__name__}.{name}")
         flags = [f"--{name.replace('_', '-')}", *aliases.get(name, ())]
         default = defaults.get(name, field.default)
         help_ = docs.get(name, "").replace("%", "%%") or None

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     # dtype auto follows the store's (engine_args.follow_store_dtype).
     kwargs = follow_store_dtype(engine_kwargs(args), args.store)
     # Bad options (and a GPU that is not there) fail here, before the server starts.
-    create_engine_config(model=args.model, **kwargs)
+    create_engine_config(model=args.model, **{k: v for k, v in kwargs.items() if k != "warmup"})
     resolve_device(args.device)
     try:
         config = ServeConfig(

@@ -28,7 +28,7 @@ from blendkv.engine.kv_connector import (
     KVConnectorContext,
 )
 from blendkv.engine.scheduler_output import PrecomputeWork
-from blendkv.guards.cost_check import ModelCosts, apply_choice, cost_check_enabled, qkv_share
+from blendkv.guards.cost_check import ModelCosts, apply_choice, qkv_share
 from blendkv.guards.start_gate import refused_prompt
 from blendkv.loading.chunk_loader import ChunkLoader
 from blendkv.loading.controller import LoadingController
@@ -67,7 +67,7 @@ class BlendConnector(KVConnectorBase):
         self.prefetch = self.config.prefetch_kv
         self.blend_refused: str | None = None  # why the start gate refused to blend (start_gate)
         # Blend or full prefill by predicted cost (cost_check); benchmarks may switch it.
-        self.cost_check = cost_check_enabled(self.config.blend_cost_check)
+        self.cost_check = context.config.guards.blend_cost_check
         self._prefill_start: float | None = None
         # CUDA: the device's time of prefill steps, read later without a sync (device_timer)
         self._timer = DeviceStepTimer() if context.info.device.startswith("cuda") else None

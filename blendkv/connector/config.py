@@ -47,13 +47,6 @@ class BlendConnectorConfig:
             LMDB on the CPU; a Redis store on the CPU only with a core torch leaves free.
         prefetch_kv_bytes: the most prefetched K/V held in memory at once (Redis; LMDB on
             CUDA).
-        blend_start_gate: at engine start, check that a blend at ratio 1.0 of a canned prompt
-            is full prefill, else refuse to blend (:mod:`blendkv.guards.start_gate`). None: on
-            unless the environment sets ``BLENDKV_BLEND_GATE=0``.
-        blend_cost_check: before a blended request that passed no ``BlendConfig`` runs,
-            predict blend and full prefill from this engine's measurements and run the cheaper
-            (:mod:`blendkv.guards.cost_check`); a request's own ``BlendConfig`` always runs as
-            given. None: on unless the environment sets ``BLENDKV_BLEND_COST_CHECK=0``.
     """
 
     kv_store_dir: str | None = None
@@ -68,8 +61,6 @@ class BlendConnectorConfig:
     pipeline_kv_load: bool | None = None
     prefetch_kv: bool | None = None
     prefetch_kv_bytes: int = 1 << 30
-    blend_start_gate: bool | None = None
-    blend_cost_check: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_store_max_bytes", "request_cache_bytes"):
@@ -84,7 +75,7 @@ class BlendConnectorConfig:
         n = self.prefetch_kv_bytes
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ConfigError(f"prefetch_kv_bytes must be an integer > 0, got {n!r}")
-        for name in ("prefetch_kv", "pipeline_kv_load", "blend_start_gate", "blend_cost_check"):
+        for name in ("prefetch_kv", "pipeline_kv_load"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(
                     f"{name} must be None, True or False, got {getattr(self, name)!r}"

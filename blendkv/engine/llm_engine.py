@@ -42,7 +42,7 @@ from blendkv.guards.audit import Auditor
 from blendkv.kernels.attention import KVCacheSpec
 from blendkv.kernels.backends import get_attention_backend
 from blendkv.layers.batch_invariant import enable_batch_invariance
-from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning, gemm_override
+from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning
 from blendkv.models.model_files import load_model, load_tokenizer, resolve_model
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
@@ -68,6 +68,46 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        self._load_model()
+        self.hf_config = self.model.config
+        self.info = runtime_info(
+            config, self.model, self.tokenizer, self.resolved.name, self.device, self.dtype
+        )
+        self.kv_connector = create_kv_connector(
+            config.kv_connector,
+            KVConnectorContext(
+                config, self.model, self.tokenizer, self.attn_backend, self.info, self.resolved
+            ),
+        )
+        self.block_manager = BlockManager(
+            self.info.num_kv_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            place_in_runs=self.attn_backend.prefers_block_runs,
+        )
+        # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
+        self.auditor = Auditor(config.guards.blend_audit_rate, config.seed)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            connector=self.kv_connector,
+            auditor=self.auditor,
+        )
+        self.runner = self._make_runner()
+        self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
+        self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
+        self._ids = itertools.count()
+        self.processor = InputProcessor(
+            self.tokenizer, self.info, config.max_num_seqs, self.kv_connector, self._id_in_use
+        )
+        self._last_step_num_scheduled = 0
+        self._num_generated_tokens = 0
+
+    def _load_model(self) -> None:
+        """The model, its tokenizer and the attention backend, on the configured device."""
+        config = self.config
         self.resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.tokenizer = load_tokenizer(self.resolved)
         self.device = resolve_device(config.device)
@@ -81,38 +121,15 @@ class LLMEngine:
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
         # GEMM library, packed rows, MLP slices: platform decisions, made once here.
         self.cpu_tuning = decide_cpu_tuning(
-            self.model, self.torch_dtype, self.device, gemm=gemm_override()
+            self.model, self.torch_dtype, self.device, gemm=config.cpu_gemm
         )
         apply_cpu_tuning(self.model, self.cpu_tuning)
         if config.deterministic:  # after the tuning: row tiles replace its packed GEMMs
             enable_batch_invariance(self.model)
-        self.hf_config = self.model.config
-        self.info = runtime_info(
-            config, self.model, self.tokenizer, self.resolved.name, self.device, self.dtype
-        )
-        self.kv_connector = create_kv_connector(
-            config.kv_connector,
-            KVConnectorContext(
-                config, self.model, self.tokenizer, self.attn_backend, self.info, self.resolved
-            ),
-        )
-        self.block_manager = BlockManager(
-            self.info.num_kv_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            place_in_runs=self.attn_backend.prefers_block_runs,
-        )
-        # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
-        self.auditor = Auditor(config.blend_audit_rate, config.seed)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            connector=self.kv_connector,
-            auditor=self.auditor,
-        )
-        info = self.info
+
+    def _make_runner(self) -> ModelRunner:
+        """The model runner over a new KV pool, with its CUDA graphs where they apply."""
+        config, info = self.config, self.info
         spec = KVCacheSpec(
             num_layers=info.num_layers,
             num_blocks=info.num_kv_blocks,
@@ -121,40 +138,33 @@ class LLMEngine:
             head_dim=info.head_dim,
             dtype=self.torch_dtype,
         )
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             self.model,
             self.attn_backend,
             spec,
-            Sampler(self.info.eos_token_ids),
+            Sampler(info.eos_token_ids),
             connector=self.kv_connector,
             prune_last_layer=config.prune_last_layer,
         )
-        self.runner.structured_outputs = StructuredOutputs(self.tokenizer)
+        runner.structured_outputs = StructuredOutputs(self.tokenizer)
         graphs = self.device.startswith("cuda") and not config.enforce_eager
         if graphs and self.attn_backend.supports_cuda_graphs:
-            self.runner.decode_graphs = DecodeGraphs(
+            runner.decode_graphs = DecodeGraphs(
                 self.model,
                 self.attn_backend,
-                self.runner.kv_caches,
-                config.block_size,
+                runner.kv_caches,
+                info.block_size,
                 config.max_num_seqs,
-                self.info.max_model_len,
+                info.max_model_len,
             )  # captured on the first decode step
         if graphs and config.max_graph_rows:  # (no attention inside: any backend)
             # each piece is captured at its first use of a size
-            self.runner.piece_graphs = PiecewiseGraphs(self.device, config.max_graph_rows)
+            runner.piece_graphs = PiecewiseGraphs(self.device, config.max_graph_rows)
             if self.kv_connector.runs_query_passes:  # (ProphetKV's first stage)
-                self.runner.query_graphs = self.runner.make_query_graphs(
-                    self.info.max_model_len, config.max_graph_rows
+                runner.query_graphs = runner.make_query_graphs(
+                    info.max_model_len, config.max_graph_rows
                 )
-        self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
-        self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
-        self._ids = itertools.count()
-        self.processor = InputProcessor(
-            self.tokenizer, self.info, config.max_num_seqs, self.kv_connector, self._id_in_use
-        )
-        self._last_step_num_scheduled = 0
-        self._num_generated_tokens = 0
+        return runner
 
     def close(self) -> None:
         """Flush and release the KV connector (a blend store's pending writes land first)."""
@@ -356,4 +366,4 @@ class LLMEngine:
             assert seq.status == SequenceStatus.RUNNING
         for seq in self.scheduler.precomputing:
             assert seq.status == SequenceStatus.PRECOMPUTING and not seq.block_table
-            assert len(seq.block_table) * self.config.block_size >= seq.num_computed_tokens
+            assert len(seq.block_table) * self.info.block_size >= seq.num_computed_tokens

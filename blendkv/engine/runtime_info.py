@@ -43,17 +43,18 @@ def runtime_info(
     max_model_len = min(conf.max_model_len or model_max, model_max)
     # Never more blocks than max_num_seqs full-length sequences can hold: a small model would
     # otherwise zero a whole kv_cache_memory_bytes pool it can never fill.
-    most_needed = conf.max_num_seqs * -(-max_model_len // conf.block_size)
-    num_blocks = conf.num_kv_blocks or max(
+    block_size = conf.cache.block_size
+    most_needed = conf.max_num_seqs * -(-max_model_len // block_size)
+    num_blocks = conf.cache.num_kv_blocks or max(
         1,
         min(
             most_needed,
             resolve_kv_cache_memory_bytes(conf, device)
-            // kv_block_bytes(cfg, conf.block_size, getattr(torch, dtype)),
+            // kv_block_bytes(cfg, block_size, getattr(torch, dtype)),
         ),
     )
     # One sequence must always fit in the whole pool, or preemption could never resolve.
-    max_model_len = min(max_model_len, num_blocks * conf.block_size)
+    max_model_len = min(max_model_len, num_blocks * block_size)
     if not conf.enable_chunked_prefill:
         max_model_len = min(max_model_len, conf.max_num_batched_tokens)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -65,7 +66,7 @@ def runtime_info(
         head_dim=head_dim,
         vocab_size=cfg.vocab_size,
         num_kv_blocks=num_blocks,
-        block_size=conf.block_size,
+        block_size=block_size,
         max_model_len=max_model_len,
         eos_token_ids=eos_token_ids(model, tokenizer),
         device=device,

@@ -18,7 +18,7 @@ from blendkv.connector.prompt import apply_template
 from blendkv.engine.llm_engine import LLMEngine
 from blendkv.engine_args import create_engine_config
 from blendkv.entrypoints.router import OutputRouter
-from blendkv.entrypoints.warmup import warm_up, warmup_enabled
+from blendkv.entrypoints.warmup import warm_up
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.outputs import RequestOutput
 from blendkv.sampling_params import SamplingParams
@@ -51,12 +51,10 @@ class LLM:
     several threads are batched together in one engine loop, each getting its own outputs.
     """
 
-    def __init__(
-        self, model: str | None = None, *, warmup: bool | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, model: str | None = None, *, warmup: bool = True, **kwargs: Any) -> None:
         self.config = create_engine_config(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
-        if warmup_enabled(warmup):  # the first request's TTFT is then its own
+        if warmup:  # the first request's TTFT is then its own
             warm_up(self.engine)
         from blendkv.guards.start_gate import gate_at_start  # not at import: blendkv.blend
 

@@ -9,15 +9,14 @@ the same layers and attention kernels as a blended one, and writes nothing to a 
 the blend connector's store is still opened on first use. Afterwards the block pool is
 replaced by a fresh one, so the warm-up leaves no cached prefix and no trace in block order.
 
-``LLM(warmup=False)`` skips it; ``warmup=None`` (the default) runs it unless the environment
-sets ``BLENDKV_WARMUP=0`` (the test suite does: it builds hundreds of engines and times none
-of their first requests). The Triton interpreter (``attention_backend="triton"`` on the CPU, a
-test mode) compiles nothing, so there is nothing to warm and the warm-up is skipped there.
+``LLM(warmup=False)`` (``--no-warmup``) skips it (the test suite does: it builds many engines
+and times none of their first requests). The Triton interpreter (``attention_backend="triton"``
+on the CPU, a test mode) compiles nothing, so there is nothing to warm and the warm-up is
+skipped there.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 from blendkv.engine.block_manager import BlockManager
@@ -27,13 +26,6 @@ WARMUP_REQUEST_ID = "blendkv-warmup"
 # Prompt rows of the warm-up's prefill; long enough for the kernels' blocked paths.
 WARMUP_PROMPT_TOKENS = 64
 _TEXT = "Warm-up: the engine runs this prompt once at load and discards the answer. "
-
-
-def warmup_enabled(warmup: bool | None) -> bool:
-    """``warmup`` if given, else the environment's ``BLENDKV_WARMUP`` (default on)."""
-    if warmup is not None:
-        return bool(warmup)
-    return os.environ.get("BLENDKV_WARMUP", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def needs_warmup(engine) -> bool:

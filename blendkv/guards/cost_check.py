@@ -1,5 +1,5 @@
 """Blend or full prefill: a blended request that left its :class:`BlendConfig` to the engine runs
-whichever this engine predicts is cheaper, from what it measured (issue 37, item 2).
+whichever this engine predicts is cheaper, from what it measured.
 
 Blending only pays when loading stored K/V and recomputing a few rows costs less than computing
 every row: on a tiny model, a short prompt, a slow storage tier, or a device where ProphetKV's
@@ -30,7 +30,6 @@ yet (computing and storing it is what later requests reuse).
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from blendkv.blend.config import BlendConfig
@@ -45,7 +44,6 @@ __all__ = [
     "apply_choice",
     "blend_row_layers",
     "choose",
-    "cost_check_enabled",
     "qkv_share",
     "request_shape",
 ]
@@ -86,15 +84,6 @@ class ModelCosts:
     num_layers: int
     token_layer_bytes: int  # K + V of one token at one layer, as written into the pool
     qkv_share: float  # share of a layer's per-row matmul work spent on the Q/K/V projections
-
-
-def cost_check_enabled(setting: bool | None) -> bool:
-    """``setting`` (``BlendConnectorConfig.blend_cost_check``) if given; else on unless the
-    environment sets ``BLENDKV_BLEND_COST_CHECK`` to 0/false/no/off (the test suite does)."""
-    if setting is not None:
-        return bool(setting)
-    env = os.environ.get("BLENDKV_BLEND_COST_CHECK", "1").strip().lower()
-    return env not in ("0", "false", "no", "off")
 
 
 def request_shape(state, manager, controller: LoadingController, device_tier=None) -> RequestShape:

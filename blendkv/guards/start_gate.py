@@ -10,15 +10,14 @@ the same tokens as a plain prompt, and compares the greedy tokens and the last p
 distribution (KL). On a mismatch the connector refuses to blend: every blended request runs
 as full prefill of its tokens, and its ``blend_stats.fallback`` says why.
 
-``EngineConfig.blend_start_gate``: True runs it whenever the blend connector is the engine's,
+``GuardConfig.blend_start_gate``: True runs it whenever the blend connector is the engine's,
 False never, None (the default) when blending is configured (a KV store or other connector
-settings) unless the environment sets ``BLENDKV_BLEND_GATE=0`` (the test suite does).
+settings).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import asdict, dataclass
 
 from blendkv.blend.stats import BlendStats
@@ -64,12 +63,10 @@ class GateResult:
 
 
 def gate_enabled(setting: bool | None, blending_configured: bool) -> bool:
-    """``setting`` if given; else on when blending is configured, unless ``BLENDKV_BLEND_GATE``
-    is 0/false/no/off."""
+    """``setting`` if given; else on when blending is configured."""
     if setting is not None:
         return bool(setting)
-    env = os.environ.get("BLENDKV_BLEND_GATE", "1").strip().lower()
-    return blending_configured and env not in ("0", "false", "no", "off")
+    return blending_configured
 
 
 def gate_at_start(engine) -> GateResult | None:
@@ -79,7 +76,7 @@ def gate_at_start(engine) -> GateResult | None:
     if not _is_blend_connector(conn):
         return None
     configured = engine.config.kv_connector_config is not None
-    if not gate_enabled(conn.config.blend_start_gate, configured):
+    if not gate_enabled(engine.config.guards.blend_start_gate, configured):
         return None
     return run_start_gate(engine)
 

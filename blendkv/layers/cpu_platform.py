@@ -3,14 +3,12 @@ the rows MKL's packed weights serve, the rows one MLP pass takes.
 
 :func:`decide_cpu_tuning` picks them once at start-up from the device, dtype and CPU vendor:
 **oneDNN** (weights reordered once) on CPUs not made by Intel, **MKL** (packed sgemm for
-decode-sized batches) on Intel, plain ``F.linear`` elsewhere (docs/benchmarks.md). For tests and
-benchmarks, ``BLENDKV_CPU_GEMM=mkl|onednn`` overrides the library (the goldens use MKL's).
+decode-sized batches) on Intel, plain ``F.linear`` elsewhere (docs/benchmarks.md).
+``EngineConfig.cpu_gemm`` overrides the library (the goldens use MKL's).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +25,6 @@ from blendkv.layers.linear import (
 )
 from blendkv.layers.mlp import GatedMLP
 
-GEMM_ENV = "BLENDKV_CPU_GEMM"
-GEMMS = ("onednn", "mkl")
 # MKL's packed weights serve GEMMs of (rows/2, rows] rows: decode batches up to this size.
 PACKED_GEMM_ROWS = 32
 # glibc maps allocations above its mmap threshold (raised as mapped blocks are freed, to at
@@ -49,35 +45,28 @@ class CpuTuning:
     mlp_rows_per_pass: int = 0
 
 
-def gemm_override(environ: Mapping[str, str] = os.environ) -> str | None:
-    """``$BLENDKV_CPU_GEMM`` (None when unset or empty); raises ConfigError on other values."""
-    value = environ.get(GEMM_ENV) or None
-    if value is not None and value not in GEMMS:
-        raise ConfigError(f"{GEMM_ENV} must be one of {GEMMS} or unset, got {value!r}")
-    return value
-
-
-def resolve_gemm(override: str | None, dtype: torch.dtype, device: str) -> str:
-    """The GEMM library: ``override`` where given (ConfigError where it cannot run), else
-    oneDNN on CPUs not made by Intel and MKL on Intel's; ``"torch"`` where neither runs."""
+def resolve_gemm(choice: str, dtype: torch.dtype, device: str) -> str:
+    """The GEMM library: ``choice`` (``EngineConfig.cpu_gemm``) unless ``"auto"`` (ConfigError
+    where it cannot run), else oneDNN on CPUs not made by Intel and MKL on Intel's;
+    ``"torch"`` where neither runs."""
     onednn = onednn_gemm_available(dtype, device)
-    if override == "onednn" and not onednn:
+    if choice == "onednn" and not onednn:
         raise ConfigError(
-            f"{GEMM_ENV}=onednn needs float32, or bfloat16 on a CPU with oneDNN's bf16 kernels, "
+            "cpu_gemm='onednn' needs float32, or bfloat16 on a CPU with oneDNN's bf16 kernels, "
             f"on a CPU build of torch with oneDNN (got dtype {str(dtype).removeprefix('torch.')} "
-            f"on {device}); unset it"
+            f"on {device}); use cpu_gemm='auto'"
         )
-    if override is not None:
-        return override
+    if choice != "auto":
+        return choice
     if onednn and cpu_vendor() != "GenuineIntel":
         return "onednn"
     return "mkl" if torch.device(device).type == "cpu" and dtype == torch.float32 else "torch"
 
 
 def decide_cpu_tuning(
-    model: nn.Module, dtype: torch.dtype, device: str, gemm: str | None = None
+    model: nn.Module, dtype: torch.dtype, device: str, gemm: str = "auto"
 ) -> CpuTuning:
-    """The tuning for ``model`` in ``dtype`` on ``device``; ``gemm``: :func:`gemm_override`."""
+    """The tuning for ``model`` in ``dtype`` on ``device``; ``gemm``: ``EngineConfig.cpu_gemm``."""
     library = resolve_gemm(gemm, dtype, device)
     packed = PACKED_GEMM_ROWS if library == "mkl" and packed_gemm_available(dtype, device) else 0
     return CpuTuning(library, packed, mlp_rows_per_pass(model, dtype, device))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
+from helpers import QuietLLM
 
-from blendkv import LLM, InvalidRequestError, SamplingParams
+from blendkv import InvalidRequestError, SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
 from blendkv.store import FingerprintMismatchError
@@ -26,7 +27,7 @@ def test_mixed_batch_equals_each_request_alone(tiny_llama_dir):
     # Without reads ahead: a blended request whose chunks are still being read would let the
     # plain requests pass it (tests/blend/test_prefetch.py covers that), and the step's layout
     # would depend on the reader thread's timing.
-    llm = LLM(
+    llm = QuietLLM(
         str(tiny_llama_dir),
         dtype="float32",
         block_size=4,
@@ -74,10 +75,14 @@ def test_mixed_batch_equals_each_request_alone(tiny_llama_dir):
 def test_store_round_trip_after_reopen(tiny_llama_dir, tmp_path):
     cfg = BlendConfig(recompute_ratio=0.2)
     store = tmp_path / "store"
-    with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, kv_store_dir=str(store)) as llm:
+    with QuietLLM(
+        str(tiny_llama_dir), dtype="float32", block_size=4, kv_store_dir=str(store)
+    ) as llm:
         fresh = llm.generate([PROMPT], GREEDY, blend=cfg)[0]
         assert fresh.blend_stats.chunks_missed == 3 and fresh.blend_stats.chunks_hit == 0
-    with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, kv_store_dir=str(store)) as llm:
+    with QuietLLM(
+        str(tiny_llama_dir), dtype="float32", block_size=4, kv_store_dir=str(store)
+    ) as llm:
         again = llm.generate([PROMPT], GREEDY, blend=cfg)[0]
         stats = again.blend_stats
         assert stats.chunks_hit == 3 and stats.chunks_missed == 0
@@ -87,15 +92,15 @@ def test_store_round_trip_after_reopen(tiny_llama_dir, tmp_path):
 
 def test_store_for_another_model_is_refused(tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     store = tmp_path / "store"
-    with LLM(str(tiny_llama_dir), dtype="float32", kv_store_dir=str(store)) as llm:
+    with QuietLLM(str(tiny_llama_dir), dtype="float32", kv_store_dir=str(store)) as llm:
         llm.generate([PROMPT], GREEDY, blend=BlendConfig())
-    with LLM(str(tiny_qwen2_dir), dtype="float32", kv_store_dir=str(store)) as llm:
+    with QuietLLM(str(tiny_qwen2_dir), dtype="float32", kv_store_dir=str(store)) as llm:
         with pytest.raises(FingerprintMismatchError, match="architecture"):
             llm.generate([PROMPT], GREEDY, blend=BlendConfig())
 
 
 def test_prefix_cache_alongside_blending(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
     cfg = BlendConfig(recompute_ratio=0.2)
     first = llm.generate([PROMPT], GREEDY, blend=cfg)[0]
     second = llm.generate([PROMPT], GREEDY, blend=cfg)[0]
@@ -114,7 +119,7 @@ def test_prefix_cache_alongside_blending(tiny_llama_dir):
 
 
 def test_bad_blended_prompts(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256) as llm:
+    with QuietLLM(str(tiny_llama_dir), dtype="float32", max_model_len=256) as llm:
         for bad, match in [
             ({"documents": ["ok", ""], "query": "q"}, "document 1 is empty"),
             ({"documents": "not a list", "query": "q"}, "must be a list"),
@@ -150,7 +155,7 @@ def test_prompt_logits_of_reused_rows_are_refused(blend_llm):
 def test_precomputing_a_chunk_longer_than_the_model_is_a_clear_error(tiny_llama_dir):
     from blendkv.errors import PromptTooLongError
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32")
     with pytest.raises(PromptTooLongError, match="split it into smaller chunks"):
         llm.precompute_chunks([[5] * 1100])
     llm.close()

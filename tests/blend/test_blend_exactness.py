@@ -57,7 +57,7 @@ def fused_kv_after_prefill(llm, prompt, config):
     engine.step()
     n = seq.num_prompt_tokens
     table = torch.tensor(seq.block_table)
-    bs = engine.config.block_size
+    bs = engine.config.cache.block_size
     slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
     kv = torch.stack([c.view(2, -1, *c.shape[-2:])[:, slots] for c in engine.runner.kv_caches])
     engine.abort_request(rid)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blendkv import LLM, SamplingParams
+from helpers import QuietLLM
+
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.eval.datasets import load_cacheblend_json
 from blendkv.eval.metrics import teacher_forced_fidelity
@@ -39,7 +41,7 @@ def teacher_forced_logits(llm, prompt, answer, blend):
 def test_divergence_shrinks_with_recompute_ratio():
     spec = get_prompt_spec("musique")
     examples = load_cacheblend_json(DATA, limit=NUM_EXAMPLES)
-    llm = LLM(None, dtype="float32", enable_prefix_caching=False)
+    llm = QuietLLM(None, dtype="float32", enable_prefix_caching=False)
     kls = {"reuse": [], "blend@0.5": [], "blend@1.0": []}
     configs = {"reuse": 0.0, "blend@0.5": 0.5, "blend@1.0": 1.0}
     for ex in examples:

@@ -9,8 +9,9 @@ import re
 import pytest
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -19,7 +20,7 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", block_size=BLOCK) as llm:
+    with QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=BLOCK) as llm:
         yield llm
 
 

@@ -11,7 +11,7 @@ lists the file:line of every sync.
 from __future__ import annotations
 
 import pytest
-from helpers import BLEND_DOCS, BLEND_QUERY, make_tiny_model_dir
+from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM, make_tiny_model_dir
 
 from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
@@ -35,7 +35,7 @@ def engines(tmp_path_factory):
     llms = {}
     for n in LAYERS:
         path = make_tiny_model_dir(tmp_path_factory.mktemp(f"syncs{n}"), num_hidden_layers=n)
-        llms[n] = llm = LLM(
+        llms[n] = llm = QuietLLM(
             str(path),
             dtype="float32",
             block_size=4,

@@ -10,8 +10,9 @@ import pytest
 import torch
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
 
@@ -69,7 +70,7 @@ def test_no_exact_chunk_behind_another_prefix(blend_llm):
 
 def test_lossy_codec_is_never_exact(tiny_llama_dir):
     """int8-stored K/V differs from what full prefill computes: its rows stay candidates."""
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False,
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False,
               kv_codec="int8")  # fmt: skip
     try:
         state = llm.blend_manager().prepare(PROMPT, BlendConfig())

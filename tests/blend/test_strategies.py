@@ -12,11 +12,11 @@ import torch
 import transformers
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
-from helpers import make_tiny_model_dir, standalone_chunk_kv
+from helpers import QuietLLM, make_tiny_model_dir, standalone_chunk_kv
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.blend.correction import chunk_mean_shift
 from blendkv.blend.selection import query_attention_mass
@@ -50,7 +50,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    llm = LLM(str(model_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
+    llm = QuietLLM(str(model_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
     yield llm
     llm.close()
 
@@ -234,7 +234,7 @@ def test_prophet_scores_are_the_query_attention_over_reused_kv(llm, model_dir, p
     """The CPU backend scores inside its attention; Triton's kernels score each layer after
     attention wrote the rows' K/V, and the last layer (no attention) before it."""
     if backend == "triton":
-        llm = LLM(
+        llm = QuietLLM(
             str(model_dir), dtype="float32", block_size=4, enable_prefix_caching=False,
             attention_backend="triton",
         )  # fmt: skip
@@ -273,7 +273,7 @@ def fused_kv(llm, prompts_and_configs):
         assert time.monotonic() < deadline, "the chunk reads never finished"
         time.sleep(0.01)
     engine.step()
-    bs = engine.config.block_size
+    bs = engine.config.cache.block_size
     out = []
     for rid, seq in seqs:
         n = seq.num_prompt_tokens

@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
-from helpers import reference_full_reuse_logits
+from helpers import QuietLLM, reference_full_reuse_logits
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
 
@@ -22,7 +22,7 @@ N = 3
 @pytest.fixture(scope="module")
 def boundary_llm(arch_dir):
     _, path = arch_dir
-    llm = LLM(
+    llm = QuietLLM(
         str(path), dtype="float32", block_size=4, enable_prefix_caching=False,
         anchor_boundary_tokens=N,
     )  # fmt: skip
@@ -79,4 +79,4 @@ def test_precompute_with_contexts_is_what_a_request_reads(boundary_llm):
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_bad_boundary_is_refused(bad, arch_dir):
     with pytest.raises(ConfigError, match="anchor_boundary_tokens"):
-        LLM(str(arch_dir[1]), anchor_boundary_tokens=bad)
+        QuietLLM(str(arch_dir[1]), anchor_boundary_tokens=bad)

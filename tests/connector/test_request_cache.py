@@ -4,8 +4,9 @@ after the main store and never written into it; without a store, the private sto
 from __future__ import annotations
 
 import pytest
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.store.kv_store import KVStore
 from blendkv.store.layered import LayeredKVStore
 
@@ -26,7 +27,7 @@ def test_request_documents_never_reach_the_store_and_the_cache_stays_bounded(
     tiny_llama_dir, tmp_path
 ):
     store = tmp_path / "store"
-    with LLM(str(tiny_llama_dir), kv_store_dir=str(store), **ENGINE) as llm:
+    with QuietLLM(str(tiny_llama_dir), kv_store_dir=str(store), **ENGINE) as llm:
         manager = llm.blend_manager()
         first = llm.generate(_prompts(1), GREEDY)[0].text  # one chunk: its size sets the bound
         manager.flush()
@@ -52,7 +53,7 @@ def test_request_documents_never_reach_the_store_and_the_cache_stays_bounded(
 
 
 def test_private_store_is_bounded(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), request_cache_bytes=1 << 16, **ENGINE) as llm:
+    with QuietLLM(str(tiny_llama_dir), request_cache_bytes=1 << 16, **ENGINE) as llm:
         manager = llm.blend_manager()
         assert not isinstance(manager.store, LayeredKVStore)  # the private store is the cache
         for prompt in _prompts(12):

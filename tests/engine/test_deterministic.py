@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from helpers import make_tiny_model_dir
+from helpers import QuietLLM, make_tiny_model_dir
 
 from blendkv import LLM, SamplingParams
 from blendkv.layers.linear import row_tiled_linear
@@ -44,7 +44,7 @@ def batch_and_sequential(llm: LLM, texts: list[str]) -> tuple[list, list]:
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_batch_equals_sequential_only_when_deterministic(model_dir, deterministic):
-    llm = LLM(str(model_dir), dtype="bfloat16", deterministic=deterministic)
+    llm = QuietLLM(str(model_dir), dtype="bfloat16", deterministic=deterministic)
     batch, alone = batch_and_sequential(llm, prompts())
     differ = [i for i, (a, b) in enumerate(zip(batch, alone, strict=True)) if a != b]
     if deterministic:

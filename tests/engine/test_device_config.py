@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import QuietLLM
 
 from blendkv.config import EngineConfig, resolve_attention_backend, resolve_device
 from blendkv.errors import ConfigError
@@ -31,19 +32,17 @@ def test_auto_picks_what_torch_sees():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_a_clear_error(tiny_llama_dir):
-    from blendkv import LLM
 
     with pytest.raises(ConfigError, match="sees no CUDA GPU"):
-        LLM(str(tiny_llama_dir), device="cuda")
+        QuietLLM(str(tiny_llama_dir), device="cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_triton_on_the_cpu_needs_the_interpreter(tiny_llama_dir, monkeypatch):
-    from blendkv import LLM
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
-        LLM(str(tiny_llama_dir), device="cpu", attention_backend="triton")
+        QuietLLM(str(tiny_llama_dir), device="cpu", attention_backend="triton")
 
 
 def test_auto_dtype_is_the_faster_one_on_the_device():
@@ -58,18 +57,17 @@ def test_auto_dtype_is_the_faster_one_on_the_device():
 
 
 def test_the_store_fingerprint_records_the_resolved_dtype(tiny_llama_dir):
-    from blendkv import LLM
 
-    llm = LLM(str(tiny_llama_dir))  # dtype="auto"
+    llm = QuietLLM(str(tiny_llama_dir))  # dtype="auto"
     assert llm.engine.info.dtype in ("float32", "bfloat16")
     assert llm.blend_manager().fingerprint.dtype == llm.engine.info.dtype
     llm.close()
 
 
 def test_the_cpu_backend_runs_other_dtypes_through_the_torch_reference(tiny_llama_dir):
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
 
-    llm = LLM(str(tiny_llama_dir), attention_backend="cpu", dtype="float16")
+    llm = QuietLLM(str(tiny_llama_dir), attention_backend="cpu", dtype="float16")
     assert llm.engine.attn_backend.name == "cpu"
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import hf_greedy
+from helpers import QuietLLM, hf_greedy
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -18,7 +18,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(None, dtype="float32", block_size=16)
+    return QuietLLM(None, dtype="float32", block_size=16)
 
 
 def test_chat_batch_matches_transformers_greedy(llm):

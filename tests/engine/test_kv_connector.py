@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.engine.kv_connector import KVConnectorBase, KVConnectorMetadata
 from blendkv.errors import InvalidRequestError
 
@@ -84,7 +85,7 @@ class DictConnector(KVConnectorBase):
 
 @pytest.fixture(scope="module")
 def dict_llm(tiny_llama_dir):
-    llm = LLM(
+    llm = QuietLLM(
         str(tiny_llama_dir),
         dtype="float32",
         block_size=4,
@@ -109,7 +110,7 @@ def test_dict_connector_supplies_first_tokens(dict_llm, tiny_llama_dir):
         second.extra["prompt_logits"], first.extra["prompt_logits"], atol=1e-5, rtol=0
     )
     # And the reference: the same engine without any connector.
-    with LLM(
+    with QuietLLM(
         str(tiny_llama_dir),
         dtype="float32",
         block_size=4,
@@ -137,7 +138,7 @@ def test_supplied_tokens_are_checked(dict_llm):
 
 
 def test_no_connector_refuses_dict_prompts(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", kv_connector=None) as llm:
+    with QuietLLM(str(tiny_llama_dir), dtype="float32", kv_connector=None) as llm:
         with pytest.raises(InvalidRequestError, match="KV connector"):
             llm.generate([{"documents": ["a b c"], "query": "q"}], GREEDY)
         assert llm.generate(["hello"], GREEDY)[0].outputs[0].token_ids

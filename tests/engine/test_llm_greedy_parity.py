@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 import transformers
-from helpers import hf_greedy, needs_cpp_compiler
+from helpers import QuietLLM, hf_greedy, needs_cpp_compiler
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 
 MAX_TOKENS = 12
 
@@ -55,7 +55,7 @@ ENGINE_SETUPS = {
 )
 def test_batch_matches_transformers(model_and_refs, setup):
     path, prompts, refs = model_and_refs
-    llm = LLM(str(path), dtype="float32", **ENGINE_SETUPS[setup])
+    llm = QuietLLM(str(path), dtype="float32", **ENGINE_SETUPS[setup])
     outs = llm.generate(prompts, GREEDY)
     for out, ref in zip(outs, refs, strict=True):
         assert out.outputs[0].token_ids == ref
@@ -73,7 +73,7 @@ def test_batch_matches_transformers(model_and_refs, setup):
 
 def test_prefix_cache_hits_keep_outputs_exact(model_and_refs):
     path, prompts, refs = model_and_refs
-    llm = LLM(str(path), dtype="float32", block_size=4)
+    llm = QuietLLM(str(path), dtype="float32", block_size=4)
     first = llm.generate(prompts, GREEDY)
     assert all(o.metrics.num_cached_tokens == 0 for o in first)
     again = llm.generate(prompts, GREEDY)  # same prompts: every full block but the last hits
@@ -93,7 +93,7 @@ def test_prompt_logits_are_computed_past_a_prefix_cache_hit(model_and_refs):
     """``logits_from`` caps the prefix-cache match: every asked-for row is computed, and equals
     the cold request's (the warm prefix holds the same K/V)."""
     path, prompts, _ = model_and_refs
-    llm = LLM(str(path), dtype="float32", block_size=4)
+    llm = QuietLLM(str(path), dtype="float32", block_size=4)
     prompt, start = prompts[4], 30  # 64 tokens; rows from 30 on
     params = SamplingParams(temperature=0.0, max_tokens=1)
     cold = llm.generate([prompt], params, logits_from=start)[0]
@@ -106,7 +106,7 @@ def test_prompt_logits_are_computed_past_a_prefix_cache_hit(model_and_refs):
 
 
 def test_streaming_deltas_concatenate_to_final_text(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32")
     prompt = "The quick brown fox"
     final = llm.generate([prompt], GREEDY)[0]
     deltas = [o.delta_text for o in llm.stream(prompt, GREEDY)]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import QuietLLM
 
 from blendkv import (
-    LLM,
     EmptyPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, block_size=4)
+    return QuietLLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, block_size=4)
 
 
 def test_bad_requests_raise_and_engine_keeps_serving(llm):
@@ -50,11 +50,11 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm):
 
 def test_unknown_model_and_bad_config():
     with pytest.raises(ModelLoadError, match="not a local file"):
-        LLM("/nonexistent/model-dir")
+        QuietLLM("/nonexistent/model-dir")
     with pytest.raises(ConfigError, match="dtype"):
-        LLM(None, dtype="int8")
+        QuietLLM(None, dtype="int8")
     with pytest.raises(ConfigError, match="block_size"):
-        LLM(None, block_size=0)
+        QuietLLM(None, block_size=0)
 
 
 def test_output_capped_by_max_model_len(llm):
@@ -109,7 +109,7 @@ def test_stream_abort_frees_blocks(llm):
 
 def test_random_engine_workload_integrity(tiny_llama_dir):
     """Arrivals, aborts and preemption through the real engine; integrity after every step."""
-    llm = LLM(
+    llm = QuietLLM(
         str(tiny_llama_dir),
         dtype="float32",
         num_kv_blocks=20,

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import transformers
-from helpers import BLEND_DOCS, BLEND_QUERY, blend_llm
+from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM, blend_llm
 
 from blendkv import LLM, SamplingParams
 from blendkv.engine.block_manager import BlockManager
@@ -59,7 +59,7 @@ def hf(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     # No prefix cache, as on the RAG path: sharing comes from the fork alone.
-    return LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
+    return QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
 
 
 def all_free(llm: LLM) -> bool:
@@ -240,7 +240,7 @@ def test_abort_ends_every_sample_and_frees_their_blocks(llm):
 def test_preempted_samples_recompute_and_match_transformers(tiny_llama_dir, hf):
     # 12 blocks of 4 tokens: four samples of 10 + 12 tokens (2 shared blocks, 4 own each)
     # cannot all stay resident.
-    small = LLM(
+    small = QuietLLM(
         str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=12,
         enable_prefix_caching=False,
     )  # fmt: skip
@@ -255,7 +255,7 @@ def test_preempted_samples_recompute_and_match_transformers(tiny_llama_dir, hf):
 
 
 def test_n_above_max_num_seqs_is_a_typed_error(tiny_llama_dir):
-    narrow = LLM(str(tiny_llama_dir), dtype="float32", max_num_seqs=2)
+    narrow = QuietLLM(str(tiny_llama_dir), dtype="float32", max_num_seqs=2)
     with pytest.raises(InvalidSamplingParamsError, match="max_num_seqs"):
         narrow.generate([[5, 6, 7]], SamplingParams(n=3))
     narrow.close()

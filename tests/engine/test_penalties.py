@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 import transformers
+from helpers import QuietLLM
 
 from blendkv import LLM, SamplingParams
 from blendkv.engine.penalties import PenaltyInputs, TokenCounts, apply_penalties
@@ -68,7 +69,7 @@ def hf(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    return QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
 
 
 def greedy(**kwargs) -> SamplingParams:
@@ -172,8 +173,8 @@ def test_penalised_and_plain_requests_share_a_batch(llm):
 def test_penalties_survive_preemption(tiny_llama_dir):
     ps = prompts(6, (9, 17, 40, 25))
     params = greedy(repetition_penalty=1.4, presence_penalty=0.5)
-    roomy = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
-    tight = LLM(
+    roomy = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    tight = QuietLLM(
         str(tiny_llama_dir), dtype="float32", num_kv_blocks=24, block_size=4,
         max_num_batched_tokens=64,
     )  # fmt: skip

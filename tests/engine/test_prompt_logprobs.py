@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.errors import InvalidSamplingParamsError
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks of tokens."
@@ -15,7 +16,7 @@ PROMPT = "Paged attention stores keys and values in fixed-size blocks of tokens.
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), device="cpu", dtype="float32", enable_prefix_caching=True)
+    return QuietLLM(str(tiny_llama_dir), device="cpu", dtype="float32", enable_prefix_caching=True)
 
 
 def _reference(model_dir, ids: list[int]) -> torch.Tensor:

@@ -6,9 +6,9 @@ blocks (the chunks computed so far stay stored). Counted in engine steps, never 
 from __future__ import annotations
 
 import pytest
-from helpers import make_tiny_model_dir
+from helpers import QuietLLM, make_tiny_model_dir
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 
 N_DOCS = 150  # tiny documents, all new to the store
 BUDGET = 64  # max_num_batched_tokens
@@ -18,7 +18,7 @@ LONG = 800  # tokens of the long prompt
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = make_tiny_model_dir(tmp_path_factory.mktemp("long_model"), max_position_embeddings=8192)
-    llm = LLM(
+    llm = QuietLLM(
         str(path),
         dtype="float32",
         block_size=16,

@@ -9,8 +9,9 @@ import re
 
 import pytest
 import torch
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.engine.structured_output import apply_bitmask
 from blendkv.errors import InvalidSamplingParamsError
 from blendkv.sampling_params import StructuredOutputsParams
@@ -29,7 +30,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), device="cpu", dtype="float32")
+    return QuietLLM(str(tiny_llama_dir), device="cpu", dtype="float32")
 
 
 def _gen(llm, spec: StructuredOutputsParams, **kw) -> list[str]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import QuietLLM
 
-from blendkv import LLM, InvalidSamplingParamsError, PromptTooLongError, SamplingParams
+from blendkv import InvalidSamplingParamsError, PromptTooLongError, SamplingParams
 from blendkv.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -19,7 +20,7 @@ ENGINE = dict(dtype="float32", block_size=4, max_model_len=128)
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), **ENGINE)
+    llm = QuietLLM(str(tiny_llama_dir), **ENGINE)
     outs = llm.generate(PROMPTS, GREEDY)
     return {p: o.outputs[0].token_ids for p, o in zip(PROMPTS, outs, strict=True)}
 

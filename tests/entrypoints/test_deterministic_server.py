@@ -14,10 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from helpers import make_tiny_model_dir
+from helpers import QuietLLM, make_tiny_model_dir
 from server_helpers import running_server
 
-from blendkv import LLM
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 
 WORDS = "the a river city capital France Paris over dog fox quick lazy museum park Berlin".split()
@@ -35,7 +34,7 @@ def test_concurrent_greedy_completions_equal_sequential_only_when_deterministic(
     model_dir, deterministic
 ):
     # a small token budget: the concurrent prompts are chunked next to each other's decodes
-    llm = LLM(
+    llm = QuietLLM(
         str(model_dir), dtype="bfloat16", deterministic=deterministic, max_num_batched_tokens=32
     )
     rng = random.Random(0)

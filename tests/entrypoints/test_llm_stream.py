@@ -4,8 +4,9 @@ items) each get all of their own tokens, equal to ``generate``'s greedy answers.
 from __future__ import annotations
 
 import pytest
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Paris is the capital of"]
@@ -13,7 +14,7 @@ PROMPTS = ["The quick brown fox", "Paged attention stores", "Paris is the capita
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    return QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
 
 
 def drain(stream) -> tuple[list[int], str, list]:

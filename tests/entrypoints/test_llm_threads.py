@@ -8,8 +8,9 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.errors import InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -26,7 +27,7 @@ QUESTIONS = ["How many hearts does an octopus have?", "When was the Eiffel Tower
 def rag(tiny_llama_dir, tmp_path_factory):
     from blendkv.rag import RAGPipeline
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
     rag = RAGPipeline(tmp_path_factory.mktemp("threads") / "store", llm=llm, chunk_tokens=16)
     rag.ingest(DOCS, progress=False)
     yield rag

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import openai
 import pytest
+from helpers import QuietLLM
 from server_helpers import make_tiny_chat_model_dir, raw_request, running_server
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 
@@ -34,14 +35,16 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    llm = LLM(str(model_dir), **ENGINE)
+    llm = QuietLLM(str(model_dir), **ENGINE)
     yield llm
     llm.close()
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    app = create_app(lambda: LLM(str(model_dir), **ENGINE), ServeConfig(served_model_name=MODEL))
+    app = create_app(
+        lambda: QuietLLM(str(model_dir), **ENGINE), ServeConfig(served_model_name=MODEL)
+    )
     with running_server(app) as url:
         yield url
 

@@ -9,9 +9,9 @@ import json
 import urllib.parse
 
 import pytest
+from helpers import QuietLLM
 from server_helpers import make_tiny_chat_model_dir, port_of, raw_request, running_server
 
-from blendkv import LLM
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 
 pytestmark = pytest.mark.timeout(600)
@@ -112,7 +112,9 @@ def with_value(body: dict, path: list, value: str) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = make_tiny_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"))
-    app = create_app(lambda: LLM(str(model_dir), **ENGINE), ServeConfig(served_model_name=MODEL))
+    app = create_app(
+        lambda: QuietLLM(str(model_dir), **ENGINE), ServeConfig(served_model_name=MODEL)
+    )
     with running_server(app) as url:
         yield url
 

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from helpers import QuietLLM
 from server_helpers import (
     make_tiny_chat_model_dir,
     open_stream,
@@ -21,7 +22,7 @@ from server_helpers import (
     wait_for,
 )
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 
@@ -44,7 +45,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    llm = LLM(str(model_dir), **ENGINE)
+    llm = QuietLLM(str(model_dir), **ENGINE)
     yield llm
     llm.close()
 
@@ -52,7 +53,7 @@ def offline(model_dir):
 @pytest.fixture(scope="module")
 def server(model_dir):
     config = ServeConfig(api_key=API_KEY, served_model_name=MODEL)
-    app = create_app(lambda: LLM(str(model_dir), **ENGINE), config)
+    app = create_app(lambda: QuietLLM(str(model_dir), **ENGINE), config)
     with running_server(app) as url:
         yield url
 

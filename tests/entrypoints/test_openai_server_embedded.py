@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import openai
 import pytest
+from helpers import QuietLLM
 from server_helpers import running_server
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 from blendkv.rag import RAGPipeline
@@ -32,7 +33,7 @@ BRIDGE_DOC = "The Copper Bridge over the Slate River opened to trains in 1903."
 
 @pytest.fixture(scope="module")
 def in_process():
-    llm = LLM(**ENGINE)
+    llm = QuietLLM(**ENGINE)
     yield llm
     llm.close()
 
@@ -40,7 +41,7 @@ def in_process():
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     store = tmp_path_factory.mktemp("serve-store") / "store"
-    llm = LLM(**ENGINE)
+    llm = QuietLLM(**ENGINE)
     bridges = store.parent / "bridges.md"
     bridges.write_text(BRIDGE_DOC)
     with RAGPipeline(store, llm=llm, chunk_tokens=24) as rag:  # what `blendkv ingest` does

@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import QuietLLM
 from server_helpers import open_stream, raw_request, running_server, scrape, wait_for
 
 from blendkv import LLM
@@ -25,7 +26,7 @@ def loading_server(tiny_llama_dir):
 
     def load() -> LLM:
         assert gate.wait(timeout=120)
-        return LLM(str(tiny_llama_dir), **ENGINE)
+        return QuietLLM(str(tiny_llama_dir), **ENGINE)
 
     app = create_app(load, ServeConfig(max_waiting=1))
     with running_server(app, load_timeout=None) as url:

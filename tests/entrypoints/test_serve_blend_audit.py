@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+from helpers import QuietLLM
 from server_helpers import make_tiny_chat_model_dir, raw_request, running_server, scrape, wait_for
 
-from blendkv import LLM
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,7 +23,7 @@ DOCS = [
 def test_audits_reach_metrics_and_warn(tmp_path, caplog):
     model_dir = make_tiny_chat_model_dir(tmp_path / "tiny-chat")
     config = ServeConfig(served_model_name="tiny", blend_audit_warn_kl=0.0)
-    app = create_app(lambda: LLM(str(model_dir), **ENGINE), config)
+    app = create_app(lambda: QuietLLM(str(model_dir), **ENGINE), config)
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Which river?"}],

@@ -4,6 +4,8 @@ model that fails to load exit 2."""
 
 from __future__ import annotations
 
+from helpers import QUIET_FLAGS
+
 import os
 import signal
 import socket
@@ -27,6 +29,8 @@ def free_port() -> int:
 
 def serve(*args: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "blendkv.cli", "serve", "--log-level", "warning", *args]
+    if "--model" in args:
+        cmd += QUIET_FLAGS
     return subprocess.Popen(
         cmd,
         env={**os.environ, **(env or {})},

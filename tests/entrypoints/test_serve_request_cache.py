@@ -4,9 +4,9 @@ store: a real server is sent more documents than the cache holds."""
 from __future__ import annotations
 
 import pytest
+from helpers import QuietLLM
 from server_helpers import make_tiny_chat_model_dir, raw_request, running_server
 
-from blendkv import LLM
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 from blendkv.store.kv_store import KVStore
 from blendkv.store.layered import LayeredKVStore
@@ -31,7 +31,7 @@ def test_request_documents_stay_in_a_bounded_cache(tmp_path):
     model_dir = make_tiny_chat_model_dir(tmp_path / "model")
     store = tmp_path / "store"
     config = ServeConfig(store_dir=str(store), request_cache_bytes=BOUND)
-    app = create_app(lambda: LLM(str(model_dir), **ENGINE), config)
+    app = create_app(lambda: QuietLLM(str(model_dir), **ENGINE), config)
     with running_server(app) as url:
         manager = app.state.blendkv.served.rag.manager
         assert isinstance(manager.store, LayeredKVStore)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import openai
 import pytest
+from helpers import QuietLLM
 from server_helpers import TINY_CHAT_TEMPLATE, running_server, wait_for
 
-from blendkv import LLM
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 
 pytestmark = pytest.mark.timeout(600)
@@ -33,7 +33,7 @@ def served(tmp_path_factory):
     config = json.loads(config_path.read_text())
     config["chat_template"] = TINY_CHAT_TEMPLATE
     config_path.write_text(json.dumps(config))
-    llm = LLM(str(path), dtype="float32", block_size=16, max_num_batched_tokens=64)
+    llm = QuietLLM(str(path), dtype="float32", block_size=16, max_num_batched_tokens=64)
     app = create_app(
         llm, ServeConfig(max_request_documents=MAX_DOCS, max_document_tokens=MAX_DOC_TOKENS)
     )

@@ -4,10 +4,11 @@ no trace (block pool, prefix cache, request ids, outputs), and can be switched o
 from __future__ import annotations
 
 import pytest
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
-from blendkv.entrypoints.warmup import WARMUP_PROMPT_TOKENS, warm_up, warmup_enabled
+from blendkv.entrypoints.warmup import WARMUP_PROMPT_TOKENS, warm_up
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of"]
 BLENDED = {"documents": ["Paris is the capital of France. " * 3], "query": "Capital?"}
@@ -21,7 +22,7 @@ def _forward_rows(llm) -> list[int]:
 
 
 def test_warm_up_runs_a_prefill_and_a_decode_step(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", warmup=False) as llm:
+    with QuietLLM(str(tiny_llama_dir), dtype="float32", warmup=False) as llm:
         rows = _forward_rows(llm)
         assert warm_up(llm.engine) > 0
         assert rows == [WARMUP_PROMPT_TOKENS, 1]
@@ -37,7 +38,7 @@ def test_warm_engine_answers_as_a_cold_one(tiny_llama_dir):
     seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=7)
     outputs = []
     for warmup in (False, True):
-        with LLM(str(tiny_llama_dir), dtype="float32", block_size=4, warmup=warmup) as llm:
+        with QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, warmup=warmup) as llm:
             first = llm.generate(PROMPTS, greedy)
             again = llm.generate(PROMPTS, greedy)  # the prefix cache holds only these prompts
             blended = llm.generate([BLENDED], greedy, blend=BlendConfig())[0]
@@ -56,18 +57,23 @@ def test_warm_engine_answers_as_a_cold_one(tiny_llama_dir):
     assert outputs[1][0] == ["0", "1"]
 
 
-def test_switches(tiny_llama_dir, monkeypatch):
-    monkeypatch.setenv("BLENDKV_WARMUP", "1")
-    assert warmup_enabled(None) and not warmup_enabled(False)
-    monkeypatch.setenv("BLENDKV_WARMUP", "0")
-    assert not warmup_enabled(None) and warmup_enabled(True)
-    monkeypatch.delenv("BLENDKV_WARMUP")
-    assert warmup_enabled(None)
+def test_switch_is_config(tiny_llama_dir):
+    """``warmup`` (``--warmup/--no-warmup``) runs the warm-up request at load, or not."""
+    from blendkv.cli import build_parser, engine_kwargs
+
+    for warmup in (True, False):
+        with QuietLLM(str(tiny_llama_dir), dtype="float32", warmup=warmup) as llm:
+            assert (llm.engine.stats().num_generated_tokens > 0) == warmup
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["generate", "x"]))["warmup"] is True
+    assert engine_kwargs(parser.parse_args(["generate", "x", "--no-warmup"]))["warmup"] is False
 
 
 @pytest.mark.parametrize(("backend", "expected"), [("cpu", True), ("triton", False)])
 def test_nothing_to_warm_under_the_triton_interpreter(tiny_llama_dir, backend, expected):
-    with LLM(str(tiny_llama_dir), dtype="float32", attention_backend=backend, warmup=False) as llm:
+    with QuietLLM(
+        str(tiny_llama_dir), dtype="float32", attention_backend=backend, warmup=False
+    ) as llm:
         rows = _forward_rows(llm)
         took = warm_up(llm.engine)
         assert (took > 0, bool(rows)) == (expected, expected)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import QuietLLM
 
 from blendkv.blend.config import BlendConfig
 from blendkv.eval.methods import MethodError, parse_method, parse_methods
@@ -129,10 +130,10 @@ def test_teacher_forced_rows_reuse_the_runs_own_kv(tiny_llama_dir):
     (exact or fused K/V) and gives the rows a cold request gives."""
     import torch
 
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
     from blendkv.eval.methods import ExamplePrompt, run_method, teacher_forced_rows
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
     try:
         manager = llm.blend_manager()
         docs = ["alpha beta gamma delta epsilon zeta", "one two three four five six seven"]

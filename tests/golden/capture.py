@@ -10,6 +10,7 @@ checks that today's engine still computes exactly (bit for bit) the same numbers
 from __future__ import annotations
 
 import torch
+from helpers import QuietLLM
 
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
@@ -74,32 +75,20 @@ def capture(
 
 def golden_llm(model: str | None = None):
     """The engine the goldens are captured with: float32, 2 threads, no prefix cache, MKL's
-    GEMMs (``BLENDKV_CPU_GEMM=mkl``, read once while the engine is built) and the torch
-    reference attention, every row through the last layer (as when they were recorded; the
-    pruned last layer is held to this path in tests/models/test_prune_last_layer); blocks of 4
-    tokens for the tiny models, 16 for the embedded one (``model=None``)."""
-    import os
-
-    from blendkv import LLM
-    from blendkv.layers.cpu_platform import GEMM_ENV
-
-    before = os.environ.get(GEMM_ENV)
-    os.environ[GEMM_ENV] = "mkl"
-    try:
-        return LLM(
-            model,
-            dtype="float32",
-            block_size=16 if model is None else 4,
-            num_threads=2,
-            enable_prefix_caching=False,
-            attention_backend="torch",
-            prune_last_layer=False,
-        )
-    finally:
-        if before is None:
-            del os.environ[GEMM_ENV]
-        else:
-            os.environ[GEMM_ENV] = before
+    GEMMs (``cpu_gemm="mkl"``) and the torch reference attention, every row through the last
+    layer (as when they were recorded; the pruned last layer is held to this path in
+    tests/models/test_prune_last_layer); blocks of 4 tokens for the tiny models, 16 for the
+    embedded one (``model=None``)."""
+    return QuietLLM(
+        model,
+        dtype="float32",
+        block_size=16 if model is None else 4,
+        num_threads=2,
+        enable_prefix_caching=False,
+        attention_backend="torch",
+        prune_last_layer=False,
+        cpu_gemm="mkl",
+    )
 
 
 def cpu_kind() -> str:

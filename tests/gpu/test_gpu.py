@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import QuietLLM
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,13 +96,13 @@ def test_tuned_prefill_tiles_match_torch_on_blend_rows(shape):
 
 
 def test_engine_greedy_cuda_equals_cpu_fp32(tiny_llama_dir):
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
 
     prompts = [[5, 9, 13, 17, 21, 25, 29, 33] * k for k in (1, 3, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, kv_connector=None)
+        llm = QuietLLM(str(tiny_llama_dir), dtype="float32", device=device, kv_connector=None)
         outs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["cuda"] == outs["cpu"]
 
@@ -109,10 +110,10 @@ def test_engine_greedy_cuda_equals_cpu_fp32(tiny_llama_dir):
 def test_blended_requests_on_cuda(tiny_llama_dir, tmp_path):
     from helpers import BLEND_DOCS, BLEND_QUERY
 
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
     from blendkv.blend.config import BlendConfig
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", kv_store_dir=str(tmp_path))
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", device="cuda", kv_store_dir=str(tmp_path))
     prompt = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     manager = llm.blend_manager()
@@ -132,10 +133,10 @@ def test_cost_check_measures_cuda_steps_with_events(tiny_llama_dir, tmp_path):
     the engine is predicted, and says what it chose."""
     from helpers import BLEND_DOCS, BLEND_QUERY
 
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
     from blendkv.blend.config import BlendConfig
 
-    llm = LLM(
+    llm = QuietLLM(
         str(tiny_llama_dir),
         dtype="float32",
         device="cuda",
@@ -165,14 +166,14 @@ def test_pipelined_loading_on_cuda_equals_serial(tiny_llama_dir, tmp_path, backe
     and logits as loading every layer before the forward."""
     from helpers import BLEND_DOCS, BLEND_QUERY
 
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
     from blendkv.blend.config import BlendConfig
 
     prompt = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
     blend, one = BlendConfig(recompute_ratio=0.3), SamplingParams(temperature=0.0, max_tokens=1)
     runs = []
     for pipelined in (False, False, True):  # the later engines read the first one's store
-        llm = LLM(
+        llm = QuietLLM(
             str(tiny_llama_dir),
             dtype="float32",
             device="cuda",
@@ -206,14 +207,14 @@ def test_device_tier_on_cuda_keeps_what_it_copied(tiny_llama_dir, tmp_path, pipe
     the tier."""
     from helpers import BLEND_DOCS, BLEND_QUERY
 
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
     from blendkv.blend.config import BlendConfig
 
     prompt = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
     blend, one = BlendConfig(recompute_ratio=0.3), SamplingParams(temperature=0.0, max_tokens=1)
     runs = []
     for tier in (0, 64 << 20):
-        llm = LLM(
+        llm = QuietLLM(
             str(tiny_llama_dir),
             dtype="float32",
             device="cuda",
@@ -322,7 +323,7 @@ def test_replayed_pieces_equal_eager_on_cuda(tiny_llama_dir, tmp_path, backend):
     and no capture failed."""
     from helpers import BLEND_DOCS, BLEND_QUERY
 
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
     from blendkv.blend.config import BlendConfig
 
     prompt = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
@@ -331,7 +332,7 @@ def test_replayed_pieces_equal_eager_on_cuda(tiny_llama_dir, tmp_path, backend):
     long = [11 + i % 150 for i in range(300)]
     runs = []
     for rows in (0, 2048):
-        llm = LLM(
+        llm = QuietLLM(
             str(tiny_llama_dir),
             dtype="float32",
             device="cuda",

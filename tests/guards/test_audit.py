@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
+from helpers import QuietLLM
 
 from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
@@ -18,7 +19,7 @@ FULL_REUSE = BlendConfig(recompute_ratio=0.0)
 
 
 def _llm(model_dir, rate: float) -> LLM:
-    return LLM(
+    return QuietLLM(
         str(model_dir),
         dtype="float32",
         block_size=4,
@@ -122,9 +123,9 @@ def test_choice_is_seeded_and_follows_the_rate():
     assert 60 < sum(drawn(3)) < 140
     assert not Auditor(1.0, 0).choose("blendkv-start-gate-blend", [1])
     with pytest.raises(ConfigError, match="blend_audit_rate"):
-        from blendkv.config import EngineConfig
+        from blendkv.config import GuardConfig
 
-        EngineConfig(blend_audit_rate=1.5)
+        GuardConfig(blend_audit_rate=1.5)
 
 
 def test_watch_warns_once_per_crossing(caplog):

@@ -10,7 +10,7 @@ from helpers import BLEND_DOCS, BLEND_QUERY, blend_llm
 
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
-from blendkv.connector.config import BlendConnectorConfig
+from blendkv.config import GuardConfig
 from blendkv.entrypoints.openai.protocol import ChatCompletionRequest
 from blendkv.entrypoints.openai.serving import blend_config
 from blendkv.errors import ConfigError
@@ -19,7 +19,6 @@ from blendkv.guards.cost_check import (
     RequestShape,
     blend_row_layers,
     choose,
-    cost_check_enabled,
 )
 from blendkv.loading.controller import LoadingController
 
@@ -90,13 +89,13 @@ def test_loading_hides_behind_compute_only_when_pipelined():
     assert choose(c, BlendConfig(), SHAPE, MODEL, overlapped=False).choice != "blend"
 
 
-def test_switch(monkeypatch):
-    monkeypatch.setenv("BLENDKV_BLEND_COST_CHECK", "0")
-    assert not cost_check_enabled(None) and cost_check_enabled(True)
-    monkeypatch.setenv("BLENDKV_BLEND_COST_CHECK", "1")
-    assert cost_check_enabled(None) and not cost_check_enabled(False)
-    with pytest.raises(ConfigError, match="blend_cost_check must be None, True or False"):
-        BlendConnectorConfig(blend_cost_check="yes")
+def test_switch(tiny_llama_dir, tmp_path):
+    with blend_llm(tiny_llama_dir, tmp_path, None) as llm:
+        assert llm.config.guards.blend_cost_check is False  # the tests' QUIET default
+        assert llm.engine.kv_connector.cost_check is False
+    assert GuardConfig().blend_cost_check is True  # a user's engine checks
+    with pytest.raises(ConfigError, match="blend_cost_check must be True or False"):
+        GuardConfig(blend_cost_check="yes")
 
 
 def test_the_server_tells_a_requests_own_config_from_none():

@@ -4,9 +4,12 @@ blend and serves full prefill (``blendkv.guards.start_gate``)."""
 from __future__ import annotations
 
 import pytest
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend import row_plan
+from blendkv.config import GuardConfig
+from blendkv.errors import ConfigError
 from blendkv.guards.start_gate import gate_enabled, run_start_gate
 
 DOCS = ["Alpha beta gamma delta. " * 6, "The quick brown fox jumps over the lazy dog. " * 4]
@@ -15,7 +18,7 @@ QUERY = "Question: what jumps? Answer:"
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, blend_start_gate=True)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, blend_start_gate=True)
     yield llm
     llm.close()
 
@@ -67,12 +70,11 @@ def test_a_broken_correction_is_refused_and_requests_run_full_prefill(llm, monke
         conn.blend_refused = None
 
 
-def test_switch(monkeypatch):
-    monkeypatch.setenv("BLENDKV_BLEND_GATE", "0")
-    assert not gate_enabled(None, True) and gate_enabled(True, False)
-    monkeypatch.setenv("BLENDKV_BLEND_GATE", "1")
+def test_switch():
     assert gate_enabled(None, True) and not gate_enabled(None, False)
-    assert not gate_enabled(False, True)
+    assert gate_enabled(True, False) and not gate_enabled(False, True)
+    with pytest.raises(ConfigError, match="blend_start_gate must be None, True or False"):
+        GuardConfig(blend_start_gate="yes")
 
 
 def test_a_blend_path_that_raises_is_refused_not_fatal(llm, monkeypatch):

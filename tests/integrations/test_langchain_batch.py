@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import QuietLLM
 
 pytest.importorskip("langchain_core")
 
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 
-from blendkv import LLM, SamplingParams  # noqa: E402
+from blendkv import SamplingParams  # noqa: E402
 from blendkv.integrations.langchain import BlendKVGenerator, BlendKVRetriever  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -34,7 +35,7 @@ QUESTIONS = [
 def chain(tiny_llama_dir, tmp_path_factory):
     from blendkv.rag import RAGPipeline
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
     rag = RAGPipeline(tmp_path_factory.mktemp("lc-batch") / "store", llm=llm, chunk_tokens=16)
     rag.ingest(DOCS, progress=False)
     retriever = BlendKVRetriever(pipeline=rag, k=2)

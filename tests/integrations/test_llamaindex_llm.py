@@ -8,13 +8,14 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import QuietLLM
 
 pytest.importorskip("llama_index.core", reason="llama-index-core is not installed")
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt  # noqa: E402
 from llama_index.core.llms import ChatMessage  # noqa: E402
 
-from blendkv import LLM, SamplingParams  # noqa: E402
+from blendkv import SamplingParams  # noqa: E402
 from blendkv.integrations.llamaindex_llm import BlendKVLLM  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Paris is the capital of", "One two"]
@@ -23,7 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
     yield llm
     llm.close()
 

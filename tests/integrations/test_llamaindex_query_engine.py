@@ -8,6 +8,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import QuietLLM
 
 pytest.importorskip("llama_index.core", reason="llama-index-core is not installed")
 
@@ -18,7 +19,7 @@ from llama_index.core.base.response.schema import (  # noqa: E402
 )
 from llama_index.core.schema import QueryBundle  # noqa: E402
 
-from blendkv import LLM, SamplingParams  # noqa: E402
+from blendkv import SamplingParams  # noqa: E402
 from blendkv.errors import InvalidRequestError  # noqa: E402
 from blendkv.integrations.llamaindex import BlendKVQueryEngine  # noqa: E402
 
@@ -41,7 +42,7 @@ QUESTIONS = [
 def rag(tiny_llama_dir, tmp_path_factory):
     from blendkv.rag import RAGPipeline
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
     rag = RAGPipeline(tmp_path_factory.mktemp("li-engine") / "store", llm=llm, chunk_tokens=16)
     rag.ingest(DOCS, progress=False)
     yield rag

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import needs_cpp_compiler
+from helpers import QuietLLM, needs_cpp_compiler
 
 from blendkv.kernels import cpu_extension
 from blendkv.kernels.cpu_decode import DecodeKernel, DenseDecode, dense_decode_attention
@@ -183,14 +183,13 @@ def test_the_cpu_backend_runs_the_reference_when_the_kernels_cannot_be_built(mon
 
 
 def test_the_engine_takes_the_cpu_backend_by_default_on_the_cpu(tiny_llama_dir):
-    from blendkv import LLM
 
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(str(tiny_llama_dir), dtype=dtype)
+        llm = QuietLLM(str(tiny_llama_dir), dtype=dtype)
         assert llm.engine.attn_backend.name == "cpu"
         assert llm.engine.attn_backend.decode_kernel is not None
         llm.close()
-    llm = LLM(str(tiny_llama_dir), dtype="float32", attention_backend="torch")
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", attention_backend="torch")
     assert llm.engine.attn_backend.name == "torch"
     assert not hasattr(llm.engine.attn_backend, "decode_kernel")
     llm.close()

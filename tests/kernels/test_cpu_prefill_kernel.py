@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import QuietLLM, needs_cpp_compiler
 from helpers import dense_attention_reference as dense_reference
-from helpers import needs_cpp_compiler
 
 from blendkv.kernels.cpu_prefill import RowsKernel, block_rows
 
@@ -178,7 +178,7 @@ def test_engine_with_the_kernel_equals_the_engine_without(tiny_llama_dir, dtype,
     (float32: within 1e-4; bfloat16: no further than SDPA's own bfloat16 logits, up to a
     rounding step, as the kernel accumulates in float32)."""
     import blendkv.kernels.cpu_attention as cpu_attention
-    from blendkv import LLM, SamplingParams
+    from blendkv import SamplingParams
 
     monkeypatch.setattr(cpu_attention, "rows_kernel_wins", lambda: True)  # any CPU
 
@@ -190,7 +190,7 @@ def test_engine_with_the_kernel_equals_the_engine_without(tiny_llama_dir, dtype,
         ("sdpa", dtype, False),
         ("reference", "float32", False),
     ):
-        llm = LLM(
+        llm = QuietLLM(
             str(tiny_llama_dir),
             dtype=run_dtype,
             attention_backend="cpu" if compiled else "torch",

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BLEND_DOCS, BLEND_QUERY
+from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
 
-from blendkv import LLM, SamplingParams  # noqa: E402
+from blendkv import SamplingParams  # noqa: E402
 from blendkv.blend.config import BlendConfig  # noqa: E402
 from blendkv.engine.cuda_graphs import EagerCapture  # noqa: E402
 from blendkv.engine.piecewise_graphs import PiecewiseGraphs, piece_sizes  # noqa: E402
@@ -27,7 +27,7 @@ BLEND = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
 
 
 def make_llm(path, store, backend="triton"):
-    return LLM(
+    return QuietLLM(
         str(path),
         dtype="float32",
         block_size=4,

@@ -12,11 +12,11 @@ import time
 
 import pytest
 import torch
-from helpers import BLEND_DOCS, BLEND_QUERY
+from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
 
-from blendkv import LLM, SamplingParams  # noqa: E402
+from blendkv import SamplingParams  # noqa: E402
 from blendkv.blend.config import BlendConfig  # noqa: E402
 from blendkv.engine.cuda_graphs import DecodeGraphs, EagerCapture  # noqa: E402
 
@@ -28,7 +28,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_llm(path, backend, store):
-    return LLM(
+    return QuietLLM(
         str(path),
         dtype="float32",
         block_size=4,
@@ -46,7 +46,7 @@ def with_decode_graphs(llm, max_num_seqs: int, capture) -> DecodeGraphs:
         engine.model,
         engine.attn_backend,
         engine.runner.kv_caches,
-        engine.config.block_size,
+        engine.config.cache.block_size,
         max_num_seqs=max_num_seqs,
         max_model_len=64,
         capture=capture,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import TINY, make_tokenizer
+from helpers import TINY, QuietLLM, make_tokenizer
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 
 WINDOW = 8
@@ -39,7 +39,7 @@ def mistral_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def windowed_llm(mistral_dir, tmp_path_factory):
-    llm = LLM(
+    llm = QuietLLM(
         str(mistral_dir),
         dtype="float32",
         block_size=4,
@@ -107,7 +107,7 @@ def test_triton_decode_graphs_match_the_torch_backend(mistral_dir, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(mistral_dir), dtype="float32", block_size=4, device=device,
+        llm = QuietLLM(str(mistral_dir), dtype="float32", block_size=4, device=device,
                   attention_backend=backend, kv_store_dir=str(tmp_path / backend))  # fmt: skip
         if backend == "triton":
             engine = llm.engine

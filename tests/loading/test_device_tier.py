@@ -11,8 +11,9 @@ import pytest
 import torch
 from helpers import BLEND_DOCS as DOCS
 from helpers import BLEND_QUERY as QUERY
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.connector.config import BlendConnectorConfig
 from blendkv.errors import ConfigError
@@ -24,7 +25,7 @@ BLEND = BlendConfig(recompute_ratio=0.3)
 
 
 def make_llm(path, store, device_cache_bytes=0, pipelined=None):
-    return LLM(
+    return QuietLLM(
         str(path),
         dtype="float32",
         block_size=4,

@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 from helpers import BLEND_DOCS as DOCS
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.loading.prefetch import ChunkPrefetcher
 from blendkv.store import KVStore
@@ -212,7 +213,7 @@ def test_prefetched_blends_equal_blends_read_in_their_step(
         location = str(tmp_path / "store")
     results = {}
     for prefetch in (False, True):
-        llm = LLM(
+        llm = QuietLLM(
             str(tiny_llama_dir),
             dtype="float32",
             block_size=4,
@@ -251,7 +252,7 @@ def test_by_default_lmdb_is_read_ahead_and_redis_with_a_spare_core(
     monkeypatch.setattr(connector, "spare_cpu_core", lambda: spare_core)
     redis_server.flush()
     for location, expected in ((str(tmp_path / "s"), True), (redis_server.url, spare_core)):
-        llm = LLM(str(tiny_llama_dir), dtype="float32", kv_store_dir=location)
+        llm = QuietLLM(str(tiny_llama_dir), dtype="float32", kv_store_dir=location)
         llm.blend_manager()
         assert (llm.engine.kv_connector.prefetcher is not None) == expected
         llm.close()
@@ -260,7 +261,7 @@ def test_by_default_lmdb_is_read_ahead_and_redis_with_a_spare_core(
 def _gated_engine(path, tmp_path):
     """(engine on the tiny model, the first prompt, its reference output, the gated store
     holding the prompt's chunks, now the engine's store)."""
-    llm = LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False)
+    llm = QuietLLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False)
     manager = llm.blend_manager()
     prompt = _prompts()[0]
     ref = llm.generate([prompt], GREEDY, blend=BLEND)[0]  # computes and stores its chunks

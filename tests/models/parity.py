@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import hf_greedy, make_tokenizer
+from helpers import QuietLLM, hf_greedy, make_tokenizer
 
 from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
@@ -111,7 +111,7 @@ class ParityGate:
         return self.hf(torch.tensor([token_ids])).logits[0].float()
 
     def llm(self, **kwargs) -> LLM:
-        return LLM(str(self.path), dtype="float32", block_size=4, **kwargs)
+        return QuietLLM(str(self.path), dtype="float32", block_size=4, **kwargs)
 
     def check_parameters(self, ours: torch.nn.Module) -> None:
         """Every checkpoint tensor loaded (by its name, or the family's split names)."""

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.layers.cpu_platform import (
     MLP_PASS_BYTES,
     CpuTuning,
@@ -55,12 +56,12 @@ def test_passes_are_sized_from_the_byte_budget_on_the_cpu_only():
 
 
 def test_engine_slices_prefill_rows_with_the_same_greedy_tokens(tiny_llama_dir):
-    assert LLM(str(tiny_llama_dir), dtype="float32").engine.cpu_tuning.mlp_rows_per_pass > 0
+    assert QuietLLM(str(tiny_llama_dir), dtype="float32").engine.cpu_tuning.mlp_rows_per_pass > 0
     prompts = [[3 + (7 * i) % 50 for i in range(90)], [5, 9, 11] * 20]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
     results = {}
     for rows in (0, 8):
-        llm = LLM(str(tiny_llama_dir), dtype="float32")
+        llm = QuietLLM(str(tiny_llama_dir), dtype="float32")
         tuning = llm.engine.cpu_tuning
         apply_cpu_tuning(llm.engine.model, CpuTuning(tuning.gemm, tuning.packed_gemm_rows, rows))
         down = llm.engine.model.model.layers[0].mlp.down_proj

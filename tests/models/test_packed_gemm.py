@@ -1,17 +1,17 @@
 """Packed GEMMs (blendkv.layers.linear): same results as ``F.linear``; MKL's used only for the
 batch sizes they were packed for, oneDNN's for every batch; packed lazily, and switched on by
-the engine only where they run (:mod:`blendkv.layers.cpu_platform`, ``$BLENDKV_CPU_GEMM``)."""
+the engine only where they run (:mod:`blendkv.layers.cpu_platform`, ``EngineConfig.cpu_gemm``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.errors import ConfigError
 from blendkv.layers.cpu_platform import (
-    GEMM_ENV,
     CpuTuning,
     apply_cpu_tuning,
     resolve_gemm,
@@ -76,13 +76,12 @@ def _modules_packed(llm) -> int:
     return sum(g.packed is not None for g in small_batch_gemms(llm.engine.model))
 
 
-def test_engine_decodes_through_packed_weights_with_the_same_tokens(tiny_qwen2_dir, monkeypatch):
+def test_engine_decodes_through_packed_weights_with_the_same_tokens(tiny_qwen2_dir):
     prompts = [[3 + i, 40 + 2 * i, 7, 90 + i] for i in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     results = {}
-    monkeypatch.setenv(GEMM_ENV, "mkl")
     for rows in (0, 16):
-        llm = LLM(str(tiny_qwen2_dir), dtype="float32")
+        llm = QuietLLM(str(tiny_qwen2_dir), dtype="float32", cpu_gemm="mkl")
         tuning = llm.engine.cpu_tuning
         apply_cpu_tuning(llm.engine.model, CpuTuning("mkl", rows, tuning.mlp_rows_per_pass))
         results[rows] = llm.generate(prompts, params)
@@ -99,17 +98,15 @@ def test_engine_decodes_through_packed_weights_with_the_same_tokens(tiny_qwen2_d
                 assert la[tok] == pytest.approx(lb[tok], abs=1e-4)
 
 
-def test_engine_packs_by_default_on_the_cpu_in_float32_only(tiny_llama_dir, monkeypatch):
-    monkeypatch.setenv(GEMM_ENV, "mkl")
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+def test_engine_packs_by_default_on_the_cpu_in_float32_only(tiny_llama_dir):
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", cpu_gemm="mkl")
     assert llm.engine.cpu_tuning.packed_gemm_rows == 32
     llm.close()
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16")
+    llm = QuietLLM(str(tiny_llama_dir), dtype="bfloat16", cpu_gemm="mkl")
     assert llm.engine.cpu_tuning.packed_gemm_rows == 0
     llm.close()
-    monkeypatch.setenv(GEMM_ENV, "blas")
-    with pytest.raises(ConfigError, match="BLENDKV_CPU_GEMM must be one of"):
-        LLM(str(tiny_llama_dir))
+    with pytest.raises(ConfigError, match="cpu_gemm must be one of"):
+        QuietLLM(str(tiny_llama_dir), cpu_gemm="blas")
 
 
 def test_small_batch_gemm_is_off_until_enabled():
@@ -160,15 +157,14 @@ def test_onednn_gemm_packs_lazily_and_serves_every_batch():
 
 
 @onednn
-def test_engine_with_onednn_gemms_decodes_the_same_tokens(tiny_qwen2_dir, monkeypatch):
+def test_engine_with_onednn_gemms_decodes_the_same_tokens(tiny_qwen2_dir):
     """Every linear map (the biased fused q/k/v too) through oneDNN, prefill and decode: the
     same greedy tokens as MKL's, logprobs within fp32 rounding."""
     prompts = [[3 + i, 40 + 2 * i, 7, 90 + i] for i in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     results = {}
     for gemm in ("mkl", "onednn"):
-        monkeypatch.setenv(GEMM_ENV, gemm)
-        llm = LLM(str(tiny_qwen2_dir), dtype="float32")
+        llm = QuietLLM(str(tiny_qwen2_dir), dtype="float32", cpu_gemm=gemm)
         assert llm.engine.cpu_tuning.gemm == gemm
         results[gemm] = llm.generate(prompts, params)
         if gemm == "onednn":
@@ -183,22 +179,20 @@ def test_engine_with_onednn_gemms_decodes_the_same_tokens(tiny_qwen2_dir, monkey
 
 
 @onednn
-def test_cpu_gemm_choice_and_errors(tiny_llama_dir, monkeypatch):
+def test_cpu_gemm_choice_and_errors(tiny_llama_dir):
     """Unset: oneDNN except on Intel CPUs (where MKL's packed GEMMs were measured); bfloat16
     packs too; float16 does not run there."""
-    monkeypatch.delenv(GEMM_ENV, raising=False)
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32")
     want = "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
     assert llm.engine.cpu_tuning.gemm == want
     llm.close()
-    monkeypatch.setenv(GEMM_ENV, "onednn")
     if onednn_gemm_available(torch.bfloat16, "cpu"):
-        llm = LLM(str(tiny_llama_dir), dtype="bfloat16")
+        llm = QuietLLM(str(tiny_llama_dir), dtype="bfloat16", cpu_gemm="onednn")
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
         assert _modules_packed(llm) > 0
         llm.close()
-    with pytest.raises(ConfigError, match="BLENDKV_CPU_GEMM=onednn needs float32, or bfloat16"):
-        LLM(str(tiny_llama_dir), dtype="float16")
+    with pytest.raises(ConfigError, match="cpu_gemm='onednn' needs float32, or bfloat16"):
+        QuietLLM(str(tiny_llama_dir), dtype="float16", cpu_gemm="onednn")
 
 
 @pytest.mark.parametrize(
@@ -219,5 +213,5 @@ def test_cpu_gemm_is_picked_by_vendor_dtype_and_device(monkeypatch, vendor, dtyp
     if want == "onednn" and not onednn_gemm_available(dtype, "cpu"):
         pytest.skip("no oneDNN (or none of its bf16 kernels) here")
     monkeypatch.setattr(cpu_platform, "cpu_vendor", lambda: vendor)
-    assert resolve_gemm(None, dtype, device) == want
+    assert resolve_gemm("auto", dtype, device) == want
     assert resolve_gemm("mkl", dtype, device) == "mkl"

@@ -107,7 +107,7 @@ def test_reused_k_rotated_with_each_layers_rope(gate):
                 break
             engine.step()
         assert seq.num_computed_tokens >= seq.num_prompt_tokens
-        bs = engine.config.block_size
+        bs = engine.config.cache.block_size
         table = torch.tensor(seq.block_table)
         stored = llm.engine.runner.compute_chunk_kv(state.chunk_contexts, p.chunks)
         layers = engine.model.model.layers

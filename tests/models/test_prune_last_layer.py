@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from helpers import BLEND_DOCS, BLEND_QUERY
+from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM
 
 from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
@@ -27,7 +27,7 @@ def _prompts(n=4, seed=0):
 
 
 def _engine(path, prune: bool, **kwargs) -> LLM:
-    llm = LLM(str(path), dtype="float32", block_size=4, prune_last_layer=prune, **kwargs)
+    llm = QuietLLM(str(path), dtype="float32", block_size=4, prune_last_layer=prune, **kwargs)
     for cache in llm.engine.runner.kv_caches:
         cache.zero_()  # unused slots compare equal too
     return llm

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tokenizer
+from helpers import QuietLLM, make_tokenizer
 from parity import ATOL, GREEDY, WINDOW, randomize
 from test_parity_gemma import FAMILIES
 
@@ -36,7 +36,7 @@ def gemma(request, tmp_path_factory):
     randomize(hf)
     hf.save_pretrained(path, safe_serialization=True)
     make_tokenizer(config.vocab_size).save_pretrained(path)
-    llm = LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False,
+    llm = QuietLLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False,
               kv_store_dir=str(tmp_path_factory.mktemp("store")))  # fmt: skip
     yield llm, hf
     llm.close()

@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from helpers import QuietLLM
+
 import blendkv.rag
 
 DEMO_DOCS = Path(blendkv.rag.__file__).parent / "demo_docs"
@@ -28,11 +30,10 @@ _shared: dict = {}
 def shared_pipeline():
     """(pipeline, IngestReport of the demo docs); created on first call, closed at exit."""
     if not _shared:
-        from blendkv import LLM
         from blendkv.rag import RAGPipeline
 
         tmp = tempfile.mkdtemp(prefix="blendkv-rag-tests-")
-        llm = LLM(dtype="float32", enable_prefix_caching=False)
+        llm = QuietLLM(dtype="float32", enable_prefix_caching=False)
         rag = RAGPipeline(Path(tmp) / "store", llm=llm, chunk_tokens=CHUNK_TOKENS)
         report = rag.ingest([DEMO_DOCS], progress=False)
 

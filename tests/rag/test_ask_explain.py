@@ -8,9 +8,10 @@ import math
 import re
 
 import pytest
+from helpers import QUIET_FLAGS, QuietLLM
 from rag_helpers import DEMO_DOCS
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.cli import main
 from blendkv.rag import RAGPipeline
 from blendkv.rag.pipeline import DEFAULT_INSTRUCTION
@@ -23,6 +24,7 @@ QUESTION = "Who created Python?"
 def store_args(tiny_llama_dir, tmp_path_factory):
     store = tmp_path_factory.mktemp("explain") / "store"
     args = ["--store", str(store), "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    args += QUIET_FLAGS
     assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
     return args
 
@@ -57,7 +59,7 @@ def test_show_prompt_and_compare_full_json(store_args, tiny_llama_dir, capsys):
     assert cmp["full"]["ttft_s"] > 0 and cmp["blend"]["ttft_s"] > 0
     assert cmp["answer_kl"] >= 0 and 0 <= cmp["answer_agreement"] <= 1
     # Full prefill's answer is the plain engine's greedy answer on the same prompt tokens.
-    with LLM(str(tiny_llama_dir), dtype="float32") as llm:
+    with QuietLLM(str(tiny_llama_dir), dtype="float32") as llm:
         with RAGPipeline(store_args[1], llm=llm, create=False) as rag:
             prompt = rag.blended_prompt(QUESTION, rag.order_sources(rag.retrieve(QUESTION, 2)))
             assert prompt["chunk_ids"] == [s["chunk_id"] for s in sources]

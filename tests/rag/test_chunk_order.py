@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import QUIET_FLAGS, QuietLLM
 from rag_helpers import DEMO_DOCS
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.cli import main
 from blendkv.rag import RAGPipeline, RetrievedChunk
 from blendkv.rag.chunk_order import (
@@ -71,7 +72,7 @@ def test_pipeline_default_and_its_own_order(ingested, tiny_llama_dir, tmp_path):
     assert ingested.chunk_order == DEFAULT_CHUNK_ORDER == "relevance_last"
     assert default.prompt["chunk_ids"] == best[::-1]  # the best chunk next to the question
     assert default.sources[-1].score == max(s.score for s in default.sources)
-    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
     with RAGPipeline(tmp_path / "s", llm=llm, chunk_order="relevance_first") as other:
         other.ingest(paths=[DEMO_DOCS], progress=False)
         best = [c.chunk_id for c in other.retrieve(QUESTION, 4)]
@@ -91,7 +92,7 @@ def test_unknown_order_is_a_typed_error(ingested, tmp_path):
 
 def test_ask_chunk_order_flag(ingested, tiny_llama_dir, capsys):
     store = str(ingested.store_dir)
-    args = ["--store", store, "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    args = ["--store", store, "--model", str(tiny_llama_dir), "--dtype", "float32", *QUIET_FLAGS]
     args += ["--top-k", "4", "--max-tokens", "1", "--json"]
     ids = {}
     ingested.close()  # one process opens a store once

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import QUIET_FLAGS, QuietLLM
 from rag_helpers import DEMO_DOCS
 
 from blendkv.cli import main
@@ -22,6 +23,7 @@ def tiny_store(tiny_llama_dir, tmp_path_factory):
     """A store built by the tiny model (float32) over the demo docs, through the CLI."""
     store = tmp_path_factory.mktemp("cli") / "store"
     args = ["--store", str(store), "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    args += QUIET_FLAGS
     assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
     return store, args
 
@@ -66,10 +68,9 @@ def test_wrong_model_exits_2(tiny_store, capsys):
 
 
 def test_empty_store_exits_2(tiny_llama_dir, tmp_path, capsys):
-    from blendkv import LLM
     from blendkv.rag import RAGPipeline
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32")
     RAGPipeline(tmp_path / "empty", llm=llm).close()
     llm.close()
     args = [

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import QUIET_FLAGS
 
 from blendkv.cli import main
 from blendkv.entrypoints.llm import LLM
@@ -35,7 +36,7 @@ def ingested(tiny_llama_dir, tmp_path_factory):
     for name, text in TEXTS.items():
         paths[name] = folder / name
         paths[name].write_text(text)
-    model = ["--model", str(tiny_llama_dir), "--dtype", "float32"]
+    model = ["--model", str(tiny_llama_dir), "--dtype", "float32", *QUIET_FLAGS]
     args = [*map(str, paths.values()), "--chunk-tokens", "32", "--no-progress"]
     assert main(["ingest", *args, "--store", str(folder / "store"), *model]) == 0
     return folder / "store", {k: str(v) for k, v in paths.items()}, model

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import QUIET_FLAGS
 
 from blendkv.cli import main
 from blendkv.rag.errors import DocumentError
@@ -99,6 +100,7 @@ def test_skipped_files_are_counted(tiny_llama_dir, tmp_path, capsys):
     (docs / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e".encode("latin-1"))
     argv = ["ingest", str(docs), "--store", str(tmp_path / "store"), "--no-progress"]
     argv += ["--chunk-tokens", "32", "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    argv += QUIET_FLAGS
     assert main([*argv, "--strict"]) == 2
     assert "latin1.txt: not UTF-8 text" in capsys.readouterr().err
     assert main(argv) == 0

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import QUIET_FLAGS
 
 from blendkv.cli import main
 from blendkv.rag.catalog import DocumentCatalog
@@ -48,7 +49,9 @@ class KilledAfterTheFirstWriteBatch(ChunkStore):
         return results
 
 
-llm = LLM(model, dtype="float32", enable_prefix_caching=False)
+llm = LLM(
+    model, dtype="float32", enable_prefix_caching=False, warmup=False, blend_cost_check=False
+)
 rag = RAGPipeline(store, llm=llm, chunk_tokens=16)
 if where == "catalog":
     rag.catalog = KilledBeforeTheThirdCatalogEntry(store)
@@ -114,7 +117,7 @@ def test_killed_ingest_is_reported_then_repaired(tiny_llama_dir, tmp_path, capsy
         texts = [prose(99, 200)]
     store, docs = tmp_path / "store", tmp_path / "docs"
     doc_ids = write_docs(docs, texts)
-    model = ["--model", str(tiny_llama_dir), "--dtype", "float32"]
+    model = ["--model", str(tiny_llama_dir), "--dtype", "float32", *QUIET_FLAGS]
     ingest = ["ingest", str(docs), "--store", str(store), "--chunk-tokens", "16", "--no-progress"]
 
     run_child(tiny_llama_dir, store, docs, where)
@@ -195,7 +198,7 @@ def test_ctrl_c_says_what_was_kept_and_the_rerun_resumes(tiny_llama_dir, tmp_pat
     texts = [prose(7, 30), prose(8, 200)]  # a short document, then a long one
     doc_ids = write_docs(docs, texts)
     argv = ["ingest", str(docs), "--store", str(store), "--chunk-tokens", "16", "--no-progress"]
-    argv += ["--model", str(tiny_llama_dir), "--dtype", "float32"]
+    argv += ["--model", str(tiny_llama_dir), "--dtype", "float32", *QUIET_FLAGS]
     proc = subprocess.run(
         [sys.executable, "-c", CTRL_C_CHILD, *argv], capture_output=True, text=True, timeout=300
     )

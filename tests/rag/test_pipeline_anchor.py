@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.rag import RAGPipeline
 from blendkv.rag.pipeline import DEFAULT_INSTRUCTION
@@ -26,7 +27,7 @@ ONE = SamplingParams(max_tokens=1, temperature=0)
 
 
 def make_llm(model_dir, **options):
-    return LLM(str(model_dir), dtype="float32", enable_prefix_caching=False, **options)
+    return QuietLLM(str(model_dir), dtype="float32", enable_prefix_caching=False, **options)
 
 
 def reuse_and_full_logits(rag):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import gc
 import weakref
 
-from blendkv import LLM
+from helpers import QuietLLM
+
 from blendkv.rag import RAGPipeline
 
 
@@ -15,7 +16,7 @@ def test_dropped_pipeline_and_model_are_freed_without_gc(tiny_llama_dir, tmp_pat
     gc.collect()
     gc.disable()
     try:
-        llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
+        llm = QuietLLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
         rag = RAGPipeline(tmp_path / "store", llm=llm, chunk_tokens=16)
         rag.ingest(["Bees make honey from the nectar of flowers."], progress=False)
         rag.query("What do bees make?", k=1)

@@ -12,9 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import QuietLLM
 from redis_server import RedisServer
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.rag import RAGPipeline
 from blendkv.rag.embedding import MiniLMEmbedder
 
@@ -42,7 +43,7 @@ def ingest_in_another_process(model_dir, url, docs) -> list[str]:
 import json
 from blendkv import LLM
 from blendkv.rag import RAGPipeline
-llm = LLM({str(model_dir)!r}, dtype="float32", enable_prefix_caching=False)
+llm = LLM({str(model_dir)!r}, dtype="float32", enable_prefix_caching=False, warmup=False)
 with RAGPipeline({url!r}, llm=llm, chunk_tokens=32) as rag:
     print(json.dumps(rag.add_documents({docs!r}, progress=False)))
 llm.close()
@@ -60,7 +61,7 @@ def url(redis_server):
 
 def test_second_process_reuses_the_first_ones_chunks(tiny_llama_dir, url):
     doc_ids = ingest_in_another_process(tiny_llama_dir, url, DOCS)
-    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
     embedder = CountingEmbedder()
     with RAGPipeline(url, llm=llm, chunk_tokens=32, embedder=embedder, create=False) as rag:
         assert sorted(rag.documents()) == sorted(doc_ids)
@@ -87,7 +88,7 @@ def test_second_process_reuses_the_first_ones_chunks(tiny_llama_dir, url):
 
 def test_store_lost_mid_request_recomputes_then_reconnects(tiny_llama_dir, tmp_path):
     server = RedisServer(tmp_path).start()
-    llm = LLM(
+    llm = QuietLLM(
         str(tiny_llama_dir),
         dtype="float32",
         enable_prefix_caching=False,

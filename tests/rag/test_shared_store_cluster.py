@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import time
 
+from helpers import QuietLLM
 from redis_cluster import RedisCluster
 from test_shared_store import DOCS, GREEDY
 
-from blendkv import LLM
 from blendkv.store import open_kv_store
 
 
 def test_a_master_killed_mid_run_is_recomputed_not_an_error(tiny_llama_dir, tmp_path):
     cluster = RedisCluster(tmp_path).start()
-    llm = LLM(
+    llm = QuietLLM(
         str(tiny_llama_dir),
         dtype="float32",
         enable_prefix_caching=False,

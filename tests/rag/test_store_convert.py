@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import QuietLLM
 from store_helpers import same_bits
 from test_store_index import HashEmbedder
 
@@ -28,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 def _llm(model_dir, **options) -> LLM:
-    return LLM(str(model_dir), dtype="float32", enable_prefix_caching=False, **options)
+    return QuietLLM(str(model_dir), dtype="float32", enable_prefix_caching=False, **options)
 
 
 def test_ratio_one_from_an_int8_store_equals_full_prefill(tiny_llama_dir, tmp_path):

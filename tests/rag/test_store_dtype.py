@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import QUIET_FLAGS, QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.cli import main
 from blendkv.config import resolve_dtype
@@ -54,7 +55,7 @@ def test_auto_follows_the_store_and_serves_its_chunks(other_dtype_store, tiny_ll
 
 
 def test_llm_with_kv_store_dir_follows_the_store(other_dtype_store, tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), kv_store_dir=str(other_dtype_store)) as llm:
+    with QuietLLM(str(tiny_llama_dir), kv_store_dir=str(other_dtype_store)) as llm:
         assert llm.engine.dtype == OTHER
         prompt = {"documents": [DOC], "query": "Capital?"}
         assert llm.generate([prompt], GREEDY, blend=BlendConfig())[0].outputs[0].token_ids
@@ -70,7 +71,7 @@ def test_explicit_other_dtype_is_refused_with_the_fix(other_dtype_store, tiny_ll
 
 
 def test_cli_ask_follows_the_store_and_names_the_flag(other_dtype_store, tiny_llama_dir, capsys):
-    args = ["--store", str(other_dtype_store), "--model", str(tiny_llama_dir)]
+    args = ["--store", str(other_dtype_store), "--model", str(tiny_llama_dir), *QUIET_FLAGS]
     assert main(["ask", "Capital of France?", "--top-k", "1", "--max-tokens", "1", *args]) == 0
     capsys.readouterr()
     assert main(["ask", "Capital?", "--max-tokens", "1", "--dtype", AUTO, *args]) == 2

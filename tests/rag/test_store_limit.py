@@ -5,8 +5,8 @@ that the projection let through rolls its document back."""
 from __future__ import annotations
 
 import pytest
+from helpers import QuietLLM
 
-from blendkv import LLM
 from blendkv.rag import RAGPipeline
 from blendkv.store import StoreFullError
 from blendkv.store.capacity import kv_bytes_per_token
@@ -27,7 +27,7 @@ def _folder(tmp_path, n: int = 3):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False) as llm:
+    with QuietLLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False) as llm:
         yield llm
 
 

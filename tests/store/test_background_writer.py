@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 
 import torch
+from helpers import QuietLLM
 
-from blendkv import LLM, SamplingParams
+from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.store import KVStore
 
@@ -34,7 +35,7 @@ class SlowStore(KVStore):
 
 def test_decode_keeps_stepping_while_writes_are_pending(tiny_llama_dir, tmp_path):
     store_dir = tmp_path / "store"
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
     manager = llm.blend_manager()
     slow = SlowStore(store_dir, manager.fingerprint)
     manager.use_store(slow)
@@ -74,7 +75,7 @@ def test_decode_keeps_stepping_while_writes_are_pending(tiny_llama_dir, tmp_path
 
 def test_shutdown_flushes_pending_writes(tiny_llama_dir, tmp_path):
     store_dir = tmp_path / "store"
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, kv_store_dir=str(store_dir))
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, kv_store_dir=str(store_dir))
     manager = llm.blend_manager()
     fingerprint = manager.fingerprint
     prompt = {"documents": DOCS[:4], "query": "Which mill?"}
@@ -91,7 +92,7 @@ def test_shutdown_flushes_pending_writes(tiny_llama_dir, tmp_path):
 
 
 def test_a_second_request_reads_pending_chunks_instead_of_recomputing(tiny_llama_dir, tmp_path):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False)
     manager = llm.blend_manager()
     slow = SlowStore(tmp_path / "store", manager.fingerprint)
     manager.use_store(slow)
@@ -123,7 +124,7 @@ class SlowStore(KVStore):  # the write is still going on when the script ends
         time.sleep(1.0)
         return super().put_many(chunks)
 
-llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", block_size=4)
+llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", block_size=4, warmup=False)
 prompt = {{"documents": {DOCS[:3]!r}, "query": "Which mill?"}}
 m = llm.blend_manager()
 m.use_store(SlowStore({str(store_dir)!r}, m.fingerprint))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import openai
 import pytest
+from helpers import QuietLLM
 from server_helpers import make_tiny_chat_model_dir, running_server
 
-from blendkv import LLM
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
 
 MODEL = "tiny"
@@ -19,7 +19,9 @@ ENGINE = dict(
 @pytest.fixture(scope="package")
 def server(tmp_path_factory):
     model_dir = make_tiny_chat_model_dir(tmp_path_factory.mktemp("conformance-model"))
-    app = create_app(lambda: LLM(str(model_dir), **ENGINE), ServeConfig(served_model_name=MODEL))
+    app = create_app(
+        lambda: QuietLLM(str(model_dir), **ENGINE), ServeConfig(served_model_name=MODEL)
+    )
     with running_server(app) as url:
         yield url
 
