@@ -309,3 +309,34 @@ def test_rag_never_imports_the_server() -> None:
     bad = reaching(graph, "blendkv.rag", "blendkv.entrypoints.openai")
     assert not bad, "blendkv.rag reaches the server:\n" + "\n".join(bad)
     assert "blendkv.rag" in graph["blendkv.entrypoints.openai.api_server"]
+
+
+def test_the_blend_algorithm_is_a_library():
+    """``blendkv.blend`` (selection, ProphetKV's scores, corrections, the row plan) works on
+    tensors: it reaches neither the engine, the store, the connector nor the loading I/O."""
+    graph, _ = graph_and_lines()
+    for package in (
+        "blendkv.engine",
+        "blendkv.store",
+        "blendkv.connector",
+        "blendkv.loading",
+        "blendkv.rag",
+    ):
+        bad = reaching(graph, "blendkv.blend", package)
+        assert not bad, f"blendkv.blend reaches {package}:\n" + "\n".join(bad)
+
+
+def test_the_engine_reaches_no_connector_and_no_loading():
+    """The engine knows connectors through ``KVConnectorBase`` only; the guards it runs
+    (``blendkv.guards.audit``) are its own policies."""
+    graph, _ = graph_and_lines()
+    for package in ("blendkv.connector", "blendkv.loading", "blendkv.rag"):
+        bad = reaching(graph, "blendkv.engine", package)
+        assert not bad, f"the engine reaches {package}:\n" + "\n".join(bad)
+
+
+def test_the_kv_store_knows_nothing_of_retrieval():
+    """Chunking, embedding and the FAISS index (``blendkv.rag``) sit on top of the K/V store."""
+    graph, _ = graph_and_lines()
+    bad = reaching(graph, "blendkv.store", "blendkv.rag")
+    assert not bad, "blendkv.store reaches blendkv.rag:\n" + "\n".join(bad)
