@@ -157,7 +157,7 @@ class AttentionBackend(ABC):
         :class:`blendkv.kernels.kv_dequant.EncodedChunk`), decoded as it is written. This is the
         reference (decode, then :meth:`load_rotated_kv`'s reference); backends decode in their
         load kernels instead, writing the same bits."""
-        kv = chunk.decode(kv_caches[first_layer].dtype)
+        kv = chunk.dequantize(kv_caches[first_layer].dtype)
         AttentionBackend.load_rotated_kv(
             self, kv_caches, first_layer, kv, positions, slots, cos, sin
         )

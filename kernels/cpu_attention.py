@@ -31,8 +31,8 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rows_kernel_wins() -> bool:
-    """Whether the C++ prefill kernel beats SDPA's flash kernel on this CPU: on AVX-512 CPUs
-    (measured on an AMD EPYC), not on AVX2 ones (docs/benchmarks.md)."""
+    """Whether the C++ prefill kernel beats SDPA's flash kernel on this CPU: on AVX-512 CPUs,
+    not on AVX2 ones (docs/benchmarks.md)."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
@@ -86,11 +86,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().load_rotated_kv(kv_caches, first_layer, kv, positions, slots, cos, sin)
 
     def load_encoded_kv(self, kv_caches, first_layer, chunk, positions, slots, cos, sin) -> None:
-        """Decoded while written, by ``decode_rope_write_kv`` (``kernels/cpu/rope_write.cpp``)."""
-        from blendkv.kernels.kv_dequant import cpu_decode_rope_write
+        """Decoded while written, by ``dequant_rope_write_kv`` (``kernels/cpu/rope_write.cpp``)."""
+        from blendkv.kernels.kv_dequant import cpu_dequant_rope_write
 
         args = (kv_caches, first_layer, chunk, positions, slots, cos, sin)
-        if self.ops is not None and cpu_decode_rope_write(self.ops, *args):
+        if self.ops is not None and cpu_dequant_rope_write(self.ops, *args):
             return
         super().load_encoded_kv(*args)
 

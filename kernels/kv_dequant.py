@@ -1,17 +1,17 @@
-"""Decoding stored K/V while loading it into the pool (issue 40: decode at load).
+"""Dequantising stored K/V while loading it into the pool.
 
 A chunk stored with an ``int8`` / ``int4`` codec (``blendkv.store.codecs``) reaches the loader
 as an :class:`EncodedChunk`: the encoded value's tensors, cut to the layers and tokens a request
 loads without decoding anything (``chunk[first_layer:, :, first_token:]``, as the loader slices
-a raw ``[L, 2, T, H, D]`` tensor). The load kernels decode it row by row while they rotate K
-and write the pool (``decode_rope_write_kv`` in ``kernels/cpu/rope_write.cpp``,
-:func:`blendkv.kernels.triton.rope_load.decode_rope_load`), so no full-precision copy of a chunk
+a raw ``[L, 2, T, H, D]`` tensor). The load kernels dequantise it row by row while they rotate K
+and write the pool (``dequant_rope_write_kv`` in ``kernels/cpu/rope_write.cpp``,
+:func:`blendkv.kernels.triton.rope_load.dequant_rope_load`), so no full-precision copy of a chunk
 exists outside the pool. Each of K and V is a group-wise affine code::
 
     x[l, t, h, d] = (q[l, t, h, d] - zero[l, t // gt, h, d // gd]) * scale[l, t // gt, h, d // gd]
 
 computed in float32 and cast once to the pool dtype; outlier (layer, head) pairs keep their
-keys in the model dtype. :meth:`EncodedChunk.decode` is the torch reference the kernels equal
+keys in the model dtype. :meth:`EncodedChunk.dequantize` is the torch reference the kernels equal
 bit for bit (after ``AttentionBackend.load_rotated_kv`` rotates it).
 """
 
@@ -111,7 +111,7 @@ class EncodedChunk:
         index = torch.cumsum(mask.flatten().long(), 0).sub_(1).view(mask.shape)
         return torch.where(mask, index, torch.full_like(index, -1))
 
-    def decode(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The torch reference: ``decode_reference`` of the layers, from ``token_lo`` on (a
         full-precision copy: the kernels never make one)."""
         from blendkv.store.codecs import decode_reference
@@ -151,7 +151,7 @@ def is_encoded(kv: object) -> bool:
 def load_encoded_reference(
     backend, kv_caches, first_layer, chunk: EncodedChunk, positions, slots, cos, sin
 ) -> None:
-    """The torch reference of a decoding load: decode, then the reference rotation and write
+    """The torch reference of a dequantising load: dequantise, then the reference rotation and write
     (``AttentionBackend.load_rotated_kv``; what both kernels equal bit for bit)."""
     from blendkv.kernels.attention import AttentionBackend
 
@@ -159,10 +159,10 @@ def load_encoded_reference(
     AttentionBackend.load_encoded_kv(backend, *args)
 
 
-def cpu_decode_rope_write(
+def cpu_dequant_rope_write(
     ops, kv_caches, first_layer, chunk: EncodedChunk, positions, slots, cos, sin
 ) -> bool:
-    """``decode_rope_write_kv`` on these arguments; False (nothing written) where it does not
+    """``dequant_rope_write_kv`` on these arguments; False (nothing written) where it does not
     take them (a float16 pool, a head_dim over 512, non-contiguous tables)."""
     pools = kv_caches[first_layer : first_layer + len(chunk)]
     dtype = pools[0].dtype if pools else None
@@ -189,7 +189,7 @@ def cpu_decode_rope_write(
 
     index = chunk.outlier_index()
     outlier_k = empty if enc.outlier_k is None else enc.outlier_k.to(dtype).contiguous()
-    ops.decode_rope_write_kv(
+    ops.dequant_rope_write_kv(
         *part_args(enc.k),
         *part_args(enc.v),
         empty if index is None else index,

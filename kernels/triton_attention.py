@@ -109,10 +109,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def load_encoded_kv(self, kv_caches, first_layer, chunk, positions, slots, cos, sin) -> None:
         """Decoded in the RoPE-at-load kernel, in one launch
-        (:func:`blendkv.kernels.triton.rope_load.decode_rope_load`)."""
-        from blendkv.kernels.triton.rope_load import decode_rope_load
+        (:func:`blendkv.kernels.triton.rope_load.dequant_rope_load`)."""
+        from blendkv.kernels.triton.rope_load import dequant_rope_load
 
-        decode_rope_load(kv_caches, first_layer, chunk, positions, slots, cos, sin)
+        dequant_rope_load(kv_caches, first_layer, chunk, positions, slots, cos, sin)
 
     def add_query_mass(
         self, scores, q, q_positions, kv_cache, slots, visible_prefix=0, *, scale=None,

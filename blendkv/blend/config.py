@@ -71,16 +71,13 @@ class BlendConfig:
             ``recompute_ratio`` of all reused tokens, goes to the other chunks' rows.
     """
 
-    # ProphetKV's pick + K correction at R = 0.10 by default: on all 50 MuSiQue dev examples it
-    # has a lower answer KL than V deviation + K at R = 0.15 (the default before) on both
-    # SmolLM2-135M and Qwen2.5-0.5B, at the same or a lower TTFT (README, "Fusion strategies").
+    # The defaults (ProphetKV's pick of a tenth, the K correction) are the measured best of the
+    # strategies tried, on both evaluated models: docs/guide/blending.md says what they cost.
     recompute_ratio: float | str = 0.10
     check_layer: int = 1
     selection: str = "prophet"
     schedule: tuple[tuple[int, float], ...] = ()
     seed: int = 0
-    # K correction on by default: it more than halves V deviation's answer KL at the same
-    # ratio and TTFT on SmolLM2-135M and Qwen2.5-0.5B (README, "Fusion strategies").
     correction: str = "k"
     correction_shrink: float = 32.0
     correction_prior: str = "zero"

@@ -21,8 +21,8 @@ one launch. Capturable because nothing in it depends on the request except devic
   is captured as consecutive graphs cut where the loader's stages begin
   (:func:`~blendkv.engine.kv_connector.load_stages`: layers 0, 1-2, 3-6, 7-14, ...), and the
   host orders the stream on a stage's loaded K/V before replaying its segment, as the eager
-  pass waits at each layer. One replay for the whole pass waited for every layer's loads first:
-  on an H200 it lost 5-7 ms to the eager pass at 6-16K tokens.
+  pass waits at each layer (one replay of the whole pass would wait for every layer's loads
+  first, losing the overlap).
 
 It runs for a step with one ProphetKV sequence on a backend whose attention leaves the rows'
 log-sum-exp (``attention_lse``: the Triton one), else the pass runs eagerly. A capture that

@@ -161,13 +161,13 @@ struct Code {
 Code make_code(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero, int64_t gt,
                int64_t gd, int64_t bits, int64_t L, int64_t T_, int64_t H, int64_t D,
                const char* name) {
-  TORCH_CHECK(bits == 8 || bits == 4, "decode_rope_write_kv: ", name, " bits must be 8 or 4");
-  TORCH_CHECK(gt >= 1 && gd >= 1, "decode_rope_write_kv: ", name, " group sizes must be >= 1");
+  TORCH_CHECK(bits == 8 || bits == 4, "dequant_rope_write_kv: ", name, " bits must be 8 or 4");
+  TORCH_CHECK(gt >= 1 && gd >= 1, "dequant_rope_write_kv: ", name, " group sizes must be >= 1");
   const int64_t qd = bits == 8 ? D : D / 2;
   TORCH_CHECK(q.is_contiguous() && q.dim() == 4 && q.size(0) == L && q.size(1) == T_ &&
                   q.size(2) == H && q.size(3) == qd &&
                   q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
-              "decode_rope_write_kv: ", name,
+              "dequant_rope_write_kv: ", name,
               " codes must be contiguous int8 [L, T, H, D] (8 bits) or uint8 [L, T, H, D/2]");
   Code c;
   c.gt = gt;
@@ -177,11 +177,11 @@ Code make_code(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& z
   const std::vector<int64_t> want{L, c.groups_t, H, c.groups_d};
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.sizes() == at::IntArrayRef(want),
-              "decode_rope_write_kv: ", name,
+              "dequant_rope_write_kv: ", name,
               " scale must be contiguous float32 [L, ceil(T/gt), H, ceil(D/gd)]");
   TORCH_CHECK(zero.numel() == 0 || (zero.scalar_type() == at::kFloat && zero.is_contiguous() &&
                                     zero.sizes() == scale.sizes()),
-              "decode_rope_write_kv: ", name, " zero must be empty or shaped as its scale");
+              "dequant_rope_write_kv: ", name, " zero must be empty or shaped as its scale");
   if (bits == 8) {
     c.q8 = q.data_ptr<int8_t>();
   } else {
@@ -252,7 +252,7 @@ void decode_layer(const Code& k, const Code& v, int64_t l, const int64_t* outlie
   }
 }
 
-void decode_rope_write_kv(const at::Tensor& kq, const at::Tensor& kscale, const at::Tensor& kzero,
+void dequant_rope_write_kv(const at::Tensor& kq, const at::Tensor& kscale, const at::Tensor& kzero,
                           int64_t kgt, int64_t kgd, int64_t kbits, const at::Tensor& vq,
                           const at::Tensor& vscale, const at::Tensor& vzero, int64_t vgt,
                           int64_t vgd, int64_t vbits, const at::Tensor& outlier_index,
@@ -260,61 +260,61 @@ void decode_rope_write_kv(const at::Tensor& kq, const at::Tensor& kscale, const 
                           int64_t token_lo, int64_t head_dim, at::TensorList pools,
                           int64_t first_layer, const at::Tensor& positions,
                           const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(kq.dim() == 4, "decode_rope_write_kv: codes must be [L, T, H, *]");
+  TORCH_CHECK(kq.dim() == 4, "dequant_rope_write_kv: codes must be [L, T, H, *]");
   const int64_t L = kq.size(0), T_ = kq.size(1), H = kq.size(2), D = head_dim;
   const int64_t n = positions.numel();
-  TORCH_CHECK(D % 2 == 0 && D <= 512, "decode_rope_write_kv: head_dim must be even and <= 512");
-  TORCH_CHECK(token_lo >= 0 && token_lo + n <= T_, "decode_rope_write_kv: tokens out of range");
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "dequant_rope_write_kv: head_dim must be even and <= 512");
+  TORCH_CHECK(token_lo >= 0 && token_lo + n <= T_, "dequant_rope_write_kv: tokens out of range");
   TORCH_CHECK(first_layer >= 0 && first_layer + L <= static_cast<int64_t>(pools.size()),
-              "decode_rope_write_kv: layers out of range");
+              "dequant_rope_write_kv: layers out of range");
   const Code k = make_code(kq, kscale, kzero, kgt, kgd, kbits, L, T_, H, D, "K");
   const Code v = make_code(vq, vscale, vzero, vgt, vgd, vbits, L, T_, H, D, "V");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
                   positions.is_contiguous() && slots.is_contiguous() && slots.numel() == n,
-              "decode_rope_write_kv: positions and slots must be contiguous int64 [T]");
+              "dequant_rope_write_kv: positions and slots must be contiguous int64 [T]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
                   cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "decode_rope_write_kv: cos and sin must be contiguous float32 [P, head_dim]");
+              "dequant_rope_write_kv: cos and sin must be contiguous float32 [P, head_dim]");
   const auto dtype = pools[first_layer].scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-              "decode_rope_write_kv: float32 or bfloat16 pools only");
+              "dequant_rope_write_kv: float32 or bfloat16 pools only");
   const int64_t* oi = nullptr;
   int64_t num_outliers = 0;
   if (outlier_index.numel()) {
     TORCH_CHECK(outlier_index.scalar_type() == at::kLong && outlier_index.is_contiguous() &&
                     outlier_index.numel() == L * H,
-                "decode_rope_write_kv: outlier_index must be contiguous int64 [L, H]");
+                "dequant_rope_write_kv: outlier_index must be contiguous int64 [L, H]");
     oi = outlier_index.data_ptr<int64_t>();
   }
   for (const at::Tensor* o : {&outlier_k, &outlier_v}) {
     if (o->numel() == 0) continue;
     TORCH_CHECK(oi && o->scalar_type() == dtype && o->is_contiguous() && o->dim() == 3 &&
                     o->size(1) == T_ && o->size(2) == D,
-                "decode_rope_write_kv: outlier values must be contiguous [N, T, head_dim] of "
+                "dequant_rope_write_kv: outlier values must be contiguous [N, T, head_dim] of "
                 "the pool dtype, with an outlier_index");
     num_outliers = o->size(0);
   }
   if (oi) {
     for (int64_t i = 0; i < L * H; ++i) {
-      TORCH_CHECK(oi[i] < num_outliers, "decode_rope_write_kv: outlier index out of range");
+      TORCH_CHECK(oi[i] < num_outliers, "dequant_rope_write_kv: outlier index out of range");
     }
   }
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0),
-                "decode_rope_write_kv: position out of the table");
+                "dequant_rope_write_kv: position out of the table");
   }
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor& pool = pools[first_layer + i];
     TORCH_CHECK(pool.scalar_type() == dtype && pool.is_contiguous() && pool.dim() == 5 &&
                     pool.size(0) == 2 && pool.size(3) == H && pool.size(4) == D,
-                "decode_rope_write_kv: pools must be contiguous [2, blocks, block_size, H, D] "
+                "dequant_rope_write_kv: pools must be contiguous [2, blocks, block_size, H, D] "
                 "of one dtype");
     const int64_t pool_slots = pool.size(1) * pool.size(2);
     for (int64_t t = 0; t < n; ++t) {
-      TORCH_CHECK(sl[t] >= 0 && sl[t] < pool_slots, "decode_rope_write_kv: slot out of the pool");
+      TORCH_CHECK(sl[t] >= 0 && sl[t] < pool_slots, "dequant_rope_write_kv: slot out of the pool");
     }
   }
   at::parallel_for(0, L, 1, [&](int64_t lo, int64_t hi) {
@@ -346,10 +346,10 @@ TORCH_LIBRARY_FRAGMENT(blendkv_cpu, m) {
       "Tensor slots, Tensor cos, Tensor sin) -> ()");
   m.impl("rope_write_kv", c10::DispatchKey::CPU, TORCH_FN(rope_write_kv));
   m.def(
-      "decode_rope_write_kv(Tensor kq, Tensor kscale, Tensor kzero, int kgt, int kgd, int kbits, "
+      "dequant_rope_write_kv(Tensor kq, Tensor kscale, Tensor kzero, int kgt, int kgd, int kbits, "
       "Tensor vq, Tensor vscale, Tensor vzero, int vgt, int vgd, int vbits, "
       "Tensor outlier_index, Tensor outlier_k, Tensor outlier_v, int token_lo, int head_dim, "
       "Tensor(a!)[] pools, int first_layer, Tensor positions, Tensor slots, Tensor cos, "
       "Tensor sin) -> ()");
-  m.impl("decode_rope_write_kv", c10::DispatchKey::CPU, TORCH_FN(decode_rope_write_kv));
+  m.impl("dequant_rope_write_kv", c10::DispatchKey::CPU, TORCH_FN(dequant_rope_write_kv));
 }

@@ -179,7 +179,7 @@ def rope_load_reference(
         write_kv_cache(kv_caches[first_layer + i], rotated, v, slots)
 
 
-# ---- decode at load ----------------------------------------------------------------------
+# ---- dequantise at load-------------------------------------------------------------------
 @triton.jit
 def _decode_rows(q_ptr, s_ptr, z_ptr, layer, t, h, d, mask, num_tokens, num_kv_heads,
                  head_dim, gt, gd, groups_t, groups_d, BITS: tl.constexpr,
@@ -203,7 +203,7 @@ def _decode_rows(q_ptr, s_ptr, z_ptr, layer, t, h, d, mask, num_tokens, num_kv_h
 
 
 @triton.jit
-def _decode_rope_load_kernel(
+def _dequant_rope_load_kernel(
     kq_ptr,
     ks_ptr,
     kz_ptr,
@@ -297,7 +297,7 @@ def _decode_rope_load_kernel(
     tl.store(dst + stride_c2, v.to(dt), mask=mask)
 
 
-def decode_rope_load(
+def dequant_rope_load(
     kv_caches: list[torch.Tensor],
     first_layer: int,
     chunk,
@@ -308,7 +308,7 @@ def decode_rope_load(
 ) -> None:
     """:func:`rope_load` of an encoded chunk (:class:`blendkv.kernels.kv_dequant.EncodedChunk`,
     on the caches' device): decoded in the kernel, in one launch per layer group. Torch
-    reference: :func:`decode_rope_load_reference` (the same bits)."""
+    reference: :func:`dequant_rope_load_reference` (the same bits)."""
     num_layers, _, num_new, num_kv_heads, head_dim = chunk.shape
     caches = kv_caches[first_layer : first_layer + num_layers]
     assert len(caches) == num_layers and num_new == positions.numel() == slots.numel()
@@ -339,7 +339,7 @@ def decode_rope_load(
         def at(x, lo=lo):
             return x[lo:]
 
-        _decode_rope_load_kernel[(num_new, hi - lo)](
+        _dequant_rope_load_kernel[(num_new, hi - lo)](
             at(kq), at(ks), at(kz), at(vq), at(vs), at(vz),
             at(index) if index is not None else ks,
             outlier_k[int(enc.outlier_heads[:lo].sum()) :] if index is not None else ks,
@@ -355,7 +355,7 @@ def decode_rope_load(
         )  # fmt: skip
 
 
-def decode_rope_load_reference(
+def dequant_rope_load_reference(
     kv_caches: list[torch.Tensor],
     first_layer: int,
     chunk,
@@ -364,7 +364,7 @@ def decode_rope_load_reference(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    """Torch reference of :func:`decode_rope_load`: ``decode_reference`` in the pool dtype, then
+    """Torch reference of :func:`dequant_rope_load`: ``decode_reference`` in the pool dtype, then
     :func:`rope_load_reference`."""
-    kv = chunk.decode(kv_caches[first_layer].dtype)
+    kv = chunk.dequantize(kv_caches[first_layer].dtype)
     rope_load_reference(kv_caches, first_layer, kv, positions, slots, cos, sin)

@@ -1,5 +1,5 @@
 """A blended request makes the host wait for the device at most 3 times, however many layers
-the model has (issue 37, item 1): no ``.item()``, ``.tolist()``, ``.cpu()`` of a device tensor,
+the model has: no ``.item()``, ``.tolist()``, ``.cpu()`` of a device tensor,
 ``nonzero`` or boolean-mask gather inside the layer loop.
 
 Counted on the CPU by the launch counter's :class:`HostSyncs` (``blendkv bench launches``),

@@ -1,4 +1,4 @@
-"""Fusion strategies beyond CacheBlend's V deviation (issue 15), on a 6-layer random model:
+"""Fusion strategies beyond CacheBlend's V deviation, on a 6-layer random model:
 ratio 1.0 is full prefill, ratio 0 is reuse, the picked rows are the ones each definition
 names, budgets hold, and requests with different strategies batched in one step equal each
 run alone."""

@@ -1,4 +1,4 @@
-"""No request stalls the others (issue 39): while a request with many new documents and one
+"""No request stalls the others: while a request with many new documents and one
 with a long prompt run, a running stream keeps getting tokens, a new short request starts
 within a few steps, and aborting the documents' request stops its precompute and frees its
 blocks (the chunks computed so far stay stored). Counted in engine steps, never in seconds."""

@@ -1,4 +1,4 @@
-"""The server under one heavy request (issue 39), driven by the official ``openai`` client:
+"""The server under one heavy request, driven by the official ``openai`` client:
 while a chat request with hundreds of new documents is precomputed, a running stream gets a
 token every engine step and a new short request is answered before the documents are done;
 closing the big request's stream aborts it (no blocks left, no more precompute). Size limits

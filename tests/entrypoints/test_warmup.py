@@ -1,4 +1,4 @@
-"""The warm-up request at load (issue 38, item 7): it runs a prefill and a decode step, leaves
+"""The warm-up request at load: it runs a prefill and a decode step, leaves
 no trace (block pool, prefix cache, request ids, outputs), and can be switched off."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ CLI = "import sys; from blendkv.cli import main; sys.exit(main(sys.argv[1:]))"
 # chunked and split-key prefill, decode, ProphetKV's pass, CacheBlend's pick, the K/V
 # correction with the pooled prior, raw and int8 store loads).
 ENGINE_KERNELS = {
-    "_decode_rope_load_kernel",
+    "_dequant_rope_load_kernel",
     "_decode_stage1_kernel",
     "_decode_stage2_kernel",
     "_lse_kernel",

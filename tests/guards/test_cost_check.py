@@ -1,4 +1,4 @@
-"""A blend that never loses to full prefill (issue 37, item 2): a blended request that left its
+"""A blend that never loses to full prefill: a blended request that left its
 ``BlendConfig`` to the engine runs the cheaper of blend and full prefill, predicted from the
 loading controller's measurements (``blendkv.guards.cost_check``). Measurements are injected:
 no test here depends on timing."""

@@ -1,5 +1,5 @@
 """Blending from int8 / int4 stores end to end (tiny model, float32): chunks stay encoded up to
-the load kernel (decode at load), on every loading path, with the same bits on each; ratio 1.0
+the load kernel (dequantise at load), on every loading path, with the same bits on each; ratio 1.0
 still equals full prefill (recomputed rows do not depend on stored K/V)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a user sees when a model folder is incomplete, and while models load (issue 38, item 10):
+"""What a user sees when a model folder is incomplete, and while models load:
 one typed error line for a folder without tokenizer files, no transformers progress bar in
 the middle of an ingest's."""
 

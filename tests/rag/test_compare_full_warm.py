@@ -1,5 +1,5 @@
 """``ask --compare-full`` reports warm TTFTs: each side's first run in the process is not
-timed, and the median of the timed runs is reported (issue 38, item 7)."""
+timed, and the median of the timed runs is reported."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``dtype="auto"`` opens a store in the dtype it was built with; an explicit other dtype is
-refused with the fix in the message (issue 38, item 3).
+refused with the fix in the message.
 
 The store is built in the dtype ``auto`` does *not* pick on this machine, so following the
 store is what makes the second open work.

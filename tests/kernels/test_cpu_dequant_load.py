@@ -1,4 +1,4 @@
-"""Decode at load on the CPU (``torch.ops.blendkv_cpu.decode_rope_write_kv``): an int8 / int4
+"""Dequantise at load on the CPU (``torch.ops.blendkv_cpu.dequant_rope_write_kv``): an int8 / int4
 chunk decoded, K rotated and written into the pool equals the torch reference (decode with
 ``store.codecs.decode_reference``, then ``AttentionBackend.load_rotated_kv``) bit for bit."""
 
@@ -9,7 +9,7 @@ import torch
 from codec_cases import encoded_chunk, rotary_tables
 from helpers import needs_cpp_compiler
 
-from blendkv.kernels.kv_dequant import cpu_decode_rope_write, load_encoded_reference
+from blendkv.kernels.kv_dequant import cpu_dequant_rope_write, load_encoded_reference
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 
 pytestmark = needs_cpp_compiler
@@ -35,7 +35,7 @@ def _load(ops, codec, dtype, outliers, head_dim=8, seed=0):
     expected, actual = [p.clone() for p in pool], [p.clone() for p in pool]
     backend = TorchAttentionBackend("cpu")
     load_encoded_reference(backend, expected, 2, part, positions, slots, cos, sin)
-    assert cpu_decode_rope_write(ops, actual, 2, part, positions, slots, cos, sin)
+    assert cpu_dequant_rope_write(ops, actual, 2, part, positions, slots, cos, sin)
     return actual, expected
 
 
@@ -65,4 +65,4 @@ def test_decode_rope_write_kv_rejects_a_cut_past_the_chunk(ops):
     cos, sin = rotary_tables(64, 8)
     positions = slots = torch.arange(40)  # 40 tokens of a 37-token chunk
     with pytest.raises(RuntimeError, match="tokens out of range"):
-        cpu_decode_rope_write(ops, pool, 0, chunk, positions, slots, cos, sin)
+        cpu_dequant_rope_write(ops, pool, 0, chunk, positions, slots, cos, sin)

@@ -1,4 +1,4 @@
-"""Decode at load in Triton (``decode_rope_load``, under ``TRITON_INTERPRET=1`` without CUDA):
+"""Dequantise at load in Triton (``dequant_rope_load``, under ``TRITON_INTERPRET=1`` without CUDA):
 an int8 / int4 chunk decoded, K rotated and written equals the torch reference
 (``decode_reference`` then ``rope_load_reference``) bit for bit, on one pool and on separate
 layer caches, float32 and bfloat16."""
@@ -12,8 +12,8 @@ from codec_cases import encoded_chunk, rotary_tables
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from blendkv.kernels.triton.rope_load import (  # noqa: E402
-    decode_rope_load,
-    decode_rope_load_reference,
+    dequant_rope_load,
+    dequant_rope_load_reference,
 )
 
 
@@ -49,8 +49,8 @@ def test_decode_rope_load_writes_the_reference_bits(device, codec, outliers, lay
     cos, sin = (t.to(device) for t in rotary_tables(64, 8))
     slots, positions = slots.to(device), positions.to(device)
     expected, actual = [c.clone() for c in caches], [c.clone() for c in caches]
-    decode_rope_load_reference(expected, 2, chunk, positions, slots, cos, sin)
-    decode_rope_load(actual, 2, chunk, positions, slots, cos, sin)
+    dequant_rope_load_reference(expected, 2, chunk, positions, slots, cos, sin)
+    dequant_rope_load(actual, 2, chunk, positions, slots, cos, sin)
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a.view(torch.int8), e.view(torch.int8))  # bits
     assert torch.equal(actual[1], caches[1]) and not torch.equal(actual[2], caches[2])
