@@ -92,107 +92,130 @@ class ChunkLoader:
         precompute_before = stats.precompute_seconds
         errors_before = self.manager.store.connection_errors
         stats.prefix_cached_tokens = start
-        config = state.config
-        first = config.first_partial_layer
         spans = state.prompt.chunk_spans
         todo = [i for i, (_, e) in enumerate(spans) if e > start]
-        computed = state.take_precomputed()  # computed in earlier steps (precompute work)
-        ask = [i for i in todo if i not in computed]
-        missing = [i for i, stored in zip(ask, self._has([state.chunk_keys[i] for i in ask]),
-                                          strict=True) if not stored]  # fmt: skip
-        computed.update(self._compute(state, missing, precompute))
+        computed = self._precomputed(state, todo, precompute)
         table = torch.tensor(block_table, dtype=torch.long)
-        reused = torch.zeros(num_new, dtype=torch.bool)
+        rows = _ChunkRows(num_new)
         writes: list[ChunkWrite] = []
         layer_bytes: dict[str, int] = {}
-        chunk_ids = torch.full((num_new,), -1, dtype=torch.long)
-        chunk_offsets = torch.full((num_new,), -1, dtype=torch.long)
-        num_layers, kv_heads, head_dim = self.kv_shape
-        skips = self._window_skips(state, todo, start, first)
+        skips = self._window_skips(state, todo, start, state.config.first_partial_layer)
         # Last chunk first: a prefetch thread still reading this request's chunks goes from the
         # first, so the two meet in the middle instead of queueing behind each other.
         for i in reversed(todo):
-            s, e = spans[i]
-            lo = max(s, start)
-            reused[lo - start : e - start] = True
-            chunk_ids[lo - start : e - start] = i
-            chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
-            # per loaded layer, a prefix its sliding window never reads: reused, not loaded
-            base = min(skips[i], default=0)
-            lo += base
-            stats.window_skipped_tokens += sum(skips[i])
-            if lo == e:
+            lo = rows.mark(i, *spans[i], start)
+            write = self._chunk_write(state, i, lo, skips[i], computed, precompute)
+            if write is None:
                 continue
-            own = [k - base for k in skips[i]]  # what each layer skips past ``lo``
-            keep = (slice(first, None), slice(None), slice(lo - s, None))  # layers, positions
-            kv, tier, fetch, recover = computed.get(i), "computed", None, None
-            t_fetch = time.perf_counter()
-            if kv is None:
-                found = self._fetch(state.chunk_keys[i], stats)
-                if found is None:  # evicted or corrupt since the lookup: compute it after all
-                    kv = self._compute(state, [i], precompute)[i]
-                else:
-                    kv, tier = found
-                    stats.chunks_hit += 1
-                    if callable(kv):  # read later, in the loading thread
-                        view, kv = kv, None
-                        fetch = _deferred_fetch(view, keep)
-                        recover = _recovery(self, state, i, keep, stats, precompute)
-            positions = torch.arange(lo, e)
-            if kv is not None:
-                kv = kv[keep]
+            positions = write.positions
             slots = table[positions // block_size] * block_size + positions % block_size
-            write = ChunkWrite(
-                kv,
-                first,
-                positions.to(self.device, non_blocking=True),
-                slots.to(self.device, non_blocking=True),
-                owner=(stats, tier),
-                fetch_seconds=time.perf_counter() - t_fetch,
-                fetch=fetch,
-                recover=recover,
-                layer_skips=own if any(own) else None,
-            )
-            if lo == s and first == 0:  # the whole chunk: the device tier may keep it
-                self._offer(state.chunk_keys[i], write, tier)
+            write.slots = slots.to(self.device, non_blocking=True)
+            write.positions = positions.to(self.device, non_blocking=True)
             writes.append(write)
-            token_nbytes = 2 * kv_heads * head_dim * self.itemsize
-            loaded_nbytes = sum(e - lo - k for k in own) * token_nbytes
-            stats.kv_bytes_loaded += loaded_nbytes
-            layer_nbytes = loaded_nbytes // max(1, num_layers - first)  # a mean layer's
-            if tier != "computed" and num_layers > first:
-                layer_bytes[tier] = layer_bytes.get(tier, 0) + layer_nbytes
-        stats.tokens_reused = int(reused.sum())
-        exact = self._exact_rows(state, todo, start, num_new)
-        if config.auto_ratio:
-            ratio = self.controller.choose_ratio(
-                config.min_recompute_ratio,
-                config.max_recompute_ratio,
-                stats.tokens_reused,
-                num_new - stats.tokens_reused,
-                layer_bytes,
-                overlapped,
-            )
-            config = dataclasses.replace(config, recompute_ratio=ratio)
-            stats.chosen_recompute_ratio = ratio
+            self._count_bytes(write, layer_bytes, state.config.first_partial_layer)
+        stats.tokens_reused = int(rows.reused.sum())
+        config = self._ratio(state.config, stats, num_new, layer_bytes, overlapped)
         stats.store_errors += self.manager.store.connection_errors - errors_before
         precomputed = stats.precompute_seconds - precompute_before
         stats.load_seconds += time.perf_counter() - t0 - precomputed
-        gen = torch.Generator().manual_seed(config.seed)
         blend = SeqBlend(
             index,
-            reused,
+            rows.reused,
             config,
             state.prompt.query_start,
             stats.tokens_reused,
-            gen,
+            torch.Generator().manual_seed(config.seed),
             stats,
-            chunk_ids=chunk_ids,
-            chunk_offsets=chunk_offsets,
+            chunk_ids=rows.chunk_ids,
+            chunk_offsets=rows.chunk_offsets,
             num_chunks=len(spans),
-            exact=exact,
+            exact=self._exact_rows(state, todo, start, num_new),
         )
         return blend, writes
+
+    def _precomputed(
+        self, state: BlendRequestState, todo: list[int], precompute: Precompute | None
+    ) -> dict[int, torch.Tensor]:
+        """K/V of the chunks of ``todo`` computed for this request: in earlier steps
+        (precompute work), or now, for a chunk neither stored nor waiting in the writer."""
+        computed = state.take_precomputed()
+        ask = [i for i in todo if i not in computed]
+        stored = self._has([state.chunk_keys[i] for i in ask])
+        missing = [i for i, hit in zip(ask, stored, strict=True) if not hit]
+        computed.update(self._compute(state, missing, precompute))
+        return computed
+
+    def _chunk_write(
+        self, state, i: int, lo: int, skips: list[int], computed: dict, precompute
+    ) -> ChunkWrite | None:
+        """The write of chunk ``i``'s K/V from position ``lo`` on into the pool (positions set,
+        slots not yet), found in ``computed``, a tier or the store (a read deferred to the
+        loading thread where it can be); None when no loaded layer reads any of it."""
+        stats, first = state.stats, state.config.first_partial_layer
+        s, e = state.prompt.chunk_spans[i]
+        # per loaded layer, a prefix its sliding window never reads: reused, not loaded
+        base = min(skips, default=0)
+        lo += base
+        stats.window_skipped_tokens += sum(skips)
+        if lo == e:
+            return None
+        own = [k - base for k in skips]  # what each layer skips past ``lo``
+        keep = (slice(first, None), slice(None), slice(lo - s, None))  # layers, positions
+        kv, tier, fetch, recover = computed.get(i), "computed", None, None
+        t_fetch = time.perf_counter()
+        if kv is None:
+            found = self._fetch(state.chunk_keys[i], stats)
+            if found is None:  # evicted or corrupt since the lookup: compute it after all
+                kv = self._compute(state, [i], precompute)[i]
+            else:
+                kv, tier = found
+                stats.chunks_hit += 1
+                if callable(kv):  # read later, in the loading thread
+                    view, kv = kv, None
+                    fetch = _deferred_fetch(view, keep)
+                    recover = _recovery(self, state, i, keep, stats, precompute)
+        write = ChunkWrite(
+            None if kv is None else kv[keep],
+            first,
+            torch.arange(lo, e),
+            None,
+            owner=(stats, tier),
+            fetch_seconds=time.perf_counter() - t_fetch,
+            fetch=fetch,
+            recover=recover,
+            layer_skips=own if any(own) else None,
+        )
+        if lo == s and first == 0:  # the whole chunk: the device tier may keep it
+            self._offer(state.chunk_keys[i], write, tier)
+        return write
+
+    def _count_bytes(self, write: ChunkWrite, layer_bytes: dict[str, int], first: int) -> None:
+        """Count ``write``'s bytes in its request's stats and, per tier, a mean layer's bytes
+        (what the loading controller weighs against a layer's compute)."""
+        num_layers, kv_heads, head_dim = self.kv_shape
+        stats, tier = write.owner
+        token_nbytes = 2 * kv_heads * head_dim * self.itemsize
+        skips = write.layer_skips or [0] * (num_layers - first)
+        loaded_nbytes = sum(len(write.positions) - k for k in skips) * token_nbytes
+        stats.kv_bytes_loaded += loaded_nbytes
+        layer_nbytes = loaded_nbytes // max(1, num_layers - first)  # a mean layer's
+        if tier != "computed" and num_layers > first:
+            layer_bytes[tier] = layer_bytes.get(tier, 0) + layer_nbytes
+
+    def _ratio(self, config, stats, num_new: int, layer_bytes, overlapped: bool):
+        """``config``, its ``"auto"`` ratio chosen by the loading controller (into ``stats``)."""
+        if not config.auto_ratio:
+            return config
+        ratio = self.controller.choose_ratio(
+            config.min_recompute_ratio,
+            config.max_recompute_ratio,
+            stats.tokens_reused,
+            num_new - stats.tokens_reused,
+            layer_bytes,
+            overlapped,
+        )
+        stats.chosen_recompute_ratio = ratio
+        return dataclasses.replace(config, recompute_ratio=ratio)
 
     def _exact_rows(self, state, todo: list[int], start: int, num_new: int):
         """bool [num_new]: the rows of chunks whose stored K/V is full prefill's (stored
@@ -322,6 +345,25 @@ class ChunkLoader:
         state.stats.precompute_seconds += time.perf_counter() - t0
         state.stats.chunks_missed += len(misses)
         return dict(zip(misses, kvs, strict=True))
+
+
+class _ChunkRows:
+    """Which of a fused prefill's ``num_new`` rows (from position ``start``) are reused chunk
+    tokens, of which chunk, at which offset in it (-1: not a chunk token)."""
+
+    def __init__(self, num_new: int) -> None:
+        self.reused = torch.zeros(num_new, dtype=torch.bool)
+        self.chunk_ids = torch.full((num_new,), -1, dtype=torch.long)
+        self.chunk_offsets = torch.full((num_new,), -1, dtype=torch.long)
+
+    def mark(self, i: int, s: int, e: int, start: int) -> int:
+        """Chunk ``i`` spans positions ``s .. e``: mark its rows past ``start``; returns its
+        first position loaded (past the prefix-cache hit)."""
+        lo = max(s, start)
+        self.reused[lo - start : e - start] = True
+        self.chunk_ids[lo - start : e - start] = i
+        self.chunk_offsets[lo - start : e - start] = torch.arange(lo - s, e - s)
+        return lo
 
 
 def _deferred_fetch(
