@@ -13,6 +13,7 @@ forward follows :class:`BlendRowPlan`. The connector never runs the model.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from blendkv.blend.prophet import plan_query_pass
 from blendkv.blend.row_plan import BlendRowPlan
@@ -20,12 +21,12 @@ from blendkv.blend.stats import BlendStats
 from blendkv.connector.config import blend_connector_config
 from blendkv.connector.manager import BlendManager
 from blendkv.connector.request_state import BlendRequestState
-from blendkv.connector.step_metadata import BlendConnectorMetadata, FusedPrefill
 from blendkv.engine.kv_connector import (
     ConnectorPrompt,
     ForwardInputs,
     KVConnectorBase,
     KVConnectorContext,
+    KVConnectorMetadata,
 )
 from blendkv.engine.scheduler_output import PrecomputeWork
 from blendkv.guards.cost_check import ModelCosts, apply_choice, qkv_share
@@ -41,6 +42,26 @@ from blendkv.loading.layer_load import (
 )
 from blendkv.loading.prefetch import ChunkPrefetcher
 from blendkv.models.model_files import weights_hash
+
+
+@dataclass(frozen=True)
+class FusedPrefill:
+    """One blended request whose fused prefill runs in this step."""
+
+    index: int  # position of the sequence in the step's batch
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: tuple[int, ...]
+
+
+@dataclass
+class BlendConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side tells the worker side about one step."""
+
+    fused: list[FusedPrefill] = field(default_factory=list)
+    # Rows of a step of plain prefills only (no fused prefill, no decode): full prefill's rate
+    prefill_rows: int = 0
 
 
 class BlendConnector(KVConnectorBase):

@@ -21,8 +21,7 @@ import torch
 import xxhash
 
 from blendkv.blend.config import BlendConfig
-from blendkv.connector.prompt import BlendedPrompt, PromptBuilder
-from blendkv.connector.prompt_input import parse_prompt
+from blendkv.connector.prompt import BlendedPrompt, PromptBuilder, parse_prompt
 from blendkv.connector.request_state import BlendRequestState
 from blendkv.layers.rotary import rope_parameters
 from blendkv.store import (
