@@ -85,9 +85,9 @@ BLEND_DOCS = [
 BLEND_QUERY = "Which city is the capital of France?"
 
 
-def blend_llm(path, store, pipelined: bool | None):
+def blend_llm(path, store, pipelined: bool | None, **options):
     """An engine on ``path``'s tiny model for the loading tests: float32, blocks of 4, no
-    prefix cache, its chunk store in ``store``."""
+    prefix cache, its chunk store in ``store`` (``options``: more of its options)."""
     return QuietLLM(
         str(path),
         dtype="float32",
@@ -95,6 +95,7 @@ def blend_llm(path, store, pipelined: bool | None):
         enable_prefix_caching=False,
         kv_store_dir=str(store),
         pipeline_kv_load=pipelined,
+        **options,
     )
 
 
