@@ -105,12 +105,23 @@ class KVStore:
         self._deferred_deletes: set[bytes] = set()  # corrupt values seen through a snapshot
         self._env: lmdb.Environment | None = None
         self._reg_key = None
+        self._open(fingerprint, create=create, map_size=map_size, sync=sync)
+        self.inspect_only = fingerprint is None
+
+    def _open(
+        self, fingerprint: ModelFingerprint | None, *, create: bool, map_size: int, sync: bool
+    ) -> None:
+        """Open (or create) the LMDB environment, check its format and the fingerprint, then
+        adopt the saved ``max_bytes`` (none given) or save the given one. On any error the
+        store is closed again (this process may then open the directory anew)."""
         is_new = opening.check_directory(
-            self.path, create=create, readonly=readonly, fingerprint=fingerprint
+            self.path, create=create, readonly=self.readonly, fingerprint=fingerprint
         )
         self._reg_key = opening.register(self.path)
         try:
-            self._env = opening.open_env(self.path, readonly=readonly, map_size=map_size, sync=sync)
+            self._env = opening.open_env(
+                self.path, readonly=self.readonly, map_size=map_size, sync=sync
+            )
             self._dbs = opening.open_dbs(self._env, self.path, create=is_new)
             if is_new:
                 self._write(lambda txn, _: opening.initialise(txn, self._dbs, fingerprint))
@@ -119,14 +130,14 @@ class KVStore:
                     txn, self._dbs, self.path, fingerprint
                 )
                 saved = opening.read_max_bytes(txn, self._dbs)
+            max_bytes = self.max_bytes
             if max_bytes is None:
                 self.max_bytes = saved
-            elif max_bytes != saved and not readonly:
+            elif max_bytes != saved and not self.readonly:
                 self._write(lambda txn, _: opening.write_max_bytes(txn, self._dbs, max_bytes))
         except BaseException:
             self.close()
             raise
-        self.inspect_only = fingerprint is None
 
     @locked
     def close(self) -> None:

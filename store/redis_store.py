@@ -84,16 +84,7 @@ class RedisKVStore:
                 "a Redis store's size is bounded by the server's maxmemory (and its eviction "
                 "policy, e.g. allkeys-lru), not max_bytes"
             )
-        from redis.exceptions import ClusterError, RedisClusterException
-
-        # A cluster slot whose master is down (CLUSTERDOWN, TRYAGAIN, not covered) is a lost
-        # connection too: reads miss, writes fail, until a replica is promoted.
-        self._redis_errors = (
-            redis.ConnectionError,
-            redis.TimeoutError,
-            ClusterError,
-            RedisClusterException,
-        )
+        self._redis_errors = _lost_connection_errors()
         self.wait_timeout_ms = int(socket_timeout * 1000)
         self._replicated: dict[str, tuple[bool, float]] = {}  # node -> (has a replica, when)
         self.url = url
@@ -573,6 +564,16 @@ class RedisKVStore:
                 report.add("id_mismatch", record["chunk_id"], "id map disagrees")
             report.entries += 1
             report.bytes += record["nbytes"]
+
+
+def _lost_connection_errors() -> tuple[type[Exception], ...]:
+    """The redis-py errors that mean the server is out of reach. A cluster slot whose master is
+    down (CLUSTERDOWN, TRYAGAIN, not covered) is a lost connection too: reads miss, writes
+    fail, until a replica is promoted."""
+    import redis
+    from redis.exceptions import ClusterError, RedisClusterException
+
+    return (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException)
 
 
 def _client_for(url: str, socket_timeout: float):
