@@ -59,7 +59,7 @@ def register_bench(sub) -> None:
         default=4,
         help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
     )
-    add_config_args(d, EngineConfig, ("attention_backend",))  # GEMMs: BLENDKV_CPU_GEMM
+    add_config_args(d, EngineConfig, ("attention_backend", "cpu_gemm"))
     d.add_argument("--json", default=None)
     d.set_defaults(func=_run("decode"))
     sm = bench.add_parser("sampler", help="a sampler step with penalties vs plain greedy")
@@ -134,7 +134,7 @@ def register_bench(sub) -> None:
 
 
 def _add_gemm(bench) -> None:
-    p = bench.add_parser("gemm", help="CPU GEMM libraries at a model's shapes (BLENDKV_CPU_GEMM)")
+    p = bench.add_parser("gemm", help="CPU GEMM libraries at a model's shapes (cpu_gemm)")
     add_config_args(p, EngineConfig, ("model",))
     p.add_argument("--rows", default="1,32,2048")
     p.add_argument("--threads", type=int, default=2)
