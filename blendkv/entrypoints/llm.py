@@ -144,7 +144,9 @@ class LLM:
         """Run every prompt to completion, batched; outputs in the order of ``prompts``.
 
         A prompt is a string, a list of token ids, or a blended prompt dict. All requests are
-        validated before any is queued: a bad one raises and nothing runs.
+        validated before any is queued: a bad one raises and nothing runs. ``request_kwargs``
+        go to every request: ``blend`` (a BlendConfig), ``token_map=True`` (each output's
+        ``blend_stats.token_map`` says how every prompt token was computed), ``logits_from``.
         """
         prompts = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
