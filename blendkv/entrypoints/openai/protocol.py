@@ -3,7 +3,8 @@
 The OpenAI fields blendkv serves, vLLM's sampling extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) and blendkv's
 own: ``documents`` (vLLM's chat field), ``blend`` (a :class:`~blendkv.blend.config.BlendConfig`),
-``rag`` (retrieve from the server's store), and ``blendkv`` in responses (the blend stats).
+``rag`` (retrieve from the server's store), ``token_map`` (how each prompt token was computed),
+and ``blendkv`` in responses (the blend stats, the sources, the token map).
 Ranges are checked by the engine's own validation (``SamplingParams``, ``BlendConfig``), not
 repeated here; pydantic checks types. Unknown request fields are ignored, as OpenAI-compatible
 servers do. Every string of a request body (values and object keys, at any depth) is cleaned
@@ -123,6 +124,7 @@ class CompletionRequest(SamplingRequest):
     documents: Any = None
     blend: Any = None
     rag: Any = None
+    token_map: Any = None
 
 
 class ContentPart(OpenAIModel):
@@ -190,6 +192,8 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[Document] | None = None
     blend: BlendOptions | None = None
     rag: RAGOptions | None = None
+    # with documents or rag: blendkv.token_map in the response (blendkv.blend.token_map)
+    token_map: bool = False
     tool_choice: Any = None  # only "none" (tools are refused)
     echo: Any = None
     continue_final_message: Any = None
