@@ -316,12 +316,16 @@ def test_ask_streams_the_answer_sources_and_token_map(server, browser, screensho
     page.close()
 
 
-def test_documents_pasted_into_the_page_render_as_text(open_server, browser):
+def test_documents_pasted_into_the_page_render_as_text(open_server, browser, tmp_path, screenshots):
     page = page_on(browser, open_server, key=None)
     p = page.page
     assert p.is_disabled("#mode-store") and p.is_checked("#mode-documents")  # no store
     p.fill(".doc-title", "<b>markup</b>.html")
     p.fill(".doc-text", f"Quoted from a web page: {SCRIPT} Python was created by Guido.")
+    chosen = tmp_path / "python.md"
+    chosen.write_text("Python 0.9.0 was released in February 1991.")
+    p.set_input_files("#doc-files", str(chosen))  # a file chosen (or dropped) joins them
+    p.wait_for_selector("#doc-list .doc:nth-child(2)")
     p.click(".options summary")
     p.fill("#max-tokens", "4")
     page.ask(QUESTION)
@@ -330,8 +334,9 @@ def test_documents_pasted_into_the_page_render_as_text(open_server, browser):
     for where in ("#sources", "#tokens", "#answers"):
         assert p.locator(f"{where} script, {where} img, {where} b").count() == 0
     assert SCRIPT in p.text_content("#source-list .excerpt")
-    assert p.text_content("#source-list .name") == "<b>markup</b>.html"
+    assert page.texts("#source-list .name") == ["<b>markup</b>.html", "python.md"]
     assert "<script>" in "".join(page.texts("#tokens .t"))
+    p.screenshot(path=str(screenshots / "ui-documents.png"), full_page=True)
     p.click('.tab[data-tab="store"]')
     p.wait_for_selector("#store-none:not([hidden])")
     assert page.errors == [] and page.csp_violations() == []

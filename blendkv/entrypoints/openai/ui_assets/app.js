@@ -21,12 +21,16 @@ const KIND_HELP = {
   n: "no stored K/V (template, question): computed",
 };
 const TIER_LABELS = {
-  device: "device memory",
-  memory: "host memory tier",
-  lmdb: "LMDB store",
-  redis: "Redis store",
-  computed: "computed now (missed the store)",
+  device: "K/V from device memory",
+  memory: "K/V from host memory",
+  lmdb: "K/V from the LMDB store",
+  redis: "K/V from the Redis store",
+  computed: "K/V computed now (it was not stored)",
 };
+
+function tierLabel(tier) {
+  return TIER_LABELS[tier] || `K/V from ${tier}`;
+}
 
 const state = {
   key: sessionStorage.getItem(KEY_STORAGE) || "",
@@ -449,7 +453,7 @@ function renderSources(sources, map) {
     if (s.position !== undefined) meta.push(`chunk ${s.position} of its document`);
     if (s.chunk_id !== undefined) meta.push(`stored chunk ${s.chunk_id}`);
     if (map && map.chunk_tiers && map.chunk_tiers[i]) {
-      meta.push(`K/V from ${TIER_LABELS[map.chunk_tiers[i]] || map.chunk_tiers[i]}`);
+      meta.push(tierLabel(map.chunk_tiers[i]));
     }
     if (map && map.chunk_spans && map.chunk_spans[i]) {
       const [a, b] = map.chunk_spans[i];
@@ -482,7 +486,7 @@ function segmentLabel(map, sources, i) {
     const name = sourceName(s, c);
     const tier = map.chunk_tiers && map.chunk_tiers[c];
     const exact = map.chunk_exact && map.chunk_exact[c] ? ", stored K/V exact" : "";
-    return `chunk ${c + 1}: ${name}${tier ? ` (${TIER_LABELS[tier] || tier}${exact})` : ""}`;
+    return `chunk ${c + 1}: ${name}${tier ? ` (${tierLabel(tier)}${exact})` : ""}`;
   }
   const firstChunk = map.chunk_spans.length ? map.chunk_spans[0][0] : map.num_tokens;
   return i < firstChunk ? "template" : "question and template";
@@ -875,6 +879,10 @@ function wire() {
     radio.addEventListener("change", onModeChange);
   }
   $("add-doc").addEventListener("click", () => addDocument("", ""));
+  $("doc-files").addEventListener("change", (e) => {
+    readDroppedFiles(e.target.files);
+    e.target.value = "";
+  });
   const zone = $("drop-zone");
   zone.addEventListener("dragover", (e) => {
     e.preventDefault();
