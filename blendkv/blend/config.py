@@ -177,6 +177,22 @@ class BlendConfig:
             layers[layer] = ratios[j]
         return layers
 
+    def unused_fields(self) -> dict[str, str]:
+        """Field -> why this config does not use it (its value changes nothing)."""
+        unused = {}
+        if self.full_reuse:
+            why = "recompute_ratio 0 reuses every layer (no selection)"
+            unused.update(check_layer=why, selection=why, reselect=why)
+        elif self.selection == "prophet":
+            unused["check_layer"] = "selection 'prophet' picks its rows from layer 0"
+        if not self.auto_ratio:
+            why = "it bounds recompute_ratio 'auto' only"
+            unused.update(min_recompute_ratio=why, max_recompute_ratio=why)
+        if self.correction == "none":
+            why = "correction is 'none'"
+            unused.update(correction_shrink=why, correction_prior=why)
+        return unused
+
     def score_at(self, layer_idx: int) -> str:
         """The scoring strategy at a selection layer (re-checks of one-shot scores use V)."""
         if layer_idx != self.first_selection_layer and self.selection in _ONE_SHOT:
