@@ -25,8 +25,9 @@ def add_store_max_bytes_arg(p: argparse.ArgumentParser) -> None:
         type=size_arg,
         default=None,
         metavar="SIZE",
-        help="the store's size limit, e.g. 20G, saved in the store (default: the saved one, "
-        "if any); past it, chunks no document owns are evicted, then ingest stops",
+        help="the store's size limit on disk, e.g. 20G: an LMDB store's file (data.mdb) "
+        "stays within it (1M at least); saved in the store (default: the saved one, if any); "
+        "past it, chunks no document owns are evicted, then ingest stops",
     )
 
 
