@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -33,6 +34,7 @@ class BlendStats:
     num_chunks: int = 0
     chunks_hit: int = 0  # K/V found in the store (memory tier or LMDB)
     chunks_on_device: int = 0  # of which found in the device tier (kv_device_cache_bytes)
+    chunks_in_memory: int = 0  # of which found in host memory (memory tier, writer, prefetch)
     chunks_missed: int = 0  # computed now behind the anchor and written back
     tokens_reused: int = 0  # chunk tokens whose stored K/V was loaded
     window_skipped_tokens: int = 0  # token-layers not loaded: unread by that layer's window
@@ -62,6 +64,9 @@ class BlendStats:
     # the predicted costs behind it, or why no choice was made.
     cost_choice: str = ""
     cost_reason: str = ""
+    # Asked for per request (token_map=True): how each prompt token was computed, a
+    # blendkv.blend.token_map.TokenMap once the prompt is done; not in to_dict().
+    token_map: Any = field(default=None, repr=False, compare=False)
 
     @property
     def recompute_fraction(self) -> float:
@@ -95,9 +100,12 @@ class BlendStats:
         )
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "token_map"}
         d["recompute_fraction"] = self.recompute_fraction
         d["compute_fraction"] = self.compute_fraction
         d["reused_tokens_kept"] = self.reused_tokens_kept
         d["other_tokens_computed"] = self.other_tokens_computed
+        verification = getattr(self, "verification", None)  # set by a check on demand
+        if verification is not None:
+            d["verification"] = verification.to_dict()
         return d

@@ -139,13 +139,41 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        *,
+        verify: bool = False,
         **request_kwargs: Any,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs in the order of ``prompts``.
 
         A prompt is a string, a list of token ids, or a blended prompt dict. All requests are
-        validated before any is queued: a bad one raises and nothing runs.
+        validated before any is queued: a bad one raises and nothing runs. ``verify``: after the
+        answers, check each blended one against full prefill of its prompt tokens
+        (:mod:`blendkv.guards.verify`; ``blend_stats.verification``). ``request_kwargs`` go to
+        every request: ``blend`` (a BlendConfig), ``token_map=True`` (each output's
+        ``blend_stats.token_map`` says how every prompt token was computed), ``logits_from``.
         """
+        outputs = self._generate(prompts, sampling_params, use_tqdm, **request_kwargs)
+        if verify:
+            self._verify(self._as_list(prompts), outputs, sampling_params, request_kwargs)
+        return outputs
+
+    def _verify(self, prompts, outputs, sampling_params, request_kwargs) -> None:
+        from blendkv.guards.verify import verify
+
+        params = self._params_list(sampling_params, len(prompts))
+        for prompt, out, p in zip(prompts, outputs, params, strict=True):
+            if isinstance(prompt, dict) and out.blend_stats is not None:
+                max_tokens = p.max_tokens if p.max_tokens is not None else 32
+                blend = request_kwargs.get("blend")
+                out.blend_stats.verification = verify(self, prompt, out, blend, max_tokens)
+
+    def _generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        **request_kwargs: Any,
+    ) -> list[RequestOutput]:
         prompts = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         finished: dict[str, RequestOutput] = {}  # written by whichever thread steps

@@ -3,7 +3,8 @@
 The OpenAI fields blendkv serves, vLLM's sampling extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) and blendkv's
 own: ``documents`` (vLLM's chat field), ``blend`` (a :class:`~blendkv.blend.config.BlendConfig`),
-``rag`` (retrieve from the server's store), and ``blendkv`` in responses (the blend stats).
+``rag`` (retrieve from the server's store), ``token_map`` (how each prompt token was computed),
+and ``blendkv`` in responses (the blend stats, the sources, the token map).
 Types are strict, as OpenAI's and vLLM's: an integer given as a string, a boolean or a float
 (``"10"``, ``true``, ``10.5``), a boolean given as anything else (``"yes"``, ``1``) and a number
 given as a string are refused (a 400 naming the field), never converted; a JSON integer is a
@@ -141,6 +142,7 @@ class CompletionRequest(SamplingRequest):
     documents: Any = None
     blend: Any = None
     rag: Any = None
+    token_map: Any = None
 
 
 class ContentPart(OpenAIModel):
@@ -208,6 +210,8 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[Document] | None = None
     blend: BlendOptions | None = None
     rag: RAGOptions | None = None
+    # with documents or rag: blendkv.token_map in the response (blendkv.blend.token_map)
+    token_map: StrictBool = False
     tool_choice: Any = None  # only "none" (tools are refused)
     echo: Any = None
     continue_final_message: Any = None

@@ -148,8 +148,8 @@ def completion_prompt(req: CompletionRequest, vocab_size: int | None = None) -> 
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, 1):
         raise APIError(400, "best_of must be 1", param="best_of")
-    for name in ("documents", "blend", "rag"):
-        if getattr(req, name) is not None:
+    for name in ("documents", "blend", "rag", "token_map"):
+        if getattr(req, name) not in (None, False):
             raise APIError(400, f"{name} is a chat field: use /v1/chat/completions", param=name)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -200,16 +200,22 @@ def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, d
     if not blended:
         if req.blend is not None:
             raise APIError(400, "blend options need documents (or rag)", param="blend")
+        if req.token_map:
+            raise APIError(
+                400,
+                "token_map needs documents (or rag): every token of a plain chat is computed",
+                param="token_map",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         return lambda stream: render_chat(served, messages), {}
     if req.documents is not None and req.rag is not None:
         raise APIError(400, "give documents or rag, not both", param="rag")
     system, question, query = split_blended_chat(req.messages, served.tokenizer)
-    blend = blend_config(req, served.num_layers)
+    kwargs = {"blend": blend_config(req, served.num_layers), "token_map": req.token_map}
     if req.documents is not None:
         docs = [f"{d.title}\n{d.text}" if d.title else d.text for d in req.documents]
         prompt = {"documents": docs, "query": query, "system": system}
-        return lambda stream: prompt, {"blend": blend}
+        return lambda stream: prompt, kwargs
     if served.rag is None:
         raise APIError(400, "rag needs a server started with --store DIR", param="rag")
     top_k, doc_filter, rag = req.rag.top_k, req.rag.filter, served.rag
@@ -228,7 +234,7 @@ def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, d
             prompt["query"] = query
         return prompt
 
-    return retrieve, {"blend": blend}
+    return retrieve, kwargs
 
 
 def render_chat(served: Served, messages: list[dict]) -> list[int]:
