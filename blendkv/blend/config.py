@@ -3,6 +3,7 @@ strategies beyond it in :mod:`blendkv.blend.selection` and :mod:`blendkv.blend.c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from blendkv.errors import ConfigError
@@ -114,8 +115,8 @@ class BlendConfig:
                 f"got {self.correction_prior!r}"
             )
         s = self.correction_shrink
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0:
-            raise ConfigError(f"correction_shrink must be a number >= 0, got {s!r}")
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < math.inf:
+            raise ConfigError(f"correction_shrink must be a finite number >= 0, got {s!r}")
         for name, hi in (("chunk_head_tokens", None), ("chunk_samples", None), ("reselect", 2)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

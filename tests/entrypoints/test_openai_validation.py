@@ -199,6 +199,12 @@ INVALID = {
         CHAT, blend(recompute_ratio="0.5"), "blend", "recompute_ratio"
     ),
     "blend.skip_exact 'yes'": Bad(CHAT, blend(skip_exact="yes"), "blend", "skip_exact"),
+    "blend.recompute_ratio NaN": Bad(CHAT, blend(recompute_ratio=NAN), "blend", "recompute_ratio"),
+    "blend.correction_shrink Infinity": Bad(
+        CHAT, blend(correction_shrink=INF), "blend", "correction_shrink"
+    ),
+    "cmpl logit_bias value NaN": Bad(CMPL, cmpl(logit_bias={"5": NAN}), "logit_bias"),
+    "chat presence_penalty Infinity": Bad(CHAT, chat(presence_penalty=INF), "presence_penalty"),
     "blend.seed 10**30": Bad(CHAT, blend(selection="random", seed=10**30), "blend", "seed"),
     "blend without documents": Bad(CHAT, chat(blend={"recompute_ratio": 0.2}), "blend"),
     # huge integers where a small one is meant
