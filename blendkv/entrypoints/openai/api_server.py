@@ -130,6 +130,7 @@ class ServerState:
                 rag=rag,
                 logprob_token=token,
                 vocab_size=llm.engine.info.vocab_size,
+                num_layers=llm.engine.info.num_layers,
                 tokenizer=tokenizer,
             )
             logger.info("model %s loaded; serving", self.served.model_name)
@@ -277,12 +278,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         served = state.require()
         served.check_model(req.model)
         state.limits.check_completion(req.prompt)  # before anything is tokenised
+        state.limits.check_max_tokens(req.max_tokens)
         prompt = serving.completion_prompt(req, served.vocab_size)
         params = serving.sampling_params(
             req, req.max_tokens, req.logprobs, vocab_size=served.vocab_size
         )
         opts = _reply_options(req, f"cmpl-{uuid.uuid4().hex}", params.n)
-        stream = await _add(state, served, prompt, params, opts.rid)
+        stream = await _add(state, served, prompt, params, opts.rid, "max_tokens")
         headers = {"x-request-id": opts.rid}
         if req.stream:
             return _sse(responses.completion_stream(served, stream, opts), headers)
@@ -297,11 +299,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         served = state.require()
         served.check_model(req.model)
         state.limits.check_chat(req.messages, req.documents)  # before anything is tokenised
+        max_tokens, max_tokens_param = serving.chat_max_tokens(req)
+        state.limits.check_max_tokens(max_tokens, max_tokens_param)
         params = serving.chat_params(req, served.vocab_size)
         prompt, kwargs = serving.chat_prompt(req, served)
         opts = _reply_options(req, f"chatcmpl-{uuid.uuid4().hex}", params.n)
         opts = dataclasses.replace(opts, top_n=req.top_logprobs or 0)
-        stream = await _add(state, served, prompt, params, opts.rid, **kwargs)
+        stream = await _add(state, served, prompt, params, opts.rid, max_tokens_param, **kwargs)
         headers = {"x-request-id": opts.rid}
         if req.stream:
             return _sse(responses.chat_stream(served, stream, opts), headers)
@@ -324,11 +328,12 @@ def _reply_options(req, rid: str, n: int) -> responses.ReplyOptions:
     )
 
 
-async def _add(state: ServerState, served, prompt, params, rid, **kwargs):
+async def _add(state: ServerState, served, prompt, params, rid, max_tokens_param, **kwargs):
+    """Validate (on the prepare thread) and queue; ``max_tokens_param`` names the request's
+    ``max_tokens`` field in errors."""
+    check = functools.partial(state.limits.check_prepared, max_tokens_param=max_tokens_param)
     try:
-        stream = await served.engine.add_request(
-            prompt, params, rid, check=state.limits.check_prepared, **kwargs
-        )
+        stream = await served.engine.add_request(prompt, params, rid, check=check, **kwargs)
     except Exception as exc:
         raise api_error(exc) from exc
     state.track(stream)
