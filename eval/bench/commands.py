@@ -132,6 +132,7 @@ def register_bench(sub) -> None:
     _add_prefetch(bench)
     _add_store(bench)
     _add_stall(bench)
+    _add_plot(bench)
 
 
 def _add_gemm(bench) -> None:
@@ -243,6 +244,26 @@ def _add_store(bench) -> None:
     p.add_argument("--out", default="bench_out/store", help="scaling results folder")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server")
     p.set_defaults(func=_run("store"))
+
+
+def _add_plot(bench) -> None:
+    p = bench.add_parser("plot", help="the benchmarks page's plots, from saved result files")
+    p.add_argument(
+        "--eval",
+        nargs="*",
+        default=None,
+        metavar="RUN_DIR",
+        help="blendkv eval --out folders: answer KL against R and against TTFT",
+    )
+    p.add_argument(
+        "--ttft",
+        nargs="*",
+        default=None,
+        metavar="BENCH_JSON",
+        help="blendkv bench gpu --json files: TTFT against prompt length",
+    )
+    p.add_argument("--out", required=True, help="folder the PNG files go to")
+    p.set_defaults(func=_run("plot"))
 
 
 def _latency(text: str) -> float | None:
