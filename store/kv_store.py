@@ -59,6 +59,22 @@ class KVStore(StoreTransactions, StoreQueries):
             the header is still checked every time), ``False`` never.
         sync: fsync on commit (off trades durability on power loss, not consistency, for speed).
         touch_flush_every: LRU touches from reads are batched and written every this many.
+
+    Attributes:
+        max_bytes: the capacity in value bytes in force: the one given, else the saved one
+            (None: unbounded).
+        memory_tier: the in-RAM LRU of hot chunks.
+        fingerprint: the store's model fingerprint.
+        inspect_only: opened without a fingerprint: K/V is neither served nor written.
+        hits: reads in this process that found their chunk.
+        misses: reads that did not (absent or corrupt).
+        corrupt: values that failed their checks.
+        lmdb_hits: reads served from LMDB rather than the memory tier.
+        lmdb_misses: LMDB reads that missed.
+        connection_errors: always 0 (a Redis store counts lost connections).
+        tier: "lmdb".
+        pin_memory: False (values are read in place, not into pinned memory).
+        reads_in_place: True: values are viewed in LMDB's memory map (``snapshot``, ``warm``).
     """
 
     def __init__(
@@ -88,7 +104,7 @@ class KVStore(StoreTransactions, StoreQueries):
         self.touch_flush_every = touch_flush_every
         self.memory_tier = MemoryTier(memory_tier_bytes)
         self.hits = self.misses = self.corrupt = 0
-        self.connection_errors = 0  # always 0 here; a Redis store counts lost connections
+        self.connection_errors = 0
         self.lmdb_hits = self.lmdb_misses = 0
         self._pending_touches: OrderedDict[bytes, float] = OrderedDict()
         self._snapshots: list[ReadSnapshot] = []  # open ones; the map may not grow meanwhile
@@ -121,6 +137,7 @@ class KVStore(StoreTransactions, StoreQueries):
 
     @locked
     def close(self) -> None:
+        """Close open snapshots, write pending LRU touches, and close LMDB."""
         for snapshot in list(self._snapshots):
             snapshot.close()
         if self._env is not None:
@@ -279,7 +296,7 @@ class KVStore(StoreTransactions, StoreQueries):
 
     tier = "lmdb"
     pin_memory = False
-    reads_in_place = True  # values are viewed in LMDB's memory map (snapshot, warm)
+    reads_in_place = True
 
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         """The chunk's K/V (decoded to the model dtype), or None on a miss or a corrupt value.

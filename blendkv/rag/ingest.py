@@ -58,7 +58,15 @@ class IngestHost(Protocol):
 class IngestInterrupted(KeyboardInterrupt):
     """Ctrl-C during an ingest. What was stored stays: ``done`` documents are complete, and
     ``stored_chunks`` of the ``num_chunks`` chunks of ``doc_id`` (from ``source``) are in the
-    store, so the same ingest run again computes only the others."""
+    store, so the same ingest run again computes only the others.
+
+    Attributes:
+        done: the doc ids stored in full.
+        doc_id: the document being ingested when it stopped.
+        source: that document's source (a path or title; None for a bare text).
+        stored_chunks: how many of its chunks are stored.
+        num_chunks: how many chunks it has.
+    """
 
     def __init__(
         self, done: tuple[str, ...], doc_id: str, source: str | None, stored: int, total: int
@@ -68,6 +76,7 @@ class IngestInterrupted(KeyboardInterrupt):
         super().__init__(self.message())
 
     def message(self) -> str:
+        """What was kept, and that the same ingest run again resumes."""
         return (
             f"interrupted: {len(self.done)} document(s) stored in full; {self.stored_chunks} of "
             f"{self.num_chunks} chunks of {self.source or self.doc_id} kept; re-run the same "
