@@ -8,7 +8,7 @@ import os
 import sys
 
 from blendkv.commands.config_args import add_config_args, config_kwargs
-from blendkv.config import CacheConfig, EngineConfig, GuardConfig
+from blendkv.config import CacheConfig, EngineConfig, GuardConfig, SchedulerConfig
 from blendkv.connector.config import BlendConnectorConfig
 from blendkv.errors import BlendKVError
 
@@ -52,10 +52,11 @@ ENGINE_FLAGS = (
     "device",
     "attention_backend",
     "cpu_gemm",
+    "max_step_latency",
 )
 GUARD_FLAGS = ("blend_start_gate", "blend_cost_check")
 # EngineConfig and the configs nested in it: their fields are the engine's flat options.
-ENGINE_CONFIGS = (EngineConfig, CacheConfig, GuardConfig)
+ENGINE_CONFIGS = (EngineConfig, CacheConfig, SchedulerConfig, GuardConfig)
 CONNECTOR_FLAGS = (
     "kv_store_memory_bytes",
     "kv_device_cache_bytes",
@@ -72,7 +73,7 @@ FLAG_ALIASES = {"enable_prefix_caching": ("--prefix-caching",)}
 def add_model_args(p: argparse.ArgumentParser, engine_fields: tuple[str, ...] = ()) -> None:
     """Engine and blend connector options shared by every command that loads a model, plus
     the command's own ``engine_fields``."""
-    engine = p.add_argument_group("engine (EngineConfig, CacheConfig)")
+    engine = p.add_argument_group("engine (EngineConfig, CacheConfig, SchedulerConfig)")
     add_config_args(engine, ENGINE_CONFIGS, ENGINE_FLAGS + engine_fields, aliases=FLAG_ALIASES)
     engine.add_argument(
         "--warmup",

@@ -52,6 +52,38 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """What one engine step takes on (vLLM's ``SchedulerConfig``).
+
+    Attributes:
+        max_num_seqs: the most requests in one batch.
+        max_num_batched_tokens: the most tokens one step computes.
+        enable_chunked_prefill: split long prompts over several steps.
+        max_step_latency: seconds: while requests decode, a step takes at most this much
+            predicted prefill and chunk precompute beside them (a long prompt is split, a
+            request's new documents are spread over steps), so their tokens keep coming; the
+            prediction is fitted from this engine's own steps. An idle engine takes full-size
+            steps. None: budget by tokens only.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_step_latency: float | None = 0.25
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        latency = self.max_step_latency
+        if latency is not None and (
+            isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency <= 0
+        ):
+            raise ConfigError(
+                f"max_step_latency must be a positive number of seconds, got {latency!r}"
+            )
+
+
+@dataclass(frozen=True)
 class GuardConfig:
     """The engine's guards of answer fidelity (:mod:`blendkv.guards`): policies that watch or
     overrule a KV connector whose K/V is not exactly full prefill's.
@@ -92,10 +124,11 @@ class EngineConfig:
     """Everything the user chooses about the engine when creating an :class:`~blendkv.LLM`.
 
     Sizes are in tokens unless the name says blocks or bytes. The KV pool's settings are a
-    :class:`CacheConfig` (``cache``), the guards' a :class:`GuardConfig` (``guards``). A KV
+    :class:`CacheConfig` (``cache``), the step's a :class:`SchedulerConfig` (``scheduler``),
+    the guards' a :class:`GuardConfig` (``guards``). A KV
     connector's own settings (the blend connector's store, anchor and loading options) travel
     in ``kv_connector_config``, which the engine hands to the connector unread. ``LLM`` and
-    the command line take every field of all four flat (:mod:`blendkv.engine_args`).
+    the command line take every field of all five flat (:mod:`blendkv.engine_args`).
 
     Attributes:
         model: a local HF directory (config.json + safetensors) or a GGUF file; None: the
@@ -110,10 +143,8 @@ class EngineConfig:
             Intel, MKL on Intel's, torch's own where neither runs), onednn or mkl (the goldens
             and some benchmarks fix it).
         cache: the KV pool (CacheConfig).
-        max_num_seqs: the most requests in one batch.
-        max_num_batched_tokens: the most tokens one step computes.
+        scheduler: what a step takes on (SchedulerConfig).
         max_model_len: the longest sequence; None: the model's max_position_embeddings.
-        enable_chunked_prefill: split long prompts over several steps.
         enforce_eager: CUDA only: run every step eagerly instead of replaying CUDA graphs
             (decode steps whole; the dense pieces of other steps: max_graph_rows).
         max_graph_rows: CUDA only: the most rows a prefill, blended or mixed step may compute
@@ -143,10 +174,8 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={"choices": _BACKENDS})
     cpu_gemm: str = field(default="auto", metadata={"choices": _GEMMS})
     cache: CacheConfig = field(default_factory=CacheConfig)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     max_graph_rows: int = 2048
     kv_connector: Any = "blend"
@@ -175,6 +204,8 @@ class EngineConfig:
             raise ConfigError(f"cache must be a CacheConfig, got {self.cache!r}")
         if not isinstance(self.guards, GuardConfig):
             raise ConfigError(f"guards must be a GuardConfig, got {self.guards!r}")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ConfigError(f"scheduler must be a SchedulerConfig, got {self.scheduler!r}")
         if self.max_graph_rows < 0:
             raise ConfigError(f"max_graph_rows must be >= 0, got {self.max_graph_rows}")
         if not (self.kv_connector is None or isinstance(self.kv_connector, str)):
@@ -183,15 +214,14 @@ class EngineConfig:
                     "kv_connector must be None, a registered name or a factory callable, "
                     f"got {self.kv_connector!r}"
                 )
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
+        sched = self.scheduler
+        if not sched.enable_chunked_prefill and self.max_model_len is not None:
+            if sched.max_num_batched_tokens < self.max_model_len:
                 raise ConfigError(
                     "without chunked prefill max_num_batched_tokens "
-                    f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                    f"({sched.max_num_batched_tokens}) must be >= max_model_len "
                     f"({self.max_model_len}), or a long prompt could never be scheduled"
                 )
         if self.num_threads is not None:

@@ -21,13 +21,16 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
-from blendkv.config import CacheConfig, EngineConfig, GuardConfig
+from blendkv.config import CacheConfig, EngineConfig, GuardConfig, SchedulerConfig
 from blendkv.errors import ConfigError
 
 CACHE_OPTIONS = tuple(f.name for f in fields(CacheConfig))
 GUARD_OPTIONS = tuple(f.name for f in fields(GuardConfig))
+SCHEDULER_OPTIONS = tuple(f.name for f in fields(SchedulerConfig))
 # The flat names of the engine's layers: EngineConfig's own fields and its nested configs'.
-ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig)) + CACHE_OPTIONS + GUARD_OPTIONS
+ENGINE_OPTIONS = (
+    tuple(f.name for f in fields(EngineConfig)) + CACHE_OPTIONS + SCHEDULER_OPTIONS + GUARD_OPTIONS
+)
 
 # vLLM name -> the engine's name for the same setting.
 VLLM_RENAMED = {"num_gpu_blocks_override": "num_kv_blocks", "download_dir": "cache_dir"}
@@ -171,7 +174,11 @@ def create_engine_config(**options: Any) -> EngineConfig:
     options = follow_store_dtype(options, options.get("kv_store_dir"))
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     connector = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
-    layers = (("cache", CacheConfig, CACHE_OPTIONS), ("guards", GuardConfig, GUARD_OPTIONS))
+    layers = (
+        ("cache", CacheConfig, CACHE_OPTIONS),
+        ("scheduler", SchedulerConfig, SCHEDULER_OPTIONS),
+        ("guards", GuardConfig, GUARD_OPTIONS),
+    )
     for name, cls, names in layers:
         flat = {k: engine.pop(k) for k in names if k in engine}
         base = engine.get(name, cls())

@@ -34,6 +34,12 @@ def register_eval(sub) -> None:
         "heads; default prophet with the K correction)",
     )
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
+    p.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="skip the first N examples (a slice: --offset 40 --limit 10 is examples 41-50)",
+    )
     add_config_args(p, EngineConfig, ("model", "dtype", "device", "attention_backend"))
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data set")
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         data=args.data,
         methods=args.methods,
         limit=args.limit,
+        offset=args.offset,
         model=args.model,
         dtype=args.dtype,
         max_tokens=args.max_tokens,

@@ -231,14 +231,23 @@ def dataset_kind(spec: str | Path) -> str:
     )
 
 
-def load_dataset(spec: str | Path, limit: int | None = None, seed: int = 0) -> list[Example]:
+def load_dataset(
+    spec: str | Path, limit: int | None = None, seed: int = 0, offset: int = 0
+) -> list[Example]:
     """Load examples by spec: ``"synthetic"``, a ``.json`` or a ``.jsonl`` path.
 
-    ``limit`` caps the number of examples (the synthetic generator makes exactly ``limit``, or
+    ``offset`` skips that many examples first (a slice of a data set: ``offset=40, limit=10``
+    is examples 41-50, e.g. held out from tuning on the first 40); ``limit`` caps the number of
+    examples after it (the synthetic generator makes exactly ``offset + limit``, or
     ``DEFAULT_SYNTHETIC_EXAMPLES`` when None). ``seed`` only drives the synthetic generator;
     files are returned in file order.
     """
     _check_limit(limit)
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise DatasetError(f"offset must be a non-negative int, got {offset!r}")
+    if offset:
+        whole = load_dataset(spec, None if limit is None else offset + limit, seed)
+        return whole[offset:]
     kind = dataset_kind(spec)
     if kind == "synthetic":
         if str(spec) != "synthetic":

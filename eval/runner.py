@@ -65,6 +65,7 @@ class EvalConfig:
     data: str
     methods: str = "full,reuse,blend@0.15"
     limit: int | None = None
+    offset: int = 0  # examples skipped before the first one evaluated
     model: str | None = None
     dtype: str = "auto"
     max_tokens: int = 32
@@ -93,6 +94,8 @@ class EvalConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
+            raise ConfigError(f"offset must be >= 0, got {self.offset!r}")
         if self.anchor not in ANCHORS:
             raise ConfigError(f"anchor must be one of {', '.join(ANCHORS)}, got {self.anchor!r}")
         if isinstance(self.anchor_boundary, bool) or self.anchor_boundary < 0:
@@ -127,7 +130,7 @@ def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None 
     """Run every method on every example; with a ``journal``, examples it holds are skipped
     (their records join the result) and each finished example is appended to it."""
     methods = config.method_list
-    examples = load_dataset(config.data, config.limit, config.seed)
+    examples = load_dataset(config.data, config.limit, config.seed, config.offset)
     if not examples:
         raise MethodError(f"{config.data}: no examples to evaluate")
     wanted = {ex.id for ex in examples}

@@ -27,6 +27,16 @@ def get_attention_backend(
     return backend
 
 
+def _compile_only() -> bool:
+    """Whether Triton's active driver compiles for a GPU without running anything."""
+    try:
+        from triton.runtime import driver
+
+        return bool(getattr(driver.active, "compile_only", False))
+    except Exception:  # noqa: BLE001  (no triton, or no GPU driver here: it runs nothing)
+        return False
+
+
 def _backend(name: str, device: str) -> AttentionBackend:
     """Pick an attention backend by name; ``auto`` is Triton on CUDA and ``cpu`` on the CPU.
 
@@ -43,11 +53,9 @@ def _backend(name: str, device: str) -> AttentionBackend:
     if name == "cpu":
         return CpuAttentionBackend(device)
     if name == "triton":
-        # On the CPU: interpreted (tests), or compiled for a GPU and never run
-        # (`blendkv bench compile` sets BLENDKV_TRITON_COMPILE_ONLY).
-        on_cpu = os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(
-            "BLENDKV_TRITON_COMPILE_ONLY"
-        )
+        # On the CPU: interpreted (tests), or compiled for a GPU and never run (`blendkv bench
+        # compile` makes Triton's active driver one that only compiles).
+        on_cpu = os.environ.get("TRITON_INTERPRET") == "1" or _compile_only()
         if torch.device(device).type != "cuda" and not on_cpu:
             raise ValueError(
                 "the triton attention backend runs on CUDA; on the CPU it needs "

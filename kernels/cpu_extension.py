@@ -7,7 +7,7 @@ The sources (``kernels/cpu/decode_attention.cpp``, ``rows_attention.cpp``, ``rop
 ``~/.cache/blendkv``); later processes load the cached library. The file name hashes the
 sources, the torch version, the compiler, the flags and the CPU's model and feature flags, so a
 changed source, torch or machine builds afresh and a home directory shared by two kinds of CPU
-never loads code built for the other. One compiler call (~10-30 s on 2 cores), no ninja.
+never loads code built for the other. One compiler call, no ninja.
 
 ``torch.utils.cpp_extension.load`` is not used: it needs ninja, which blendkv does not depend
 on. The include and library paths still come from ``torch.utils.cpp_extension``.

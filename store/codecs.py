@@ -42,8 +42,8 @@ import torch
 from .errors import CodecMismatchError
 
 CODECS = ("none", "int8", "int4")
-# Group sizes and asymmetric groups everywhere: the choice with the lowest reconstruction error
-# that stays >= 3.5x smaller with room for outlier heads (docs/guide/codecs.md has the table).
+# Group sizes, asymmetric groups everywhere: chosen for the lowest reconstruction error at a
+# size that leaves room for outlier heads (docs/guide/codecs.md says what they cost).
 INT4_KEY_GT = 128  # tokens per int4 key group (one scale and zero per channel per 128 tokens)
 INT4_VALUE_GD = 64  # channels per int4 value group (one scale and zero per token per 64)
 # A head's int4 keys stay in the model dtype when ||K - K_hat||_F / ||K||_F exceeds this,

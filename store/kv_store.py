@@ -1,22 +1,28 @@
 """Persistent chunk-K/V store over LMDB, with a memory tier in front.
 
-One LMDB environment per store; many processes read while one writes, and every chunk write is
-one transaction, so no reader ever sees half an entry. Reads copy at most once (through LMDB's
-memory map, :meth:`KVStore.read_into` / :meth:`KVStore.get`); :meth:`KVStore.reader` and
-:meth:`KVStore.snapshot` give zero-copy views for a read transaction or an engine step. One
-process may not open a store twice (LMDB's locks are per process); a ``KVStore`` may be shared
-between threads, serialised by one re-entrant lock.
+One LMDB environment per store (its databases: :mod:`.layout`); many processes read while one
+writes, and every chunk write is one transaction whose operations keep all databases and the
+store-wide counters in step, so no reader ever sees half an entry. Reads copy at most once
+(through LMDB's memory map, :meth:`KVStore.read_into` / :meth:`KVStore.get`);
+:meth:`KVStore.reader` and :meth:`KVStore.snapshot` give zero-copy views (:mod:`.reader`) for a
+read transaction or an engine step. LMDB may not remap while a transaction of this process is
+open; a snapshot stays open across threads for a whole engine step, so a write that must grow
+the map waits for the open snapshots (:meth:`KVStore._wait_for_snapshots`). One process may not
+open a store twice (LMDB's locks are per process); a ``KVStore`` may be shared between threads,
+serialised by one re-entrant lock.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -24,23 +30,22 @@ import torch
 
 from blendkv.sizes import format_size
 
-from . import codecs, opening, txn_ops
+from . import codecs, layout, opening
 from . import format as fmt
 from .capacity import store_full_error
 from .codecs import EncodedKV, decode_reference
-from .errors import CorruptValueError, StoreError, StoreFullError
+from .errors import CorruptValueError, StoreError, StoreFullError, StoreReadOnlyError
 from .fingerprint import ModelFingerprint
 from .locking import locked
 from .memory_tier import MemoryTier
-from .queries import StoreQueries
-from .reader import ReadSnapshot, checked_value
-from .records import ChunkKV, ChunkMeta, NewChunk, PutResult
-from .transactions import StoreTransactions
+from .reader import ReadSnapshot, ZeroCopyReader
+from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
+from .verify import verify_txn
 
 logger = logging.getLogger(__name__)
 
 
-class KVStore(StoreTransactions, StoreQueries):
+class KVStore:
     """Chunk K/V values plus metadata, content-addressed, LRU-bounded, fingerprint-checked.
 
     Args:
@@ -77,6 +82,10 @@ class KVStore(StoreTransactions, StoreQueries):
         reads_in_place: True: values are viewed in LMDB's memory map (``snapshot``, ``warm``).
     """
 
+    tier = "lmdb"
+    pin_memory = False
+    reads_in_place = True
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -112,12 +121,23 @@ class KVStore(StoreTransactions, StoreQueries):
         self._deferred_deletes: set[bytes] = set()  # corrupt values seen through a snapshot
         self._env: lmdb.Environment | None = None
         self._reg_key = None
+        self._open(fingerprint, create=create, map_size=map_size, sync=sync)
+        self.inspect_only = fingerprint is None
+
+    def _open(
+        self, fingerprint: ModelFingerprint | None, *, create: bool, map_size: int, sync: bool
+    ) -> None:
+        """Open (or create) the LMDB environment, check its format and the fingerprint, then
+        adopt the saved ``max_bytes`` (none given) or save the given one. On any error the
+        store is closed again (this process may then open the directory anew)."""
         is_new = opening.check_directory(
-            self.path, create=create, readonly=readonly, fingerprint=fingerprint
+            self.path, create=create, readonly=self.readonly, fingerprint=fingerprint
         )
         self._reg_key = opening.register(self.path)
         try:
-            self._env = opening.open_env(self.path, readonly=readonly, map_size=map_size, sync=sync)
+            self._env = opening.open_env(
+                self.path, readonly=self.readonly, map_size=map_size, sync=sync
+            )
             self._dbs = opening.open_dbs(self._env, self.path, create=is_new)
             if is_new:
                 self._write(lambda txn, _: opening.initialise(txn, self._dbs, fingerprint))
@@ -126,14 +146,14 @@ class KVStore(StoreTransactions, StoreQueries):
                     txn, self._dbs, self.path, fingerprint
                 )
                 saved = opening.read_max_bytes(txn, self._dbs)
+            max_bytes = self.max_bytes
             if max_bytes is None:
                 self.max_bytes = saved
-            elif max_bytes != saved and not readonly:
+            elif max_bytes != saved and not self.readonly:
                 self._write(lambda txn, _: opening.write_max_bytes(txn, self._dbs, max_bytes))
         except BaseException:
             self.close()
             raise
-        self.inspect_only = fingerprint is None
 
     @locked
     def close(self) -> None:
@@ -157,6 +177,132 @@ class KVStore(StoreTransactions, StoreQueries):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ---- transactions ----------------------------------------------------------------------
+
+    @contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        with self._lock:
+            if self._env is None:
+                raise StoreError("store is closed")
+            try:
+                txn = self._env.begin(buffers=True)
+            except lmdb.MapResizedError:
+                if self._snapshots:  # no remap under open views: read the snapshot's state
+                    yield self._snapshots[-1].txn
+                    return
+                self._env.set_mapsize(0)  # another process grew the map: adopt its size
+                txn = self._env.begin(buffers=True)
+            try:
+                yield txn
+            finally:
+                txn.abort()
+
+    def _wait_for_snapshots(self) -> None:
+        """Before growing the map (holding the lock): wait until no snapshot's views point
+        into it. Snapshots are closed by the thread that opened them, which never writes while
+        one is open (its writes are deferred), so only other threads wait here."""
+        me = threading.get_ident()
+        if any(s.owner == me for s in self._snapshots):
+            raise StoreError("the LMDB map must grow while this thread holds a read snapshot")
+        while self._snapshots:
+            self._no_snapshots.wait()
+
+    @locked
+    def _write(self, fn):
+        """Run ``fn(txn, counters)`` in one write transaction; grow the map and retry when full.
+
+        ``fn`` must only touch the transaction (it may run more than once); the pending LRU
+        touches are flushed in the same transaction.
+        """
+        if self.readonly:
+            raise StoreReadOnlyError(f"store {self.path} is open read-only")
+        if self._env is None:
+            raise StoreError("store is closed")
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    counters = layout.Counters.read(txn, self._dbs["store"])
+                    self._flush_touches(txn, counters)
+                    result = fn(txn, counters)
+                    counters.write(txn, self._dbs["store"])
+                self._pending_touches.clear()
+                return result
+            except lmdb.MapFullError:
+                new_size = self._env.info()["map_size"] * 2
+                logger.info("LMDB map of %s full; growing to %d bytes", self.path, new_size)
+                self._wait_for_snapshots()
+                self._env.set_mapsize(new_size)
+            except lmdb.MapResizedError:
+                self._wait_for_snapshots()
+                self._env.set_mapsize(0)
+
+    def _flush_touches(self, txn, counters: layout.Counters) -> None:
+        for key, when in self._pending_touches.items():
+            self._txn_touch(txn, counters, key, when)
+
+    @locked
+    def _record_use(self, key: bytes, flush: bool = True) -> None:
+        if self.readonly:
+            return
+        self._pending_touches[key] = time.time()
+        self._pending_touches.move_to_end(key)
+        if flush and len(self._pending_touches) >= self.touch_flush_every:
+            self.flush()
+
+    @locked
+    def flush(self) -> None:
+        """Write the batched LRU touches now."""
+        if not self.readonly and self._pending_touches:
+            self._write(lambda txn, counters: None)
+
+    # ---- zero-copy readers and snapshots ---------------------------------------------------
+
+    @contextmanager
+    def reader(self) -> Iterator[ZeroCopyReader]:
+        """A read transaction whose :meth:`ZeroCopyReader.view` returns zero-copy tensors.
+
+        The views point into LMDB's read-only memory map: they are valid only inside the
+        ``with`` block and must never be written (writing faults the process).
+        """
+        self._check_servable()
+        with self._read() as txn:
+            yield ZeroCopyReader(self, txn)
+
+    @locked
+    def snapshot(self) -> ReadSnapshot | None:
+        """A read transaction to view values through until :meth:`ReadSnapshot.close`, from
+        any thread (see :class:`ReadSnapshot`); None when another snapshot is open and the map
+        must first be remapped to a size another process set (read with :meth:`get` then)."""
+        self._check_servable()
+        if self._env is None:
+            raise StoreError("store is closed")
+        try:
+            txn = self._env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            if self._snapshots:
+                return None
+            self._env.set_mapsize(0)
+            txn = self._env.begin(buffers=True)
+        snapshot = ReadSnapshot(self, txn)
+        self._snapshots.append(snapshot)
+        return snapshot
+
+    @locked
+    def _close_snapshot(self, snapshot: ReadSnapshot) -> None:
+        if snapshot.closed:
+            return
+        snapshot.txn.abort()
+        snapshot.closed = True
+        self._snapshots.remove(snapshot)
+        if self._snapshots:
+            return
+        self._no_snapshots.notify_all()
+        if self._deferred_deletes and not self.readonly:
+            keys, self._deferred_deletes = list(self._deferred_deletes), set()
+            self.delete(keys)
+        if len(self._pending_touches) >= self.touch_flush_every:
+            self.flush()
 
     # ---- writing ---------------------------------------------------------------------------
 
@@ -230,15 +376,15 @@ class KVStore(StoreTransactions, StoreQueries):
             batch_keys.add(chunk.key)
             raw = txn.get(chunk.key, db=self._dbs["chunks"])
             if raw is not None and chunk.key in replace:
-                txn_ops.delete(txn, self._dbs, counters, chunk.key)
+                self._txn_delete(txn, counters, chunk.key)
                 raw = None
             if raw is not None:
-                txn_ops.touch(txn, self._dbs, counters, chunk.key, now)
+                self._txn_touch(txn, counters, chunk.key, now)
                 results.append(PutResult(ChunkMeta.from_json(raw).chunk_id, False, ()))
                 continue
-            cid = txn_ops.insert(txn, self._dbs, counters, chunk, value, now)
+            cid = self._txn_insert(txn, counters, chunk, value, now)
             results.append(PutResult(cid, True, ()))
-        evicted = txn_ops.evict(txn, self._dbs, counters, self.max_bytes, batch_keys)
+        evicted = self._txn_evict(txn, counters, batch_keys)
         if self.max_bytes is not None and counters.total_bytes > self.max_bytes:
             raise store_full_error(self.path, self.max_bytes, counters.total_bytes, encoded)
         return results, evicted
@@ -251,7 +397,7 @@ class KVStore(StoreTransactions, StoreQueries):
             self._verified.discard(key)
 
         def delete(txn, counters):
-            return [txn_ops.delete(txn, self._dbs, counters, bytes(k)) for k in keys]
+            return [self._txn_delete(txn, counters, bytes(k)) for k in keys]
 
         found = self._write(delete)
         return [cid for cid in found if cid is not None]
@@ -267,9 +413,106 @@ class KVStore(StoreTransactions, StoreQueries):
         once, under the first; deleting that one hands the chunk to the other."""
 
         def reassign(txn, counters):
-            return sum(txn_ops.reassign(txn, self._dbs, bytes(k), d, p) for k, d, p in moves)
+            return sum(self._txn_reassign(txn, bytes(k), d, p) for k, d, p in moves)
 
         return self._write(reassign)
+
+    # ---- inside one write transaction ------------------------------------------------------
+    # Each operation keeps every database of :mod:`.layout` and the counters in step; the
+    # caller (:meth:`_write`) commits them together.
+
+    def _txn_touch(self, txn, counters: layout.Counters, key: bytes, when: float) -> bool:
+        """Make ``key`` the most recently used chunk; False if it is not stored."""
+        dbs = self._dbs
+        usage = txn.get(key, db=dbs["usage"])
+        if usage is None:
+            return False
+        old_seq, _ = layout.unpack_usage(usage)
+        txn.delete(layout.be64(old_seq), db=dbs["lru"])
+        counters.lru_clock += 1
+        txn.put(layout.be64(counters.lru_clock), key, db=dbs["lru"])
+        txn.put(key, layout.pack_usage(counters.lru_clock, when), db=dbs["usage"])
+        return True
+
+    def _txn_insert(
+        self, txn, counters: layout.Counters, chunk: NewChunk, value, now: float
+    ) -> int:
+        """Write a new chunk (value, metadata, id, LRU, document entry); returns its chunk id."""
+        dbs = self._dbs
+        cid = counters.next_chunk_id
+        counters.next_chunk_id += 1
+        meta = ChunkMeta.for_new(chunk, cid, len(value), now)
+        txn.put(chunk.key, value, db=dbs["values"])
+        txn.put(chunk.key, meta.to_json(), db=dbs["chunks"])
+        txn.put(layout.be64(cid), chunk.key, db=dbs["ids"])
+        counters.lru_clock += 1
+        txn.put(layout.be64(counters.lru_clock), chunk.key, db=dbs["lru"])
+        txn.put(chunk.key, layout.pack_usage(counters.lru_clock, now), db=dbs["usage"])
+        if chunk.doc_id is not None:
+            txn.put(layout.doc_entry(chunk.doc_id, cid), chunk.key, db=dbs["docs"])
+        counters.total_bytes += len(value)
+        return cid
+
+    def _txn_delete(self, txn, counters: layout.Counters, key: bytes) -> int | None:
+        """Remove a chunk from every database; returns its chunk id, None if absent."""
+        dbs = self._dbs
+        raw = txn.get(key, db=dbs["chunks"])
+        if raw is None:
+            return None
+        meta = ChunkMeta.from_json(raw)
+        value = txn.get(key, db=dbs["values"])
+        if value is not None:
+            counters.total_bytes -= len(value)
+            txn.delete(key, db=dbs["values"])
+        usage = txn.get(key, db=dbs["usage"])
+        if usage is not None:
+            txn.delete(layout.be64(layout.unpack_usage(usage)[0]), db=dbs["lru"])
+            txn.delete(key, db=dbs["usage"])
+        txn.delete(key, db=dbs["chunks"])
+        txn.delete(layout.be64(meta.chunk_id), db=dbs["ids"])
+        if meta.doc_id is not None:
+            txn.delete(layout.doc_entry(meta.doc_id, meta.chunk_id), db=dbs["docs"])
+        return meta.chunk_id
+
+    def _txn_reassign(self, txn, key: bytes, doc_id: str, position: int) -> bool:
+        """Make ``doc_id`` the owner of a stored chunk, at ``position`` of it (its metadata and
+        the document index); False if the chunk is not stored."""
+        dbs = self._dbs
+        raw = txn.get(key, db=dbs["chunks"])
+        if raw is None:
+            return False
+        meta = ChunkMeta.from_json(raw)
+        if meta.doc_id is not None:
+            txn.delete(layout.doc_entry(meta.doc_id, meta.chunk_id), db=dbs["docs"])
+        meta = dataclasses.replace(meta, doc_id=doc_id, position=position)
+        txn.put(key, meta.to_json(), db=dbs["chunks"])
+        txn.put(layout.doc_entry(doc_id, meta.chunk_id), key, db=dbs["docs"])
+        return True
+
+    def _txn_evict(
+        self, txn, counters: layout.Counters, protected: set[bytes]
+    ) -> list[tuple[bytes, int]]:
+        """Delete least-recently-used evictable chunks (:func:`_evictable`, never ``protected``
+        ones) until under ``max_bytes``; the caller checks whether that sufficed.
+
+        Returns ``(key, chunk_id)`` of each evicted chunk, oldest first.
+        """
+        if self.max_bytes is None or counters.total_bytes <= self.max_bytes:
+            return []
+        victims, freed = [], 0
+        for _, key in txn.cursor(db=self._dbs["lru"]):
+            if counters.total_bytes - freed <= self.max_bytes:
+                break
+            key = bytes(key)
+            if key not in protected and _evictable(txn.get(key, db=self._dbs["chunks"])):
+                victims.append(key)
+                freed += len(txn.get(key, db=self._dbs["values"]))
+        evicted = []
+        for key in victims:
+            cid = self._txn_delete(txn, counters, key)
+            evicted.append((key, cid))
+            counters.evictions += 1
+        return evicted
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -289,14 +532,21 @@ class KVStore(StoreTransactions, StoreQueries):
             logger.warning("corrupt value for chunk %s in %s: %s", key.hex(), self.path, e)
             return None
 
+    def _checked_value(self, txn, key: bytes) -> tuple[memoryview, fmt.ValueHeader] | None:
+        """``key``'s stored bytes in ``txn`` and their checked header (checksum per
+        ``verify_reads``); None on a miss or a corrupt value (both counted)."""
+        buf = txn.get(key, db=self._dbs["values"])
+        if buf is None:
+            self.misses += 1
+            self.lmdb_misses += 1
+            return None
+        header = self._checked_header(txn, key, buf)
+        return None if header is None else (buf, header)
+
     def _on_corrupt(self, key: bytes) -> None:
         # Drop the entry so that a write-back can store a good copy (a miss is recomputed).
         if not self.readonly:
             self.delete([key])
-
-    tier = "lmdb"
-    pin_memory = False
-    reads_in_place = True
 
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         """The chunk's K/V (decoded to the model dtype), or None on a miss or a corrupt value.
@@ -374,7 +624,7 @@ class KVStore(StoreTransactions, StoreQueries):
         ``keep_encoded`` an encoded value is also returned copied. None on miss/corruption."""
         corrupt_before = self.corrupt
         with self._read() as txn:
-            found = checked_value(self, txn, key)
+            found = self._checked_value(txn, key)
             if found is not None and found[1].codec != "none":
                 buf, header = found
                 value = fmt.decode_value(buf, header)
@@ -407,3 +657,112 @@ class KVStore(StoreTransactions, StoreQueries):
             return None
         self.lmdb_hits += 1
         return out
+
+    # ---- membership and metadata -----------------------------------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._read() as txn:
+            return txn.get(key, db=self._dbs["chunks"]) is not None
+
+    def contains_many(self, keys) -> list[bool]:
+        db = self._dbs["chunks"]
+        with self._read() as txn:
+            return [txn.get(key, db=db) is not None for key in keys]
+
+    def __len__(self) -> int:
+        with self._read() as txn:
+            return txn.stat(self._dbs["chunks"])["entries"]
+
+    def _meta(self, txn, key: bytes) -> ChunkMeta | None:
+        raw = txn.get(key, db=self._dbs["chunks"])
+        if raw is None:
+            return None
+        usage = txn.get(key, db=self._dbs["usage"])
+        return ChunkMeta.from_json(raw, layout.unpack_usage(usage)[1] if usage else 0.0)
+
+    def get_meta(self, key: bytes) -> ChunkMeta | None:
+        with self._read() as txn:
+            return self._meta(txn, key)
+
+    def key_for_id(self, chunk_id: int) -> bytes | None:
+        with self._read() as txn:
+            key = txn.get(layout.be64(chunk_id), db=self._dbs["ids"])
+            return bytes(key) if key is not None else None
+
+    def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
+        with self._read() as txn:
+            key = txn.get(layout.be64(chunk_id), db=self._dbs["ids"])
+            return self._meta(txn, bytes(key)) if key is not None else None
+
+    def chunk_ids(self) -> list[int]:
+        with self._read() as txn:
+            return [layout.from_be64(k) for k, _ in txn.cursor(db=self._dbs["ids"])]
+
+    def iter_meta(self) -> Iterator[ChunkMeta]:
+        with self._read() as txn:
+            for key, _ in txn.cursor(db=self._dbs["chunks"]):
+                yield self._meta(txn, bytes(key))
+
+    def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
+        """Metadata of every chunk of ``doc_id``, ordered by position."""
+        prefix = layout.doc_prefix(doc_id)
+        metas = []
+        with self._read() as txn:
+            cursor = txn.cursor(db=self._dbs["docs"])
+            if cursor.set_range(prefix):
+                for entry, key in cursor:
+                    if not bytes(entry).startswith(prefix):
+                        break
+                    metas.append(self._meta(txn, bytes(key)))
+        return sorted((m for m in metas if m is not None), key=lambda m: m.position)
+
+    def evictable_bytes(self) -> int:
+        """Bytes of the chunks no document owns: what the LRU may evict past ``max_bytes``."""
+        total = 0
+        with self._read() as txn:
+            for _, raw in txn.cursor(db=self._dbs["chunks"]):
+                if _evictable(raw):
+                    total += ChunkMeta.from_json(raw).nbytes
+        return total
+
+    def lru_keys(self) -> list[bytes]:
+        """Keys from least to most recently used (flushes pending touches first)."""
+        self.flush()
+        with self._read() as txn:
+            return [bytes(k) for _, k in txn.cursor(db=self._dbs["lru"])]
+
+    # ---- health ----------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        with self._read() as txn:
+            counters = layout.Counters.read(txn, self._dbs["store"])
+            entries = txn.stat(self._dbs["chunks"])["entries"]
+        info, stat = self._env.info(), self._env.stat()
+        return StoreStats(
+            entries=entries,
+            bytes=counters.total_bytes,
+            max_bytes=self.max_bytes,
+            map_size=info["map_size"],
+            map_used=(info["last_pgno"] + 1) * stat["psize"],
+            evictions=counters.evictions,
+            hits=self.hits,
+            misses=self.misses,
+            corrupt=self.corrupt,
+            **self.memory_tier.stats_fields(),
+            lmdb_hits=self.lmdb_hits,
+            lmdb_misses=self.lmdb_misses,
+        )
+
+    def verify(self) -> VerifyReport:
+        """Re-check every value's header and checksum and the cross-database consistency."""
+        report = VerifyReport()
+        with self._read() as txn:
+            verify_txn(txn, self._dbs, report, self.kv_codec)
+        return report
+
+
+def _evictable(raw_meta) -> bool:
+    """Whether a chunk (its ChunkMeta JSON) may be evicted: only chunks no document owns (K/V
+    computed at query time). The compact JSON spells a missing owner exactly so, and a quote
+    inside a string value is escaped, so the byte test cannot match the chunk's text."""
+    return b'"doc_id":null' in bytes(raw_meta)

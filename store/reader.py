@@ -17,21 +17,9 @@ from .errors import CorruptValueError, StoreError
 from .records import ChunkKV
 
 
-def checked_value(store, txn, key: bytes) -> tuple[memoryview, fmt.ValueHeader] | None:
-    """``key``'s stored bytes and their checked header (checksum per ``verify_reads``); None on
-    a miss or a corrupt value (both counted)."""
-    buf = txn.get(key, db=store._dbs["values"])
-    if buf is None:
-        store.misses += 1
-        store.lmdb_misses += 1
-        return None
-    header = store._checked_header(txn, key, buf)
-    return None if header is None else (buf, header)
-
-
 def _view_value(store, txn, key: bytes):
     """``key``'s stored value, zero-copy: a tensor (codec ``none``) or an ``EncodedKV``."""
-    found = checked_value(store, txn, key)
+    found = store._checked_value(txn, key)
     if found is None:
         return None
     buf, header = found

@@ -36,20 +36,19 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from . import codecs, layout
 from . import format as fmt
-from . import layout
 from .base import fill_misses
 from .codecs import EncodedKV, decode_reference
 from .errors import CorruptValueError, FingerprintMismatchError, StoreError, StoreFormatError
 from .fingerprint import ModelFingerprint, mismatch_message
 from .memory_tier import MemoryTier
-from .records import ChunkKV
-from .redis_queries import RedisQueries
+from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
 from .redis_wire import bulk_reader_for
-from .redis_writes import RedisWrites
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +57,12 @@ def is_redis_url(location: object) -> bool:
     return isinstance(location, str) and location.startswith(("redis://", "rediss://", "unix://"))
 
 
-class RedisKVStore(RedisWrites, RedisQueries):
+class RedisKVStore:
     """See the module docstring. ``fingerprint=None`` opens in inspect mode (stats, verify)."""
+
+    tier = "redis"
+    pin_memory = False
+    reads_in_place = False  # values are read whole over the network (get, read_into)
 
     def __init__(
         self,
@@ -81,13 +84,7 @@ class RedisKVStore(RedisWrites, RedisQueries):
                 "a Redis store's size is bounded by the server's maxmemory (and its eviction "
                 "policy, e.g. allkeys-lru), not max_bytes"
             )
-        from redis.exceptions import ClusterError, RedisClusterException
-
-        # A cluster slot whose master is down (CLUSTERDOWN, TRYAGAIN, not covered) is a lost
-        # connection too: reads miss, writes fail, until a replica is promoted.
-        self._redis_errors = (
-            redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException,
-        )  # fmt: skip
+        self._redis_errors = _lost_connection_errors()
         self.wait_timeout_ms = int(socket_timeout * 1000)
         self._replicated: dict[str, tuple[bool, float]] = {}  # node -> (has a replica, when)
         self.url = url
@@ -294,10 +291,6 @@ class RedisKVStore(RedisWrites, RedisQueries):
             self.hits += 1
         return tensor
 
-    tier = "redis"
-    pin_memory = False
-    reads_in_place = False  # values are read whole over the network (get, read_into)
-
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         self._check_servable()
         tensor = self._load(key, skip_memory_tier)
@@ -357,6 +350,230 @@ class RedisKVStore(RedisWrites, RedisQueries):
     def generation(self) -> int:
         """Bumped by every add and delete from any process."""
         return int(self._call(lambda: self.client.get(self._k("gen")) or 0, 0))
+
+    # ---- writing ------------------------------------------------------------------------
+    def put(self, key: bytes, kv: torch.Tensor, **meta) -> PutResult:
+        return self.put_many([NewChunk(key, kv, **meta)])[0]
+
+    def put_many(self, chunks: Sequence[NewChunk]) -> list[PutResult]:
+        """Store chunks; each chunk is one MULTI (parts, then its metadata marker)."""
+        self._check_servable()
+        if self.readonly:
+            raise StoreError(f"store {self.url} is open read-only")
+        return self._call(lambda: [self._put_one(c) for c in chunks], StoreError)
+
+    def _put_one(self, chunk: NewChunk) -> PutResult:
+        fp, kv = self.fingerprint, chunk.kv
+        want = (fp.num_layers, 2, fp.num_kv_heads, fp.head_dim)
+        if len(kv.shape) != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
+            raise ValueError(f"chunk K/V shape {tuple(kv.shape)} does not match the store")
+        raw = self.client.get(self._chunk(chunk.key, "m"))
+        if raw is not None:
+            return PutResult(json.loads(raw)["chunk_id"], False, ())
+        value = fmt.encode_value(codecs.encode_for_store(self.kv_codec, kv, self.url))
+        cid = int(self.client.incr(self._k("next_id")))
+        meta = ChunkMeta.for_new(chunk, cid, len(value), time.time())
+        record = json.loads(meta.to_json())
+        parts = [value[i : i + self.part_bytes] for i in range(0, len(value), self.part_bytes)]
+        record["parts"] = len(parts)
+        pipe = self.client.pipeline(transaction=True)  # MULTI ... EXEC
+        for i, part in enumerate(parts):
+            pipe.set(self._chunk(chunk.key, f"p:{i}"), bytes(part))
+        pipe.set(self._chunk(chunk.key, "m"), json.dumps(record))  # the marker, last
+        pipe.execute()
+        self._wait_replica(self._chunk(chunk.key, "m"))
+        index = self.client.pipeline(transaction=False)
+        index.set(self._k("id", cid), chunk.key.hex())
+        index.sadd(self._k("chunks"), chunk.key.hex())
+        if chunk.doc_id is not None:
+            index.sadd(self._k("doc", chunk.doc_id), chunk.key.hex())
+        index.incr(self._k("gen"))
+        index.execute()
+        self._wait_replica(self._k("gen"))
+        return PutResult(cid, True, ())
+
+    def put_embeddings(self, keys: Sequence[bytes], vectors) -> None:
+        """Keep chunks' text embeddings (float32 rows) for FAISS rebuilds in other processes."""
+
+        def write():
+            pipe = self.client.pipeline(transaction=False)
+            for key, vec in zip(keys, vectors, strict=True):
+                pipe.set(self._chunk(key, "e"), vec.astype("float32").tobytes())
+            pipe.execute()
+
+        self._call(write, StoreError)
+
+    def embeddings(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._call(
+            lambda: self._mget([self._chunk(k, "e") for k in keys]),
+            StoreError,
+        )
+
+    def delete(self, keys: Sequence[bytes]) -> list[int]:
+        for key in keys:
+            self.memory_tier.discard(key)
+        found = self._call(lambda: [self._delete_one(k) for k in keys], StoreError)
+        return [cid for cid in found if cid is not None]
+
+    def _delete_one(self, key: bytes) -> int | None:
+        raw = self.client.get(self._chunk(key, "m"))
+        record = json.loads(raw) if raw is not None else None
+        parts = record["parts"] if record else 0
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._chunk(key, "m"), self._chunk(key, "e"))
+        for i in range(parts):
+            pipe.delete(self._chunk(key, f"p:{i}"))
+        pipe.execute()
+        index = self.client.pipeline(transaction=False)
+        index.srem(self._k("chunks"), key.hex())
+        if record is not None:
+            index.delete(self._k("id", record["chunk_id"]))
+            if record["doc_id"] is not None:
+                index.srem(self._k("doc", record["doc_id"]), key.hex())
+        index.incr(self._k("gen"))
+        index.execute()
+        return record["chunk_id"] if record else None
+
+    def delete_document(self, doc_id: str) -> list[int]:
+        return self.delete([m.key for m in self.document_chunks(doc_id)])
+
+    def reassign(self, moves: Sequence[tuple[bytes, str, int]]) -> int:
+        """:meth:`KVStore.reassign <blendkv.store.KVStore.reassign>`: each chunk's metadata is
+        rewritten, then the document sets follow (as a put)."""
+        return sum(self._call(lambda: [self._reassign_one(*m) for m in moves], StoreError))
+
+    def _reassign_one(self, key: bytes, doc_id: str, position: int) -> bool:
+        raw = self.client.get(self._chunk(key, "m"))
+        if raw is None:
+            return False
+        record = json.loads(raw)
+        old = record["doc_id"]
+        record.update(doc_id=doc_id, position=position)
+        self.client.set(self._chunk(key, "m"), json.dumps(record))
+        index = self.client.pipeline(transaction=False)
+        if old is not None:
+            index.srem(self._k("doc", old), key.hex())
+        index.sadd(self._k("doc", doc_id), key.hex())
+        index.incr(self._k("gen"))
+        index.execute()
+        return True
+
+    # ---- metadata -----------------------------------------------------------------------
+    def get_meta(self, key: bytes) -> ChunkMeta | None:
+        raw = self._call(lambda: self.client.get(self._chunk(key, "m")), None)
+        return ChunkMeta.from_json(raw) if raw is not None else None
+
+    def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
+        hexkey = self._call(lambda: self.client.get(self._k("id", chunk_id)), None)
+        return self.get_meta(bytes.fromhex(hexkey.decode())) if hexkey else None
+
+    def _metas(self, hexkeys) -> list[ChunkMeta]:
+        keys = [bytes.fromhex(h.decode()) for h in hexkeys]
+        raws = self._call(lambda: self._mget([self._chunk(k, "m") for k in keys]), None)
+        return [ChunkMeta.from_json(r) for r in raws or [] if r is not None]
+
+    def iter_meta(self) -> Iterator[ChunkMeta]:
+        yield from self._metas(self._call(lambda: self.client.smembers(self._k("chunks")), set()))
+
+    def chunk_ids(self) -> list[int]:
+        return sorted(m.chunk_id for m in self.iter_meta())
+
+    def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
+        members = self._call(lambda: self.client.smembers(self._k("doc", doc_id)), set())
+        return sorted(self._metas(members), key=lambda m: m.position)
+
+    # ---- health -------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        metas = list(self.iter_meta())
+        return StoreStats(
+            entries=len(metas),
+            bytes=sum(m.nbytes for m in metas),
+            max_bytes=None,
+            map_size=0,
+            map_used=int(self._call(lambda: self._info_sum("memory", "used_memory"), 0)),
+            evictions=int(self._call(lambda: self._info_sum("stats", "evicted_keys"), 0)),
+            hits=self.hits,
+            misses=self.misses,
+            corrupt=self.corrupt,
+            **self.memory_tier.stats_fields(),
+            lmdb_hits=0,
+            lmdb_misses=0,
+        )
+
+    def _info_sum(self, section: str, field: str) -> int:
+        """An ``INFO`` field, summed over a cluster's masters."""
+        if not self.cluster:
+            return int(self.client.info(section)[field])
+        found = self.client.info(section, target_nodes=self.client.PRIMARIES)
+        if field in found:  # one master: redis-py answers that node's dict
+            return int(found[field])
+        return sum(int(node[field]) for node in found.values())
+
+    def _markers(self, report: VerifyReport) -> set[bytes]:
+        """The keys of every stored chunk marker; on a cluster, each master scanned alone (one
+        that is down is reported unreachable, its chunks then count as missing)."""
+        match = f"{self.namespace}:c:*:m"
+        if not self.cluster:
+            names = list(self.client.scan_iter(match=match, count=1000))
+        else:
+            names = []
+            for node in self.client.get_primaries():
+                try:
+                    names += node.redis_connection.scan_iter(match=match, count=1000)
+                except self._redis_errors as e:
+                    report.add("unreachable", node.name, str(e))
+        return {bytes.fromhex(k.decode().rsplit("{", 1)[1].split("}")[0]) for k in names}
+
+    def verify(self) -> VerifyReport:
+        """Every chunk's value checked; sets, ids and markers agreeing; the server reachable."""
+        report = VerifyReport()
+        with self._lock:
+            try:
+                self._verify(report)
+            except self._redis_errors as e:
+                report.add("unreachable", self.url, str(e))
+        return report
+
+    def _verify(self, report: VerifyReport) -> None:
+        c = self.client
+        members = {bytes.fromhex(h.decode()) for h in c.smembers(self._k("chunks"))}
+        markers = self._markers(report)
+        for key in sorted(markers - members):
+            report.add("unindexed", key.hex(), "chunk stored but not in the chunk set")
+        for key in sorted(members - markers):
+            report.add(
+                "missing_value",
+                key.hex(),
+                "in the chunk set but not stored (evicted, or on a cluster node that is down?)",
+            )
+        for key in sorted(markers & members):
+            raw = c.get(self._chunk(key, "m"))
+            if raw is None:
+                continue  # evicted meanwhile
+            record = json.loads(raw)
+            parts = self._mget([self._chunk(key, f"p:{i}") for i in range(record["parts"])])
+            if any(p is None for p in parts):
+                report.add("missing_value", key.hex(), "a part was evicted")
+                continue
+            try:
+                fmt.check_value(b"".join(parts), verify_checksum=True, codec=self.kv_codec)
+            except CorruptValueError as e:
+                report.add("corrupt_value", key.hex(), str(e))
+                continue
+            if c.get(self._k("id", record["chunk_id"])) != key.hex().encode():
+                report.add("id_mismatch", record["chunk_id"], "id map disagrees")
+            report.entries += 1
+            report.bytes += record["nbytes"]
+
+
+def _lost_connection_errors() -> tuple[type[Exception], ...]:
+    """The redis-py errors that mean the server is out of reach. A cluster slot whose master is
+    down (CLUSTERDOWN, TRYAGAIN, not covered) is a lost connection too: reads miss, writes
+    fail, until a replica is promoted."""
+    import redis
+    from redis.exceptions import ClusterError, RedisClusterException
+
+    return (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException)
 
 
 def _client_for(url: str, socket_timeout: float):

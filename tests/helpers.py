@@ -15,10 +15,22 @@ from blendkv.eval.bench.engine import hf_greedy  # noqa: F401  (re-exported for 
 # Behaviour switches a test's engine runs without unless the test asks for them, set through
 # config (never the environment): no warm-up request at load (the suite builds many engines and
 # times none of their first requests), no start gate (tests that want it ask for it), no cost
-# check (measured rates would turn tests' default blends into full prefill at random).
-QUIET = {"warmup": False, "blend_start_gate": False, "blend_cost_check": False}
+# check and no time budget of steps (measured rates would turn tests' default blends into full
+# prefill, and split their prompts, at random).
+QUIET = {
+    "warmup": False,
+    "blend_start_gate": False,
+    "blend_cost_check": False,
+    "max_step_latency": None,
+}
 # The same for a command that loads a model (``blendkv.cli.main`` or a spawned ``blendkv``).
-QUIET_FLAGS = ("--no-warmup", "--no-blend-start-gate", "--no-blend-cost-check")
+QUIET_FLAGS = (
+    "--no-warmup",
+    "--no-blend-start-gate",
+    "--no-blend-cost-check",
+    "--max-step-latency",
+    "none",
+)
 
 
 class QuietLLM(LLM):
@@ -85,9 +97,9 @@ BLEND_DOCS = [
 BLEND_QUERY = "Which city is the capital of France?"
 
 
-def blend_llm(path, store, pipelined: bool | None):
+def blend_llm(path, store, pipelined: bool | None, **options):
     """An engine on ``path``'s tiny model for the loading tests: float32, blocks of 4, no
-    prefix cache, its chunk store in ``store``."""
+    prefix cache, its chunk store in ``store`` (``options``: more of its options)."""
     return QuietLLM(
         str(path),
         dtype="float32",
@@ -95,6 +107,7 @@ def blend_llm(path, store, pipelined: bool | None):
         enable_prefix_caching=False,
         kv_store_dir=str(store),
         pipeline_kv_load=pipelined,
+        **options,
     )
 
 

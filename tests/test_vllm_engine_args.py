@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import QuietLLM
 
-from blendkv.config import CacheConfig, EngineConfig, resolve_kv_cache_memory_bytes
+from blendkv.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_kv_cache_memory_bytes
 from blendkv.engine_args import check_options, create_engine_config, from_vllm_names
 from blendkv.errors import ConfigError
 
@@ -35,8 +35,7 @@ def test_vllm_names_that_mean_something_here_are_used():
         model="/m",
         dtype="float16",
         max_model_len=128,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
         enforce_eager=True,
         seed=3,
         cache=cache,

@@ -130,4 +130,7 @@ class BlendStats:
         d["compute_fraction"] = self.compute_fraction
         d["reused_tokens_kept"] = self.reused_tokens_kept
         d["other_tokens_computed"] = self.other_tokens_computed
+        verification = getattr(self, "verification", None)  # set by a check on demand
+        if verification is not None:
+            d["verification"] = verification.to_dict()
         return d

@@ -56,6 +56,12 @@ def register(sub) -> None:
         help="also run full prefill on the same prompt: both greedy answers, both TTFTs and "
         "the teacher-forced answer KL (blend vs full)",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="after the answer, check it against full prefill of the same prompt tokens: "
+        "whether the greedy answers differ and the largest next-token KL along them",
+    )
     # Sampling (not generate's options: there --top-k is the sampler's, here retrieval's).
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -90,13 +96,20 @@ def run(args: argparse.Namespace) -> int:
         blend = BlendConfig(recompute_ratio=args.ratio)
     # The comparison's teacher-forced requests reuse each run's own prompt K/V through the
     # prefix cache (as `blendkv eval` does); every timed run starts from an empty cache.
-    pipeline = open_pipeline(args, create=False, enable_prefix_caching=args.compare_full)
+    warm = args.compare_full or args.verify
+    pipeline = open_pipeline(args, create=False, enable_prefix_caching=warm)
     try:
         if args.json:
             answer = pipeline.query(
-                args.question, args.top_k, params, blend, args.system, filter=filter,
+                args.question,
+                args.top_k,
+                params,
+                blend,
+                args.system,
+                filter=filter,
                 chunk_order=order,
-            )  # fmt: skip
+                verify=args.verify,
+            )
             record = answer.to_dict()
             record.update(_explain(args, pipeline, answer, blend, as_json=True))
             print(json.dumps(record))
@@ -114,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         print("\n")
         print_sources(answer)
+        if args.verify:
+            print()
+            print(_verified(pipeline, answer, blend, args.max_tokens).describe())
         for text in _explain(args, pipeline, answer, blend, as_json=False).values():
             print()
             print(text)
@@ -121,6 +137,16 @@ def run(args: argparse.Namespace) -> int:
         pipeline.close()
         pipeline.llm.close()
     return 0
+
+
+def _verified(pipeline, answer, blend, max_tokens: int):
+    """The streamed answer checked against full prefill (:mod:`blendkv.guards.verify`)."""
+    from blendkv.guards.verify import verify
+
+    out = pipeline.llm.generate([answer.prompt], SamplingParams(max_tokens=1), blend=blend)[0]
+    verification = verify(pipeline.llm, answer.prompt, out, blend, max_tokens)
+    answer.blend_stats.verification = verification
+    return verification
 
 
 def _explain(args, pipeline, answer, blend, *, as_json: bool) -> dict:

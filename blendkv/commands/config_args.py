@@ -83,6 +83,7 @@ def add_config_args(
         field = {f.name: f for f in dataclasses.fields(c)}[name]
         hints, docs = typing.get_type_hints(c), attribute_docs(c)
         base = _base_type(hints[name], f"{c.__name__}.{name}")
+        optional = _is_optional(hints[name])
         flags = [f"--{name.replace('_', '-')}", *aliases.get(name, ())]
         default = defaults.get(name, field.default)
         help_ = docs.get(name, "").replace("%", "%%") or None
@@ -90,7 +91,7 @@ def add_config_args(
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = base
+            kwargs["type"] = _or_none(base) if optional and base in (int, float) else base
             choices = field.metadata.get("choices")
             if choices is not None:
                 kwargs["choices"] = list(choices)
@@ -103,6 +104,22 @@ def add_config_args(
 def config_kwargs(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
     """The parsed values of the fields ``names``, as keyword arguments for the config."""
     return {name: getattr(args, name) for name in names}
+
+
+def _is_optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in (
+        typing.get_args(hint)
+    )
+
+
+def _or_none(base: type):
+    """``base``, or None for ``none`` (a number field that may be unset: ``--x none``)."""
+
+    def parse(text: str):
+        return None if text.strip().lower() == "none" else base(text)
+
+    parse.__name__ = base.__name__  # argparse names the type in its errors
+    return parse
 
 
 def _base_type(hint: Any, where: str) -> type:

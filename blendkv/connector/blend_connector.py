@@ -125,6 +125,7 @@ class BlendConnector(KVConnectorBase):
                 self.controller,
                 ctx.model.model.embed_tokens.weight.dtype,
                 device_cache_bytes=conf.kv_device_cache_bytes,
+                read_mode=conf.kv_read_mode,
             )
             self._loader.layer_windows = [
                 getattr(layer.self_attn, "sliding_window", None) for layer in ctx.model.model.layers

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from blendkv.errors import ConfigError
 
+KV_READ_MODES = ("deferred", "in_place", "copy")
+
 
 @dataclass(frozen=True)
 class BlendConnectorConfig:
@@ -47,6 +49,10 @@ class BlendConnectorConfig:
             LMDB on the CPU; a Redis store on the CPU only with a core torch leaves free.
         prefetch_kv_bytes: the most prefetched K/V held in memory at once (Redis; LMDB on
             CUDA).
+        kv_read_mode: how the CPU reads a store it can read in place (LMDB): deferred
+            (zero-copy views of the value, read by a thread while the first layers run; the
+            fastest), in_place (zero-copy views, read before the forward) or copy (copied out
+            of the store before the forward). Benchmarks compare them.
     """
 
     kv_store_dir: str | None = None
@@ -61,6 +67,7 @@ class BlendConnectorConfig:
     pipeline_kv_load: bool | None = None
     prefetch_kv: bool | None = None
     prefetch_kv_bytes: int = 1 << 30
+    kv_read_mode: str = field(default="deferred", metadata={"choices": KV_READ_MODES})
 
     def __post_init__(self) -> None:
         for name in ("kv_store_max_bytes", "request_cache_bytes"):
@@ -80,6 +87,10 @@ class BlendConnectorConfig:
                 raise ConfigError(
                     f"{name} must be None, True or False, got {getattr(self, name)!r}"
                 )
+        if self.kv_read_mode not in KV_READ_MODES:
+            raise ConfigError(
+                f"kv_read_mode must be one of {KV_READ_MODES}, got {self.kv_read_mode!r}"
+            )
         n = self.anchor_boundary_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"anchor_boundary_tokens must be an integer >= 0, got {n!r}")

@@ -36,6 +36,7 @@ from blendkv.engine.runtime_info import runtime_info
 from blendkv.engine.sampler import Sampler
 from blendkv.engine.scheduler import Scheduler
 from blendkv.engine.sequence import Sequence, SequenceStatus
+from blendkv.engine.step_cost import StepCostModel, chunk_forward_work
 from blendkv.engine.structured_output import StructuredOutputs
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.guards.audit import Auditor
@@ -87,20 +88,29 @@ class LLMEngine:
         )
         # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
         self.auditor = Auditor(config.guards.blend_audit_rate, config.seed)
+        # What steps cost here, learned from the steps run (blendkv.engine.step_cost).
+        self.step_costs = StepCostModel()
+        sched = config.scheduler
         self.scheduler = Scheduler(
             self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
             connector=self.kv_connector,
             auditor=self.auditor,
+            max_step_latency=sched.max_step_latency,
+            step_costs=self.step_costs,
         )
         self.runner = self._make_runner()
         self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
         self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
         self._ids = itertools.count()
         self.processor = InputProcessor(
-            self.tokenizer, self.info, config.max_num_seqs, self.kv_connector, self._id_in_use
+            self.tokenizer,
+            self.info,
+            config.scheduler.max_num_seqs,
+            self.kv_connector,
+            self._id_in_use,
         )
         self._last_step_num_scheduled = 0
         self._num_generated_tokens = 0
@@ -154,7 +164,7 @@ class LLMEngine:
                 self.attn_backend,
                 runner.kv_caches,
                 info.block_size,
-                config.max_num_seqs,
+                config.scheduler.max_num_seqs,
                 info.max_model_len,
             )  # captured on the first decode step
         if graphs and config.max_graph_rows:  # (no attention inside: any backend)
@@ -295,13 +305,16 @@ class LLMEngine:
         """Schedule and run one batch; return outputs of requests that produced a token."""
         out = self.scheduler.schedule()
         self._last_step_num_scheduled = len(out.scheduled)
-        self.runner.run_precompute(out)
+        for work, seconds in self.runner.run_precompute(out):
+            self.step_costs.record(chunk_forward_work(work.num_tokens), seconds)
         for audit in out.audits:
             self.auditor.record(audit.request_id, self.runner.full_prefill_logits(audit))
         if not out.scheduled:
             self.scheduler.update_from_output(out)
             return []
+        t0 = time.perf_counter()
         result = self.runner.execute(out)
+        self.step_costs.record(out.work, time.perf_counter() - t0)
         sampled_seqs, sampled = result.sampled_seqs, result.sampled
         for request_id, logits in result.logits.items():
             if self.auditor.take_logits(request_id, logits):

@@ -32,7 +32,7 @@ from blendkv.models.hooks import LayerHooks, QueryPass, output_row_order
 if TYPE_CHECKING:
     from blendkv.engine.kv_connector import KVConnectorBase
     from blendkv.engine.sampler import Sampler
-    from blendkv.engine.scheduler_output import AuditWork, SchedulerOutput
+    from blendkv.engine.scheduler_output import AuditWork, PrecomputeWork, SchedulerOutput
     from blendkv.engine.sequence import Sequence
 
 
@@ -144,12 +144,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------ precompute
     @torch.inference_mode()
-    def run_precompute(self, out: SchedulerOutput) -> None:
-        """The step's chunk precompute, before the batch: each chunk's K/V to the connector."""
+    def run_precompute(self, out: SchedulerOutput) -> list[tuple[PrecomputeWork, float]]:
+        """The step's chunk precompute, before the batch: each chunk's K/V to the connector.
+        Returns each item with the seconds its forward took."""
+        done = []
         for work in out.precompute:
             t0 = time.perf_counter()
             kv = self.compute_chunk_kv([list(work.context_ids)], [list(work.chunk_ids)])[0]
-            self.connector.save_chunk_kv(work, kv, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.connector.save_chunk_kv(work, kv, seconds)
+            done.append((work, seconds))
+        return done
 
     @torch.inference_mode()
     def compute_chunk_kv(

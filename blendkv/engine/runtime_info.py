@@ -44,7 +44,7 @@ def runtime_info(
     # Never more blocks than max_num_seqs full-length sequences can hold: a small model would
     # otherwise zero a whole kv_cache_memory_bytes pool it can never fill.
     block_size = conf.cache.block_size
-    most_needed = conf.max_num_seqs * -(-max_model_len // block_size)
+    most_needed = conf.scheduler.max_num_seqs * -(-max_model_len // block_size)
     num_blocks = conf.cache.num_kv_blocks or max(
         1,
         min(
@@ -55,8 +55,8 @@ def runtime_info(
     )
     # One sequence must always fit in the whole pool, or preemption could never resolve.
     max_model_len = min(max_model_len, num_blocks * block_size)
-    if not conf.enable_chunked_prefill:
-        max_model_len = min(max_model_len, conf.max_num_batched_tokens)
+    if not conf.scheduler.enable_chunked_prefill:
+        max_model_len = min(max_model_len, conf.scheduler.max_num_batched_tokens)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return RuntimeInfo(
         model_name=model_name,

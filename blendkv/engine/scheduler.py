@@ -1,6 +1,11 @@
 """Continuous-batching scheduler. Pure Python: decides *which* tokens run, touches no tensors.
 
-Every step it fills one token budget (``max_num_batched_tokens``) with, in order:
+Every step it fills one token budget (``max_num_batched_tokens``) and, while requests decode,
+a time budget (``max_step_latency`` seconds of predicted prefill and precompute, from the
+engine's :class:`~blendkv.engine.step_cost.StepCostModel`: a long prompt is split finer and a
+request's new documents spread over more steps, so the decodes' tokens keep coming; an idle
+engine takes full-size steps; each step still makes some progress on the oldest prefill) with,
+in order:
 
 1. running sequences — a decode token each, or the next piece of a chunked prefill (while
    other requests wait, running prefills take at most half the budget, so a long prompt
@@ -36,6 +41,7 @@ Prefill and decode tokens share one flattened batch; the runner receives a
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -43,6 +49,7 @@ from typing import TYPE_CHECKING
 from blendkv.engine.block_manager import BlockManager
 from blendkv.engine.scheduler_output import SchedulerOutput
 from blendkv.engine.sequence import Sequence, SequenceStatus
+from blendkv.engine.step_cost import StepCostModel, StepWork, chunk_forward_work, prefill_work
 
 if TYPE_CHECKING:
     from blendkv.engine.kv_connector import KVConnectorBase
@@ -58,10 +65,14 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         connector: KVConnectorBase | None = None,
         auditor: Auditor | None = None,
+        max_step_latency: float | None = None,
+        step_costs: StepCostModel | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.connector = connector
         self.auditor = auditor
+        self.max_step_latency = max_step_latency
+        self.step_costs = step_costs
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -103,6 +114,7 @@ class Scheduler:
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._time = _TimeBudget(self._seconds_for_prefills(), self.step_costs)
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -114,6 +126,7 @@ class Scheduler:
             if audit is not None:
                 out.audits.append(audit)
         self._fork(out)
+        out.work = self._time.batch + StepWork(1 if out.scheduled else 0, *self._decode_work(out))
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -129,11 +142,14 @@ class Scheduler:
             num_left = seq.num_tokens - seq.num_computed_tokens
             assert num_left > 0, f"running sequence with nothing to compute: {seq}"
             num_new = min(num_left, budget if num_left == 1 else min(prefill_room, budget))
+            if num_left > 1:  # a prefill piece: what fits the step's time too
+                num_new = self._time.rows(seq.num_computed_tokens, num_new)
             if num_new == 0:  # a prefill piece, and the prefills' share is spent
                 i += 1
                 continue
             if num_left > 1:
                 prefill_room -= num_new
+                self._time.take(prefill_work(seq.num_computed_tokens, num_new))
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # lowest priority: admitted last, not yet scheduled
                 self._preempt(victim)
@@ -178,6 +194,10 @@ class Scheduler:
                     oversized = cost > self.max_num_batched_tokens
                     if not (oversized and not prefills and not out.precompute):
                         return
+                forward = chunk_forward_work(cost)
+                if not self._time.fits(forward) and self._time.progressed:
+                    return  # the step's time is spent (decodes are waiting for it)
+                self._time.take(forward, in_batch=False)
                 out.precompute.append(work)
                 budget -= cost
                 if budget <= 0:
@@ -200,17 +220,30 @@ class Scheduler:
         fused_cost = None
         if conn is not None:
             fused_cost = conn.fused_prefill_cost(seq, num_cached + num_external, num_new)
+        prefills_scheduled = any(n > 1 for _, n in out.scheduled)
         if fused_cost is not None:
             # A fused prefill runs whole. It waits for budget unless it could never fit,
             # then it goes alone among this step's prefills so it cannot starve.
             cost = fused_cost
-            prefills_scheduled = any(n > 1 for _, n in out.scheduled)
             if cost > budget and (cost <= self.max_num_batched_tokens or prefills_scheduled):
                 return None
-        elif num_new > budget:
-            if not self.enable_chunked_prefill:
+            work = StepWork(1 if conn.needs_query_pass(seq) else 0, cost, cost * seq.num_tokens)
+            if not self._time.fits_whole(work, prefills_scheduled):
                 return None
-            num_new = cost = budget
+        else:
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    return None
+                num_new = cost = budget
+            start = num_cached + num_external
+            work = prefill_work(start, num_new)
+            if self.enable_chunked_prefill:
+                num_new = cost = self._time.rows(start, num_new)
+                work = prefill_work(start, num_new)
+            elif not self._time.fits_whole(work, prefills_scheduled):
+                return None
+            if num_new == 0:
+                return None
         if not bm.allocate_slots(seq, num_external + num_new, computed_blocks):
             return None
         self.waiting.popleft()
@@ -223,6 +256,7 @@ class Scheduler:
             conn.update_state_after_alloc(seq, num_external)
             if fused_cost is not None and conn.needs_query_pass(seq):
                 out.query_passes.append(seq.request_id)
+        self._time.take(work)
         self.running.append(seq)
         out.scheduled.append((seq, num_new))
         return budget - min(cost, budget)
@@ -251,6 +285,25 @@ class Scheduler:
         return ready
 
     # -------------------------------------------------------------- helpers
+    def _seconds_for_prefills(self) -> float:
+        """The step's time budget for prefill and precompute: ``max_step_latency`` while some
+        request decodes and the cost model predicts; unbounded otherwise."""
+        costs = self.step_costs
+        if self.max_step_latency is None or costs is None or costs.coefficients is None:
+            return math.inf
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        return self.max_step_latency if decoding else math.inf
+
+    @staticmethod
+    def _decode_work(out: SchedulerOutput) -> tuple[int, int]:
+        """(rows, key rows) of the step's decode rows."""
+        rows = [
+            s.num_tokens
+            for s, n in out.scheduled
+            if n == 1 and s.num_computed_tokens + 1 == s.num_tokens
+        ]
+        return len(rows), sum(rows)
+
     def _num_seq_slots(self) -> int:
         """Running sequences plus the samples they will fork (a slot each, reserved)."""
         return len(self.running) + sum(len(seq.pending_children) for seq in self.running)
@@ -286,3 +339,53 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = status
         seq.metrics.finished_time = time.perf_counter()
+
+
+# A prefill piece the time budget would make smaller still gets this many rows, so a long
+# prompt beside busy decodes always progresses.
+MIN_PIECE_ROWS = 16
+
+
+class _TimeBudget:
+    """One step's seconds of predicted prefill and precompute work left (``math.inf``: no
+    bound), and the work the step's batch takes on (what the engine records the step's time
+    against)."""
+
+    def __init__(self, seconds: float, costs: StepCostModel | None) -> None:
+        self.left = seconds
+        self.costs = costs
+        self.batch = StepWork()
+        self.progressed = False  # some prefill or precompute work is in the step
+
+    def _seconds(self, work: StepWork) -> float:
+        return self.costs.predict(work) or 0.0
+
+    def fits(self, work: StepWork) -> bool:
+        return math.isinf(self.left) or self._seconds(work) <= self.left
+
+    def fits_whole(self, work: StepWork, prefills_scheduled: bool) -> bool:
+        """Whether work that cannot be split (a fused prefill) runs now: it fits, or it could
+        never fit a step's budget and goes first among the step's prefills (no starving)."""
+        return self.fits(work) or not (self.progressed or prefills_scheduled)
+
+    def rows(self, num_computed: int, most: int) -> int:
+        """The most prefill rows (up to ``most``) after ``num_computed`` that fit, and at
+        least :data:`MIN_PIECE_ROWS` (the steps then vary enough for the cost model to tell
+        a row's cost from a forward's)."""
+        if math.isinf(self.left) or self.fits(prefill_work(num_computed, most)):
+            return most
+        lo, hi = 0, most  # lo fits, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(prefill_work(num_computed, mid)):
+                lo = mid
+            else:
+                hi = mid
+        return max(lo, min(most, MIN_PIECE_ROWS))
+
+    def take(self, work: StepWork, in_batch: bool = True) -> None:
+        if in_batch:
+            self.batch = self.batch + work
+        if not math.isinf(self.left):
+            self.left -= self._seconds(work)
+        self.progressed = True

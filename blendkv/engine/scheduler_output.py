@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from blendkv.engine.step_cost import StepWork
+
 if TYPE_CHECKING:
     from blendkv.engine.kv_connector import KVConnectorMetadata
     from blendkv.engine.sequence import Sequence
@@ -42,6 +44,9 @@ class SchedulerOutput:
     query_passes: list[str] = field(default_factory=list)
     precompute: list[PrecomputeWork] = field(default_factory=list)
     audits: list[AuditWork] = field(default_factory=list)
+    # What the batch's forward(s) take on (the precompute items apart): the engine records
+    # the step's measured time against it (blendkv.engine.step_cost).
+    work: StepWork = field(default_factory=StepWork)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -146,6 +146,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        *,
+        verify: bool = False,
         **request_kwargs: Any,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs in the order of ``prompts``.
@@ -160,6 +162,8 @@ class LLM:
             sampling_params: one for all prompts or one per prompt; None:
                 ``SamplingParams()`` (temperature 1, at most 16 tokens).
             use_tqdm: show a progress bar over the prompts.
+            verify: after the answers, check each blended one against full prefill of its
+                prompt tokens (:mod:`blendkv.guards.verify`; ``blend_stats.verification``).
             **request_kwargs: ``blend``: the :class:`~blendkv.blend.config.BlendConfig` of
                 the blended prompts (None: the default, and the engine's cost check may
                 choose); ``logits_from``: return the prompt's logits from that position on
@@ -168,6 +172,28 @@ class LLM:
         Returns:
             One finished :class:`~blendkv.outputs.RequestOutput` per prompt.
         """
+        outputs = self._generate(prompts, sampling_params, use_tqdm, **request_kwargs)
+        if verify:
+            self._verify(self._as_list(prompts), outputs, sampling_params, request_kwargs)
+        return outputs
+
+    def _verify(self, prompts, outputs, sampling_params, request_kwargs) -> None:
+        from blendkv.guards.verify import verify
+
+        params = self._params_list(sampling_params, len(prompts))
+        for prompt, out, p in zip(prompts, outputs, params, strict=True):
+            if isinstance(prompt, dict) and out.blend_stats is not None:
+                max_tokens = p.max_tokens if p.max_tokens is not None else 32
+                blend = request_kwargs.get("blend")
+                out.blend_stats.verification = verify(self, prompt, out, blend, max_tokens)
+
+    def _generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        **request_kwargs: Any,
+    ) -> list[RequestOutput]:
         prompts = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         finished: dict[str, RequestOutput] = {}  # written by whichever thread steps

@@ -47,19 +47,19 @@ class ChunkLoader:
         controller: LoadingController | None = None,
         dtype: torch.dtype = torch.float32,
         device_cache_bytes: int = 0,
+        read_mode: str = "deferred",
     ) -> None:
         """``kv_shape``: (num_layers, num_kv_heads, head_dim) of a stored chunk; ``dtype``: the
-        model's (the stored K/V's); ``device_cache_bytes``: the device tier's budget (0: none)."""
+        model's (the stored K/V's); ``device_cache_bytes``: the device tier's budget (0: none);
+        ``read_mode``: how values a store reads in place are read
+        (``BlendConnectorConfig.kv_read_mode``)."""
         self.manager = manager
         self.kv_shape = kv_shape
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.device = torch.device(device)
         self.controller = controller or LoadingController()
         self._snapshot = None  # this step's LMDB read snapshot (CPU), opened on first use
-        # Benchmarks switch these off to time copying reads (``store.get``) / LMDB reads before
-        # the forward on the same engine.
-        self.zero_copy_reads = True
-        self.defer_reads = True
+        self.read_mode = read_mode
         # Reads made while the request was queued (:mod:`blendkv.loading.prefetch`), or None.
         self.prefetcher = None
         # Per layer, its sliding window or None (set by the connector): a full-reuse blend does
@@ -257,8 +257,8 @@ class ChunkLoader:
         self, key: bytes, stats
     ) -> tuple[torch.Tensor | EncodedChunk | Callable, str] | None:
         """A stored chunk's K/V (read-only, shared with the memory tier; encoded as stored) and
-        its tier; for an LMDB view read later (``defer_reads``), a function that reads it
-        instead."""
+        its tier; for an LMDB view read later (``read_mode="deferred"``), a function that
+        reads it instead."""
         if self.device_tier is not None:
             kv = self.device_tier.get(key)
             if kv is not None:
@@ -277,11 +277,11 @@ class ChunkLoader:
         tiers = ["memory", store.tier] if key in store.memory_tier else [store.tier]
         tier = self.controller.choose_tier(tiers)
         viewable = self.device.type == "cpu" and store.reads_in_place
-        if self.zero_copy_reads and viewable and tier != "memory":
+        if self.read_mode != "copy" and viewable and tier != "memory":
             if self._snapshot is None:
                 self._snapshot = store.snapshot()
             if self._snapshot is not None:
-                if self.defer_reads:
+                if self.read_mode == "deferred":
                     return functools.partial(self._snapshot.view_encoded, key), tier
                 value = self._snapshot.view_encoded(key)
                 return None if value is None else (as_chunk(value), tier)

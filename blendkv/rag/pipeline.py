@@ -314,16 +314,27 @@ class RAGPipeline:
         return prompt
 
     def query(
-        self, question: str, k: int = 6, sampling_params=None, blend=None, system=None, *,
-        filter: DocumentFilter | None = None, chunk_order: str | None = None,
-    ) -> RAGAnswer:  # fmt: skip
+        self,
+        question: str,
+        k: int = 6,
+        sampling_params=None,
+        blend=None,
+        system=None,
+        *,
+        filter: DocumentFilter | None = None,
+        chunk_order: str | None = None,
+        verify: bool = False,
+    ) -> RAGAnswer:
         """Retrieve ``k`` chunks (among the documents ``filter`` selects; see :meth:`retrieve`)
         and answer from their stored K/V (blended prefill), the chunks in ``chunk_order``
-        (default: the pipeline's); the answer's sources are in that prompt order."""
+        (default: the pipeline's); the answer's sources are in that prompt order. ``verify``:
+        then check the answer against full prefill of the same prompt tokens
+        (``answer.blend_stats.verification``: whether the greedy answers differ, and by how
+        much the next-token distributions do)."""
         sources, prompt, params, blend = self._prepare(
             question, k, sampling_params, blend, system, filter, chunk_order
         )
-        [out] = self.llm.generate([prompt], params, blend=blend)
+        [out] = self.llm.generate([prompt], params, blend=blend, verify=verify)
         return self._answer(out, sources, prompt)
 
     def stream_query(

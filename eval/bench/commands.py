@@ -59,7 +59,7 @@ def register_bench(sub) -> None:
         default=4,
         help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
     )
-    add_config_args(d, EngineConfig, ("attention_backend",))  # GEMMs: BLENDKV_CPU_GEMM
+    add_config_args(d, EngineConfig, ("attention_backend", "cpu_gemm"))
     d.add_argument("--json", default=None)
     d.set_defaults(func=_run("decode"))
     sm = bench.add_parser("sampler", help="a sampler step with penalties vs plain greedy")
@@ -131,10 +131,11 @@ def register_bench(sub) -> None:
     _add_compile(bench)
     _add_prefetch(bench)
     _add_store(bench)
+    _add_stall(bench)
 
 
 def _add_gemm(bench) -> None:
-    p = bench.add_parser("gemm", help="CPU GEMM libraries at a model's shapes (BLENDKV_CPU_GEMM)")
+    p = bench.add_parser("gemm", help="CPU GEMM libraries at a model's shapes (cpu_gemm)")
     add_config_args(p, EngineConfig, ("model",))
     p.add_argument("--rows", default="1,32,2048")
     p.add_argument("--threads", type=int, default=2)
@@ -242,6 +243,27 @@ def _add_store(bench) -> None:
     p.add_argument("--out", default="bench_out/store", help="scaling results folder")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server")
     p.set_defaults(func=_run("store"))
+
+
+def _latency(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)
+
+
+def _add_stall(bench) -> None:
+    p = bench.add_parser(
+        "stall", help="streaming clients while one big request runs: their gaps and throughput"
+    )
+    add_config_args(p, EngineConfig, ("model",))
+    add_config_args(p, EngineConfig, ("dtype",), defaults={"dtype": "float32"})
+    p.add_argument("--clients", type=int, default=4, help="streaming clients")
+    p.add_argument("--docs", type=int, default=1000, help="new tiny documents in one request")
+    p.add_argument("--long-tokens", type=int, default=8191, help="tokens of the long prompt")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of the baseline")
+    p.add_argument(
+        "--max-step-latency", type=_latency, default=0.25, help="seconds a step, or none"
+    )
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("stall"))
 
 
 def _run(kind: str):

@@ -40,8 +40,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-COMPILE_ONLY_ENV = "BLENDKV_TRITON_COMPILE_ONLY"
-
 # Largest shared memory one block may use (opt-in), bytes, per compute capability.
 SHARED_LIMITS = {80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: 232_448, 100: 232_448}
 
@@ -75,6 +73,8 @@ class Variant:
 
 class OfflineDriver:
     """What :meth:`JITFunction.run` asks of Triton's driver, for a device that is not here."""
+
+    compile_only = True  # (blendkv.kernels.backends accepts the Triton backend on the CPU)
 
     def __init__(self, arch: int) -> None:
         from triton.backends.compiler import GPUTarget
@@ -149,13 +149,11 @@ def compile_only(arch: int, variants: list[Variant], shape: str) -> Iterator[Non
 
     driver.set_active(OfflineDriver(arch))
     JITFunction.run = compile_launch
-    os.environ[COMPILE_ONLY_ENV] = str(arch)
     try:
         yield
     finally:
         JITFunction.run = run
         driver.set_active(None)  # the next use finds the machine's own driver
-        os.environ.pop(COMPILE_ONLY_ENV, None)
 
 
 def _checks_pass(name, kernel, check, module, like) -> bool:

@@ -142,6 +142,7 @@ def run(args) -> DecodeBenchResult:
         max_num_seqs=max(64, n),
         enable_prefix_caching=False,
         attention_backend=getattr(args, "attention_backend", "auto"),
+        cpu_gemm=getattr(args, "cpu_gemm", "auto"),
     )
     threads = torch.get_num_threads()
     tok = llm.tokenizer

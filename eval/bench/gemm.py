@@ -5,7 +5,7 @@
 For each linear map of one decoder layer (fused q/k/v, o_proj, fused gate/up, down) and the
 lm_head, and each batch size, times ``F.linear`` (torch's own: MKL's sgemm in float32), MKL's
 packed sgemm (float32, packed for the batch size, as ``CpuTuning.packed_gemm_rows`` does) and
-oneDNN on a weight reordered once (``BLENDKV_CPU_GEMM=onednn``), in float32 and bfloat16: the
+oneDNN on a weight reordered once (``cpu_gemm="onednn"``), in float32 and bfloat16: the
 calls take turns,
 median of ``--repeats`` calls each. Random weights of the model's shapes (no checkpoint is
 read). Correctness first (it also warms each call up): every result is compared with

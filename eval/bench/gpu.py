@@ -145,6 +145,7 @@ def bench_shape(shape: str, args, device: str) -> dict:
             max_num_seqs=max(args.concurrency, 1),
             kv_cache_memory_bytes=args.kv_cache_gb << 30,
             kv_store_memory_bytes=args.kv_store_gb << 30,
+            blend_cost_check=True,  # its choice is measured beside blend and full prefill
         )
         row["setup_s"] = round(time.perf_counter() - t0, 1)
         row["attention_backend"] = llm.engine.attn_backend.name

@@ -67,7 +67,7 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     llm.precompute_chunks(state.prompt.chunks)
     full_ids = state.prompt.token_ids
     connector = llm.engine.kv_connector
-    connector.cost_check = True  # the engine's choice is measured even where it is off
+    assert connector.cost_check, "the engine's choice is measured: blend_cost_check=True"
 
     def ttft(blend=None, ids=None):
         out = llm.generate([ids or prompt], one, blend=blend)[0]

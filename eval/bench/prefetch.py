@@ -1,5 +1,6 @@
 """A/B of reading queued requests' chunks ahead of their step (``prefetch_kv``) against
-reading them in the step that prefills them, in one process, alternating.
+reading them in the step that prefills them, in one process: per round, one engine configured
+each way over the same store, one after the other.
 
     blendkv bench prefetch [--model PATH] [--limit 3] [--rounds 2]
         [--store lmdb|redis|redis://HOST:PORT/DB] [--dtype float32] [--json PATH]
@@ -31,25 +32,38 @@ def main(args: argparse.Namespace) -> int:
     from blendkv.eval.bench.redis_server import start_redis
 
     server = None
-    store_dir = None
+    tmp = Path(tempfile.mkdtemp(prefix="blendkv-bench-prefetch-"))
+    store_dir = str(tmp / "store")  # both modes' engines read it (LMDB: one at a time)
     if args.store == "redis":
-        server, store_dir = start_redis(Path(tempfile.mkdtemp(prefix="blendkv-bench-redis-")))
+        server, store_dir = start_redis(tmp / "redis")
     elif args.store.startswith("redis://"):
         store_dir = args.store
-    # One fused prefill per step (each costs more than the budget, so each goes alone): both
-    # modes then batch alike, whatever the order the reads finish in.
-    examples, spec, llm = musique_setup(args, kv_store_dir=store_dir, max_num_batched_tokens=512)
+    runs = {"off": [], "on": []}
     try:
-        return _run(args, llm, [_blended(ex, spec) for ex in examples], page_out)
+        for _ in range(args.rounds):
+            for mode in runs:
+                # One fused prefill per step (each costs more than the budget, so each goes
+                # alone): both modes then batch alike, whatever the order the reads finish in.
+                examples, spec, llm = musique_setup(
+                    args,
+                    kv_store_dir=store_dir,
+                    max_num_batched_tokens=512,
+                    prefetch_kv=mode == "on",
+                )
+                try:
+                    prompts = [_blended(ex, spec) for ex in examples]
+                    runs[mode].append(_run_mode(llm, prompts, page_out))
+                finally:
+                    llm.close()
     finally:
-        llm.close()
         if server is not None:
             server.kill()
+    return _report(args, runs, len(prompts))
 
 
-def _run(args, llm, prompts, page_out) -> int:
+def _run_mode(llm, prompts, page_out) -> dict:
+    """One engine's runs: the burst, then per prompt beside a decode and alone."""
     engine, manager = llm.engine, llm.blend_manager()
-    connector = engine.kv_connector
     store = manager.store
     cfg = BlendConfig()
     one = SamplingParams(temperature=0.0, max_tokens=1)
@@ -65,6 +79,12 @@ def _run(args, llm, prompts, page_out) -> int:
             page_out(store, keys)
         store.memory_tier.clear()
 
+    def run_until(rid):
+        while True:
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    return out
+
     def burst():
         cold()
         t0 = time.perf_counter()
@@ -77,17 +97,7 @@ def _run(args, llm, prompts, page_out) -> int:
             for out in engine.step():
                 if out.finished:
                     outs[out.request_id] = out
-        wall = time.perf_counter() - t0
-        return wall, [outs[i] for i in ids]
-
-    def alone(i: int):
-        cold()
-        rid = engine.add_request(prompts[i], one, blend=cfg, logits_from=lengths[i] - 1)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == rid:
-                    done = out
-        return done
+        return time.perf_counter() - t0, [outs[i] for i in ids]
 
     def beside_decode(i: int):
         params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -108,58 +118,65 @@ def _run(args, llm, prompts, page_out) -> int:
         engine.abort_request(decode_id)
         return blended, gap
 
-    rows, identical = [], True
-    logits: dict[tuple, dict[str, torch.Tensor]] = {}
-    burst_runs = {"off": [], "on": []}
-    for _ in range(args.rounds):
-        for mode in ("off", "on"):
-            connector.prefetch = mode == "on"
-            wall, outs = burst()
-            burst_runs[mode].append((wall, [o.metrics.ttft for o in outs]))
-            for i, out in enumerate(outs):
-                logits.setdefault(("burst", i), {})[mode] = out.extra["prompt_logits"]
+    def alone(i: int):
+        cold()
+        return run_until(engine.add_request(prompts[i], one, blend=cfg, logits_from=lengths[i] - 1))
+
+    wall, outs = burst()
+    run = {"burst": (wall, [o.metrics.ttft for o in outs]), "examples": [], "logits": []}
+    run["logits"] += [o.extra["prompt_logits"] for o in outs]
     for i in range(len(prompts)):
-        runs = {"off": [], "on": []}
-        for _ in range(args.rounds):
-            for mode in ("off", "on"):
-                connector.prefetch = mode == "on"
-                out, gap = beside_decode(i)
-                single = alone(i)
-                stats = out.blend_stats
-                runs[mode].append((out.metrics.ttft, gap, stats.chunks_prefetched, single))
-                logits.setdefault(("decode", i), {})[mode] = out.extra["prompt_logits"]
-                logits.setdefault(("alone", i), {})[mode] = single.extra["prompt_logits"]
-        row = {"example": i, "tokens": lengths[i]}
-        for mode, vals in runs.items():
-            row[f"ttft_{mode}"] = statistics.median(v[0] for v in vals)
-            row[f"decode_gap_{mode}"] = statistics.median(v[1] for v in vals)
-            row[f"chunks_prefetched_{mode}"] = min(v[2] for v in vals)
-            row[f"ttft_alone_{mode}"] = statistics.median(v[3].metrics.ttft for v in vals)
+        out, gap = beside_decode(i)
+        single = alone(i)
+        stats = out.blend_stats
+        run["examples"].append(
+            (lengths[i], out.metrics.ttft, gap, stats.chunks_prefetched, single.metrics.ttft)
+        )
+        run["logits"] += [out.extra["prompt_logits"], single.extra["prompt_logits"]]
+    run["model"], run["store"] = engine.info.model_name, store.tier
+    return run
+
+
+def _report(args, runs: dict, num_prompts: int) -> int:
+    """Medians over rounds per mode, the on/off ratios; correctness: every request's logits
+    bit-identical across modes and rounds."""
+    first = runs["off"][0]["logits"]
+    identical = all(
+        torch.equal(a, b)
+        for r in runs["off"] + runs["on"]
+        for a, b in zip(first, r["logits"], strict=True)
+    )
+    rows = []
+    for i in range(len(runs["off"][0]["examples"])):
+        row = {"example": i, "tokens": runs["off"][0]["examples"][i][0]}
+        for mode, rs in runs.items():
+            vals = [r["examples"][i] for r in rs]
+            row[f"ttft_{mode}"] = statistics.median(v[1] for v in vals)
+            row[f"decode_gap_{mode}"] = statistics.median(v[2] for v in vals)
+            row[f"chunks_prefetched_{mode}"] = min(v[3] for v in vals)
+            row[f"ttft_alone_{mode}"] = statistics.median(v[4] for v in vals)
         row["ttft_on_over_off"] = row["ttft_on"] / row["ttft_off"]
         row["gap_on_over_off"] = row["decode_gap_on"] / row["decode_gap_off"]
         row["alone_on_over_off"] = row["ttft_alone_on"] / row["ttft_alone_off"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    connector.prefetch = None  # the engine's default again
-    for pair in logits.values():
-        identical &= torch.equal(pair["off"], pair["on"])
     summary = {
-        "model": engine.info.model_name,
-        "store": store.tier,
+        "model": runs["off"][0]["model"],
+        "store": runs["off"][0]["store"],
         "dtype": args.dtype,
         "identical": identical,
     }
-    for mode, vals in burst_runs.items():
-        summary[f"burst_wall_{mode}"] = statistics.median(v[0] for v in vals)
+    for mode, rs in runs.items():
+        summary[f"burst_wall_{mode}"] = statistics.median(r["burst"][0] for r in rs)
         summary[f"burst_median_ttft_{mode}"] = statistics.median(
-            statistics.median(v[1]) for v in vals
+            statistics.median(r["burst"][1]) for r in rs
         )
     summary["burst_wall_on_over_off"] = summary["burst_wall_on"] / summary["burst_wall_off"]
     for key in ("ttft_on_over_off", "gap_on_over_off", "alone_on_over_off"):
         summary[f"median_{key}"] = statistics.median(r[key] for r in rows)
     print(f"\ncorrectness: logits bit-identical in both modes on every request: {identical}")
     print(
-        f"burst of {len(prompts)}: wall {summary['burst_wall_off']:.3f} s -> "
+        f"burst of {num_prompts}: wall {summary['burst_wall_off']:.3f} s -> "
         f"{summary['burst_wall_on']:.3f} s ({summary['burst_wall_on_over_off']:.3f}x), median "
         f"TTFT {summary['burst_median_ttft_off']:.3f} -> {summary['burst_median_ttft_on']:.3f} s"
     )

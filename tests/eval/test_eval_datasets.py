@@ -195,3 +195,16 @@ def test_load_dataset_dispatch(tmp_path):
         load_dataset(tmp_path / "data.csv")
     with pytest.raises(DatasetError, match="limit"):
         load_dataset("synthetic", limit=-1)
+
+
+def test_offset_takes_a_slice():
+    whole = load_dataset("synthetic", 6, seed=3)
+    assert [e.id for e in load_dataset("synthetic", 2, seed=3, offset=4)] == [
+        e.id for e in whole[4:6]
+    ]
+    assert (
+        len(load_dataset("synthetic", None, seed=3, offset=4))
+        == len(load_dataset("synthetic", None, seed=3)) - 4
+    )
+    with pytest.raises(DatasetError, match="offset"):
+        load_dataset("synthetic", 2, offset=-1)

@@ -142,8 +142,8 @@ def test_cost_check_measures_cuda_steps_with_events(tiny_llama_dir, tmp_path):
         device="cuda",
         kv_store_dir=str(tmp_path),
         enable_prefix_caching=False,
+        blend_cost_check=True,
     )
-    llm.engine.kv_connector.cost_check = True  # blend_cost_check=True (the suite turns it off)
     prompt = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
     one = SamplingParams(temperature=0.0, max_tokens=1)
     ids = llm.blend_manager().prepare(prompt, BlendConfig()).prompt.token_ids

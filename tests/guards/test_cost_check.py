@@ -108,8 +108,8 @@ def test_the_server_tells_a_requests_own_config_from_none():
 # ---- in the engine --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir, tmp_path_factory):
-    llm = blend_llm(tiny_llama_dir, tmp_path_factory.mktemp("never-loses-store"), None)
-    llm.engine.kv_connector.cost_check = True  # blend_cost_check=True (the suite turns it off)
+    store = tmp_path_factory.mktemp("never-loses-store")
+    llm = blend_llm(tiny_llama_dir, store, None, blend_cost_check=True)
     llm.generate(PROMPT, GREEDY)  # stores the chunks (no rates are injected yet)
     llm.blend_manager().flush()
     yield llm
@@ -181,14 +181,11 @@ def test_a_requests_own_config_is_never_overridden(llm, config):
     assert stats.reused_tokens_recomputed == round(config.recompute_ratio * stats.tokens_reused)
 
 
-def test_off_switch_blends_as_configured(llm):
-    conn = llm.engine.kv_connector
-    _measured(conn.controller, blend_rate=1e9, full_rate=1e9, bandwidth=1e3)
-    conn.cost_check = False
-    try:
+def test_off_switch_blends_as_configured(tiny_llama_dir, tmp_path):
+    with blend_llm(tiny_llama_dir, tmp_path, None, blend_cost_check=False) as llm:
+        llm.generate(PROMPT, GREEDY)  # stores the chunks
+        _measured(llm.engine.kv_connector.controller, blend_rate=1e9, full_rate=1e9, bandwidth=1e3)
         stats = llm.generate(PROMPT, GREEDY)[0].blend_stats
-    finally:
-        conn.cost_check = True
     assert stats.cost_choice == "" and stats.tokens_reused > 0
 
 

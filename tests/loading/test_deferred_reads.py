@@ -71,7 +71,7 @@ def test_deferred_reads_equal_reads_before_the_forward(
     monkeypatch.setattr(LayerwiseLoad, "wait", wait)
     runs = {}
     for defer in (False, True):
-        loader.defer_reads = defer
+        loader.read_mode = "deferred" if defer else "in_place"  # (kv_read_mode)
         view_threads.clear()
         out = llm.generate([PROMPT], ONE, blend=blend, logits_from=n - 3)[0]
         assert out.blend_stats.chunks_hit == len(DOCS) and out.blend_stats.chunks_missed == 0

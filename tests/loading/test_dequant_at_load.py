@@ -85,15 +85,15 @@ def test_every_loading_path_writes_the_same_decoded_bits(tiny_llama_dir, tmp_pat
                 # in the store, encoded: a chunk still in the background writer is read as
                 # computed (raw bits), which a slow writer (a busy machine) left to the next run
                 manager.flush()
-                for mode, (zero_copy, defer) in {
-                    "deferred view": (True, True),
-                    "view": (True, False),
-                    "memory tier": (False, False),
+                for mode, read_mode in {
+                    "deferred view": "deferred",
+                    "view": "in_place",
+                    "memory tier": "copy",
                 }.items():
-                    loader.zero_copy_reads, loader.defer_reads = zero_copy, defer
+                    loader.read_mode = read_mode  # (BlendConnectorConfig.kv_read_mode)
                     loaded.clear()
                     runs[mode, pipelined] = _logits(llm, blend, n)
-                    if not defer:
+                    if read_mode != "deferred":
                         assert loaded and all(t is EncodedChunk for t in loaded), loaded
             stores.close()
             llm.close()

@@ -58,7 +58,7 @@ def test_chunks_are_served_from_the_device_tier_with_the_same_logits(tiny_llama_
 
     llm = make_llm(tiny_llama_dir, tmp_path / "store", device_cache_bytes=64 << 20)
     loader = loader_of(llm)
-    loader.zero_copy_reads = False  # (CPU: LMDB chunks are otherwise views read later)
+    loader.read_mode = "copy"  # (CPU: LMDB chunks are otherwise views read later)
     first, stats = run(llm, n)
     assert stats.chunks_hit == len(DOCS) and stats.chunks_on_device == 0
     assert len(loader.device_tier) == len(DOCS)
@@ -102,14 +102,14 @@ def test_the_budget_bounds_the_tier(tiny_llama_dir, tmp_path):
 
     llm = make_llm(tiny_llama_dir, tmp_path / "store", device_cache_bytes=sizes[-1] + sizes[-2])
     loader = loader_of(llm)
-    loader.zero_copy_reads = False
+    loader.read_mode = "copy"
     run(llm, n)
     assert 1 <= len(loader.device_tier) <= 2 and loader.device_tier.nbytes <= sizes[-1] + sizes[-2]
     llm.close()
 
     llm = make_llm(tiny_llama_dir, tmp_path / "store", device_cache_bytes=sizes[0] - 1)
     loader = loader_of(llm)
-    loader.zero_copy_reads = False
+    loader.read_mode = "copy"
     _, stats = run(llm, n)
     assert len(loader.device_tier) == 0 and stats.chunks_hit == len(DOCS)
     llm.close()
@@ -126,7 +126,7 @@ def test_a_write_cut_short_is_not_kept(tiny_llama_dir, tmp_path, monkeypatch):
     warm.close()
     llm = make_llm(tiny_llama_dir, tmp_path / "store", 64 << 20, pipelined=False)  # in order
     loader = loader_of(llm)
-    loader.zero_copy_reads = False
+    loader.read_mode = "copy"
     original = layer_load.LayerwiseLoad._write
     calls = []
 

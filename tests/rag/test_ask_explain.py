@@ -98,3 +98,15 @@ def test_text_output(store_args, capsys):
     [line] = [x for x in out.splitlines() if "prompt tokens =" in x]
     numbers = [int(v) for v in re.findall(r"(\d+) (?:prompt tokens|reused|others)", line)]
     assert numbers[0] == sum(numbers[1:]) and "reused as stored" in line
+
+
+def test_verify_checks_the_answer_against_full_prefill(store_args, capsys):
+    record = ask_json(capsys, store_args, "--verify", "--ratio", "1.0")
+    v = record["blend_stats"]["verification"]
+    assert v["same_answer"] and v["blend_answer"] == record["answer"]
+    assert v["max_kl"] < 1e-4 and v["scored_tokens"] >= 1
+    capsys.readouterr()
+    argv = ["ask", QUESTION, "--top-k", "2", "--max-tokens", "6", "--verify", *store_args]
+    assert main([*argv, "--ratio", "0"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("verified: ") and "KL(full || blend) max" in line
