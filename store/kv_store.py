@@ -665,6 +665,7 @@ class KVStore:
             return txn.get(key, db=self._dbs["chunks"]) is not None
 
     def contains_many(self, keys) -> list[bool]:
+        """``key in self`` for each key, in one read transaction."""
         db = self._dbs["chunks"]
         with self._read() as txn:
             return [txn.get(key, db=db) is not None for key in keys]
@@ -681,24 +682,29 @@ class KVStore:
         return ChunkMeta.from_json(raw, layout.unpack_usage(usage)[1] if usage else 0.0)
 
     def get_meta(self, key: bytes) -> ChunkMeta | None:
+        """The metadata of the chunk stored under ``key``; None when it is not stored."""
         with self._read() as txn:
             return self._meta(txn, key)
 
     def key_for_id(self, chunk_id: int) -> bytes | None:
+        """The key of the chunk with this id; None when it is not stored."""
         with self._read() as txn:
             key = txn.get(layout.be64(chunk_id), db=self._dbs["ids"])
             return bytes(key) if key is not None else None
 
     def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
+        """The metadata of the chunk with this id; None when it is not stored."""
         with self._read() as txn:
             key = txn.get(layout.be64(chunk_id), db=self._dbs["ids"])
             return self._meta(txn, bytes(key)) if key is not None else None
 
     def chunk_ids(self) -> list[int]:
+        """The ids of every stored chunk, ascending."""
         with self._read() as txn:
             return [layout.from_be64(k) for k, _ in txn.cursor(db=self._dbs["ids"])]
 
     def iter_meta(self) -> Iterator[ChunkMeta]:
+        """The metadata of every stored chunk (in one read transaction)."""
         with self._read() as txn:
             for key, _ in txn.cursor(db=self._dbs["chunks"]):
                 yield self._meta(txn, bytes(key))
@@ -734,6 +740,7 @@ class KVStore:
     # ---- health ----------------------------------------------------------------------------
 
     def stats(self) -> StoreStats:
+        """The store's counters (:class:`~blendkv.store.StoreStats`)."""
         with self._read() as txn:
             counters = layout.Counters.read(txn, self._dbs["store"])
             entries = txn.stat(self._dbs["chunks"])["entries"]
