@@ -27,6 +27,7 @@ _MAX_PENALTY = 2.0
 _MAX_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_INT64_MAX = 2**63 - 1  # top_k goes into a torch.long tensor
 
 
 class SamplingType(enum.IntEnum):
@@ -212,7 +213,8 @@ class SamplingParams:
             _check_float("temperature", self.temperature, "a finite float >= 0", lambda v: v >= 0),
         )
         put("top_p", _check_float("top_p", self.top_p, "a float in (0, 1]", lambda v: 0 < v <= 1))
-        top_k = _check_int("top_k", self.top_k, "an int >= -1 (0 or -1 disable)", lambda v: v >= -1)
+        allowed = "an int in [-1, 2**63) (0 or -1 disable)"
+        top_k = _check_int("top_k", self.top_k, allowed, lambda v: -1 <= v <= _INT64_MAX)
         put("top_k", max(top_k, 0))
         put("min_p", _check_float("min_p", self.min_p, "a float in [0, 1]", lambda v: 0 <= v <= 1))
         for name in ("presence_penalty", "frequency_penalty"):

@@ -6,6 +6,10 @@ tokens is known before any forward runs: ``n x num_layers x 2 x num_kv_heads x h
 the dtype's size (:func:`kv_bytes_per_token`) for a raw store; an ``int8`` or ``int4`` store
 keeps the codes and their scales (:mod:`blendkv.store.codecs`), whose size the shape gives too
 (``int4``: at most, since its outlier heads depend on the values).
+
+An LMDB store's limit bounds its file (:class:`~blendkv.store.kv_store.KVStore`): the file
+holds values in whole pages (:func:`value_pages`) and keeps a reserve of free pages
+(:func:`reserve_pages`), so an ingest is checked against the file, not only the values.
 """
 
 from __future__ import annotations
@@ -31,6 +35,32 @@ REQUEST_CACHE_MAX_DEFAULT = 2 << 30
 REQUEST_CACHE_DISK_FRACTION = 0.10
 # Room the disk keeps beside a projected ingest (LMDB pages, the index, the catalog).
 DISK_HEADROOM = 1.10
+# LMDB's own pages (two meta pages, each database's root, the B-tree pages a write copies) need
+# room beside the values: a file bound below this is raised to it.
+MIN_FILE_BYTES = 1 << 20
+# The free pages a bounded store keeps: a share of its map, and never fewer than an eviction
+# may copy (B-tree pages of every database) before it frees any.
+RESERVE_FRACTION = 1 / 32
+MIN_FREE_PAGES = 64
+
+
+def file_limit(max_bytes: int) -> int:
+    """The LMDB map size, so the largest file, of a store bounded by ``max_bytes``."""
+    return max(max_bytes, MIN_FILE_BYTES)
+
+
+def value_pages(nbytes: int, page_size: int) -> float:
+    """Pages a value of ``nbytes`` takes in LMDB: overflow pages (with their 16-byte header)
+    for one larger than about half a page, else its share of a leaf page."""
+    if nbytes <= page_size // 2:
+        return nbytes / page_size
+    return -(-(nbytes + 16) // page_size)
+
+
+def reserve_pages(map_pages: int) -> int:
+    """Free pages a bounded store keeps beside its writes: the next eviction copies B-tree
+    pages before it frees any, and a value of several pages needs a run of free ones."""
+    return int(max(MIN_FREE_PAGES, map_pages * RESERVE_FRACTION))
 
 
 def kv_bytes_per_token(fingerprint: ModelFingerprint) -> int:
@@ -82,6 +112,11 @@ class IngestPlan(NamedTuple):
     stored: int  # bytes stored now
     evictable: int  # of which no document owns (the LRU may evict them)
     free: int | None  # free bytes on the store's disk (None: a Redis store)
+    # A bounded LMDB store: the bound of its file (file_limit), the bytes the new values take
+    # there (whole pages) and the bytes of it the store keeps free (reserve_pages).
+    file_bytes: int | None = None
+    in_file: int = 0
+    reserve: int = 0
 
     def describe(self) -> str:
         """``projected K/V: 2.3 GiB for 12,345 tokens (store limit 20.0 GiB, 1.2 GiB used;
@@ -104,6 +139,15 @@ class IngestPlan(NamedTuple):
                 "documents); raise the limit (--store-max-bytes, store_max_bytes=), delete "
                 "documents (blendkv docs delete) or ingest less"
             )
+        if self.file_bytes is not None and held + self.in_file + self.reserve > self.file_bytes:
+            raise StoreFullError(
+                f"store {self.location}: {format_size(self.projected)} of new K/V "
+                f"({format_size(self.in_file)} in whole pages) does not fit its limit of "
+                f"{format_size(self.file_bytes)} on disk ({format_size(held)} held by "
+                f"documents, {format_size(self.reserve)} kept free for its writes); raise "
+                "the limit (--store-max-bytes, store_max_bytes=), delete documents (blendkv "
+                "docs delete) or ingest less"
+            )
         if self.free is not None and self.projected * DISK_HEADROOM > self.free:
             raise StoreFullError(
                 f"store {self.location}: {format_size(self.projected)} of new K/V does not fit "
@@ -117,14 +161,25 @@ def plan_ingest(kv, chunk_lengths: Sequence[int]) -> IngestPlan:
     (a :class:`~blendkv.store.base.ChunkKVStore`)."""
     stats = kv.stats()
     lmdb = kv.tier == "lmdb"
+    bounded = lmdb and stats.max_bytes is not None
+    file_bytes, in_file, reserve = None, 0, 0
+    if bounded:
+        page, file_bytes = kv.page_size, file_limit(stats.max_bytes)
+        fp = kv.fingerprint
+        pages = sum(value_pages(value_bytes(fp, n), page) for n in chunk_lengths)
+        in_file = int(pages * page)
+        reserve = reserve_pages(file_bytes // page) * page
     return IngestPlan(
         location=str(kv.path),
         num_tokens=sum(chunk_lengths),
         projected=projected_bytes(kv.fingerprint, chunk_lengths),
         max_bytes=stats.max_bytes,
         stored=stats.bytes,
-        evictable=kv.evictable_bytes() if lmdb and stats.max_bytes is not None else 0,
+        evictable=kv.evictable_bytes() if bounded else 0,
         free=free_disk(kv.path) if lmdb else None,
+        file_bytes=file_bytes,
+        in_file=in_file,
+        reserve=reserve,
     )
 
 

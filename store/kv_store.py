@@ -10,6 +10,19 @@ open; a snapshot stays open across threads for a whole engine step, so a write t
 the map waits for the open snapshots (:meth:`KVStore._wait_for_snapshots`). One process may not
 open a store twice (LMDB's locks are per process); a ``KVStore`` may be shared between threads,
 serialised by one re-entrant lock.
+
+A bounded store (``max_bytes``) bounds its file on disk. LMDB never shrinks ``data.mdb`` and
+never writes past its map, so the map is the bound and never grows; LMDB reuses a freed page
+two commits later and only once no read snapshot predates that, and a value of several pages
+needs them contiguous, so the file holds somewhat less K/V than the bound:
+
+- before a write, least-recently-used chunks (none a document owns) are evicted in a
+  transaction of their own until the pages in use (LMDB's page counts) plus the write's leave
+  a reserve of free pages (room for the next eviction to copy its B-tree pages, and for runs
+  of pages to be found); one more commit makes the freed pages reusable by the write;
+- a write that still finds the map full (``MDB_MAP_FULL``: the free pages too scattered, or
+  seen by a snapshot) evicts more the same way, waits for the snapshots open until then, and
+  retries; when nothing is left to evict it raises :class:`StoreFullError`.
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import lmdb
@@ -32,7 +45,7 @@ from blendkv.sizes import format_size
 
 from . import codecs, layout, opening
 from . import format as fmt
-from .capacity import store_full_error
+from .capacity import MIN_FREE_PAGES, file_limit, reserve_pages, store_full_error, value_pages
 from .codecs import EncodedKV, decode_reference
 from .errors import CorruptValueError, StoreError, StoreFullError, StoreReadOnlyError
 from .fingerprint import ModelFingerprint
@@ -54,10 +67,15 @@ class KVStore:
             mode: stats, metadata and verify work, K/V is neither served nor written.
         create: create the store if the directory is missing or empty.
         readonly: open without write access (implies ``create=False``).
-        max_bytes: capacity in value bytes, saved in the store (``None``: the saved one, if
-            any). Past it, the least-recently-used chunks no document owns are evicted, then a
-            write raises :class:`StoreFullError`.
-        map_size: initial LMDB map size in bytes; it grows automatically when full.
+        max_bytes: the bound of the store's file on disk (``data.mdb``; 1 MiB at least,
+            :data:`~blendkv.store.capacity.MIN_FILE_BYTES`), saved in the store (``None``: the
+            saved one, if any). The K/V values also stay within it. Past it, the
+            least-recently-used chunks no document owns are evicted, then a write raises
+            :class:`StoreFullError`. A file already larger (a store made before the bound, or
+            the bound lowered) stops growing but does not shrink: ``blendkv store compact``
+            rewrites it.
+        map_size: initial LMDB map size in bytes of an unbounded store; it grows automatically
+            when full (a bounded store's map is its bound).
         memory_tier_bytes: budget of the in-RAM LRU of hot chunks (0 disables it).
         verify_reads: payload checksum on reads from LMDB: ``True`` on every read, ``"once"``
             on the first read of each key by this object (values are immutable once written;
@@ -100,12 +118,13 @@ class KVStore:
         sync: bool = True,
         touch_flush_every: int = 256,
     ) -> None:
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
         self._lock = threading.RLock()
         self.path = Path(path)
         self.readonly = readonly
         self.max_bytes = max_bytes
+        self._fitted_map: int | None = None  # the map size last set for the bound
+        self._room_evicted: list[tuple[bytes, int]] = []  # by _make_room, for put_many
+        self._room_pages = 0  # pages _make_room frees next (the write's size, doubling)
         if verify_reads not in (True, False, "once"):
             raise ValueError(f"verify_reads must be True, False or 'once', got {verify_reads!r}")
         self.verify_reads = verify_reads
@@ -134,10 +153,14 @@ class KVStore:
             self.path, create=create, readonly=self.readonly, fingerprint=fingerprint
         )
         self._reg_key = opening.register(self.path)
+        if self.max_bytes is not None and not self.readonly:
+            map_size = file_limit(self.max_bytes)
         try:
             self._env = opening.open_env(
                 self.path, readonly=self.readonly, map_size=map_size, sync=sync
             )
+            self._psize = self._env.stat()["psize"]
+            self._main_db = self._env.open_db(None)  # its pages count too (_pages_in_use)
             self._dbs = opening.open_dbs(self._env, self.path, create=is_new)
             if is_new:
                 self._write(lambda txn, _: opening.initialise(txn, self._dbs, fingerprint))
@@ -151,9 +174,51 @@ class KVStore:
                 self.max_bytes = saved
             elif max_bytes != saved and not self.readonly:
                 self._write(lambda txn, _: opening.write_max_bytes(txn, self._dbs, max_bytes))
+            self._fit_map()
         except BaseException:
             self.close()
             raise
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The bound of the store's file on disk (see the class docstring); None: unbounded.
+        Setting it takes effect at the next write."""
+        return self._max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or value <= 0):
+            raise ValueError(f"max_bytes must be positive or None, got {value}")
+        self._max_bytes = value
+
+    @property
+    def page_size(self) -> int:
+        """LMDB's page size of this store's file, in bytes."""
+        return self._psize
+
+    @property
+    def _map_limit(self) -> int | None:
+        """The map size of a bounded, writable store (None: the map grows)."""
+        if self._max_bytes is None or self.readonly:
+            return None
+        return file_limit(self._max_bytes)
+
+    def _fit_map(self) -> None:
+        """Set the map to the bound (holding the lock). Not while a snapshot's views point into
+        the map: then at a later write. A file already past the bound keeps its size, plus
+        what it lacks of ``MIN_FREE_PAGES`` free pages (an eviction copies B-tree pages before
+        it frees any)."""
+        limit = self._map_limit
+        if limit is None or limit == self._fitted_map or self._snapshots:
+            return
+        size = limit
+        in_file = self._env.info()["last_pgno"] + 1
+        if in_file * self._psize > limit - MIN_FREE_PAGES * self._psize:
+            with self._read() as txn:
+                free = in_file - self._pages_in_use(txn)
+            size = max(limit, (in_file + max(0, MIN_FREE_PAGES - free)) * self._psize)
+        self._env.set_mapsize(size)
+        self._fitted_map = limit
 
     @locked
     def close(self) -> None:
@@ -208,9 +273,18 @@ class KVStore:
         while self._snapshots:
             self._no_snapshots.wait()
 
+    def _wait_for_older_snapshots(self) -> None:
+        """Wait (holding the lock) until the snapshots other threads hold now are closed; new
+        ones may open meanwhile (a wait for none open could starve behind engine steps)."""
+        me = threading.get_ident()
+        older = [s for s in self._snapshots if s.owner != me]
+        while any(not s.closed for s in older):
+            self._no_snapshots.wait()
+
     @locked
     def _write(self, fn):
-        """Run ``fn(txn, counters)`` in one write transaction; grow the map and retry when full.
+        """Run ``fn(txn, counters)`` in one write transaction; when the map is full, grow it
+        (unbounded) or make room in it (:meth:`_make_room`), and retry.
 
         ``fn`` must only touch the transaction (it may run more than once); the pending LRU
         touches are flushed in the same transaction.
@@ -219,16 +293,16 @@ class KVStore:
             raise StoreReadOnlyError(f"store {self.path} is open read-only")
         if self._env is None:
             raise StoreError("store is closed")
+        self._fit_map()
+        rounds = 0
         while True:
             try:
-                with self._env.begin(write=True) as txn:
-                    counters = layout.Counters.read(txn, self._dbs["store"])
-                    self._flush_touches(txn, counters)
-                    result = fn(txn, counters)
-                    counters.write(txn, self._dbs["store"])
-                self._pending_touches.clear()
-                return result
+                return self._commit(fn)
             except lmdb.MapFullError:
+                if self._map_limit is not None:
+                    rounds += 1
+                    self._make_room(rounds)
+                    continue
                 new_size = self._env.info()["map_size"] * 2
                 logger.info("LMDB map of %s full; growing to %d bytes", self.path, new_size)
                 self._wait_for_snapshots()
@@ -236,6 +310,57 @@ class KVStore:
             except lmdb.MapResizedError:
                 self._wait_for_snapshots()
                 self._env.set_mapsize(0)
+
+    def _commit(self, fn):
+        """One write transaction of :meth:`_write`, committed; raises LMDB's errors."""
+        with self._env.begin(write=True) as txn:
+            counters = layout.Counters.read(txn, self._dbs["store"])
+            self._flush_touches(txn, counters)
+            result = fn(txn, counters)
+            counters.write(txn, self._dbs["store"])
+        self._pending_touches.clear()
+        return result
+
+    def _make_room(self, rounds: int) -> None:
+        """After ``MDB_MAP_FULL`` in a bounded store (the ``rounds``-th time for one write):
+        evict least-recently-used chunks no document owns, the write's pages at least (twice
+        as many each round), in a transaction of their own, then commit once more (LMDB
+        reuses a page two commits after it is freed) and wait for the snapshots open until
+        then (pages a snapshot may still see are not reused). Raises :class:`StoreFullError`
+        when nothing is left to evict."""
+        limit = self._map_limit
+        if rounds <= _MAX_ROOM_ROUNDS:
+            try:
+                evicted = self._commit(self._txn_evict_pages)
+            except lmdb.MapFullError:
+                evicted = []
+            if evicted:
+                self._room_pages *= 2
+                self._note_evicted(evicted)
+                with suppress(lmdb.MapFullError):
+                    self._commit(lambda txn, counters: None)
+                self._wait_for_older_snapshots()
+                return
+        raise StoreFullError(
+            f"store {self.path} is full: its file reached its bound of {format_size(limit)} "
+            "and nothing more can be evicted (the chunks in it belong to documents, or are "
+            "being written); raise the limit (--store-max-bytes, store_max_bytes=, "
+            "--request-cache-bytes) or delete documents (blendkv docs delete)"
+        )
+
+    def _txn_evict_pages(self, txn, counters: layout.Counters) -> list[tuple[bytes, int]]:
+        """:meth:`_make_room`'s eviction: LRU chunks no document owns, ``_room_pages`` (32
+        at least) pages' worth."""
+        psize, want = self._psize, max(32, self._room_pages)
+        victims, freed = [], 0
+        for _, key in txn.cursor(db=self._dbs["lru"]):
+            if freed >= want:
+                break
+            key = bytes(key)
+            if _evictable(txn.get(key, db=self._dbs["chunks"])):
+                victims.append(key)
+                freed += value_pages(len(txn.get(key, db=self._dbs["values"])), psize)
+        return self._txn_delete_victims(txn, counters, victims)
 
     def _flush_touches(self, txn, counters: layout.Counters) -> None:
         for key, when in self._pending_touches.items():
@@ -295,9 +420,9 @@ class KVStore:
         snapshot.txn.abort()
         snapshot.closed = True
         self._snapshots.remove(snapshot)
+        self._no_snapshots.notify_all()  # writers wait for every snapshot, or for older ones
         if self._snapshots:
             return
-        self._no_snapshots.notify_all()
         if self._deferred_deletes and not self.readonly:
             keys, self._deferred_deletes = list(self._deferred_deletes), set()
             self.delete(keys)
@@ -345,18 +470,26 @@ class KVStore:
             encoded.append(
                 fmt.encode_value(codecs.encode_for_store(self.kv_codec, chunk.kv, self.path))
             )
-        new_bytes = sum(len(v) for v in encoded)
-        if self.max_bytes is not None and new_bytes > self.max_bytes:
+        new_bytes, new_pages = self._sizes([len(v) for v in encoded])
+        if self.max_bytes is not None and not self._could_fit(new_bytes, new_pages):
             raise StoreFullError(
                 f"store {self.path}: a write of {format_size(new_bytes)} is larger than the "
-                f"store's limit of {format_size(self.max_bytes)}; raise the limit "
-                "(--store-max-bytes, store_max_bytes=)"
+                f"store's limit of {format_size(self.max_bytes)} (less the free pages its "
+                "file keeps); raise the limit (--store-max-bytes, store_max_bytes=)"
             )
         # Corrupt values a snapshot saw are deleted when it closes: a good copy replaces them
         # now, or that delete would drop it (the lock keeps snapshots from closing meanwhile).
         replace = {c.key for c in chunks} & self._deferred_deletes
         write = functools.partial(self._put_txn, chunks, encoded, replace, time.time())
-        results, evicted = self._write(write)
+        self._room_evicted = []
+        self._room_pages = new_pages
+        try:
+            if self._map_limit is not None:
+                self._evict_ahead(chunks, encoded)
+            results, evicted = self._write(write)
+        finally:
+            self._room_pages = 0
+        evicted = self._room_evicted + evicted
         self._deferred_deletes -= replace
         for key in replace:
             self._verified.discard(key)
@@ -367,6 +500,38 @@ class KVStore:
             ids = tuple(cid for _, cid in evicted)
             results = [r._replace(evicted=ids) if i == 0 else r for i, r in enumerate(results)]
         return results
+
+    def _evict_ahead(self, chunks: Sequence[NewChunk], encoded: list) -> None:
+        """Make room for a write to a bounded store before it (see the module docstring): a
+        read transaction says whether any is needed; the eviction is committed, then once more,
+        so that the write can reuse the pages freed."""
+        self._fit_map()
+        keys = [c.key for c in chunks]
+        with self._read() as txn:
+            stored = [txn.get(key, db=self._dbs["chunks"]) is not None for key in keys]
+            new = [len(v) for v, s in zip(encoded, stored, strict=True) if not s]
+            new_bytes, new_pages = self._sizes(new)
+            counters = layout.Counters.read(txn, self._dbs["store"])
+            if max(self._excess(txn, counters, new_bytes, new_pages)) <= 0:
+                return
+        evict = functools.partial(
+            self._txn_evict, protected=set(keys), new_bytes=new_bytes, new_pages=new_pages
+        )
+        try:
+            evicted = self._commit(evict)
+        except lmdb.MapFullError:
+            return  # no page to copy into: the write's MDB_MAP_FULL makes room (_make_room)
+        if evicted:
+            self._note_evicted(evicted)
+            with suppress(lmdb.MapFullError):
+                self._commit(lambda txn, counters: None)
+
+    def _note_evicted(self, evicted: list[tuple[bytes, int]]) -> None:
+        """Chunks evicted outside the write that reports them (``PutResult.evicted``)."""
+        self._room_evicted.extend(evicted)
+        for key, _ in evicted:
+            self.memory_tier.discard(key)
+            self._verified.discard(key)
 
     def _put_txn(self, chunks, encoded, replace: set[bytes], now: float, txn, counters):
         """``put_many``'s transaction: insert new keys, touch stored ones (replace those in
@@ -490,29 +655,81 @@ class KVStore:
         return True
 
     def _txn_evict(
-        self, txn, counters: layout.Counters, protected: set[bytes]
+        self,
+        txn,
+        counters: layout.Counters,
+        protected: set[bytes],
+        new_bytes: int = 0,
+        new_pages: float = 0,
     ) -> list[tuple[bytes, int]]:
         """Delete least-recently-used evictable chunks (:func:`_evictable`, never ``protected``
-        ones) until under ``max_bytes``; the caller checks whether that sufficed.
+        ones) until a write of ``new_bytes`` in ``new_pages`` (0: written already) fits
+        (:meth:`_excess`); the caller checks whether that sufficed.
 
         Returns ``(key, chunk_id)`` of each evicted chunk, oldest first.
         """
-        if self.max_bytes is None or counters.total_bytes <= self.max_bytes:
+        if self.max_bytes is None:
             return []
-        victims, freed = [], 0
+        over_bytes, over_pages = self._excess(txn, counters, new_bytes, new_pages)
+        victims = []
         for _, key in txn.cursor(db=self._dbs["lru"]):
-            if counters.total_bytes - freed <= self.max_bytes:
+            if over_bytes <= 0 and over_pages <= 0:
                 break
             key = bytes(key)
             if key not in protected and _evictable(txn.get(key, db=self._dbs["chunks"])):
                 victims.append(key)
-                freed += len(txn.get(key, db=self._dbs["values"]))
+                nbytes = len(txn.get(key, db=self._dbs["values"]))
+                over_bytes -= nbytes
+                over_pages -= value_pages(nbytes, self._psize)
+        return self._txn_delete_victims(txn, counters, victims)
+
+    def _excess(
+        self, txn, counters: layout.Counters, new_bytes: int, new_pages: float
+    ) -> tuple[float, float]:
+        """``(bytes, pages)`` to free for a write of ``new_bytes`` in ``new_pages``: the values
+        past ``max_bytes``, and the pages in use past the map less the reserve of free pages
+        (:func:`~blendkv.store.capacity.reserve_pages`; a bounded, writable store). Neither
+        positive: none."""
+        over_bytes = counters.total_bytes + new_bytes - self.max_bytes
+        limit = self._map_limit
+        if limit is None:
+            return over_bytes, 0
+        map_pages = limit // self._psize
+        used = self._pages_in_use(txn) + new_pages
+        return over_bytes, used + reserve_pages(map_pages) - map_pages
+
+    def _could_fit(self, new_bytes: int, new_pages: float) -> bool:
+        """Whether a write of ``new_bytes`` in ``new_pages`` fits the bound of an empty store."""
+        limit = self._map_limit
+        if new_bytes > self.max_bytes:
+            return False
+        if limit is None:
+            return True
+        map_pages = limit // self._psize
+        return new_pages + reserve_pages(map_pages) <= map_pages
+
+    def _sizes(self, value_lengths: list[int]) -> tuple[int, float]:
+        """``(bytes, pages)`` of values of ``value_lengths`` bytes."""
+        return sum(value_lengths), sum(value_pages(n, self._psize) for n in value_lengths)
+
+    def _txn_delete_victims(
+        self, txn, counters: layout.Counters, victims: list[bytes]
+    ) -> list[tuple[bytes, int]]:
         evicted = []
         for key in victims:
             cid = self._txn_delete(txn, counters, key)
             evicted.append((key, cid))
             counters.evictions += 1
         return evicted
+
+    def _pages_in_use(self, txn) -> int:
+        """Pages of the map that ``txn`` uses: every database's B-tree and overflow pages,
+        the main database's and the two meta pages (not the free list's own few pages)."""
+        used = 2
+        for db in (*self._dbs.values(), self._main_db):
+            st = txn.stat(db)
+            used += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return used
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -766,6 +983,9 @@ class KVStore:
         with self._read() as txn:
             verify_txn(txn, self._dbs, report, self.kv_codec)
         return report
+
+
+_MAX_ROOM_ROUNDS = 16  # for one write: the write's pages, doubling (everything by then)
 
 
 def _evictable(raw_meta) -> bool:

@@ -23,6 +23,16 @@ sys.path.insert(0, str(Path(__file__).parent / "store"))
 from helpers import QuietLLM, make_tiny_model_dir  # noqa: E402
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--ui-screenshots",
+        metavar="DIR",
+        default=None,
+        help="tests/entrypoints/test_ui.py: serve the embedded model over the demo documents "
+        "and save the /ui page's screenshots into DIR (docs/images holds the docs' ones)",
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")

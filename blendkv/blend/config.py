@@ -3,6 +3,7 @@ strategies beyond it in :mod:`blendkv.blend.selection` and :mod:`blendkv.blend.c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from blendkv.errors import ConfigError
@@ -115,8 +116,8 @@ class BlendConfig:
                 f"got {self.correction_prior!r}"
             )
         s = self.correction_shrink
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or s < 0:
-            raise ConfigError(f"correction_shrink must be a number >= 0, got {s!r}")
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < math.inf:
+            raise ConfigError(f"correction_shrink must be a finite number >= 0, got {s!r}")
         for name, hi in (("chunk_head_tokens", None), ("chunk_samples", None), ("reselect", 2)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -179,6 +180,22 @@ class BlendConfig:
             layer = max(first + j, num_layers * j // (n + 1))
             layers[layer] = ratios[j]
         return layers
+
+    def unused_fields(self) -> dict[str, str]:
+        """Field -> why this config does not use it (its value changes nothing)."""
+        unused = {}
+        if self.full_reuse:
+            why = "recompute_ratio 0 reuses every layer (no selection)"
+            unused.update(check_layer=why, selection=why, reselect=why)
+        elif self.selection == "prophet":
+            unused["check_layer"] = "selection 'prophet' picks its rows from layer 0"
+        if not self.auto_ratio:
+            why = "it bounds recompute_ratio 'auto' only"
+            unused.update(min_recompute_ratio=why, max_recompute_ratio=why)
+        if self.correction == "none":
+            why = "correction is 'none'"
+            unused.update(correction_shrink=why, correction_prior=why)
+        return unused
 
     def score_at(self, layer_idx: int) -> str:
         """The scoring strategy at a selection layer (re-checks of one-shot scores use V)."""

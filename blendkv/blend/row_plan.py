@@ -24,6 +24,7 @@ from blendkv.blend.config import BlendConfig
 from blendkv.blend.correction import Rows, correct_kept_rows, shift_parts
 from blendkv.blend.selection import SelectionInputs, score_rows, top_rows
 from blendkv.blend.stats import BlendStats
+from blendkv.blend.token_map import TokenTrace
 from blendkv.kernels.uploads import upload
 from blendkv.models.hooks import RowPlan
 
@@ -51,6 +52,8 @@ class SeqBlend:
     query_scores: torch.Tensor | None = None
     extra_row_layers: float = 0.0  # row-layers run for this seq before the fused forward
     extra_key_row_layers: int = 0  # and the (row, key) pairs x layers they attended to
+    # The request asked for its token map: what happens to each row is recorded here.
+    trace: TokenTrace | None = None
     # (layer, rows in, rows kept, whether the dropped ones ran the Q/K/V projections)
     _events: list[tuple[int, int, int, bool]] = field(default_factory=list)
 
@@ -134,6 +137,7 @@ class BlendRowPlan(RowPlan):
                 kept = n_in - (before - int(keep.sum()))
                 sb._events.append((layer_idx, n_in, kept, q is not None))
         if not keep.all():
+            self._trace_dropped(layer_idx, keep)
             self.rows, self.seq_ids, self.reused, self.positions = (
                 t[keep] for t in (self.rows, self.seq_ids, self.reused, self.positions)
             )
@@ -141,6 +145,13 @@ class BlendRowPlan(RowPlan):
             self._key_counts.append((layer_idx, int(self.positions.sum()) + len(self.rows)))
         self._record()
         return None if keep.all() else keep
+
+    def _trace_dropped(self, layer_idx: int, keep: torch.Tensor) -> None:
+        """Traced sequences: their rows leaving the set at this layer."""
+        for sb in self.blends:
+            if sb.trace is not None:
+                gone = ~keep & (self.seq_ids == sb.index)
+                sb.trace.record_dropped(layer_idx, self.rows[gone] - self.starts[sb.index])
 
     def _settled_by_query_pass(self, sb: SeqBlend) -> torch.Tensor:
         """Rows (of the current set) that ProphetKV's query pass already computed exactly:
@@ -207,7 +218,10 @@ class BlendRowPlan(RowPlan):
         if sb.config.chunk_samples:
             sampled = _spread_rows(sb, local, sb.config.chunk_samples)
             forced = sampled if forced is None else forced | sampled
-        chosen = top_rows(score_rows(strategy, inputs, sb.generator), count, forced).cpu()
+        scores = score_rows(strategy, inputs, sb.generator)
+        chosen = top_rows(scores, count, forced).cpu()
+        if sb.trace is not None:
+            sb.trace.record_scores(layer_idx, strategy, local, scores, forced)
         keep[cand] = False
         keep[cand[chosen]] = True
         if sb.config.correction != "none" and layer_idx > 0:
@@ -263,6 +277,8 @@ class BlendRowPlan(RowPlan):
         rec_local = self.rows[rec] - lo
         rec_d, kept_d = upload(rec, dev), upload(kept, dev)
         rec_chunks, kept_chunks = sb.chunk_ids[rec_local], sb.chunk_ids[kept - lo]
+        if sb.trace is not None:
+            _trace_corrected(sb, rec_chunks, kept - lo, kept_chunks)
         segments = kept_segments = None
         parts = 1
         if self.backend.fused_chunk_shift and _ascending(rec_chunks) and _ascending(kept_chunks):
@@ -309,6 +325,18 @@ class BlendRowPlan(RowPlan):
             cost += count * (self.num_layers - prev)
             sb.stats.row_layers = cost
             sb.stats.full_row_layers = (hi - lo) * self.num_layers
+
+
+def _trace_corrected(sb: SeqBlend, rec_chunks, kept_local, kept_chunks) -> None:
+    """The kept rows the correction moves: those of chunks with recomputed rows (a chunk
+    without any moves by the prior only: ``pooled``, when the sequence has recomputed rows)."""
+    if len(rec_chunks) == 0 or len(kept_local) == 0:
+        return
+    if sb.config.correction_prior == "pooled" and sb.config.correction_shrink > 0:
+        sb.trace.record_corrected(kept_local)
+        return
+    has_rows = torch.bincount(rec_chunks, minlength=sb.num_chunks) > 0
+    sb.trace.record_corrected(kept_local[has_rows[kept_chunks]])
 
 
 def _ascending(chunk_ids: torch.Tensor) -> bool:

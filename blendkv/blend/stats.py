@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -33,6 +34,7 @@ class BlendStats:
         num_chunks: chunks in the prompt.
         chunks_hit: chunks whose K/V was found in the store (memory tier or LMDB/Redis).
         chunks_on_device: of those, found in the device tier (``kv_device_cache_bytes``).
+        chunks_in_memory: of those, found in host memory (memory tier, writer, prefetch).
         chunks_missed: chunks computed now behind the anchor and written back.
         tokens_reused: chunk tokens whose stored K/V was loaded.
         window_skipped_tokens: token-layers not loaded because that layer's sliding window
@@ -63,11 +65,15 @@ class BlendStats:
             that left its config to the engine: "blend", "cheaper_selection" or
             "full_prefill" ("": no choice made).
         cost_reason: the predicted costs behind that choice, or why none was made.
+        token_map: asked for per request (``token_map=True``): how each prompt token was
+            computed, a ``blendkv.blend.token_map.TokenMap`` once the prompt is done; not in
+            :meth:`to_dict`.
     """
 
     num_chunks: int = 0
     chunks_hit: int = 0
     chunks_on_device: int = 0
+    chunks_in_memory: int = 0
     chunks_missed: int = 0
     tokens_reused: int = 0
     window_skipped_tokens: int = 0
@@ -91,6 +97,7 @@ class BlendStats:
     full_row_layers: int = 0
     cost_choice: str = ""
     cost_reason: str = ""
+    token_map: Any = field(default=None, repr=False, compare=False)
 
     @property
     def recompute_fraction(self) -> float:
@@ -124,8 +131,9 @@ class BlendStats:
         )
 
     def to_dict(self) -> dict:
-        """The fields and the derived fractions and counts, as a JSON-ready dict."""
-        d = asdict(self)
+        """The fields and the derived fractions and counts, as a JSON-ready dict (no
+        ``token_map``)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "token_map"}
         d["recompute_fraction"] = self.recompute_fraction
         d["compute_fraction"] = self.compute_fraction
         d["reused_tokens_kept"] = self.reused_tokens_kept

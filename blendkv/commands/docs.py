@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _list(args, store, catalog) -> tuple[list[str], dict]:
-    docs = [_entry(d, e) for d, e in catalog.documents().items()]
-    docs.sort(key=lambda e: (e["added"] or 0, e["doc_id"]))
+    from blendkv.rag.listing import sorted_documents
+
+    docs = sorted_documents(catalog)
     lines = [
         f"{e['doc_id']}  {e['num_chunks']:5d} chunks  {_when(e['added'])}  {e['source'] or '-'}"
         for e in docs
@@ -76,11 +77,13 @@ def _list(args, store, catalog) -> tuple[list[str], dict]:
 
 
 def _show(args, store, catalog) -> tuple[list[str], dict]:
+    from blendkv.rag.listing import document_chunks, document_entry, resolve_documents
+
     lines: list[str] = []
     shown = []
-    for doc_id in _resolve(catalog, store.kv, [args.ref]):
-        entry = _entry(doc_id, catalog.get(doc_id))
-        chunks = _chunks(store.kv, catalog, doc_id)
+    for doc_id in resolve_documents(catalog, store.kv, [args.ref]):
+        entry = document_entry(doc_id, catalog.get(doc_id))
+        chunks = document_chunks(store.kv, catalog, doc_id)
         stored = sum(c["chunk_id"] is not None for c in chunks)
         if lines:
             lines.append("")
@@ -101,8 +104,10 @@ def _show(args, store, catalog) -> tuple[list[str], dict]:
 
 def _delete(args, store, catalog) -> tuple[list[str], dict]:
     from blendkv.rag.deletion import delete_document
+    from blendkv.rag.listing import resolve_documents
 
-    doc_ids = _resolve(catalog, store.kv, args.refs)  # all checked before anything is deleted
+    # all checked before anything is deleted
+    doc_ids = resolve_documents(catalog, store.kv, args.refs)
     done = [delete_document(store, catalog, d) for d in doc_ids]
     lines = [
         f"deleted {d.doc_id} ({d.source or 'no source'}): {d.removed} chunk(s) removed"
@@ -120,49 +125,6 @@ def _delete(args, store, catalog) -> tuple[list[str], dict]:
 
 
 _ACTIONS = {"list": _list, "show": _show, "delete": _delete}
-
-
-def _resolve(catalog, kv, refs: list[str]) -> list[str]:
-    """The doc ids the refs name (catalogued, or stored by an interrupted ingest), in order;
-    a ref that names none raises before anything happens."""
-    from blendkv.rag.errors import UnknownDocumentError
-
-    out: list[str] = []
-    for ref in refs:
-        found = catalog.find(ref) or ([ref] if kv.document_chunks(ref) else [])
-        if not found:
-            raise UnknownDocumentError(
-                f"no document {ref!r} in the store (neither a doc id nor a source); "
-                "`blendkv docs list --store ...` shows them"
-            )
-        out += [d for d in found if d not in out]
-    return out
-
-
-def _entry(doc_id: str, entry: dict) -> dict:
-    return {
-        "doc_id": doc_id,
-        "source": entry.get("source"),
-        "num_chunks": entry.get("num_chunks", 0),
-        "added": entry.get("added"),
-        "metadata": entry.get("metadata", {}),
-    }
-
-
-def _chunks(kv, catalog, doc_id: str) -> list[dict]:
-    """The document's chunks in order: the keys its entry lists (a chunk another document
-    stored first included), or the chunks it owns when the entry lists none."""
-    keys = catalog.chunk_keys(doc_id)
-    metas = [kv.get_meta(k) for k in keys] if keys is not None else kv.document_chunks(doc_id)
-    return [
-        {
-            "position": pos,
-            "chunk_id": m.chunk_id if m is not None else None,
-            "num_tokens": m.num_tokens if m is not None else None,
-            "text": m.text if m is not None else "",
-        }
-        for pos, m in enumerate(metas)
-    ]
 
 
 def _when(added: float | None) -> str:

@@ -1,9 +1,18 @@
-"""``blendkv ingest PATH... --store DIR``: chunk, embed and precompute documents into a store."""
+"""``blendkv ingest PATH... --store DIR``: chunk, embed and precompute documents into a store.
+
+SIGTERM (a plain ``kill``, a container stop) interrupts an ingest as Ctrl-C does: what was
+stored is kept, the catalog lists only complete documents, the message says what a re-run
+resumes, and the exit status is 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM).
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from blendkv.cli import add_model_args, engine_kwargs
@@ -25,8 +34,9 @@ def add_store_max_bytes_arg(p: argparse.ArgumentParser) -> None:
         type=size_arg,
         default=None,
         metavar="SIZE",
-        help="the store's size limit, e.g. 20G, saved in the store (default: the saved one, "
-        "if any); past it, chunks no document owns are evicted, then ingest stops",
+        help="the store's size limit on disk, e.g. 20G: an LMDB store's file (data.mdb) "
+        "stays within it (1M at least); saved in the store (default: the saved one, if any); "
+        "past it, chunks no document owns are evicted, then ingest stops",
     )
 
 
@@ -104,22 +114,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: skipped {s.path}: {s.reason}", file=sys.stderr)
     pipeline = open_pipeline(args, create=True, chunk_tokens=args.chunk_tokens)
     try:
+        received: list[int] = []
         try:
-            report = pipeline.ingest(
-                loaded,
-                replace=not args.keep_old_versions,
-                progress=not args.no_progress,
-                on_plan=lambda plan: print(plan.describe(), flush=True),
-            )
+            with sigterm_interrupts(received):
+                report = pipeline.ingest(
+                    loaded,
+                    replace=not args.keep_old_versions,
+                    progress=not args.no_progress,
+                    on_plan=lambda plan: print(plan.describe(), flush=True),
+                )
         except IngestInterrupted as e:
-            print(f"\n{e.message()}", file=sys.stderr)
-            return 130
+            print(f"\n{e.message(_name(received))}", file=sys.stderr)
+            return 128 + (received[0] if received else signal.SIGINT)
         except KeyboardInterrupt:
             print(
-                "\ninterrupted: what was stored is kept; re-run the same command to resume",
+                f"\ninterrupted{_by(received)}: what was stored is kept; re-run the same "
+                "command to resume",
                 file=sys.stderr,
             )
-            return 130
+            return 128 + (received[0] if received else signal.SIGINT)
         _print_report(report)
         print(
             f"store {args.store}: {len(pipeline.store.kv)} chunks, "
@@ -129,6 +142,34 @@ def run(args: argparse.Namespace) -> int:
         pipeline.close()
         pipeline.llm.close()
     return 0
+
+
+@contextmanager
+def sigterm_interrupts(received: list[int]) -> Iterator[None]:
+    """Within the block, SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C
+    does, and is appended to ``received``; the old handler is restored after. Elsewhere than
+    in the main thread (where Python runs signal handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _name(received: list[int]) -> str | None:
+    return signal.Signals(received[0]).name if received else None
+
+
+def _by(received: list[int]) -> str:
+    return f" by {_name(received)}" if received else ""
 
 
 def _print_report(report) -> None:

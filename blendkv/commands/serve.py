@@ -29,8 +29,9 @@ def register(sub) -> None:
         type=size_arg,
         default=None,
         metavar="SIZE",
-        help="bound of the cache of documents sent in requests (their K/V never goes into "
-        "--store), e.g. 500M (default: min(2G, 10%% of the free temporary disk))",
+        help="bound on disk of the cache of documents sent in requests (its LMDB file stays "
+        "within it, 1M at least; their K/V never goes into --store), e.g. 500M (default: "
+        "min(2G, 10%% of the free temporary disk))",
     )
     p.add_argument(
         "--api-key",

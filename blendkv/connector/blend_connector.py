@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from blendkv.blend.prophet import plan_query_pass
 from blendkv.blend.row_plan import BlendRowPlan
 from blendkv.blend.stats import BlendStats
+from blendkv.blend.token_map import build_token_map, plain_token_map
 from blendkv.connector.config import blend_connector_config
 from blendkv.connector.manager import BlendManager
 from blendkv.connector.request_state import BlendRequestState
@@ -154,8 +155,9 @@ class BlendConnector(KVConnectorBase):
         return self._prefetcher
 
     # ---- requests -----------------------------------------------------------------------
-    def prepare_prompt(self, prompt: dict, options) -> ConnectorPrompt:
+    def prepare_prompt(self, prompt: dict, options, token_map: bool = False) -> ConnectorPrompt:
         state = self.manager.prepare(prompt, options)
+        state.token_map = token_map
         if self.blend_refused:  # the start gate failed: full prefill of the same tokens
             return refused_prompt(state, self.blend_refused)
         if options is not None:  # the request's own config: quality is the user's call
@@ -212,6 +214,15 @@ class BlendConnector(KVConnectorBase):
             stats.ttft = m.first_token_time - m.arrival_time
         # Also when the prefix cache served every chunk and no fused prefill ran.
         stats.prefix_cached_tokens = max(stats.prefix_cached_tokens, m.num_cached_tokens)
+        if state.token_map and stats.token_map is None and m.first_token_time is not None:
+            # no fused prefill ran (full prefill, or the prefix cache held every chunk token)
+            prompt = state.prompt
+            stats.token_map = plain_token_map(
+                len(prompt.token_ids),
+                prompt.chunk_spans,
+                m.num_cached_tokens,
+                self.context.info.num_layers,
+            )
         return stats
 
     def request_finished(self, request_id: str) -> None:
@@ -370,6 +381,7 @@ class BlendConnector(KVConnectorBase):
         if load is None:
             self._record_prefill()
             return
+        self._finish_token_maps()
         forward_seconds = time.perf_counter() - self._forward_start
         load.finish()
         account_writes(load, self.controller)
@@ -380,6 +392,25 @@ class BlendConnector(KVConnectorBase):
             self._timer.stop(self._forward_event, "blend", row_layers, load.waited)
         elif load.device.type == "cpu":
             self.controller.record_compute(row_layers, forward_seconds - load.waited)
+
+    def _finish_token_maps(self) -> None:
+        """The fused prefills whose requests asked for it: their token maps, from the traces
+        the row plan filled."""
+        for f, sb in zip(self._metadata.fused, self._step, strict=True):
+            state = self._states.get(f.request_id)
+            if sb.trace is None or state is None:
+                continue
+            prompt = state.prompt
+            state.stats.token_map = build_token_map(
+                len(prompt.token_ids),
+                prompt.chunk_spans,
+                f.num_computed_tokens,
+                self.context.info.num_layers,
+                sb.reused,
+                sb.trace,
+                sb.query_scores,
+                sb.exact,
+            )
 
     def _record_prefill(self) -> None:
         """A step of plain prefills only: full prefill's rate (on the CPU: CUDA runs

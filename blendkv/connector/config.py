@@ -19,13 +19,15 @@ class BlendConnectorConfig:
     Attributes:
         kv_store_dir: where chunk K/V lives: an LMDB directory, a redis://host:port/db URL
             shared by many processes, or None for a private temporary LMDB store.
-        kv_store_max_bytes: the store's byte limit, saved in it (None: the saved one, or none;
-            the private temporary store: ``request_cache_bytes`` or min(2 GiB, 10 % of the free
-            disk)). Past it the least-recently-used chunks no document owns are evicted, then a
-            write raises ``StoreFullError``.
+        kv_store_max_bytes: the store's byte limit on disk, saved in it: an LMDB store's file
+            stays within it (1 MiB at least), a Redis store refuses it (None: the saved one, or
+            none; the private temporary store: ``request_cache_bytes`` or min(2 GiB, 10 % of
+            the free disk)). Past it the least-recently-used chunks no document owns are
+            evicted, then a write raises ``StoreFullError``.
         request_cache_bytes: keep the K/V of chunks computed at query time (documents sent in
-            prompts) in a private store of at most this many bytes, read after
-            ``kv_store_dir``, never in it (the server sets it). None: they go into the store.
+            prompts) in a private LMDB store whose file stays within this many bytes, read
+            after ``kv_store_dir``, never in it (the server sets it). None: they go into the
+            store.
         kv_store_memory_bytes: the in-RAM tier in front of the store (Redis stores and CUDA
             reads fill it; on the CPU, LMDB chunks are read in place from the page cache).
         kv_device_cache_bytes: CUDA: the most bytes of chunk K/V kept in device memory, read

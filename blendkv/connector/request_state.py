@@ -27,6 +27,8 @@ class BlendRequestState:
     missing: list[int] = field(default_factory=list)
     # Chunks computed by that work, index -> K/V, until the fused prefill uses them.
     precomputed: dict[int, Any] = field(default_factory=dict)
+    # The request asked for its token map (blendkv.blend.token_map): ``stats.token_map``.
+    token_map: bool = False
 
     def precompute_work(self, request_id: str, anchor_ids: list[int]) -> list[PrecomputeWork]:
         """The forward of each missing chunk: behind its context (None: ``anchor_ids``)."""

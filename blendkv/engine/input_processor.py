@@ -109,14 +109,20 @@ class InputProcessor:
         *,
         blend: object = None,
         logits_from: int | None = None,
+        token_map: bool = False,
     ) -> PreparedRequest:
         """See :meth:`blendkv.engine.llm_engine.LLMEngine.prepare_request`."""
         connector_prompt = None
         if isinstance(prompt, dict):
-            connector_prompt = self.connector.prepare_prompt(prompt, blend)
+            connector_prompt = self.connector.prepare_prompt(prompt, blend, token_map=token_map)
             token_ids = connector_prompt.token_ids
         elif blend is not None:
             raise InvalidRequestError("a blend config needs a blended prompt (a dict)")
+        elif token_map:
+            raise InvalidRequestError(
+                "token_map needs a blended prompt (a dict): every token of a plain prompt is "
+                "computed"
+            )
         else:
             token_ids = self.tokenize(prompt)
         params = self.validate(token_ids, sampling_params)

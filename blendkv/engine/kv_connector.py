@@ -104,8 +104,11 @@ class KVConnectorBase(LayerHooks, ABC):
         self._metadata: KVConnectorMetadata | None = None
 
     # ---- requests (engine) --------------------------------------------------------------
-    def prepare_prompt(self, prompt: dict, options: Any) -> ConnectorPrompt:
-        """Parse a dict prompt (raise a typed error on bad input). Default: not supported."""
+    def prepare_prompt(
+        self, prompt: dict, options: Any, token_map: bool = False
+    ) -> ConnectorPrompt:
+        """Parse a dict prompt (raise a typed error on bad input). ``token_map``: the request
+        asks for its per-token map (in its stats). Default: not supported."""
         raise InvalidRequestError(
             f"dict prompts need a KV connector that takes them (EngineConfig.kv_connector="
             f"'blend'); this engine's is {type(self).__name__}: pass a string or token ids"

@@ -196,16 +196,25 @@ class LLMEngine:
         *,
         blend: object = None,
         logits_from: int | None = None,
+        token_map: bool = False,
     ) -> PreparedRequest:
         """Tokenise and validate one request without queueing it (raises typed errors).
 
         A dict prompt is a blended prompt (see :mod:`blendkv.blend`), ``blend`` its
         :class:`~blendkv.blend.BlendConfig`. ``logits_from`` asks for the logits of every prompt
-        position from that one on (``RequestOutput.extra["prompt_logits"]``). Touches no engine
-        state: it may run on another thread than the engine's (:mod:`.input_processor`).
+        position from that one on (``RequestOutput.extra["prompt_logits"]``). ``token_map``
+        (blended prompts) asks how each prompt token was computed: its outputs'
+        ``blend_stats.token_map`` (:mod:`blendkv.blend.token_map`); without it nothing is
+        recorded. Touches no engine state: it may run on another thread than the engine's
+        (:mod:`.input_processor`).
         """
         return self.processor.prepare_request(
-            prompt, sampling_params, request_id, blend=blend, logits_from=logits_from
+            prompt,
+            sampling_params,
+            request_id,
+            blend=blend,
+            logits_from=logits_from,
+            token_map=token_map,
         )
 
     def add_prepared(self, req: PreparedRequest) -> str:
@@ -264,7 +273,8 @@ class LLMEngine:
     ) -> str:
         """Validate and queue one request; returns its id. Nothing is queued on error.
 
-        Keyword arguments are those of :meth:`prepare_request` (``blend``, ``logits_from``).
+        Keyword arguments are those of :meth:`prepare_request` (``blend``, ``logits_from``,
+        ``token_map``).
         """
         return self.add_prepared(
             self.prepare_request(prompt, sampling_params, request_id, **kwargs)

@@ -214,7 +214,7 @@ class AsyncLLM:
         on the prepare thread (to render a chat template or retrieve chunks; it may leave
         results in ``stream.extra``). ``check(prepared)`` runs there too, after tokenising
         (server limits; it raises to refuse). ``request_kwargs`` are those of
-        ``LLMEngine.prepare_request`` (``blend``, ``logits_from``).
+        ``LLMEngine.prepare_request`` (``blend``, ``logits_from``, ``token_map``).
         """
         self._check_alive()
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:

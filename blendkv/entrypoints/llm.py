@@ -164,9 +164,11 @@ class LLM:
             use_tqdm: show a progress bar over the prompts.
             verify: after the answers, check each blended one against full prefill of its
                 prompt tokens (:mod:`blendkv.guards.verify`; ``blend_stats.verification``).
-            **request_kwargs: ``blend``: the :class:`~blendkv.blend.config.BlendConfig` of
-                the blended prompts (None: the default, and the engine's cost check may
-                choose); ``logits_from``: return the prompt's logits from that position on
+            **request_kwargs: go to every request: ``blend``: the
+                :class:`~blendkv.blend.config.BlendConfig` of the blended prompts (None: the
+                default, and the engine's cost check may choose); ``token_map=True``: each
+                output's ``blend_stats.token_map`` says how every prompt token was computed;
+                ``logits_from``: return the prompt's logits from that position on
                 (``RequestOutput.extra``).
 
         Returns:

@@ -179,7 +179,7 @@ def refused_prompt(state: BlendRequestState, reason: str):
     saying why (``fallback``)."""
     from blendkv.engine.kv_connector import ConnectorPrompt
 
-    fields = {f: getattr(state, f) for f in ("prompt", "config", "salt")}
+    fields = {f: getattr(state, f) for f in ("prompt", "config", "salt", "token_map")}
     fields["stats"] = RefusedBlendStats(**asdict(state.stats), fallback=reason)
     refused = RefusedBlendState(chunk_keys=[], **fields)
     return ConnectorPrompt(list(state.prompt.token_ids), kv_transfer_params=refused)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from blendkv.blend.row_plan import SeqBlend
+from blendkv.blend.token_map import TokenTrace
 from blendkv.blend.window_skip import computed_rows, layer_skips
 from blendkv.connector.manager import BlendManager
 from blendkv.connector.request_state import BlendRequestState
@@ -100,6 +101,7 @@ class ChunkLoader:
         writes: list[ChunkWrite] = []
         layer_bytes: dict[str, int] = {}
         skips = self._window_skips(state, todo, start, state.config.first_partial_layer)
+        tiers = [None] * len(spans) if state.token_map else None  # per chunk, for the map
         # Last chunk first: a prefetch thread still reading this request's chunks goes from the
         # first, so the two meet in the middle instead of queueing behind each other.
         for i in reversed(todo):
@@ -107,6 +109,8 @@ class ChunkLoader:
             write = self._chunk_write(state, i, lo, skips[i], computed, precompute)
             if write is None:
                 continue
+            if tiers is not None:
+                tiers[i] = write.owner[1]
             positions = write.positions
             slots = table[positions // block_size] * block_size + positions % block_size
             write.slots = slots.to(self.device, non_blocking=True)
@@ -130,6 +134,7 @@ class ChunkLoader:
             chunk_offsets=rows.chunk_offsets,
             num_chunks=len(spans),
             exact=self._exact_rows(state, todo, start, num_new),
+            trace=TokenTrace(num_new, tiers) if tiers is not None else None,
         )
         return blend, writes
 
@@ -170,6 +175,7 @@ class ChunkLoader:
             else:
                 kv, tier = found
                 stats.chunks_hit += 1
+                stats.chunks_in_memory += tier == "memory"
                 if callable(kv):  # read later, in the loading thread
                     view, kv = kv, None
                     fetch = _deferred_fetch(view, keep)

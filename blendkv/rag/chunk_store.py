@@ -141,9 +141,12 @@ class ChunkStore:
     def search(self, text: str, k: int = 5, ids=None) -> list[SearchHit]:
         """The ``k`` stored chunks most similar to ``text``, best first; only among the chunk
         ids ``ids`` when given (see :meth:`ChunkIndex.search`)."""
+        return self.search_vector(self.embedder.embed([text])[0], k, ids)
+
+    def search_vector(self, query, k: int = 5, ids=None) -> list[SearchHit]:
+        """:meth:`search` for an embedded query (``embedder.embed([text])[0]``)."""
         if self.shared and self.kv.generation() != self._generation:
             self.sync_index()  # another process added or deleted chunks
-        query = self.embedder.embed([text])[0]
         hits = []
         for cid, score in self.index.search(query, k, ids):
             meta = self.kv.meta_for_id(cid)

@@ -56,9 +56,10 @@ class IngestHost(Protocol):
 
 
 class IngestInterrupted(KeyboardInterrupt):
-    """Ctrl-C during an ingest. What was stored stays: ``done`` documents are complete, and
-    ``stored_chunks`` of the ``num_chunks`` chunks of ``doc_id`` (from ``source``) are in the
-    store, so the same ingest run again computes only the others.
+    """Ctrl-C (or, in the CLI, SIGTERM) during an ingest. What was stored stays: ``done``
+    documents are complete, and ``stored_chunks`` of the ``num_chunks`` chunks of ``doc_id``
+    (from ``source``) are in the store, so the same ingest run again computes only the
+    others.
 
     Attributes:
         done: the doc ids stored in full.
@@ -75,12 +76,13 @@ class IngestInterrupted(KeyboardInterrupt):
         self.stored_chunks, self.num_chunks = stored, total
         super().__init__(self.message())
 
-    def message(self) -> str:
-        """What was kept, and that the same ingest run again resumes."""
+    def message(self, by: str | None = None) -> str:
+        """What was kept; ``by`` names what interrupted (e.g. ``"SIGTERM"``)."""
+        by = f" by {by}" if by else ""
         return (
-            f"interrupted: {len(self.done)} document(s) stored in full; {self.stored_chunks} of "
-            f"{self.num_chunks} chunks of {self.source or self.doc_id} kept; re-run the same "
-            "ingest to resume"
+            f"interrupted{by}: {len(self.done)} document(s) stored in full; "
+            f"{self.stored_chunks} of {self.num_chunks} chunks of {self.source or self.doc_id} "
+            "kept; re-run the same ingest to resume"
         )
 
 

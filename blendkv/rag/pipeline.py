@@ -24,7 +24,7 @@ from typing import Any
 from blendkv.engine_args import check_options, follow_store_dtype
 from blendkv.entrypoints.llm import LLM
 from blendkv.errors import ConfigError, InvalidRequestError
-from blendkv.rag import deletion
+from blendkv.rag import deletion, listing
 from blendkv.rag.catalog import open_catalog
 from blendkv.rag.chunk_order import DEFAULT_CHUNK_ORDER, check_chunk_order, order_chunks
 from blendkv.rag.chunk_store import ChunkStore
@@ -253,6 +253,30 @@ class RAGPipeline:
         """doc id -> {"source", "metadata", "num_chunks", "added"} of the ingested documents."""
         with self._store_lock:
             return self.catalog.documents()
+
+    def document_page(
+        self, offset: int = 0, limit: int = 50, contains: str | None = None
+    ) -> tuple[list[dict[str, Any]], int]:
+        """``(entries, total)``: one page of the documents, oldest first, with chunk counts,
+        tokens and K/V bytes (:func:`blendkv.rag.listing.document_page`)."""
+        with self._store_lock:
+            self._check_open()
+            return listing.document_page(self.catalog, self.store.kv, offset, limit, contains)
+
+    def document_details(self, ref: str) -> list[dict[str, Any]]:
+        """The documents ``ref`` names (a doc id, or a source: every document ingested from
+        it), each its entry and its chunks' text (``blendkv docs show``); raises
+        :class:`~blendkv.rag.errors.UnknownDocumentError` when it names none."""
+        with self._store_lock:
+            self._check_open()
+            kv, catalog = self.store.kv, self.catalog
+            return [
+                {
+                    **listing.document_entry(d, catalog.get(d)),
+                    "chunks": listing.document_chunks(kv, catalog, d),
+                }
+                for d in listing.resolve_documents(catalog, kv, [ref])
+            ]
 
     def delete_document(self, doc_id: str) -> int:
         """Remove a document from store, index and catalog: ``doc_id`` is a doc id, or a

@@ -4,6 +4,11 @@ optionally only among the documents a filter selects (:mod:`blendkv.rag.filters`
 A chunk equal in several documents is stored once under one of them (its owner); it is
 reported as the owner's, or, under a filter that excludes the owner, as the first selected
 document that lists it, at its position there.
+
+Only chunks of catalogued documents are returned. Ingest writes a document's chunks before its
+catalog entry, so an interrupted ingest (a crash, SIGKILL) leaves chunks in the store and the
+index that no catalogued document lists; they are passed over, and the search widens until
+``k`` chunks of catalogued documents are found or the index has no more.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ def retrieve_chunks(
     store, catalog: DocumentCatalog, question: str, k: int, filter: DocumentFilter | None = None
 ) -> list[RetrievedChunk]:
     """The ``k`` chunks of ``store`` (a :class:`~blendkv.rag.chunk_store.ChunkStore`) closest to
-    ``question``, best first; the caller holds the pipeline's store lock."""
+    ``question``, best first, each of a catalogued document (selected by ``filter``); the caller
+    holds the pipeline's store lock."""
     documents = catalog.documents()
     allowed: set[str] | None = None
     ids = None
@@ -31,31 +37,55 @@ def retrieve_chunks(
             )
         if len(allowed) < len(documents):
             ids = _chunk_ids(store.kv, catalog, allowed)
-    users = None  # chunk key -> doc ids listing it, read only when an owner does not do
-    out = []
-    for hit in store.search(question, k, ids):
-        meta = hit.meta
-        doc_id, position = meta.doc_id, meta.position
-        if doc_id not in documents or (allowed is not None and doc_id not in allowed):
-            users = users if users is not None else catalog.key_documents()
-            heirs = [d for d in users.get(meta.key, ()) if allowed is None or d in allowed]
-            if heirs:
-                doc_id = heirs[0]
-                position = catalog.chunk_keys(doc_id).index(meta.key)
-        entry = documents.get(doc_id, {})
-        out.append(
-            RetrievedChunk(
-                hit.chunk_id,
-                doc_id,
-                meta.text,
-                hit.score,
-                meta.key in store.kv,
-                position,
-                entry.get("metadata", {}),
-                entry.get("source"),
+    query = store.embedder.embed([question])[0]
+    owners = _Owners(catalog, documents, allowed)
+    searched = k
+    while True:
+        out = []
+        for hit in store.search_vector(query, searched, ids):
+            owner = owners.of(hit.meta)
+            if owner is None:  # a chunk of no (selected) catalogued document
+                continue
+            doc_id, position = owner
+            entry = documents[doc_id]
+            meta = hit.meta
+            out.append(
+                RetrievedChunk(
+                    hit.chunk_id,
+                    doc_id,
+                    meta.text,
+                    hit.score,
+                    meta.key in store.kv,
+                    position,
+                    entry.get("metadata", {}),
+                    entry.get("source"),
+                )
             )
-        )
-    return out
+        size = len(store.index) if ids is None else len(ids)
+        if len(out) >= k or searched >= size:
+            return out[:k]
+        searched = min(2 * searched, size)  # passed over some: look further down the ranking
+
+
+class _Owners:
+    """The catalogued document (selected by the filter) a stored chunk is reported under."""
+
+    def __init__(self, catalog: DocumentCatalog, documents: dict, allowed: set[str] | None):
+        self.catalog, self.documents, self.allowed = catalog, documents, allowed
+        self._users: dict[bytes, list[str]] | None = None  # key -> doc ids listing it
+
+    def of(self, meta) -> tuple[str, int] | None:
+        """``(doc_id, position)`` for a chunk's metadata: its owner's, else the first selected
+        catalogued document that lists it; None when there is none."""
+        doc_id, allowed = meta.doc_id, self.allowed
+        if doc_id in self.documents and (allowed is None or doc_id in allowed):
+            return doc_id, meta.position
+        if self._users is None:  # read only when an owner does not do
+            self._users = self.catalog.key_documents()
+        for heir in self._users.get(meta.key, ()):
+            if allowed is None or heir in allowed:
+                return heir, self.catalog.chunk_keys(heir).index(meta.key)
+        return None
 
 
 def _chunk_ids(kv, catalog: DocumentCatalog, doc_ids: set[str]) -> list[int]:

@@ -1,7 +1,11 @@
 """The request cache: K/V of documents sent in prompts goes to a bounded private store, read
-after the main store and never written into it; without a store, the private store is bounded."""
+after the main store and never written into it; without a store, the private store is bounded,
+and the bound holds for its file on disk."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 from helpers import QuietLLM
@@ -61,3 +65,31 @@ def test_private_store_is_bounded(tiny_llama_dir):
         manager.flush()
         stats = manager.store.stats()
         assert stats.max_bytes == 1 << 16 and 0 < stats.bytes <= 1 << 16 and stats.evictions > 0
+
+
+def test_the_cache_file_on_disk_stays_within_its_bound(tiny_llama_dir):
+    """Real chunk K/V (the tiny model's, 768 bytes a token), six times the bound in all: the
+    LMDB file, not only the values in it, stays within the bound, and the bound is used."""
+    bound = 3 << 19  # 1.5 MiB
+    with QuietLLM(str(tiny_llama_dir), **ENGINE) as llm:
+        manager = llm.blend_manager()
+        manager.use_request_cache(bound)  # as the server does (--request-cache-bytes)
+        data = Path(manager.store.path) / "data.mdb"
+        sizes = []
+        for i in range(16):
+            docs = [_long_document(3 * i + j) for j in range(3)]
+            llm.generate([{"documents": docs, "query": "The code?"}], GREEDY)
+            manager.flush()
+            sizes.append(os.path.getsize(data))
+            if i == 0:
+                chunk_bytes = manager.store.stats().bytes // 3
+        stats = manager.store.stats()
+        assert stats.entries + stats.evictions == 48 and 48 * chunk_bytes > 5 * bound
+        assert max(sizes) <= bound
+        assert stats.bytes >= bound // 2 and stats.max_bytes == bound
+
+
+def _long_document(i: int) -> str:
+    """About 245 tokens of the tiny tokenizer (190 KB of K/V)."""
+    words = " ".join(f"item{i}x{j}" for j in range(30))
+    return f"Document {i} lists {words}."

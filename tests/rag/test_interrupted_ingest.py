@@ -1,7 +1,9 @@
 """An ingest killed (SIGKILL, for real, in a child process) between a document's chunk writes
 and its catalog entry, or in the middle of a document: ``store verify`` reports the
 disagreement and a re-run of ``ingest`` repairs it, computing only the chunks that are not
-stored. Ctrl-C (a real SIGINT) says what was kept and exits 130; the re-run resumes."""
+stored. Ctrl-C (a real SIGINT) says what was kept and exits 130, SIGTERM (a plain ``kill``, a
+container stop) the same and exits 143; the re-run resumes, and meanwhile ``ask`` serves none
+of the cut document's chunks."""
 
 from __future__ import annotations
 
@@ -223,3 +225,48 @@ def test_ctrl_c_says_what_was_kept_and_the_rerun_resumes(tiny_llama_dir, tmp_pat
     assert after[doc_ids[1]][:16] == before[doc_ids[1]] and after[doc_ids[0]] == before[doc_ids[0]]
     code, out = cli(capsys, "store", "verify", "--store", str(store))
     assert code == 0 and "OK" in out
+
+
+# The same with SIGTERM, what a plain `kill` and a container stop send: the same message (naming
+# the signal), a catalog of complete documents only, the exit status 128 + 15; retrieval never
+# returns the cut document's chunks; the re-run resumes.
+SIGTERM_CHILD = CTRL_C_CHILD.replace("signal.SIGINT)", "signal.SIGTERM)")
+
+
+def test_sigterm_is_ctrl_c_and_nothing_half_written_is_served(tiny_llama_dir, tmp_path, capsys):
+    store, docs = tmp_path / "store", tmp_path / "docs"
+    texts = [prose(7, 30), prose(8, 200)]  # a short document, then a long one
+    doc_ids = write_docs(docs, texts)
+    model = ["--model", str(tiny_llama_dir), "--dtype", "float32", *QUIET_FLAGS]
+    argv = ["ingest", str(docs), "--store", str(store), "--chunk-tokens", "16", "--no-progress"]
+    argv += model
+    assert "signal.SIGTERM)" in SIGTERM_CHILD
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGTERM_CHILD, *argv], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    said = re.search(
+        r"interrupted by SIGTERM: 1 document\(s\) stored in full; (\d+) of \d+ chunks of (.+) "
+        r"kept; re-run the same ingest to resume",
+        proc.stderr,
+    )
+    assert said and said.group(2) == str(docs / "01.txt"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert set(DocumentCatalog(store).documents()) == {doc_ids[0]}
+    cut = owned_chunks(store)[doc_ids[1]]
+    assert len(cut) == 16  # stored and indexed, in no catalogued document
+
+    ask = ["ask", prose(8, 40), "--store", str(store), "--top-k", "6", "--json"]
+    code, out = cli(capsys, *ask, "--max-tokens", "1", *model)
+    sources = json.loads(out)["sources"]
+    assert code == 0 and sources  # the catalogued document's chunks, and no other
+    assert {s["doc_id"] for s in sources} == {doc_ids[0]}
+    assert not {s["chunk_id"] for s in sources} & set(cut)
+
+    code, out = cli(capsys, *argv)
+    assert code == 0 and f"{doc_ids[1]}  repaired" in out
+    assert f"{said.group(1)} reused from the store" in out
+    code, out = cli(capsys, "store", "verify", "--store", str(store))
+    assert code == 0 and "OK" in out
+    code, out = cli(capsys, *ask, "--max-tokens", "1", *model)
+    assert doc_ids[1] in {s["doc_id"] for s in json.loads(out)["sources"]}  # catalogued now

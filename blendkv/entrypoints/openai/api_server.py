@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn), ``blendkv serve``.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /version``,
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /metrics``. Every HTTP request
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /metrics``; blendkv's own under
+``/v1/blendkv/`` (:mod:`.extensions`) and the page ``GET /ui`` (:mod:`.ui`). Every HTTP request
 is a request in the engine's continuous batch (:class:`~blendkv.entrypoints.async_llm.AsyncLLM`).
 The server answers at once; the model loads in a background thread and routes answer 503 until
 it is ready. SIGTERM drains (:mod:`.shutdown`).
@@ -30,8 +31,11 @@ from blendkv.entrypoints.async_llm import AsyncLLM, RequestStream
 from blendkv.entrypoints.llm import LLM
 from blendkv.entrypoints.openai import responses, serving
 from blendkv.entrypoints.openai.errors import APIError, api_error, loading_error
+from blendkv.entrypoints.openai.extensions import ROUTES as EXTENSION_ROUTES
+from blendkv.entrypoints.openai.extensions import add_extension_routes
 from blendkv.entrypoints.openai.metrics import ServerMetrics
 from blendkv.entrypoints.openai.middleware import (
+    UNAUTHENTICATED_PATHS,
     APIKeyMiddleware,
     BodyLimitMiddleware,
     MetricsMiddleware,
@@ -45,6 +49,7 @@ from blendkv.entrypoints.openai.protocol import (
 )
 from blendkv.entrypoints.openai.request_limits import RequestLimits
 from blendkv.entrypoints.openai.serve_config import ServeConfig
+from blendkv.entrypoints.openai.ui import PAGE, PUBLIC_PATHS, add_ui_routes
 from blendkv.rag import RAGPipeline
 from blendkv.store.capacity import default_request_cache_bytes
 
@@ -52,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 ROUTES = {
     "/health", "/v1/models", "/version", "/v1/completions", "/v1/chat/completions", "/metrics",
+    PAGE, *EXTENSION_ROUTES,
 }  # fmt: skip
 
 
@@ -124,6 +130,7 @@ class ServerState:
                 rag=rag,
                 logprob_token=token,
                 vocab_size=llm.engine.info.vocab_size,
+                num_layers=llm.engine.info.num_layers,
                 tokenizer=tokenizer,
             )
             logger.info("model %s loaded; serving", self.served.model_name)
@@ -182,10 +189,13 @@ def create_app(load: Callable[[], LLM] | LLM, config: ServeConfig | None = None)
     app.state.blendkv = state
     _add_error_handlers(app)
     _add_routes(app, state)
+    add_extension_routes(app, state)
+    add_ui_routes(app)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        public = (*UNAUTHENTICATED_PATHS, *PUBLIC_PATHS)
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=ROUTES)
     app.add_middleware(RequestIdMiddleware)
     return app
@@ -268,12 +278,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         served = state.require()
         served.check_model(req.model)
         state.limits.check_completion(req.prompt)  # before anything is tokenised
+        state.limits.check_max_tokens(req.max_tokens)
         prompt = serving.completion_prompt(req, served.vocab_size)
         params = serving.sampling_params(
             req, req.max_tokens, req.logprobs, vocab_size=served.vocab_size
         )
         opts = _reply_options(req, f"cmpl-{uuid.uuid4().hex}", params.n)
-        stream = await _add(state, served, prompt, params, opts.rid)
+        stream = await _add(state, served, prompt, params, opts.rid, "max_tokens")
         headers = {"x-request-id": opts.rid}
         if req.stream:
             return _sse(responses.completion_stream(served, stream, opts), headers)
@@ -288,11 +299,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         served = state.require()
         served.check_model(req.model)
         state.limits.check_chat(req.messages, req.documents)  # before anything is tokenised
+        max_tokens, max_tokens_param = serving.chat_max_tokens(req)
+        state.limits.check_max_tokens(max_tokens, max_tokens_param)
         params = serving.chat_params(req, served.vocab_size)
         prompt, kwargs = serving.chat_prompt(req, served)
         opts = _reply_options(req, f"chatcmpl-{uuid.uuid4().hex}", params.n)
         opts = dataclasses.replace(opts, top_n=req.top_logprobs or 0)
-        stream = await _add(state, served, prompt, params, opts.rid, **kwargs)
+        stream = await _add(state, served, prompt, params, opts.rid, max_tokens_param, **kwargs)
         headers = {"x-request-id": opts.rid}
         if req.stream:
             return _sse(responses.chat_stream(served, stream, opts), headers)
@@ -315,11 +328,12 @@ def _reply_options(req, rid: str, n: int) -> responses.ReplyOptions:
     )
 
 
-async def _add(state: ServerState, served, prompt, params, rid, **kwargs):
+async def _add(state: ServerState, served, prompt, params, rid, max_tokens_param, **kwargs):
+    """Validate (on the prepare thread) and queue; ``max_tokens_param`` names the request's
+    ``max_tokens`` field in errors."""
+    check = functools.partial(state.limits.check_prepared, max_tokens_param=max_tokens_param)
     try:
-        stream = await served.engine.add_request(
-            prompt, params, rid, check=state.limits.check_prepared, **kwargs
-        )
+        stream = await served.engine.add_request(prompt, params, rid, check=check, **kwargs)
     except Exception as exc:
         raise api_error(exc) from exc
     state.track(stream)

@@ -65,8 +65,9 @@ def api_error(exc: BaseException, param_names: dict[str, str] | None = None) -> 
     if isinstance(exc, InvalidSamplingParamsError):
         m = _PARAM.match(message)
         param = m.group(1) if m else None
-        if param is not None and param_names:
-            param = param_names.get(param, param)
+        if param is not None:  # the API's name for it, in the message too
+            param = (param_names or {}).get(param, param)
+            message = param + message[m.end() :]
         return APIError(400, message, param=param, code="invalid_value")
     if isinstance(exc, EngineOverloadedError):
         return APIError(

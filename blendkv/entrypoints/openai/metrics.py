@@ -9,6 +9,9 @@ Three sources:
   landed (first-token KL and top-1 agreement histograms; ``blendkv.guards.audit``);
 * the engine's published :class:`~blendkv.entrypoints.async_llm.EngineStats`, read at scrape
   time: running/waiting requests, KV blocks used, steps, aborts.
+
+The first tokens and audits also go to a bounded window of samples (:mod:`.health_log`) that
+``GET /v1/blendkv/health`` and the ``/ui`` page read: exact recent percentiles, points to plot.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blendkv.entrypoints.async_llm import AsyncLLM
+from blendkv.entrypoints.openai.health_log import HealthLog
 from blendkv.guards.audit import DEFAULT_WARN_KL, AuditWatch
 from blendkv.outputs import RequestOutput
 
@@ -27,6 +31,7 @@ _KL_BUCKETS = (1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1, 3)
 _BLEND = {
     "chunks_hit": "chunks whose K/V was found in the store",
     "chunks_on_device": "of the chunks hit, those read from device memory (kv_device_cache_bytes)",
+    "chunks_in_memory": "of the chunks hit, those read from host memory (the memory tier)",
     "chunks_missed": "chunks computed at query time (then written to the store)",
     "tokens_reused": "chunk tokens whose stored K/V was loaded",
     "tokens_recomputed": "prompt tokens recomputed through the last layer",
@@ -40,6 +45,7 @@ class ServerMetrics:
         self._auditor = None
         self._audit_warn_kl = blend_audit_warn_kl
         self.audit_watch = None
+        self.health = HealthLog()  # the recent window, for /v1/blendkv/health and /ui
         self.audit_kl = Histogram(
             "blendkv_blend_audit_kl", "Audited blends: first-token KL(full prefill || blend), nats",
             buckets=_KL_BUCKETS, registry=r,
@@ -97,9 +103,11 @@ class ServerMetrics:
                 self.audit_kl.observe(record.kl)
                 self.audit_top1.observe(1.0 if record.top1_agree else 0.0)
                 self.audit_watch.observe(record)
+                self.health.on_audit(record)
         for out in outputs:
             m = out.metrics
             if len(out.outputs[0].token_ids) == 1:  # the request's first token
+                self.health.on_first_token(out)
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 if m.ttft is not None:
                     self.ttft.observe(m.ttft)

@@ -76,13 +76,15 @@ class MetricsMiddleware:
 
 
 class APIKeyMiddleware:
-    """Every path but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise)."""
+    """Every path but ``public_paths`` (``/health``, the ``/ui`` page's files, which hold no
+    data) needs ``Authorization: Bearer <key>`` (401 otherwise)."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, public_paths=UNAUTHENTICATED_PATHS) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.public_paths = frozenset(public_paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.public_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(

@@ -3,12 +3,20 @@
 The OpenAI fields blendkv serves, vLLM's sampling extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) and blendkv's
 own: ``documents`` (vLLM's chat field), ``blend`` (a :class:`~blendkv.blend.config.BlendConfig`),
-``rag`` (retrieve from the server's store), and ``blendkv`` in responses (the blend stats).
-Ranges are checked by the engine's own validation (``SamplingParams``, ``BlendConfig``), not
-repeated here; pydantic checks types. Unknown request fields are ignored, as OpenAI-compatible
-servers do. Every string of a request body (values and object keys, at any depth) is cleaned
-once, before validation: lone surrogates (which JSON's ``\\ud800`` escapes can produce and no
-tokenizer or UTF-8 encoder accepts) become U+FFFD, as in :mod:`blendkv.text`.
+``rag`` (retrieve from the server's store), ``token_map`` (how each prompt token was computed),
+and ``blendkv`` in responses (the blend stats, the sources, the token map).
+Types are strict, as OpenAI's and vLLM's: an integer given as a string, a boolean or a float
+(``"10"``, ``true``, ``10.5``), a boolean given as anything else (``"yes"``, ``1``) and a number
+given as a string are refused (a 400 naming the field), never converted; a JSON integer is a
+valid float. Chat roles are OpenAI's (``system``, ``developer``, ``user``, ``assistant``,
+``tool``). ``temperature`` is in [0, 2] and ``top_p`` in (0, 1] (vLLM's ranges); other ranges
+are checked by the engine's own validation (``SamplingParams``, ``BlendConfig``), and
+``max_tokens`` against the context by :mod:`.request_limits`. Unknown request fields are
+ignored, as OpenAI-compatible servers do.
+
+Every string of a request body (values and object keys, at any depth) is cleaned once, before
+validation: lone surrogates (which JSON's ``\\ud800`` escapes can produce and no tokenizer or
+UTF-8 encoder accepts) become U+FFFD, as in :mod:`blendkv.text`.
 """
 
 from __future__ import annotations
@@ -16,11 +24,22 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_serializer,
+    model_validator,
+)
 
 from blendkv.text import replace_lone_surrogates
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range (a torch.long)
+# OpenAI's chat roles ("function" is deprecated and needs tools, which blendkv refuses).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class OpenAIModel(BaseModel):
@@ -61,8 +80,8 @@ def clean_strings(value: Any, where: str = "request") -> Any:
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # vLLM: usage in every chunk
 
 
 class SamplingRequest(OpenAIModel):
@@ -74,28 +93,28 @@ class SamplingRequest(OpenAIModel):
         return clean_strings(data)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = 1
-    stream: bool = False
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    n: StrictInt | None = 1
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     # vLLM-style extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:<id>"
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False  # vLLM: logprob tokens as "token_id:<id>"
     # vLLM's prompt logprobs and structured outputs (openai.structured checks them).
     prompt_logprobs: Any = None
     structured_outputs: Any = None
@@ -113,16 +132,17 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
     # Chat-only blendkv fields: refused here rather than silently ignored.
     documents: Any = None
     blend: Any = None
     rag: Any = None
+    token_map: Any = None
 
 
 class ContentPart(OpenAIModel):
@@ -131,7 +151,7 @@ class ContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -153,20 +173,20 @@ class Document(OpenAIModel):
 class BlendOptions(StrictModel):
     """Fields of :class:`~blendkv.blend.config.BlendConfig`; unset fields keep its defaults."""
 
-    recompute_ratio: float | Literal["auto"] | None = None
-    min_recompute_ratio: float | None = None
-    max_recompute_ratio: float | None = None
-    check_layer: int | None = None
+    recompute_ratio: StrictFloat | Literal["auto"] | None = None
+    min_recompute_ratio: StrictFloat | None = None
+    max_recompute_ratio: StrictFloat | None = None
+    check_layer: StrictInt | None = None
     selection: str | None = None
-    schedule: list[tuple[int, float]] | None = None
-    seed: int | None = None
+    schedule: list[tuple[StrictInt, StrictFloat]] | None = None
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     correction: str | None = None
-    correction_shrink: float | None = None
+    correction_shrink: StrictFloat | None = None
     correction_prior: str | None = None
-    chunk_head_tokens: int | None = None
-    chunk_samples: int | None = None
-    reselect: int | None = None
-    skip_exact: bool | None = None
+    chunk_head_tokens: StrictInt | None = None
+    chunk_samples: StrictInt | None = None
+    reselect: StrictInt | None = None
+    skip_exact: StrictBool | None = None
 
 
 class RAGOptions(StrictModel):
@@ -175,21 +195,23 @@ class RAGOptions(StrictModel):
     ``source``, ``doc_id`` or metadata values it names (a list: any of them); ``chunk_order``
     (``relevance_last``, ``relevance_first``, ``source``) overrides the store's prompt order."""
 
-    top_k: int = 4
+    top_k: StrictInt = Field(4, ge=1)
     filter: dict[str, Any] | None = None
     chunk_order: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     documents: list[Document] | None = None
     blend: BlendOptions | None = None
     rag: RAGOptions | None = None
+    # with documents or rag: blendkv.token_map in the response (blendkv.blend.token_map)
+    token_map: StrictBool = False
     tool_choice: Any = None  # only "none" (tools are refused)
     echo: Any = None
     continue_final_message: Any = None

@@ -7,11 +7,14 @@ Before tokenising (on the event loop, from byte lengths alone):
   (text averages a few bytes per token; only long runs of one character, such as spaces, pack
   more), so a longer prompt would not fit anyway;
 - a chat request may carry at most ``max_request_documents`` documents, and their text at most
-  ``BYTES_PER_TOKEN * max_document_tokens`` bytes.
+  ``BYTES_PER_TOKEN * max_document_tokens`` bytes;
+- ``max_tokens`` is below ``max_model_len`` (a prompt takes at least one token).
 
-After tokenising (on the prepare thread, :meth:`RequestLimits.check_prepared`): the documents
-may take at most ``max_document_tokens`` tokens in all. Each refusal is a
-:class:`RequestLimitError`, a 400 whose message names the limit and the server flag that sets it.
+After tokenising (on the prepare thread, :meth:`RequestLimits.check_prepared`, before the
+request is queued): the documents may take at most ``max_document_tokens`` tokens in all, and
+the prompt and ``max_tokens`` together at most ``max_model_len`` (vLLM's check; an unset
+``max_tokens`` is the room left). Each refusal is a :class:`RequestLimitError`, a 400 whose
+message names the limit and the server flag that sets it.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ class RequestLimits:
     max_prompt_bytes: int
     max_request_documents: int
     max_document_tokens: int
+    max_model_len: int
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_bytes", "max_request_documents", "max_document_tokens"):
+        names = ("max_prompt_bytes", "max_request_documents", "max_document_tokens")
+        for name in (*names, "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -59,6 +64,7 @@ class RequestLimits:
             max_prompt_bytes=BYTES_PER_TOKEN * max_model_len,
             max_request_documents=max_request_documents or DEFAULT_MAX_REQUEST_DOCUMENTS,
             max_document_tokens=max_document_tokens or max_model_len,
+            max_model_len=max_model_len,
         )
 
     # ------------------------------------------------------------ before tokenising
@@ -91,6 +97,16 @@ class RequestLimits:
                 code="documents_too_long",
             )
 
+    def check_max_tokens(self, max_tokens: int | None, param: str = "max_tokens") -> None:
+        """``max_tokens`` (named ``param`` in the request) leaves room for a prompt."""
+        if max_tokens is not None and max_tokens >= self.max_model_len:
+            raise RequestLimitError(
+                f"{param} is too large: {max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens, prompt and output together (--max-model-len)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def _check_prompt_bytes(self, nbytes: int, param: str) -> None:
         if nbytes > self.max_prompt_bytes:
             raise RequestLimitError(
@@ -102,8 +118,9 @@ class RequestLimits:
             )
 
     # ------------------------------------------------------------- after tokenising
-    def check_prepared(self, prepared: Any) -> None:
-        """A tokenised request (``PreparedRequest``): its document tokens, for a blended one."""
+    def check_prepared(self, prepared: Any, max_tokens_param: str = "max_tokens") -> None:
+        """A tokenised request (``PreparedRequest``): its prompt with ``max_tokens`` (named
+        ``max_tokens_param`` in the request) and, for a blended one, its document tokens."""
         blended = getattr(prepared.kv_transfer_params, "prompt", None)
         num_tokens = getattr(blended, "num_chunk_tokens", 0)
         if num_tokens > self.max_document_tokens:
@@ -112,6 +129,17 @@ class RequestLimits:
                 f"{self.max_document_tokens} document tokens per request (--max-document-tokens)",
                 param="documents",
                 code="documents_too_long",
+            )
+        num_prompt = len(prepared.prompt_token_ids)
+        max_tokens = prepared.sampling_params.max_tokens
+        if max_tokens is not None and num_prompt + max_tokens > self.max_model_len:
+            raise RequestLimitError(
+                f"{max_tokens_param} is too large: {max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and the request has {num_prompt} prompt "
+                f"tokens ({max_tokens} > {self.max_model_len} - {num_prompt}); lower "
+                f"{max_tokens_param} or leave it unset (the room left)",
+                param=max_tokens_param,
+                code="context_length_exceeded",
             )
 
 

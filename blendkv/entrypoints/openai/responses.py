@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,14 +43,33 @@ def usage(out: RequestOutput) -> Usage:
     )
 
 
-def blend_info(out: RequestOutput | None, stream: RequestStream) -> dict | None:
-    """The ``blendkv`` extension field: blend stats (and retrieved sources), or None."""
+def blend_info(out: RequestOutput | None, stream: RequestStream, served: Served) -> dict | None:
+    """The ``blendkv`` extension field: blend stats, retrieved sources and, when asked for,
+    the token map (with each prompt token's id and text), or None."""
     if out is None or out.blend_stats is None:
         return None
     info = out.blend_stats.to_dict()
     if "sources" in stream.extra:
         info["sources"] = stream.extra["sources"]
+    token_map = out.blend_stats.token_map
+    if token_map is not None:
+        ids = list(out.prompt_token_ids)
+        info["token_map"] = {
+            **token_map.to_dict(),
+            "token_ids": ids,
+            "tokens": token_texts(served, ids),
+        }
     return info
+
+
+def token_texts(served: Served, ids: list[int]) -> list[str]:
+    """Each token's text such that they join to the prompt's text: a character split over
+    several tokens (an emoji's four bytes) shows on the token that completes it."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    texts = [decoder.decode(served.logprob_token(t)[1]) for t in ids]
+    if texts:
+        texts[-1] += decoder.decode(b"", final=True)
+    return texts
 
 
 def blend_headers(out: RequestOutput) -> dict[str, str]:
@@ -189,7 +209,7 @@ def chat_response(
         choices=choices,
         usage=usage(out),
         prompt_logprobs=prompt_logprobs(out, served),
-        blendkv=blend_info(out, stream),
+        blendkv=blend_info(out, stream, served),
     )
 
 
@@ -275,10 +295,10 @@ async def chat_stream(
             for k, choice in enumerate(pieces):
                 extra = {}
                 if out.finished and k == len(pieces) - 1:
-                    extra["blendkv"] = blend_info(out, stream)
+                    extra["blendkv"] = blend_info(out, stream, served)
                 yield chunk([choice], out, **extra)
             if out.finished and not pieces:
-                yield chunk([], out, blendkv=blend_info(out, stream))
+                yield chunk([], out, blendkv=blend_info(out, stream, served))
         if opts.include_usage:
             yield chunk([], last, usage=usage(last))
         yield "data: [DONE]\n\n"

@@ -13,10 +13,11 @@ class ServeConfig:
     """Server options (the engine's are the ``LLM``'s).
 
     store_dir: a chunk store (``blendkv ingest``) for ``rag`` requests. Created when missing.
-    store_max_bytes: that store's size limit (None: the one saved in it, if any).
-    request_cache_bytes: the bound of the cache that keeps the K/V of documents sent in
-        requests (never in the store). None: min(2 GiB, 10 % of the temporary directory's free
-        disk).
+    store_max_bytes: that store's size limit on disk (its LMDB file stays within it; None: the
+        one saved in it, if any).
+    request_cache_bytes: the bound on disk of the cache that keeps the K/V of documents sent
+        in requests (never in the store): its LMDB file stays within it. None: min(2 GiB, 10 %
+        of the temporary directory's free disk).
     max_waiting: requests waiting for a place in the batch before new ones get 429 (at least
         1: with 0 every request would be refused; None: no limit).
     max_body_bytes: larger request bodies get 413 (at least 1 KiB, or no request fits).

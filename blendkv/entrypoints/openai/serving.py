@@ -1,10 +1,12 @@
 """OpenAI requests -> engine requests (responses: :mod:`.responses`).
 
-Validation lives where it already is: ``SamplingParams`` and ``BlendConfig`` check ranges,
-``LLMEngine.prepare_request`` checks prompts (on AsyncLLM's prepare thread), size limits come
-first (:mod:`.request_limits`). Here only what the OpenAI API adds is checked: unsupported
-features (``n > 1``, tools, ...), ``logit_bias`` keys (token ids as strings), the model name and
-the shape of a blended chat.
+Validation lives where it already is: the request models check types (:mod:`.protocol`),
+``SamplingParams`` and ``BlendConfig`` check ranges, ``LLMEngine.prepare_request`` checks prompts
+(on AsyncLLM's prepare thread), size limits come first (:mod:`.request_limits`). Here only what
+the OpenAI API adds is checked: unsupported features (``n > 1``, tools, ...), ``logit_bias`` keys
+(token ids as strings), the model name, the shape of a blended chat and ``blend`` options that
+cannot apply (a layer the model does not have, a field the config ignores). All of it runs
+before the request is queued.
 
 A chat request with ``documents`` (or ``rag``) becomes the engine's blended prompt::
 
@@ -45,6 +47,7 @@ class Served:
     # token id -> (its string, its bytes) in logprobs (engine.detokenizer.logprob_token)
     logprob_token: Callable[[int], tuple[str, bytes]] = lambda t: (str(t), str(t).encode())
     vocab_size: int | None = None
+    num_layers: int | None = None  # of the model (blend layers must be below it)
     # The HTTP side's own tokenizer (the engine thread uses the engine's): chat templates of
     # conversations with documents are rendered with it, as text.
     tokenizer: Any = None
@@ -145,8 +148,8 @@ def completion_prompt(req: CompletionRequest, vocab_size: int | None = None) -> 
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, 1):
         raise APIError(400, "best_of must be 1", param="best_of")
-    for name in ("documents", "blend", "rag"):
-        if getattr(req, name) is not None:
+    for name in ("documents", "blend", "rag", "token_map"):
+        if getattr(req, name) not in (None, False):
             raise APIError(400, f"{name} is a chat field: use /v1/chat/completions", param=name)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -170,6 +173,13 @@ def completion_prompt(req: CompletionRequest, vocab_size: int | None = None) -> 
     return prompt
 
 
+def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
+    """``(max_tokens, the field it came in)``: ``max_completion_tokens`` wins when both are set."""
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
 def chat_params(req: ChatCompletionRequest, vocab_size: int | None = None) -> SamplingParams:
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
@@ -177,11 +187,7 @@ def chat_params(req: ChatCompletionRequest, vocab_size: int | None = None) -> Sa
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     names = {"logprobs": "top_logprobs"}  # engine parameter -> API field, for errors' param
-    max_tokens = req.max_completion_tokens
-    if max_tokens is None:
-        max_tokens = req.max_tokens
-    else:
-        names["max_tokens"] = "max_completion_tokens"
+    max_tokens, names["max_tokens"] = chat_max_tokens(req)
     return sampling_params(req, max_tokens, logprobs, names, vocab_size)
 
 
@@ -194,16 +200,22 @@ def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, d
     if not blended:
         if req.blend is not None:
             raise APIError(400, "blend options need documents (or rag)", param="blend")
+        if req.token_map:
+            raise APIError(
+                400,
+                "token_map needs documents (or rag): every token of a plain chat is computed",
+                param="token_map",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         return lambda stream: render_chat(served, messages), {}
     if req.documents is not None and req.rag is not None:
         raise APIError(400, "give documents or rag, not both", param="rag")
     system, question, query = split_blended_chat(req.messages, served.tokenizer)
-    blend = blend_config(req)
+    kwargs = {"blend": blend_config(req, served.num_layers), "token_map": req.token_map}
     if req.documents is not None:
         docs = [f"{d.title}\n{d.text}" if d.title else d.text for d in req.documents]
         prompt = {"documents": docs, "query": query, "system": system}
-        return lambda stream: prompt, {"blend": blend}
+        return lambda stream: prompt, kwargs
     if served.rag is None:
         raise APIError(400, "rag needs a server started with --store DIR", param="rag")
     top_k, doc_filter, rag = req.rag.top_k, req.rag.filter, served.rag
@@ -222,7 +234,7 @@ def chat_prompt(req: ChatCompletionRequest, served: Served) -> tuple[Callable, d
             prompt["query"] = query
         return prompt
 
-    return retrieve, {"blend": blend}
+    return retrieve, kwargs
 
 
 def render_chat(served: Served, messages: list[dict]) -> list[int]:
@@ -230,21 +242,46 @@ def render_chat(served: Served, messages: list[dict]) -> list[int]:
 
     try:
         return served.engine.llm.render_chat(messages)
-    except jinja2.TemplateError as exc:  # e.g. roles that do not alternate
-        raise InvalidRequestError(f"the chat template refused the messages: {exc}") from exc
+    except jinja2.TemplateError as exc:  # e.g. roles that do not alternate, or a role it lacks
+        raise APIError(
+            400, f"the chat template refused the messages: {exc}", param="messages"
+        ) from exc
     except ValueError as exc:  # transformers: the tokenizer has no chat template
         if isinstance(exc, InvalidRequestError):
             raise
         raise InvalidRequestError(f"this model cannot chat: {exc}; use /v1/completions") from exc
 
 
-def blend_config(req: ChatCompletionRequest) -> BlendConfig | None:
+def blend_config(req: ChatCompletionRequest, num_layers: int | None = None) -> BlendConfig | None:
     """The request's own ``BlendConfig``; None when it set no blend field (the engine's default,
-    which its cost check may run as full prefill: :mod:`blendkv.guards.cost_check`)."""
+    which its cost check may run as full prefill: :mod:`blendkv.guards.cost_check`).
+
+    Refused (400, ``param`` "blend", the message naming the field): a value ``BlendConfig``
+    refuses, a layer the model (``num_layers``) does not have, and a field set to other than its
+    default that the config does not use (``check_layer`` with ``selection: "prophet"``, ...,
+    :meth:`BlendConfig.unused_fields`): it would silently change nothing."""
     fields = req.blend.model_dump(exclude_none=True) if req.blend is not None else {}
     if not fields:
         return None
     try:
-        return BlendConfig(**fields)
+        config = BlendConfig(**fields)
     except (TypeError, ValueError) as exc:
-        raise APIError(400, str(exc), param="blend") from exc
+        raise APIError(400, f"blend: {exc}", param="blend") from exc
+    if num_layers is not None:
+        layer = fields.get("check_layer")
+        if layer is not None and layer >= num_layers:
+            raise APIError(
+                400,
+                f"blend.check_layer {layer} is out of range: the model has {num_layers} layers "
+                f"(0 to {num_layers - 1})",
+                param="blend",
+            )
+        try:
+            config.validate_for(num_layers)
+        except ValueError as exc:
+            raise APIError(400, f"blend: {exc}", param="blend") from exc
+    defaults = BlendConfig()
+    for name, why in config.unused_fields().items():
+        if name in fields and getattr(config, name) != getattr(defaults, name):
+            raise APIError(400, f"blend.{name} does not apply: {why}; leave it out", param="blend")
+    return config

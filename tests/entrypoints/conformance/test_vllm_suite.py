@@ -175,15 +175,19 @@ def test_long_seed(client):
             client.chat.completions.create(model=MODEL, messages=SESSION, seed=seed, max_tokens=2)
 
 
-def test_extra_fields_and_custom_role_and_content_parts(client):
+def test_extra_fields_and_content_parts_and_custom_role_refused(client):
     kw = dict(model=MODEL, temperature=0, seed=0, max_tokens=6)
     extra = [{"role": "user", "content": "what is 1+1?", "extra_field": "0"}]
     assert client.chat.completions.create(**kw, messages=extra).choices[0].message.content
-    as_text = [{"role": "my-custom-role", "content": "what is 1+1?"}]
-    as_parts = [{"role": "my-custom-role", "content": [{"type": "text", "text": "what is 1+1?"}]}]
+    as_text = [{"role": "user", "content": "what is 1+1?"}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "what is 1+1?"}]}]
     one = client.chat.completions.create(**kw, messages=as_text).choices[0].message.content
     two = client.chat.completions.create(**kw, messages=as_parts).choices[0].message.content
     assert one == two
+    # vLLM passes a custom role to the chat template; blendkv refuses it as OpenAI does
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kw, messages=[{**as_text[0], "role": "my-custom-role"}])
+    assert err.value.body["param"] == "messages"
 
 
 SCHEMA = {
