@@ -73,13 +73,14 @@ def _check_bool(name: str, value: object) -> bool:
 class StructuredOutputsParams:
     """One output constraint (vLLM's ``StructuredOutputsParams``); exactly one field is set.
 
-    json: a JSON schema (a dict or its JSON text); the output is JSON valid against it.
-    json_object: True: the output is any JSON object (``response_format`` ``json_object``).
-    regex: the output matches this regular expression.
-    choice: the output is exactly one of these strings.
-
     The constraint is compiled (``xgrammar``) on construction, so a bad schema or regex raises
     :class:`~blendkv.errors.InvalidSamplingParamsError` here, not in the engine.
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text); the output is JSON valid against it.
+        json_object: True: the output is any JSON object (``response_format`` ``json_object``).
+        regex: the output matches this regular expression.
+        choice: the output is exactly one of these strings.
     """
 
     json: dict | str | None = None
@@ -133,42 +134,52 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to pick output tokens and when to stop.
 
-    temperature: 0 (or below 1e-5) means greedy (argmax); otherwise logits are divided by it.
-    top_p: nucleus sampling; keep the smallest set of tokens whose probability sums to >= top_p.
-    top_k: keep the k most likely tokens; 0 or -1 disables.
-    min_p: drop tokens whose probability is below ``min_p`` times the top token's probability.
-    presence_penalty: in [-2, 2]; subtracted from the logit of every token the request has
-        generated so far (output tokens only, as in OpenAI and vLLM).
-    frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the request
-        has generated it (output tokens only).
-    repetition_penalty: > 0; the logit of every token in the prompt or the output is divided
-        by it when positive and multiplied by it when negative (transformers' and vLLM's
-        ``repetition_penalty``); 1 disables.
-    logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to those tokens' logits.
-    seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
-    max_tokens: cap on output tokens; None means "until max_model_len".
-    min_tokens: EOS, stop token ids and stop strings are ignored until this many tokens exist.
-    stop: stop strings; the output text ends before the first one (after it with
-        ``include_stop_str_in_output``).
-    stop_token_ids: token ids that end the request like EOS (but also under ``ignore_eos``).
-    ignore_eos: keep generating after the EOS token.
-    logprobs: None returns no logprobs; n >= 0 returns the chosen token's logprob and the n most
-        likely tokens' logprobs, all from the unmodified model distribution (before
-        ``logit_bias``, penalties, temperature and the filters: vLLM's default).
-
     The sampler applies ``logit_bias``, then the penalties, then temperature and the filters;
-    greedy requests get the bias and the penalties too.
-    include_stop_str_in_output: keep the matched stop string (or stop token text) in the text.
-    skip_special_tokens: leave special tokens out of the detokenized text.
-    n: output sequences (samples) per request, each a ``CompletionOutput`` (``index`` 0..n-1).
-        The prompt is computed once and its KV blocks shared; with a ``seed``, sample i uses
-        ``seed + i`` (vLLM's convention). Greedy samples are all equal.
-    structured_outputs: constrain the output to a JSON schema, any JSON object, a regex or one
-        of a list of strings (:class:`StructuredOutputsParams`); each sample of ``n > 1`` keeps
-        its own grammar state.
-    prompt_logprobs: None, or k >= 0: ``RequestOutput.prompt_logprobs`` holds, per prompt
-        token after the first, its logprob and the k most likely tokens' (vLLM's extension).
-        The prompt is then computed in full (no prefix-cache hit); blended prompts refuse it.
+    greedy requests get the bias and the penalties too. The default ``max_tokens`` is 16
+    (vLLM's); pass more for longer answers.
+
+    Attributes:
+        temperature: 0 (or below 1e-5) means greedy (argmax); otherwise logits are divided by
+            it.
+        top_p: nucleus sampling; keep the smallest set of tokens whose probability sums to >=
+            top_p.
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's
+            probability.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token the request has
+            generated so far (output tokens only, as in OpenAI and vLLM).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the
+            request has generated it (output tokens only).
+        repetition_penalty: > 0; the logit of every token in the prompt or the output is
+            divided by it when positive and multiplied by it when negative (transformers' and
+            vLLM's ``repetition_penalty``); 1 disables.
+        logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to those tokens' logits.
+        seed: per-request seed; the same seed gives the same tokens whatever else is in the
+            batch.
+        max_tokens: cap on output tokens; None means "until max_model_len".
+        min_tokens: EOS, stop token ids and stop strings are ignored until this many tokens
+            exist.
+        stop: stop strings; the output text ends before the first one (after it with
+            ``include_stop_str_in_output``).
+        stop_token_ids: token ids that end the request like EOS (but also under
+            ``ignore_eos``).
+        ignore_eos: keep generating after the EOS token.
+        logprobs: None returns no logprobs; n >= 0 returns the chosen token's logprob and the
+            n most likely tokens' logprobs, all from the unmodified model distribution (before
+            ``logit_bias``, penalties, temperature and the filters: vLLM's default).
+        include_stop_str_in_output: keep the matched stop string (or stop token text) in the
+            text.
+        skip_special_tokens: leave special tokens out of the detokenized text.
+        n: output sequences (samples) per request, each a ``CompletionOutput`` (``index``
+            0..n-1). The prompt is computed once and its KV blocks shared; with a ``seed``,
+            sample i uses ``seed + i`` (vLLM's convention). Greedy samples are all equal.
+        structured_outputs: constrain the output to a JSON schema, any JSON object, a regex or
+            one of a list of strings (:class:`StructuredOutputsParams`); each sample of
+            ``n > 1`` keeps its own grammar state.
+        prompt_logprobs: None, or k >= 0: ``RequestOutput.prompt_logprobs`` holds, per prompt
+            token after the first, its logprob and the k most likely tokens' (vLLM's
+            extension). The prompt is then computed in full (no prefix-cache hit); blended
+            prompts refuse it.
     """
 
     temperature: float = 1.0
@@ -320,10 +331,13 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
+        """Whether tokens are picked by argmax (``temperature`` below 1e-5)."""
         return self.temperature < _SAMPLING_EPS
 
     @property
     def sampling_type(self) -> SamplingType:
+        """``GREEDY``, ``RANDOM`` or ``RANDOM_SEED`` (a ``seed`` is set): how the sampler
+        batches this request."""
         if self.is_greedy:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED

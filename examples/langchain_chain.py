@@ -23,7 +23,7 @@ DOCS = Path(__file__).resolve().parents[1] / "blendkv" / "rag" / "demo_docs"
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp, RAGPipeline(f"{tmp}/store", dtype="float32") as rag:
+    with tempfile.TemporaryDirectory() as tmp, RAGPipeline(f"{tmp}/store") as rag:
         rag.ingest([DOCS])
         retriever = BlendKVRetriever(pipeline=rag, k=3)
         generate = BlendKVGenerator(rag, SamplingParams(max_tokens=48, temperature=0.0))

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     model = {"model": args.model} if args.model else {}
     with (
         tempfile.TemporaryDirectory() as tmp,
-        RAGPipeline(f"{tmp}/store", dtype="float32", chunk_tokens=128, **model) as rag,
+        RAGPipeline(f"{tmp}/store", chunk_tokens=128, **model) as rag,
     ):
         print(rag.ingest([DOCS], progress=False).summary())
         engine = BlendKVQueryEngine(rag, similarity_top_k=3)

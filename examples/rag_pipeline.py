@@ -20,8 +20,10 @@ DOCS = Path(__file__).resolve().parents[1] / "blendkv" / "rag" / "demo_docs"
 
 def main() -> None:
     store_dir = sys.argv[1] if len(sys.argv) > 1 else "/tmp/blendkv-example-store"
-    # float32: much faster than bfloat16 on most CPUs; a store is tied to its dtype.
-    with RAGPipeline(store_dir, dtype="float32", chunk_tokens=128) as rag:
+    # dtype "auto" (the default) follows an existing store's dtype (a store serves only the
+    # dtype it was built in); a new store gets bfloat16 on CPUs with native bfloat16 (AMX,
+    # AVX512-BF16), float32 on others, where bfloat16 runs several times slower.
+    with RAGPipeline(store_dir, chunk_tokens=128) as rag:
         print(rag.ingest([DOCS]).summary())  # Path = a file or a folder of .txt/.md
         rag.add_documents(
             ["Blendkv stores each chunk's K/V once and blends it at query time."],
@@ -36,10 +38,9 @@ def main() -> None:
             blend=BlendConfig(recompute_ratio=0.15),
         )
         print(f"\nQ: {question}\nA: {answer.answer}")
-        for s in answer.sources:
-            print(
-                f"   chunk {s.chunk_id} ({s.doc_id}, score {s.score:.2f}, kv_cached={s.kv_cached})"
-            )
+        for s in answer.sources:  # the file a chunk came from; a text's source or doc id
+            name = Path(s.source).name if s.source else s.doc_id
+            print(f"   chunk {s.chunk_id} ({name}, score {s.score:.2f}, kv_cached={s.kv_cached})")
         st = answer.blend_stats
         print(
             f"   {st.chunks_hit}/{st.num_chunks} chunks reused, {st.tokens_recomputed} tokens "
@@ -47,7 +48,7 @@ def main() -> None:
         )
 
         print("\nStreaming:")
-        for piece in rag.stream_query("Why is Mars red?", k=2):
+        for piece in rag.stream_query("What is the tallest mountain in the Solar System?", k=2):
             if isinstance(piece, RAGAnswer):
                 print(f"\n   (TTFT {piece.ttft * 1000:.0f} ms)")
             else:

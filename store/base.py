@@ -56,17 +56,34 @@ class StoreSnapshot(Protocol):
 
 @runtime_checkable
 class ChunkKVStore(Protocol):
+    """A store of chunk K/V by content-addressed key: what :func:`open_kv_store` returns
+    (:class:`~blendkv.store.KVStore` over LMDB, or a Redis store).
+
+    Reads never raise for a missing or corrupt value: they return None or False, and a
+    corrupt value is dropped. Writes are atomic per call.
+
+    Attributes:
+        fingerprint: the model fingerprint the store was built for.
+        connection_errors: lost connections so far (LMDB: always 0).
+        tier: "lmdb" or "redis": where a read that misses the memory tier goes.
+        pin_memory: values read from storage are allocated in pinned host memory (CUDA).
+        memory_tier: the in-RAM LRU of hot chunks in front of storage.
+        reads_in_place: True when values are read in place from a memory map (LMDB):
+            :meth:`snapshot` views them without a copy and :meth:`warm` faults them into the OS
+            page cache. False (Redis): values are read whole by :meth:`get` /
+            :meth:`read_into`, ``snapshot`` is None, ``warm`` a no-op.
+        kv_codec: how values are encoded (:mod:`blendkv.store.codecs`): "none", "int8" or
+            "int4".
+    """
+
     fingerprint: ModelFingerprint
-    connection_errors: int  # lost connections so far (LMDB: always 0)
-    tier: str  # "lmdb" or "redis": where a read that misses the memory tier goes
-    pin_memory: bool  # allocate values read from storage in pinned host memory (CUDA)
-    memory_tier: MemoryTier  # the in-RAM LRU of hot chunks in front of storage
-    # True when values are read in place from a memory map (LMDB): :meth:`snapshot` views them
-    # without a copy and :meth:`warm` faults them into the OS page cache. False (Redis): values
-    # are read whole by :meth:`get` / :meth:`read_into`, ``snapshot`` is None, ``warm`` a no-op.
+    connection_errors: int
+    tier: str
+    pin_memory: bool
+    memory_tier: MemoryTier
     reads_in_place: bool
 
-    kv_codec: str  # how values are encoded (blendkv.store.codecs): "none", "int8", "int4"
+    kv_codec: str
 
     def get(self, key: bytes, *, skip_memory_tier: bool = False) -> ChunkKV | None:
         """A chunk's K/V (read-only tensor, decoded), or None on a miss or a corrupt value.
@@ -101,24 +118,33 @@ class ChunkKVStore(Protocol):
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """``key in self`` for each key, in one read (Redis: one round trip)."""
 
-    def delete(self, keys: Sequence[bytes]) -> list[int]: ...
+    def delete(self, keys: Sequence[bytes]) -> list[int]:
+        """Delete chunks by key in one write; returns the chunk ids that were stored."""
 
-    def delete_document(self, doc_id: str) -> list[int]: ...
+    def delete_document(self, doc_id: str) -> list[int]:
+        """Delete every chunk ``doc_id`` owns; returns their chunk ids."""
 
     def reassign(self, moves: Sequence[tuple[bytes, str, int]]) -> int:
         """Give stored chunks a new owner document and position: ``(key, doc_id, position)``
         each; returns how many were stored."""
 
-    def meta_for_id(self, chunk_id: int) -> ChunkMeta | None: ...
+    def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
+        """The metadata of the chunk with this id; None when it is not stored."""
 
-    def document_chunks(self, doc_id: str) -> list[ChunkMeta]: ...
+    def document_chunks(self, doc_id: str) -> list[ChunkMeta]:
+        """The metadata of ``doc_id``'s chunks, by position."""
 
-    def iter_meta(self) -> Iterator[ChunkMeta]: ...
+    def iter_meta(self) -> Iterator[ChunkMeta]:
+        """The metadata of every stored chunk."""
 
-    def stats(self) -> StoreStats: ...
+    def stats(self) -> StoreStats:
+        """The store's counters."""
 
-    def verify(self) -> VerifyReport: ...
+    def verify(self) -> VerifyReport:
+        """Check every value (header, checksum) and the metadata's agreement with them."""
 
-    def flush(self) -> None: ...
+    def flush(self) -> None:
+        """Write pending LRU touches (reads batch them)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close the store (LMDB writes its pending LRU touches first)."""

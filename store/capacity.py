@@ -3,7 +3,9 @@ that refuse a write the store's limit or the disk cannot hold (:class:`StoreFull
 
 A chunk's value is its K and V for every layer plus a fixed header, so the K/V of ``n`` new
 tokens is known before any forward runs: ``n x num_layers x 2 x num_kv_heads x head_dim x``
-the dtype's size (:func:`kv_bytes_per_token`).
+the dtype's size (:func:`kv_bytes_per_token`) for a raw store; an ``int8`` or ``int4`` store
+keeps the codes and their scales (:mod:`blendkv.store.codecs`), whose size the shape gives too
+(``int4``: at most, since its outlier heads depend on the values).
 
 An LMDB store's limit bounds its file (:class:`~blendkv.store.kv_store.KVStore`): the file
 holds values in whole pages (:func:`value_pages`) and keeps a reserve of free pages
@@ -21,6 +23,8 @@ from typing import NamedTuple
 from blendkv.errors import ConfigError
 from blendkv.sizes import format_size, parse_size
 
+from .codecs import INT4_KEY_GT, INT4_MAX_OUTLIER_FRACTION, INT4_VALUE_GD
+from .codecs_layout import FLAG_K_ZERO, FLAG_OUTLIERS, FLAG_V_ZERO, CodecParams, payload_size
 from .errors import StoreFullError
 from .fingerprint import ModelFingerprint
 from .format import HEADER_SIZE
@@ -65,10 +69,29 @@ def kv_bytes_per_token(fingerprint: ModelFingerprint) -> int:
     return fingerprint.num_layers * 2 * fingerprint.num_kv_heads * fingerprint.head_dim * itemsize
 
 
+def value_bytes(fingerprint: ModelFingerprint, num_tokens: int) -> int:
+    """Stored bytes of one chunk of ``num_tokens`` tokens in the store's codec, header included
+    (``int4``: the most, with as many outlier heads as the encoder keeps)."""
+    codec = fingerprint.kv_codec
+    if codec == "none":
+        return kv_bytes_per_token(fingerprint) * num_tokens + HEADER_SIZE
+    import torch
+
+    L, H, D = fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.head_dim
+    if codec == "int8":
+        groups, outliers = ((num_tokens, 1), (1, D)), 0
+    else:
+        groups = ((INT4_KEY_GT, 1), (1, min(INT4_VALUE_GD, D)))
+        outliers = max(1, int(INT4_MAX_OUTLIER_FRACTION * L * H))
+    flags = FLAG_K_ZERO | FLAG_V_ZERO | (FLAG_OUTLIERS if outliers else 0)
+    params = CodecParams(codec, flags, groups[0], groups[1], outliers)
+    dtype = getattr(torch, fingerprint.dtype, torch.float32)
+    return HEADER_SIZE + payload_size(params, (L, 2, num_tokens, H, D), dtype)
+
+
 def projected_bytes(fingerprint: ModelFingerprint, chunk_lengths: Sequence[int]) -> int:
     """Stored bytes of new chunks of ``chunk_lengths`` tokens (K/V plus each value's header)."""
-    per_token = kv_bytes_per_token(fingerprint)
-    return sum(per_token * n + HEADER_SIZE for n in chunk_lengths)
+    return sum(value_bytes(fingerprint, n) for n in chunk_lengths)
 
 
 def free_disk(path: str | os.PathLike) -> int:
@@ -142,8 +165,8 @@ def plan_ingest(kv, chunk_lengths: Sequence[int]) -> IngestPlan:
     file_bytes, in_file, reserve = None, 0, 0
     if bounded:
         page, file_bytes = kv.page_size, file_limit(stats.max_bytes)
-        per_token = kv_bytes_per_token(kv.fingerprint)
-        pages = sum(value_pages(per_token * n + HEADER_SIZE, page) for n in chunk_lengths)
+        fp = kv.fingerprint
+        pages = sum(value_pages(value_bytes(fp, n), page) for n in chunk_lengths)
         in_file = int(pages * page)
         reserve = reserve_pages(file_bytes // page) * page
     return IngestPlan(

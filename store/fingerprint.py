@@ -24,15 +24,26 @@ def canonical_json(value: Any) -> str:
 
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """Everything that changes a model's per-chunk K/V.
+    """Everything that changes a model's per-chunk K/V; a store opens only for its own.
 
-    ``rope`` may be given as a dict (e.g. the HF ``rope_scaling`` plus ``rope_theta``); it is
-    stored as its canonical JSON string so the dataclass stays hashable and stable.
-    ``anchor_token_ids`` are the tokens every chunk was prefilled behind (BOS or system prefix).
-    ``kv_codec`` is how the store encodes K/V (:mod:`blendkv.store.codecs`): a store serves
-    and takes values of its own codec only. It is a property of the store, not of the model's
-    K/V, so it is left out of :meth:`digest` (chunk keys do not change with the codec) and out
-    of the JSON when it is ``none`` (stores made before codecs read as ``none``).
+    Attributes:
+        architecture: the model class (e.g. "LlamaForCausalLM").
+        weights_hash: a hash of the model's weight files.
+        dtype: the dtype of the K/V (e.g. "float32", "bfloat16").
+        tokenizer_hash: a hash of the tokenizer (its vocabulary and settings).
+        rope: the rotary embedding's settings, as canonical JSON (a dict given here, e.g. the
+            HF ``rope_scaling`` plus ``rope_theta``, is stored so, keeping the dataclass
+            hashable and stable).
+        anchor_token_ids: the tokens every chunk was prefilled behind (BOS or a system
+            prefix).
+        num_layers: decoder layers.
+        num_kv_heads: K/V heads per layer.
+        head_dim: the size of one head.
+        kv_codec: how the store encodes K/V (:mod:`blendkv.store.codecs`): a store serves and
+            takes values of its own codec only. It is a property of the store, not of the
+            model's K/V, so it is left out of :meth:`digest` (chunk keys do not change with the
+            codec) and out of the JSON when it is ``none`` (stores made before codecs read as
+            ``none``).
     """
 
     architecture: str
@@ -63,6 +74,7 @@ class ModelFingerprint:
             raise ValueError(f"kv_codec must be one of {CODECS}, got {self.kv_codec!r}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (``kv_codec`` left out when it is ``none``)."""
         d = dataclasses.asdict(self)
         d["anchor_token_ids"] = list(self.anchor_token_ids)
         if d["kv_codec"] == "none":
@@ -70,10 +82,12 @@ class ModelFingerprint:
         return d
 
     def to_json(self) -> str:
+        """The canonical JSON of :meth:`to_dict` (what a store keeps)."""
         return canonical_json(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ModelFingerprint:
+        """The fingerprint :meth:`to_json` wrote; ``ValueError`` on other fields."""
         d = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
         if set(d) | {"kv_codec"} != names:

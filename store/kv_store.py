@@ -82,11 +82,27 @@ class KVStore:
             the header is still checked every time), ``False`` never.
         sync: fsync on commit (off trades durability on power loss, not consistency, for speed).
         touch_flush_every: LRU touches from reads are batched and written every this many.
+
+    Attributes:
+        max_bytes: the capacity in value bytes in force: the one given, else the saved one
+            (None: unbounded).
+        memory_tier: the in-RAM LRU of hot chunks.
+        fingerprint: the store's model fingerprint.
+        inspect_only: opened without a fingerprint: K/V is neither served nor written.
+        hits: reads in this process that found their chunk.
+        misses: reads that did not (absent or corrupt).
+        corrupt: values that failed their checks.
+        lmdb_hits: reads served from LMDB rather than the memory tier.
+        lmdb_misses: LMDB reads that missed.
+        connection_errors: always 0 (a Redis store counts lost connections).
+        tier: "lmdb".
+        pin_memory: False (values are read in place, not into pinned memory).
+        reads_in_place: True: values are viewed in LMDB's memory map (``snapshot``, ``warm``).
     """
 
     tier = "lmdb"
     pin_memory = False
-    reads_in_place = True  # values are viewed in LMDB's memory map (snapshot, warm)
+    reads_in_place = True
 
     def __init__(
         self,
@@ -116,7 +132,7 @@ class KVStore:
         self.touch_flush_every = touch_flush_every
         self.memory_tier = MemoryTier(memory_tier_bytes)
         self.hits = self.misses = self.corrupt = 0
-        self.connection_errors = 0  # always 0 here; a Redis store counts lost connections
+        self.connection_errors = 0
         self.lmdb_hits = self.lmdb_misses = 0
         self._pending_touches: OrderedDict[bytes, float] = OrderedDict()
         self._snapshots: list[ReadSnapshot] = []  # open ones; the map may not grow meanwhile
@@ -206,6 +222,7 @@ class KVStore:
 
     @locked
     def close(self) -> None:
+        """Close open snapshots, write pending LRU touches, and close LMDB."""
         for snapshot in list(self._snapshots):
             snapshot.close()
         if self._env is not None:
@@ -865,6 +882,7 @@ class KVStore:
             return txn.get(key, db=self._dbs["chunks"]) is not None
 
     def contains_many(self, keys) -> list[bool]:
+        """``key in self`` for each key, in one read transaction."""
         db = self._dbs["chunks"]
         with self._read() as txn:
             return [txn.get(key, db=db) is not None for key in keys]
@@ -881,24 +899,29 @@ class KVStore:
         return ChunkMeta.from_json(raw, layout.unpack_usage(usage)[1] if usage else 0.0)
 
     def get_meta(self, key: bytes) -> ChunkMeta | None:
+        """The metadata of the chunk stored under ``key``; None when it is not stored."""
         with self._read() as txn:
             return self._meta(txn, key)
 
     def key_for_id(self, chunk_id: int) -> bytes | None:
+        """The key of the chunk with this id; None when it is not stored."""
         with self._read() as txn:
             key = txn.get(layout.be64(chunk_id), db=self._dbs["ids"])
             return bytes(key) if key is not None else None
 
     def meta_for_id(self, chunk_id: int) -> ChunkMeta | None:
+        """The metadata of the chunk with this id; None when it is not stored."""
         with self._read() as txn:
             key = txn.get(layout.be64(chunk_id), db=self._dbs["ids"])
             return self._meta(txn, bytes(key)) if key is not None else None
 
     def chunk_ids(self) -> list[int]:
+        """The ids of every stored chunk, ascending."""
         with self._read() as txn:
             return [layout.from_be64(k) for k, _ in txn.cursor(db=self._dbs["ids"])]
 
     def iter_meta(self) -> Iterator[ChunkMeta]:
+        """The metadata of every stored chunk (in one read transaction)."""
         with self._read() as txn:
             for key, _ in txn.cursor(db=self._dbs["chunks"]):
                 yield self._meta(txn, bytes(key))
@@ -934,6 +957,7 @@ class KVStore:
     # ---- health ----------------------------------------------------------------------------
 
     def stats(self) -> StoreStats:
+        """The store's counters (:class:`~blendkv.store.StoreStats`)."""
         with self._read() as txn:
             counters = layout.Counters.read(txn, self._dbs["store"])
             entries = txn.stat(self._dbs["chunks"])["entries"]

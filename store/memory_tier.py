@@ -24,6 +24,12 @@ class MemoryTier:
 
     Values handed in are kept as they are (not copied); callers must treat values returned
     by :meth:`get` as read-only.
+
+    Attributes:
+        max_bytes: the budget in bytes of tensor data (0: nothing is kept).
+        hits: lookups that found their key.
+        misses: lookups that did not.
+        evictions: values dropped to stay within ``max_bytes``.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -45,6 +51,7 @@ class MemoryTier:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held now."""
         return self._bytes
 
     def stats_fields(self) -> dict[str, int]:
@@ -63,6 +70,7 @@ class MemoryTier:
             return list(self._entries)
 
     def get(self, key: bytes) -> StoredKV | None:
+        """The value of ``key`` (now the most recently used), or None."""
         with self._lock:
             tensor = self._entries.get(key)
             if tensor is None:
@@ -90,12 +98,14 @@ class MemoryTier:
             return True
 
     def discard(self, key: bytes) -> None:
+        """Drop ``key`` if held."""
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= kv_nbytes(old)
 
     def clear(self) -> None:
+        """Drop every value."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0

@@ -13,8 +13,10 @@ import torch
 class ChunkKV:
     """K (pre-RoPE) and V of one chunk for all layers.
 
-    ``kv`` has shape ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``; index 0 of dim 1
-    is K, index 1 is V.
+    Attributes:
+        key: the chunk's store key (:func:`~blendkv.store.chunk_key`).
+        kv: shape ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``; index 0 of dim 1
+            is K, index 1 is V.
     """
 
     key: bytes
@@ -22,20 +24,34 @@ class ChunkKV:
 
     @property
     def k(self) -> torch.Tensor:
+        """K of every layer: ``[num_layers, num_tokens, num_kv_heads, head_dim]``."""
         return self.kv[:, 0]
 
     @property
     def v(self) -> torch.Tensor:
+        """V of every layer: ``[num_layers, num_tokens, num_kv_heads, head_dim]``."""
         return self.kv[:, 1]
 
     @property
     def num_tokens(self) -> int:
+        """The chunk's length in tokens."""
         return self.kv.shape[2]
 
 
 @dataclass(frozen=True)
 class NewChunk:
-    """One chunk to write: its key, its K/V tensor and the metadata kept beside it."""
+    """One chunk to write: its key, its K/V tensor and the metadata kept beside it.
+
+    Attributes:
+        key: the chunk's store key (:func:`~blendkv.store.chunk_key`).
+        kv: its K/V, ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` in the model's
+            dtype (the store encodes it with its codec).
+        text: the chunk's text (indexed for retrieval when ``doc_id`` is set).
+        token_ids: the token ids its K/V was computed from.
+        doc_id: the document that owns it; None for K/V cached at query time (evictable,
+            never retrieved).
+        position: its index within its document.
+    """
 
     key: bytes
     kv: torch.Tensor
@@ -52,9 +68,21 @@ class NewChunk:
 
 @dataclass(frozen=True)
 class ChunkMeta:
-    """Metadata of a stored chunk, kept as JSON in its own LMDB database.
+    """Metadata of a stored chunk, kept as JSON beside its value.
 
-    ``position`` is the chunk's index within its source document; times are Unix seconds.
+    Attributes:
+        chunk_id: the chunk's id in the store (what the index holds).
+        key: its store key.
+        text: its text.
+        token_ids: the token ids its K/V was computed from.
+        doc_id: the document that owns it; None for K/V cached at query time.
+        position: its index within its source document.
+        num_tokens: its length in tokens.
+        nbytes: the bytes of its stored value.
+        dtype: the dtype of its K/V (e.g. "float32").
+        shape: the shape of its K/V tensor.
+        created: when it was stored (Unix seconds).
+        last_used: when it was last read (Unix seconds; LRU order); 0.0 when not known.
     """
 
     chunk_id: int
@@ -89,6 +117,7 @@ class ChunkMeta:
         )
 
     def to_json(self) -> bytes:
+        """The JSON the store keeps (``last_used`` is kept apart)."""
         d = {
             "chunk_id": self.chunk_id,
             "key": self.key.hex(),
@@ -106,6 +135,7 @@ class ChunkMeta:
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview, last_used: float = 0.0) -> ChunkMeta:
+        """The metadata :meth:`to_json` wrote."""
         d = json.loads(bytes(raw))
         return cls(
             chunk_id=int(d["chunk_id"]),
@@ -124,17 +154,44 @@ class ChunkMeta:
 
 
 class PutResult(NamedTuple):
-    """Outcome of writing one chunk; ``evicted`` lists chunk ids the write pushed out (LRU)."""
+    """Outcome of writing one chunk.
+
+    Attributes:
+        chunk_id: the chunk's id in the store.
+        inserted: False when the key was already stored (content-addressed: nothing
+            rewritten).
+        evicted: the chunk ids the write pushed out (LRU).
+    """
 
     chunk_id: int
-    inserted: bool  # False: the key was already stored (content-addressed, nothing rewritten)
+    inserted: bool
     evicted: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class StoreStats:
     """Counters of one store. Entries, bytes and evictions are store-wide (persisted);
-    hits/misses/corrupt and the memory-tier numbers count this process only."""
+    hits/misses/corrupt and the memory-tier numbers count this process only.
+
+    Attributes:
+        entries: chunks stored.
+        bytes: bytes of their values.
+        max_bytes: the store's byte limit; None: none (always None for Redis).
+        map_size: LMDB's map size in bytes (it grows when full); 0 for Redis.
+        map_used: bytes of the map in use (Redis: the server's ``used_memory``).
+        evictions: chunks evicted to stay within ``max_bytes`` (Redis: the server's evicted
+            keys).
+        hits: reads that found their chunk.
+        misses: reads that did not (absent or corrupt).
+        corrupt: values that failed their checks.
+        memory_hits: reads served by the memory tier.
+        memory_misses: memory-tier lookups that missed.
+        memory_evictions: values the memory tier dropped (LRU).
+        memory_entries: values in the memory tier now.
+        memory_bytes: their bytes.
+        lmdb_hits: reads served from LMDB (0 for Redis).
+        lmdb_misses: LMDB reads that missed (0 for Redis).
+    """
 
     entries: int
     bytes: int
@@ -162,7 +219,15 @@ class VerifyProblem(NamedTuple):
 
 @dataclass
 class VerifyReport:
-    """What :meth:`KVStore.verify` found; ``ok`` is True when ``problems`` is empty."""
+    """What :meth:`KVStore.verify` found; ``str(report)`` lists it.
+
+    Attributes:
+        entries: chunks checked.
+        bytes: bytes of their values.
+        problems: ``(kind, subject, detail)`` for each problem found (kind e.g.
+            "corrupt_value", "missing_value", "id_mismatch"; subject a key, chunk id or
+            database).
+    """
 
     entries: int = 0
     bytes: int = 0
@@ -170,9 +235,11 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """True when no problem was found."""
         return not self.problems
 
     def add(self, kind: str, subject: object, detail: str) -> None:
+        """Record a problem."""
         self.problems.append(VerifyProblem(kind, str(subject), detail))
 
     def __str__(self) -> str:

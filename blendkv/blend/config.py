@@ -29,8 +29,9 @@ class BlendConfig:
             the loading controller (:mod:`blendkv.loading.controller`) picks it per request, the
             most that stays hidden behind loading the request's K/V, within
             ``[min_recompute_ratio, max_recompute_ratio]``.
-        min_recompute_ratio / max_recompute_ratio: the bounds of ``"auto"`` (the quality floor
-            and the cost cap; the scheduler budgets a request at the cap).
+        min_recompute_ratio: the lower bound of ``"auto"`` (the quality floor).
+        max_recompute_ratio: the upper bound of ``"auto"`` (the cost cap; the scheduler
+            budgets a request at the cap).
         check_layer: the layer where fresh Q/K/V of every token is compared with the reused K/V
             and the recompute set is chosen. Layers before it run in full.
         selection: ``v_deviation`` (CacheBlend: sum over heads x head_dim of (V_fresh -
@@ -139,6 +140,7 @@ class BlendConfig:
 
     @property
     def auto_ratio(self) -> bool:
+        """Whether the loading controller picks the ratio per request (``"auto"``)."""
         return self.recompute_ratio == "auto"
 
     @property
@@ -148,6 +150,7 @@ class BlendConfig:
 
     @property
     def full_reuse(self) -> bool:
+        """Whether nothing reused is recomputed (ratio 0.0 and no schedule)."""
         return self.recompute_ratio == 0.0 and not self.schedule
 
     @property
@@ -201,6 +204,7 @@ class BlendConfig:
         return self.selection
 
     def validate_for(self, num_layers: int) -> None:
+        """Raise ``ConfigError`` when a selection layer is past a ``num_layers`` model's last."""
         last = max(self.selection_layers(num_layers))
         if last >= num_layers:
             raise ConfigError(

@@ -29,43 +29,74 @@ class BlendStats:
     When the prefix cache served every chunk token no fused prefill runs: ``tokens_reused`` and
     ``tokens_recomputed`` stay 0 and the other ``num_prompt_tokens - prefix_cached_tokens``
     tokens are an ordinary prefill (``other_tokens_computed`` counts them in both cases).
+
+    Attributes:
+        num_chunks: chunks in the prompt.
+        chunks_hit: chunks whose K/V was found in the store (memory tier or LMDB/Redis).
+        chunks_on_device: of those, found in the device tier (``kv_device_cache_bytes``).
+        chunks_in_memory: of those, found in host memory (memory tier, writer, prefetch).
+        chunks_missed: chunks computed now behind the anchor and written back.
+        tokens_reused: chunk tokens whose stored K/V was loaded.
+        window_skipped_tokens: token-layers not loaded because that layer's sliding window
+            does not read them.
+        tokens_recomputed: prompt tokens recomputed through the last layer.
+        reused_tokens_recomputed: of those, reused tokens picked for repair.
+        prefix_cached_tokens: tokens served by the engine's prefix cache instead.
+        kv_bytes_loaded: bytes of chunk K/V loaded.
+        load_seconds: store reads + RoPE + writes into KV blocks.
+        read_seconds: of which finding chunks (store reads, memory tier).
+        write_seconds: of which RoPE + writes into the blocks.
+        load_hidden_seconds: of which ran behind the forward (pipelined loading).
+        read_hidden_seconds: of the reads, those behind the forward (deferred, CPU).
+        chunks_prefetched: chunks read while the request was queued (``prefetch_kv``).
+        prefetch_seconds: those reads' time (not in ``load_seconds`` nor the step).
+        chosen_recompute_ratio: the ratio the loading controller picked (``"auto"``); else
+            None.
+        precompute_seconds: time computing missed chunks.
+        store_errors: store calls that failed (e.g. Redis unreachable); their chunks were
+            recomputed.
+        ttft: the request's time to first token, in seconds (set with the first token).
+        num_prompt_tokens: the whole prompt: template, chunks, query (set by the engine).
+        row_layers: the fused prefill's cost in row-layers (a row through one decoder layer =
+            1; a row whose Q/K/V only were computed at a selection layer = that share),
+            selection passes included.
+        full_row_layers: what full prefill of the same rows costs in row-layers.
+        cost_choice: the engine's cost check (:mod:`blendkv.guards.cost_check`), for a request
+            that left its config to the engine: "blend", "cheaper_selection" or
+            "full_prefill" ("": no choice made).
+        cost_reason: the predicted costs behind that choice, or why none was made.
+        token_map: asked for per request (``token_map=True``): how each prompt token was
+            computed, a ``blendkv.blend.token_map.TokenMap`` once the prompt is done; not in
+            :meth:`to_dict`.
     """
 
     num_chunks: int = 0
-    chunks_hit: int = 0  # K/V found in the store (memory tier or LMDB)
-    chunks_on_device: int = 0  # of which found in the device tier (kv_device_cache_bytes)
-    chunks_in_memory: int = 0  # of which found in host memory (memory tier, writer, prefetch)
-    chunks_missed: int = 0  # computed now behind the anchor and written back
-    tokens_reused: int = 0  # chunk tokens whose stored K/V was loaded
-    window_skipped_tokens: int = 0  # token-layers not loaded: unread by that layer's window
-    tokens_recomputed: int = 0  # prompt tokens recomputed through the last layer
-    reused_tokens_recomputed: int = 0  # of which were reused tokens picked for repair
-    prefix_cached_tokens: int = 0  # tokens served by the engine's prefix cache instead
+    chunks_hit: int = 0
+    chunks_on_device: int = 0
+    chunks_in_memory: int = 0
+    chunks_missed: int = 0
+    tokens_reused: int = 0
+    window_skipped_tokens: int = 0
+    tokens_recomputed: int = 0
+    reused_tokens_recomputed: int = 0
+    prefix_cached_tokens: int = 0
     kv_bytes_loaded: int = 0
-    load_seconds: float = 0.0  # store reads + RoPE + writes into KV blocks
-    read_seconds: float = 0.0  # of which finding chunks (store reads, memory tier)
-    write_seconds: float = 0.0  # of which RoPE + writes into the blocks
-    load_hidden_seconds: float = 0.0  # of which ran behind the forward (pipelined loading)
-    read_hidden_seconds: float = 0.0  # of the reads, those behind the forward (deferred, CPU)
-    chunks_prefetched: int = 0  # read while the request was queued (prefetch_kv)
-    prefetch_seconds: float = 0.0  # those reads' time (not in load_seconds nor the step)
-    chosen_recompute_ratio: float | None = None  # picked by the loading controller ("auto")
-    precompute_seconds: float = 0.0  # computing missed chunks
-    store_errors: int = 0  # store calls that failed (e.g. Redis unreachable): chunks recomputed
+    load_seconds: float = 0.0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    load_hidden_seconds: float = 0.0
+    read_hidden_seconds: float = 0.0
+    chunks_prefetched: int = 0
+    prefetch_seconds: float = 0.0
+    chosen_recompute_ratio: float | None = None
+    precompute_seconds: float = 0.0
+    store_errors: int = 0
     ttft: float | None = None
-    num_prompt_tokens: int = 0  # the whole prompt: template, chunks, query (set by the engine)
-    # Cost of the fused prefill in row-layers (a row through one decoder layer = 1; a row whose
-    # Q/K/V only were computed at a selection layer = that share), selection passes included,
-    # and what full prefill of the same rows costs.
+    num_prompt_tokens: int = 0
     row_layers: float = 0.0
     full_row_layers: int = 0
-    # The engine's cost check (blendkv.guards.cost_check), for a request that left its config
-    # to the engine: "blend", "cheaper_selection" or "full_prefill" ("": no choice made), and
-    # the predicted costs behind it, or why no choice was made.
     cost_choice: str = ""
     cost_reason: str = ""
-    # Asked for per request (token_map=True): how each prompt token was computed, a
-    # blendkv.blend.token_map.TokenMap once the prompt is done; not in to_dict().
     token_map: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -100,6 +131,8 @@ class BlendStats:
         )
 
     def to_dict(self) -> dict:
+        """The fields and the derived fractions and counts, as a JSON-ready dict (no
+        ``token_map``)."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "token_map"}
         d["recompute_fraction"] = self.recompute_fraction
         d["compute_fraction"] = self.compute_fraction

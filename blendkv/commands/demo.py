@@ -19,7 +19,7 @@ from blendkv.cli import add_device_args
 QUESTIONS = (
     "Which planet is the largest in the Solar System?",
     "Who created the Python programming language?",
-    "How do worker bees tell each other where flowers are?",
+    "What dance do worker bees use to show where flowers are?",
 )
 
 

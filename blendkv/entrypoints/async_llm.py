@@ -48,9 +48,19 @@ class EngineDeadError(BlendKVError):
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot the engine thread publishes after every loop turn (read from any thread).
+    """A snapshot the engine thread publishes after every loop turn (``AsyncLLM.stats``; read
+    from any thread). Counts since the engine started unless said otherwise.
 
-    ``max_step_requests`` is the most requests that received a token in one step so far.
+    Attributes:
+        num_running: requests in the batch now.
+        num_waiting: requests queued for a place in the batch now.
+        num_kv_blocks_used: KV blocks held now.
+        num_kv_blocks: KV blocks in the pool.
+        num_steps: engine steps run.
+        num_aborted: requests aborted.
+        max_step_requests: the most requests that received a token in one step.
+        num_generated_tokens: output tokens sampled (every sample of ``n > 1``).
+        num_precomputing: of the waiting, those whose documents are being precomputed now.
     """
 
     num_running: int = 0
@@ -60,8 +70,8 @@ class EngineStats:
     num_steps: int = 0
     num_aborted: int = 0
     max_step_requests: int = 0
-    num_generated_tokens: int = 0  # output tokens sampled so far (every sample of n > 1)
-    num_precomputing: int = 0  # of the waiting, those whose documents are being precomputed
+    num_generated_tokens: int = 0
+    num_precomputing: int = 0
 
 
 StepListener = Callable[[list[RequestOutput]], None]
@@ -72,12 +82,18 @@ class RequestStream:
 
     ``async for out in stream`` yields :class:`RequestOutput`s (``out.delta_text`` is the new
     text). :meth:`close` before the end aborts the request; call it in a ``finally``.
+
+    Attributes:
+        request_id: the request's id.
+        finished: whether the last output was delivered (or the request was aborted).
+        extra: what a prompt callable left for the caller (``AsyncLLM.add_request``; the
+            server keeps a RAG query's sources here).
     """
 
     def __init__(self, request_id: str, owner: AsyncLLM) -> None:
         self.request_id = request_id
         self.finished = False
-        self.extra: dict[str, Any] = {}  # what a prompt factory left for the caller
+        self.extra: dict[str, Any] = {}
         self._owner = owner
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -116,6 +132,11 @@ class AsyncLLM:
     existing one (do not call that LLM's own methods while the AsyncLLM runs). ``max_waiting``
     bounds the requests waiting for admission to the batch: one more raises
     :class:`EngineOverloadedError` (None = unbounded).
+
+    Attributes:
+        llm: the :class:`~blendkv.LLM` it steps.
+        max_waiting: the bound on waiting requests (None: none).
+        stats: the latest :class:`EngineStats`.
     """
 
     def __init__(
@@ -125,6 +146,7 @@ class AsyncLLM:
 
     @classmethod
     def from_llm(cls, llm: LLM, *, max_waiting: int | None = None) -> AsyncLLM:
+        """An AsyncLLM over an existing ``llm``; its ``shutdown`` leaves ``llm`` open."""
         self = cls.__new__(cls)
         self._init(llm, max_waiting, owns_llm=False)
         return self
@@ -159,10 +181,12 @@ class AsyncLLM:
     # ------------------------------------------------------------------ public API
     @property
     def tokenizer(self):
+        """The model's tokenizer."""
         return self.llm.tokenizer
 
     @property
     def is_running(self) -> bool:
+        """False once the engine loop has stopped (shut down, or a step raised)."""
         return self._dead is None
 
     @property

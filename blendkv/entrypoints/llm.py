@@ -49,6 +49,12 @@ class LLM:
 
     One ``LLM`` may be shared by threads: ``generate``, ``stream`` and ``chat`` calls from
     several threads are batched together in one engine loop, each getting its own outputs.
+
+    Attributes:
+        config: the :class:`~blendkv.config.EngineConfig` it was built with.
+        engine: the ``LLMEngine`` it steps (:mod:`blendkv.engine.llm_engine`).
+        start_gate: the blend start gate's result (``blend_start_gate``): whether a blend at
+            ratio 1.0 reproduced full prefill at load; None when the gate did not run.
     """
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, **kwargs: Any) -> None:
@@ -71,6 +77,7 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer)."""
         return self.engine.tokenizer
 
     def blend_manager(self):
@@ -145,12 +152,27 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs in the order of ``prompts``.
 
-        A prompt is a string, a list of token ids, or a blended prompt dict. All requests are
-        validated before any is queued: a bad one raises and nothing runs. ``verify``: after the
-        answers, check each blended one against full prefill of its prompt tokens
-        (:mod:`blendkv.guards.verify`; ``blend_stats.verification``). ``request_kwargs`` go to
-        every request: ``blend`` (a BlendConfig), ``token_map=True`` (each output's
-        ``blend_stats.token_map`` says how every prompt token was computed), ``logits_from``.
+        All requests are validated before any is queued: a bad one raises and nothing runs.
+
+        Args:
+            prompts: one prompt or a list. A prompt is a string, a list of token ids, or a
+                blended prompt: a dict with ``documents`` (strings), ``chunks`` (token id
+                lists) or ``chunk_ids`` (stored chunks), and a ``query``; optionally
+                ``system`` and ``instruction`` (:mod:`blendkv.connector.prompt`).
+            sampling_params: one for all prompts or one per prompt; None:
+                ``SamplingParams()`` (temperature 1, at most 16 tokens).
+            use_tqdm: show a progress bar over the prompts.
+            verify: after the answers, check each blended one against full prefill of its
+                prompt tokens (:mod:`blendkv.guards.verify`; ``blend_stats.verification``).
+            **request_kwargs: go to every request: ``blend``: the
+                :class:`~blendkv.blend.config.BlendConfig` of the blended prompts (None: the
+                default, and the engine's cost check may choose); ``token_map=True``: each
+                output's ``blend_stats.token_map`` says how every prompt token was computed;
+                ``logits_from``: return the prompt's logits from that position on
+                (``RequestOutput.extra``).
+
+        Returns:
+            One finished :class:`~blendkv.outputs.RequestOutput` per prompt.
         """
         outputs = self._generate(prompts, sampling_params, use_tqdm, **request_kwargs)
         if verify:

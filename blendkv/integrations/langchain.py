@@ -42,9 +42,17 @@ def _source_key(doc: Document) -> tuple:
 
 
 class BlendKVRetriever(BaseRetriever):
-    """Top-``k`` chunks of a RAGPipeline's store as ``Document``s. ``filter`` (e.g.
-    ``{"source": "docs/a.md"}``; see :meth:`RAGPipeline.retrieve`) searches only the documents
-    it selects. Both may also be passed per call (``retriever.invoke(q, k=3, filter=...)``)."""
+    """Top-``k`` chunks of a RAGPipeline's store as ``Document``s (metadata:
+    :func:`chunk_to_document`).
+
+    ``k`` and ``filter`` may also be passed per call (``retriever.invoke(q, k=3, filter=...)``).
+
+    Attributes:
+        pipeline: the :class:`~blendkv.rag.RAGPipeline` whose store is searched.
+        k: how many chunks to return.
+        filter: searches only the documents it selects (e.g. ``{"source": "docs/a.md"}``;
+            see :meth:`~blendkv.rag.RAGPipeline.retrieve`); None: all.
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -70,9 +78,16 @@ class BlendKVGenerator(Runnable[dict, AIMessage]):
 
     Documents carrying a ``chunk_id`` of the pipeline's store are served from their stored K/V;
     others are tokenised, computed and written back (a cache miss). The documents are taken
-    best first (as retrievers return them) and put in ``chunk_order`` (default: the pipeline's;
-    :mod:`blendkv.rag.chunk_order`).
+    best first (as retrievers return them) and put in ``chunk_order``.
     ``response_metadata`` holds ``blend_stats`` (a dict), ``ttft_s`` and ``finish_reason``.
+
+    Args:
+        pipeline: the :class:`~blendkv.rag.RAGPipeline` (its store, template and model).
+        sampling_params: None: greedy, at most 128 tokens.
+        blend: a :class:`~blendkv.blend.config.BlendConfig`; None: the engine's default.
+        system: a system message for the chat template, or None.
+        chunk_order: the documents' order in the prompt (:mod:`blendkv.rag.chunk_order`);
+            None: the pipeline's.
     """
 
     def __init__(
@@ -91,6 +106,7 @@ class BlendKVGenerator(Runnable[dict, AIMessage]):
         self.system = system
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> AIMessage:
+        """Answer ``input["question"]`` from ``input["documents"]``, blended."""
         if not isinstance(input, dict) or "question" not in input or "documents" not in input:
             raise InvalidRequestError(
                 "BlendKVGenerator takes {'question': str, 'documents': [...]}"

@@ -43,9 +43,17 @@ _PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class BlendKVLLM(CustomLLM):
-    """Wraps a blendkv ``LLM`` (``llm``). ``sampling_params`` replaces the ``max_tokens`` and
-    ``temperature`` defaults; per-call keywords that are ``SamplingParams`` fields
-    (``complete(p, max_tokens=8)``) override it for that call, other keywords are ignored."""
+    """Wraps a blendkv ``LLM`` (``llm``) as a LlamaIndex ``CustomLLM``.
+
+    Per-call keywords that are ``SamplingParams`` fields (``complete(p, max_tokens=8)``)
+    override the defaults for that call; other keywords are ignored.
+
+    Attributes:
+        max_tokens: output tokens at most (default 256).
+        temperature: 0 (the default) is greedy.
+        sampling_params: a blendkv :class:`~blendkv.SamplingParams` that replaces the
+            ``max_tokens`` and ``temperature`` defaults.
+    """
 
     max_tokens: int = Field(default=256, description="Output tokens at most.")
     temperature: float = Field(default=0.0, description="0 is greedy.")
@@ -58,10 +66,12 @@ class BlendKVLLM(CustomLLM):
 
     @classmethod
     def class_name(cls) -> str:
+        """LlamaIndex's name of this class: ``"blendkv_llm"``."""
         return "blendkv_llm"
 
     @property
     def metadata(self) -> LLMMetadata:
+        """The context window, output length, chat-ness and name LlamaIndex plans with."""
         info = self._llm.engine.info
         return LLMMetadata(
             context_window=info.max_model_len,
@@ -73,6 +83,7 @@ class BlendKVLLM(CustomLLM):
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Complete ``prompt`` (``raw``: the blendkv ``RequestOutput``)."""
         [out] = self._llm.generate([self._format(prompt, formatted)], self._params(kwargs))
         return CompletionResponse(text=out.text, raw=out)
 
@@ -80,6 +91,7 @@ class BlendKVLLM(CustomLLM):
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
+        """Complete ``prompt``, a response per step (``delta``: the new text)."""
         stream = self._llm.stream(self._format(prompt, formatted), self._params(kwargs))
         return (CompletionResponse(text=t, delta=d, raw=o) for t, d, o in _texts(stream))
 
@@ -87,34 +99,40 @@ class BlendKVLLM(CustomLLM):
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
+        """:meth:`complete` on a worker thread."""
         return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
+        """:meth:`stream_complete` from a worker thread."""
         gen = await asyncio.to_thread(self.stream_complete, prompt, formatted, **kwargs)
         return _in_thread(gen)
 
     # ------------------------------------------------------------------------ chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer the conversation (through the model's chat template when it has one)."""
         [out] = self._llm.generate([self._chat_prompt(messages)], self._params(kwargs))
         return ChatResponse(message=_assistant(out.text), raw=out)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Answer the conversation, a response per step (``delta``: the new text)."""
         stream = self._llm.stream(self._chat_prompt(messages), self._params(kwargs))
         return (ChatResponse(message=_assistant(t), delta=d, raw=o) for t, d, o in _texts(stream))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """:meth:`chat` on a worker thread."""
         return await asyncio.to_thread(self.chat, messages, **kwargs)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
+        """:meth:`stream_chat` from a worker thread."""
         gen = await asyncio.to_thread(self.stream_chat, messages, **kwargs)
         return _in_thread(gen)
 

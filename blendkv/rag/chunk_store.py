@@ -32,6 +32,14 @@ INDEX_FILE = "chunks.faiss"
 
 @dataclass(frozen=True)
 class SearchHit:
+    """One result of :meth:`ChunkStore.search`.
+
+    Attributes:
+        chunk_id: the chunk's id in the store.
+        score: the index similarity to the searched text (higher is closer).
+        meta: the chunk's stored metadata (text, token ids, document, position).
+    """
+
     chunk_id: int
     score: float
     meta: ChunkMeta
@@ -41,6 +49,14 @@ class ChunkStore:
     """Chunk K/V (:attr:`kv`) plus their embedding index (:attr:`index`).
 
     ``store_kwargs`` go to the store's backend (:func:`~blendkv.store.backends.open_kv_store`).
+    A ``ChunkStore`` is a context manager; leaving it closes the K/V store.
+
+    Attributes:
+        embedder: the embedder of chunk texts (and of searched texts).
+        kv: the :class:`~blendkv.store.ChunkKVStore` (LMDB or Redis) holding the chunks.
+        shared: whether the store is a Redis one (embeddings kept in it, no index file).
+        index_path: the FAISS index file (``<store>/chunks.faiss``); None for Redis.
+        index: the chunk embedding index (:class:`~blendkv.rag.index.ChunkIndex`).
     """
 
     def __init__(
@@ -70,6 +86,7 @@ class ChunkStore:
             raise
 
     def close(self) -> None:
+        """Close the K/V store (the index is saved on every change)."""
         self.kv.close()
 
     def __enter__(self) -> ChunkStore:
@@ -79,6 +96,7 @@ class ChunkStore:
         self.close()
 
     def save_index(self) -> None:
+        """Write the index to its file (no-op for Redis stores)."""
         if self.index_path is not None:
             self.index.save(self.index_path)
 

@@ -1,4 +1,5 @@
-"""Turning ingest inputs into validated documents, explicitly (a string is never guessed).
+"""Turning ingest inputs into validated documents, explicitly (a string that could be a path
+or a text is refused, not guessed at).
 
     documents=  str (a text; one that looks like a path is refused), pathlib.Path (a file or a
                 folder), a LangChain ``Document`` or a LlamaIndex node/``Document`` (duck-typed)
@@ -7,8 +8,8 @@
 
 A file's source is its path as given (``os.path.normpath``: ``./docs/a.md`` is ``docs/a.md``,
 relative stays relative); a text's is None, or the ``"source"`` of its metadata (a title, a
-URL). An unreadable file (empty, binary, not UTF-8) inside a folder or a glob is skipped and
-listed in :attr:`LoadedInputs.skipped` (``strict`` raises instead); a file named on its own
+URL). An unreadable file (empty, binary, not UTF-8, a PDF) inside a folder or a glob is skipped
+and listed in :attr:`LoadedInputs.skipped` (``strict`` raises instead); a file named on its own
 that cannot be read raises, and so does a folder or glob where nothing could be read.
 Everything is read before anything is written.
 """
@@ -187,7 +188,9 @@ def _load_path(path: Path, docs, skipped, strict: bool) -> None:
             if f.is_file() and f.suffix in TEXT_SUFFIXES and not _hidden(f, path)
         )
         if not files:
-            raise EmptyDocumentError(f"{path} holds no {'/'.join(TEXT_SUFFIXES)} files")
+            pdfs = [f for f in path.rglob("*.pdf") if f.is_file() and not _hidden(f, path)]
+            advice = f" (it holds {len(pdfs)} PDF file(s): {pdf_advice(pdfs[0])})" if pdfs else ""
+            raise EmptyDocumentError(f"{path} holds no {'/'.join(TEXT_SUFFIXES)} files{advice}")
         _load_files(files, str(path), docs, skipped, strict)
     elif path.is_file():
         docs.append(SourceDocument(read_text_file(path), _source(path)))
@@ -221,10 +224,24 @@ def _load_files(files: list[Path], where: str, docs, skipped, strict: bool) -> N
         )
 
 
+def pdf_advice(path: Path | str) -> str:
+    """What to do with a PDF: ingest reads plain text only."""
+    txt = Path(path).with_suffix(".txt").name
+    return (
+        "blendkv ingests plain text: extract the PDF's text first (e.g. "
+        f"`pdftotext {Path(path).name} {txt}`, from poppler-utils) and ingest the .txt, or load "
+        "it with a LangChain or LlamaIndex PDF loader and pass the Documents to ingest"
+    )
+
+
 def read_text_file(path: Path) -> str:
     data = path.read_bytes()
+    if b"%PDF-" in data[:1024]:  # the PDF header (readers allow junk before it)
+        raise UnreadableDocumentError(f"{path}: a PDF, not text; {pdf_advice(path)}")
     if b"\x00" in data[:8192]:
-        raise UnreadableDocumentError(f"{path}: binary (NUL bytes), not .txt/.md text")
+        raise UnreadableDocumentError(
+            f"{path}: binary (NUL bytes), not .txt/.md text; convert it to plain text first"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -59,7 +59,15 @@ class IngestInterrupted(KeyboardInterrupt):
     """Ctrl-C (or, in the CLI, SIGTERM) during an ingest. What was stored stays: ``done``
     documents are complete, and ``stored_chunks`` of the ``num_chunks`` chunks of ``doc_id``
     (from ``source``) are in the store, so the same ingest run again computes only the
-    others."""
+    others.
+
+    Attributes:
+        done: the doc ids stored in full.
+        doc_id: the document being ingested when it stopped.
+        source: that document's source (a path or title; None for a bare text).
+        stored_chunks: how many of its chunks are stored.
+        num_chunks: how many chunks it has.
+    """
 
     def __init__(
         self, done: tuple[str, ...], doc_id: str, source: str | None, stored: int, total: int

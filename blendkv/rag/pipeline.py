@@ -68,6 +68,17 @@ class RAGPipeline:
     With ``dtype="auto"`` (the default) the model loads in the dtype an existing store was
     built with. A store built for another model, dtype or anchor raises
     ``FingerprintMismatchError`` (for a dtype, naming the one to pass).
+
+    A pipeline is a context manager (``with RAGPipeline(...) as rag:``); :meth:`close` closes
+    the store, and the model when the pipeline loaded it.
+
+    Attributes:
+        store_dir: the store's directory (a ``Path``) or Redis URL.
+        llm: the :class:`~blendkv.LLM` that answers (the one given, or the one loaded).
+        store: the :class:`~blendkv.rag.chunk_store.ChunkStore` (K/V store and index).
+        manager: the blend connector's ``BlendManager`` (:mod:`blendkv.connector.manager`):
+            builds blended prompts and writes chunk K/V.
+        catalog: the documents ingested, by doc id (sources, metadata; :meth:`documents`).
     """
 
     def __init__(
@@ -224,6 +235,7 @@ class RAGPipeline:
 
     # -------------------------------------------------------------------- documents
     def has_document(self, doc_id: str) -> bool:
+        """Whether a document with this doc id is in the catalog or has chunks stored."""
         with self._store_lock:
             self._check_open()
             return doc_id in self.catalog or bool(self.store.kv.document_chunks(doc_id))

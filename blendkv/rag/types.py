@@ -8,18 +8,26 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RetrievedChunk:
-    """One retrieved chunk. ``score`` is the index similarity (higher is closer);
-    ``kv_cached`` is True when the chunk's K/V is in the store (the blend will hit it).
-    ``source`` and ``metadata`` are the document's, from the catalog (``source``: the file
-    path or title it was ingested from, None for a bare text)."""
+    """One retrieved chunk (``RAGPipeline.retrieve``, ``RAGAnswer.sources``).
+
+    Attributes:
+        chunk_id: the chunk's id in the store.
+        doc_id: the id of the document it belongs to (None for a chunk no document owns).
+        text: the chunk's text.
+        score: the index similarity to the question (higher is closer).
+        kv_cached: whether the chunk's K/V is in the store (the blend will hit it).
+        position: the chunk's index within its document.
+        metadata: the document's metadata, from the catalog.
+        source: the file path or title the document was ingested from; None for a bare text.
+    """
 
     chunk_id: int
     doc_id: str | None
     text: str
     score: float
     kv_cached: bool
-    position: int = 0  # the chunk's index within its document
-    metadata: dict[str, Any] = field(default_factory=dict)  # the document's metadata
+    position: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
 
     @property
@@ -45,6 +53,7 @@ class RetrievedChunk:
         return metadata
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (what the server returns as a source)."""
         return {
             "chunk_id": self.chunk_id,
             "doc_id": self.doc_id,
@@ -59,10 +68,18 @@ class RetrievedChunk:
 
 @dataclass
 class RAGAnswer:
-    """A generated answer, the chunks it was generated from (in prompt order), the blend stats
-    (:class:`blendkv.connector.request_state.BlendStats`) and the time to first token in seconds.
-    ``prompt`` is the blended prompt dict it was generated from (:mod:`blendkv.rag.explain`
-    shows and replays it)."""
+    """A generated answer and what it was generated from (``RAGPipeline.query``).
+
+    Attributes:
+        answer: the generated text.
+        sources: the retrieved chunks, in prompt order.
+        blend_stats: the :class:`~blendkv.blend.stats.BlendStats` of its blended prefill
+            (what was reused, repaired and computed).
+        ttft: the time to first token, in seconds.
+        finish_reason: "stop", "length" or "abort" (as ``CompletionOutput.finish_reason``).
+        prompt: the blended prompt dict it was generated from (:mod:`blendkv.rag.explain`
+            shows and replays it).
+    """
 
     answer: str
     sources: list[RetrievedChunk]
@@ -72,6 +89,7 @@ class RAGAnswer:
     prompt: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """Answer, ``ttft_s``, finish reason, blend stats and sources as a JSON-ready dict."""
         stats = self.blend_stats.to_dict() if self.blend_stats is not None else None
         return {
             "answer": self.answer,
@@ -86,14 +104,22 @@ class RAGAnswer:
 class IngestReport:
     """Outcome of :meth:`RAGPipeline.ingest`, one entry per input document, in input order.
 
-    ``added``, ``skipped`` and ``repaired`` are doc ids (skipped = already in the store,
-    nothing written; repaired = left behind by an interrupted ingest, now made whole: its
-    stored chunks were kept, the missing ones computed). ``num_chunks`` counts the chunks
-    computed and written by this call, ``reused_chunks`` the chunks of its added and repaired
-    documents that were already stored (not computed again). ``sources`` lists each
-    document's source (a path, a title, None), like ``doc_ids``. ``replaced`` holds
-    ``(old doc id, new doc id)``: an older version of the same source, removed once the new
-    one was stored. ``skipped_files``: the unreadable files of folders and globs, not ingested.
+    Attributes:
+        doc_ids: every input document's id.
+        added: doc ids newly stored.
+        skipped: doc ids already in the store (nothing written).
+        num_chunks: the chunks computed and written by this call.
+        num_tokens: the tokens of those chunks.
+        seconds: how long the ingest took.
+        repaired: doc ids left behind by an interrupted ingest, now made whole (their stored
+            chunks were kept, the missing ones computed).
+        sources: each document's source (a path, a title, None), like ``doc_ids``.
+        reused_chunks: the chunks of the added and repaired documents that were already
+            stored (not computed again).
+        replaced: ``(old doc id, new doc id)`` pairs: an older version of the same source,
+            removed once the new one was stored.
+        skipped_files: the unreadable files of folders and globs, not ingested (each with the
+            reason; :class:`blendkv.rag.documents.SkippedFile`).
     """
 
     doc_ids: tuple[str, ...]
@@ -106,9 +132,10 @@ class IngestReport:
     sources: tuple[str | None, ...] = ()
     reused_chunks: int = 0
     replaced: tuple[tuple[str, str], ...] = ()
-    skipped_files: tuple[Any, ...] = ()  # blendkv.rag.documents.SkippedFile
+    skipped_files: tuple[Any, ...] = ()
 
     def summary(self) -> str:
+        """One line: documents added, repaired and skipped, chunks computed, time taken."""
         docs = f"{len(self.added)} document(s) added"
         if self.repaired:
             docs += f", {len(self.repaired)} repaired"

@@ -110,6 +110,24 @@ def test_a_folder_where_nothing_reads_is_an_error(tmp_path):
         load_inputs([only_images])
 
 
+def test_a_pdf_is_refused_with_what_to_do(docs):
+    """A PDF is not text: named alone, matched by a glob or the only kind in a folder, the error
+    says to extract its text first (and how), not that it is binary or not UTF-8."""
+    pdf = b"%PDF-1.4\n%\xac\xdc \xab\xba\n1 0 obj\n<< /Type /Catalog >>\nendobj\n"
+    (docs / "paper.pdf").write_bytes(pdf)  # no NUL byte and not UTF-8, like many PDFs
+    (docs / "scan.pdf").write_bytes(pdf + b"\x00stream\x00")
+    for name in ("paper.pdf", "scan.pdf"):
+        with pytest.raises(UnreadableDocumentError, match=f"a PDF, not text.*pdftotext {name}"):
+            load_inputs([docs / name])
+    with pytest.raises(UnreadableDocumentError, match="none of its 2 file.*a PDF.*pdftotext"):
+        load_inputs(paths=["docs/*.pdf"])
+    pdfs = Path("pdfs")
+    pdfs.mkdir()
+    (pdfs / "paper.pdf").write_bytes(pdf)
+    with pytest.raises(EmptyDocumentError, match="no .txt/.md files.*1 PDF file.*pdftotext"):
+        load_inputs([pdfs])
+
+
 def test_langchain_documents_and_llamaindex_nodes():
     from langchain_core.documents import Document
     from llama_index.core.schema import Document as LlamaDocument

@@ -53,6 +53,19 @@ def test_projection_equals_the_stored_bytes_and_counts_what_may_be_evicted(store
         plan.check()
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_projection_follows_the_store_codec(tmp_path, fp, codec):
+    """An int8 store holds exactly the projection (codes, scales and zeros); an int4 store at
+    most it (its outlier heads depend on the values). Both far below the raw size."""
+    fp = fp.with_codec(codec)
+    lengths = [7, 64, 130]
+    with KVStore(tmp_path / codec, fp) as s:
+        s.put_many([NewChunk(key_of(i), make_kv(i, n), doc_id="d") for i, n in enumerate(lengths)])
+        stored, projected = s.stats().bytes, projected_bytes(fp, lengths)
+    assert stored == projected if codec == "int8" else stored <= projected
+    assert projected < projected_bytes(fp.with_codec("none"), lengths)
+
+
 def _plan(**fields) -> IngestPlan:
     base = dict(
         location="s", num_tokens=1, projected=100, max_bytes=None, stored=0, evictable=0, free=None
