@@ -28,19 +28,34 @@ DEFAULT_ANSWER_TOKENS = 16
 
 @dataclass(frozen=True)
 class Verification:
-    """A blended answer against full prefill of the same prompt tokens, both greedy."""
+    """A blended answer against full prefill of the same prompt tokens, both greedy.
 
-    same_answer: bool  # the greedy answers' tokens are equal
-    full_answer: str  # full prefill's greedy answer
-    blend_answer: str  # the blend's greedy answer (a greedy run of the request's prompt)
-    max_kl: float  # largest KL(full || blend) along full prefill's answer, nats
-    mean_kl: float  # mean of the same
-    first_token_kl: float  # KL of the first answer token's distribution
-    top1_agreement: float  # share of the scored positions whose argmaxes agree
-    scored_tokens: int  # answer tokens scored: min(len(full's answer), answer_tokens)
-    ran_full_prefill: bool = False  # the request itself ran as full prefill (nothing to check)
+    Attributes:
+        same_answer: the two greedy answers are the same tokens.
+        full_answer: full prefill's greedy answer.
+        blend_answer: the blend's greedy answer (a greedy run of the request's prompt).
+        max_kl: the largest KL(full || blend) of the next-token distributions along full
+            prefill's answer, nats.
+        mean_kl: the mean of the same.
+        first_token_kl: the KL of the first answer token's distribution.
+        top1_agreement: the share of the scored positions whose argmaxes agree.
+        scored_tokens: answer tokens scored: min(len(full's answer), answer_tokens).
+        ran_full_prefill: the request itself ran as full prefill (the start gate or the cost
+            check chose it): there was nothing to check.
+    """
+
+    same_answer: bool
+    full_answer: str
+    blend_answer: str
+    max_kl: float
+    mean_kl: float
+    first_token_kl: float
+    top1_agreement: float
+    scored_tokens: int
+    ran_full_prefill: bool = False
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
         return asdict(self)
 
     def describe(self) -> str:
