@@ -12,7 +12,7 @@ from blendkv.config import CacheConfig, EngineConfig, GuardConfig, SchedulerConf
 from blendkv.connector.config import BlendConnectorConfig
 from blendkv.errors import BlendKVError
 
-_COMMANDS = ("generate", "chat", "ingest", "ask", "docs", "store", "demo", "serve")
+_COMMANDS = ("generate", "chat", "ingest", "ask", "docs", "store", "calibrate", "demo", "serve")
 # Commands of other packages (``eval``, ``bench``: blendkv.eval), found by entry point so that
 # blendkv never imports them: ``[project.entry-points."blendkv.commands"]`` in pyproject.toml.
 _ENTRY_POINT_GROUP = "blendkv.commands"

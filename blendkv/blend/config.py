@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from blendkv.errors import ConfigError
 
 SELECTIONS = ("v_deviation", "k_deviation", "attention", "random", "prophet", "heads")
+DEFAULT_RATIO = 0.10  # an unset recompute_ratio without a fidelity target
+TARGET = "target"  # recompute_ratio while the engine has to pick it for fidelity_target
 CORRECTIONS = ("none", "k", "v", "kv")
 CORRECTION_PRIORS = ("pooled", "zero")
 # Selections whose score exists only at their one selection layer; re-checks deeper in the
@@ -22,13 +24,19 @@ class BlendConfig:
 
     Attributes:
         recompute_ratio: fraction of *reused* tokens recomputed from ``check_layer`` on (from
-            layer 0 with ``selection="prophet"``, the default, at 0.10). Tokens
+            layer 0 with ``selection="prophet"``, the default); unset: 0.10, or with
+            ``fidelity_target`` the least the engine's calibration says meets it. Tokens
             without reused K/V (template, query, misses) are always recomputed and do not count.
             ``1.0`` reproduces full prefill; ``0.0`` is full reuse: the stored K/V is used at
             every layer, the first included, and only the non-reused tokens run. ``"auto"``:
             the loading controller (:mod:`blendkv.loading.controller`) picks it per request, the
             most that stays hidden behind loading the request's K/V, within
             ``[min_recompute_ratio, max_recompute_ratio]``.
+        fidelity_target: nats: how far the answer may drift from full prefill's, as the
+            largest next-token KL(full prefill || blend) along the answer; the engine picks
+            the smallest recompute ratio whose calibrated 90th percentile of that divergence
+            stays within it (``blendkv calibrate``, :mod:`blendkv.guards.calibration`; without
+            a calibration, a conservative ratio). Not with an explicit ``recompute_ratio``.
         min_recompute_ratio: the lower bound of ``"auto"`` (the quality floor).
         max_recompute_ratio: the upper bound of ``"auto"`` (the cost cap; the scheduler
             budgets a request at the cap).
@@ -75,7 +83,7 @@ class BlendConfig:
 
     # The defaults (ProphetKV's pick of a tenth, the K correction) are the measured best of the
     # strategies tried, on both evaluated models: docs/guide/blending.md says what they cost.
-    recompute_ratio: float | str = 0.10
+    recompute_ratio: float | str | None = None
     check_layer: int = 1
     selection: str = "prophet"
     schedule: tuple[tuple[int, float], ...] = ()
@@ -89,8 +97,10 @@ class BlendConfig:
     skip_exact: bool = True
     min_recompute_ratio: float = 0.15
     max_recompute_ratio: float = 0.5
+    fidelity_target: float | None = None
 
     def __post_init__(self) -> None:
+        self._resolve_ratio()
         for name in ("min_recompute_ratio", "max_recompute_ratio"):
             _check_ratio(name, getattr(self, name))
         if self.min_recompute_ratio > self.max_recompute_ratio:
@@ -99,7 +109,7 @@ class BlendConfig:
                 f"max_recompute_ratio ({self.max_recompute_ratio})"
             )
         r = self.recompute_ratio
-        if r != "auto":
+        if r not in ("auto", TARGET):
             _check_ratio("recompute_ratio", r, "or 'auto'")
         r = self.planned_ratio
         if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int):
@@ -138,6 +148,29 @@ class BlendConfig:
                 )
             prev_layer, prev_ratio = layer, ratio
 
+    def _resolve_ratio(self) -> None:
+        """An unset ``recompute_ratio`` is ``DEFAULT_RATIO``, or ``"target"`` (chosen per request
+        from the calibration) when a ``fidelity_target`` is set."""
+        target = self.fidelity_target
+        if target is not None:
+            if isinstance(target, bool) or not isinstance(target, (int, float)):
+                raise ConfigError(f"fidelity_target must be a number of nats, got {target!r}")
+            if not 0.0 <= target < math.inf:
+                raise ConfigError(f"fidelity_target must be >= 0 nats, got {target!r}")
+            if self.recompute_ratio not in (None, TARGET):
+                raise ConfigError(
+                    "give recompute_ratio or fidelity_target, not both: a target lets the "
+                    f"engine pick the ratio (got recompute_ratio={self.recompute_ratio!r})"
+                )
+            object.__setattr__(self, "recompute_ratio", TARGET)
+        elif self.recompute_ratio in (None, TARGET):
+            object.__setattr__(self, "recompute_ratio", DEFAULT_RATIO)
+
+    @property
+    def target_mode(self) -> bool:
+        """Whether the engine picks the ratio for ``fidelity_target`` (resolved at prepare)."""
+        return self.recompute_ratio == TARGET
+
     @property
     def auto_ratio(self) -> bool:
         """Whether the loading controller picks the ratio per request (``"auto"``)."""
@@ -145,8 +178,11 @@ class BlendConfig:
 
     @property
     def planned_ratio(self) -> float:
-        """The ratio to budget for: the cap when the controller picks it."""
-        return self.max_recompute_ratio if self.auto_ratio else float(self.recompute_ratio)
+        """The ratio to budget for: the cap when the controller picks it (or the calibration,
+        before it did: the most it may pick)."""
+        if self.auto_ratio:
+            return self.max_recompute_ratio
+        return 1.0 if self.target_mode else float(self.recompute_ratio)
 
     @property
     def full_reuse(self) -> bool:

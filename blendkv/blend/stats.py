@@ -50,8 +50,11 @@ class BlendStats:
         read_hidden_seconds: of the reads, those behind the forward (deferred, CPU).
         chunks_prefetched: chunks read while the request was queued (``prefetch_kv``).
         prefetch_seconds: those reads' time (not in ``load_seconds`` nor the step).
-        chosen_recompute_ratio: the ratio the loading controller picked (``"auto"``); else
-            None.
+        chosen_recompute_ratio: the ratio the loading controller picked (``"auto"``) or the
+            calibration picked for ``fidelity_target``; else None.
+        fidelity_target: the request's fidelity target (nats), None without one.
+        calibrated: with a target, whether a calibration picked the ratio (False: no
+            calibration for this store and model, the conservative ratio ran).
         precompute_seconds: time computing missed chunks.
         store_errors: store calls that failed (e.g. Redis unreachable); their chunks were
             recomputed.
@@ -89,6 +92,8 @@ class BlendStats:
     chunks_prefetched: int = 0
     prefetch_seconds: float = 0.0
     chosen_recompute_ratio: float | None = None
+    fidelity_target: float | None = None
+    calibrated: bool | None = None
     precompute_seconds: float = 0.0
     store_errors: int = 0
     ttft: float | None = None

@@ -35,6 +35,14 @@ def register(sub) -> None:
     p.add_argument(
         "--ratio", type=float, default=None, help="recompute ratio (default: BlendConfig's)"
     )
+    p.add_argument(
+        "--fidelity-target",
+        type=float,
+        default=None,
+        metavar="NATS",
+        help="let the engine pick the ratio: the least whose calibrated drift from full "
+        "prefill stays within NATS (blendkv calibrate; not with --ratio)",
+    )
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument(
         "--filter",
@@ -92,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
     # No --ratio: the engine's default, which its cost check may turn into full prefill when
     # blending would not pay (blend_stats says so). --compare-full compares the blend itself.
     blend = None if args.ratio is None and not args.compare_full else BlendConfig()
-    if args.ratio is not None:
-        blend = BlendConfig(recompute_ratio=args.ratio)
+    if args.ratio is not None or args.fidelity_target is not None:
+        blend = BlendConfig(recompute_ratio=args.ratio, fidelity_target=args.fidelity_target)
     # The comparison's teacher-forced requests reuse each run's own prompt K/V through the
     # prefix cache (as `blendkv eval` does); every timed run starts from an empty cache.
     warm = args.compare_full or args.verify

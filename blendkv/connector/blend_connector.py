@@ -160,6 +160,9 @@ class BlendConnector(KVConnectorBase):
         state.token_map = token_map
         if self.blend_refused:  # the start gate failed: full prefill of the same tokens
             return refused_prompt(state, self.blend_refused)
+        if state.stats.fidelity_target is not None and state.config.recompute_ratio >= 1.0:
+            reason = "the fidelity target needs every token recomputed: full prefill"
+            return refused_prompt(state, reason)
         if options is not None:  # the request's own config: quality is the user's call
             state.stats.cost_reason = "the request's own BlendConfig: run as given"
         elif self.cost_check:

@@ -23,6 +23,7 @@ import xxhash
 from blendkv.blend.config import BlendConfig
 from blendkv.connector.prompt import BlendedPrompt, PromptBuilder, parse_prompt
 from blendkv.connector.request_state import BlendRequestState
+from blendkv.guards.calibration import UNCALIBRATED_RATIO, Calibration
 from blendkv.layers.rotary import rope_parameters
 from blendkv.store import (
     FingerprintMismatchError,
@@ -97,6 +98,7 @@ class BlendManager:
             kv_codec=kv_codec or "none",  # unset: engine_args.follow_store_dtype filled it in
         )
         self.request_cache_bytes = request_cache_bytes
+        self._calibration: tuple[object, Calibration | None] | None = None  # (store path, it)
         self._tmpdirs: list[tempfile.TemporaryDirectory] = []
         self._private = store_dir is None
         if store_dir is None:  # no persistent store asked for: a private, bounded one
@@ -246,6 +248,10 @@ class BlendManager:
 
         Raises on bad input."""
         config = config or BlendConfig()
+        target = config.fidelity_target if config.target_mode else None
+        calibrated = None
+        if target is not None:  # the least ratio the store's calibration says meets it
+            config, calibrated = self._for_target(config)
         config.validate_for(self.num_layers)
         prompt = replace_in_blended_prompt(prompt)  # lone surrogates -> U+FFFD, with a warning
         parts = parse_prompt(prompt, self.builder.encode, self._stored_tokens)
@@ -261,7 +267,31 @@ class BlendManager:
         )
         state.stats.num_chunks = len(chunks)
         state.stats.num_prompt_tokens = len(built.token_ids)
+        if target is not None:
+            state.stats.fidelity_target = target
+            state.stats.calibrated = calibrated
+            state.stats.chosen_recompute_ratio = config.recompute_ratio
         return state
+
+    def _for_target(self, config: BlendConfig) -> tuple[BlendConfig, bool]:
+        """``config`` with the ratio the calibration picks for its target (the conservative
+        one without a calibration), and whether a calibration picked it."""
+        calibration = self.calibration()
+        if calibration is None:
+            ratio = UNCALIBRATED_RATIO
+        else:
+            ratio = calibration.ratio_for(config.fidelity_target)
+        resolved = dataclasses.replace(config, recompute_ratio=ratio, fidelity_target=None)
+        return resolved, calibration is not None
+
+    def calibration(self) -> Calibration | None:
+        """The calibration saved beside the document store for this model (read once)."""
+        path = self.document_store.path
+        if self._calibration is None or self._calibration[0] != path:
+            local = not str(path).startswith("redis")
+            found = Calibration.load(path, self.fingerprint.digest()) if local else None
+            self._calibration = (path, found)
+        return self._calibration[1]
 
     def reconfigure(self, state: BlendRequestState, config: BlendConfig) -> BlendRequestState:
         """``state`` blending with ``config`` instead (its prefix-cache salt follows)."""

@@ -1,0 +1,74 @@
+"""``blendkv calibrate --store DIR``: how far blends drift from full prefill on the store's own
+chunks, per recompute ratio, saved beside the store for ``BlendConfig(fidelity_target=...)``
+(:mod:`blendkv.guards.calibration`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from blendkv.cli import add_model_args
+from blendkv.commands.ingest import add_store_arg
+from blendkv.errors import InvalidRequestError
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure blends against full prefill on a store's chunks, per recompute ratio",
+    )
+    add_store_arg(p)
+    p.add_argument("--prompts", type=int, default=24, help="prompts to measure (default 24)")
+    p.add_argument("--chunks-per-prompt", type=int, default=6, help="stored chunks in each prompt")
+    p.add_argument(
+        "--ratios",
+        default="0,0.05,0.1,0.2,0.3,0.5",
+        help="recompute ratios measured, comma-separated, ascending in [0, 1)",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="stop after this long (at least 2 prompts are measured)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="which chunks and questions are drawn")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from blendkv.commands.ingest import open_pipeline
+    from blendkv.guards.calibration import CalibrationError, calibrate
+
+    try:
+        ratios = tuple(float(r) for r in args.ratios.split(","))
+    except ValueError as exc:
+        raise InvalidRequestError(f"--ratios takes numbers, got {args.ratios!r}") from exc
+    if args.prompts < 2:
+        raise InvalidRequestError(f"--prompts must be >= 2, got {args.prompts}")
+    pipeline = open_pipeline(args, create=False, enable_prefix_caching=True)
+    try:
+        if str(pipeline.store_dir).startswith("redis"):
+            raise CalibrationError("calibrations are kept beside an LMDB store, not in Redis")
+        ids = [m.chunk_id for m in pipeline.store.kv.iter_meta() if m.doc_id]
+        with tqdm(total=args.prompts, desc="calibrating", disable=args.no_progress) as bar:
+            calibration = calibrate(
+                pipeline.llm,
+                ids,
+                pipeline.instruction,
+                ratios=ratios,
+                num_prompts=args.prompts,
+                chunks_per_prompt=args.chunks_per_prompt,
+                seconds=args.seconds,
+                seed=args.seed,
+                progress=bar.update,
+            )
+        path = calibration.save(pipeline.store_dir)
+        print(calibration.table())
+        print(f"{calibration.num_prompts} prompts in {calibration.seconds:.0f} s; saved to {path}")
+    finally:
+        pipeline.close()
+        pipeline.llm.close()
+    return 0

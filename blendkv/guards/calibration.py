@@ -1,0 +1,187 @@
+"""How far blends drift from full prefill on a store's own chunks, per recompute ratio: what
+``BlendConfig(fidelity_target=...)`` picks its ratio from.
+
+``blendkv calibrate --store S`` (:func:`calibrate`) builds prompts from the store's chunks
+(random sets of chunks, each followed by a question), runs full prefill's greedy answer, then
+teacher-forces the blend at each ratio of a grid along it. A prompt's **divergence** at a ratio
+is the largest next-token KL(full prefill || blend) over the answer's first tokens, in nats: the
+measure that catches a flip (one token where the two answers part), not a mean a flip barely
+moves. Per ratio the curve keeps the 90th percentile of the prompts' divergences with a
+bootstrap interval, made non-increasing in the ratio (a higher ratio never promises more
+drift). :meth:`Calibration.ratio_for` is the smallest ratio whose interval's upper end is within
+the target; ratio 1.0 is full prefill's answer (the start gate checks it), so a target no
+measured ratio meets gets 1.0, which the cost check then runs as full prefill.
+
+The curve is saved beside an LMDB store (``calibration.json``), tied to the model's
+fingerprint: a store's calibration is refused for another model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from blendkv.errors import BlendKVError
+
+CALIBRATION_FILE = "calibration.json"
+DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+QUANTILE = 0.9  # the share of requests a target promises
+ANSWER_TOKENS = 16  # the answer positions a divergence is measured over
+# A target without a calibration: a ratio that keeps most prompts near full prefill on the
+# models measured (docs/guide/blending.md), at about three times the default's recompute.
+UNCALIBRATED_RATIO = 0.3
+QUESTIONS = (
+    "What do these passages say?",
+    "Which names and numbers appear above?",
+    "Summarize the passages in one sentence.",
+    "What is the main fact stated above?",
+)
+
+
+class CalibrationError(BlendKVError):
+    """A calibration that cannot be made, read or used (another model's, an empty store)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per recompute ratio, the ``QUANTILE`` of the prompts' divergence (nats) and its
+    bootstrap interval, non-increasing in the ratio.
+
+    Attributes:
+        fingerprint: the digest of the model fingerprint it was measured with.
+        ratios: the recompute ratios measured, ascending.
+        divergence: per ratio, the 90th percentile of the prompts' largest next-token KL.
+        low: per ratio, the lower end of that percentile's 90% bootstrap interval.
+        high: per ratio, the upper end.
+        num_prompts: the prompts measured.
+        seconds: how long the calibration ran.
+    """
+
+    fingerprint: str
+    ratios: tuple[float, ...]
+    divergence: tuple[float, ...]
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+    num_prompts: int
+    seconds: float = 0.0
+
+    def ratio_for(self, target: float) -> float:
+        """The smallest ratio whose interval's upper end is within ``target`` nats; 1.0 (full
+        prefill's answer) when none is."""
+        for ratio, high in zip(self.ratios, self.high, strict=True):
+            if high <= target:
+                return ratio
+        return 1.0
+
+    def save(self, store_dir: str | Path) -> Path:
+        """Write it beside the LMDB store in ``store_dir``."""
+        path = Path(store_dir) / CALIBRATION_FILE
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, store_dir: str | Path, fingerprint: str) -> Calibration | None:
+        """The calibration saved beside the store in ``store_dir``; None when there is none.
+        Raises :class:`CalibrationError` when it was measured with another model."""
+        path = Path(store_dir) / CALIBRATION_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        if data.get("fingerprint") != fingerprint:
+            raise CalibrationError(
+                f"{path} was measured with another model (fingerprint "
+                f"{str(data.get('fingerprint'))[:12]}..., this engine's {fingerprint[:12]}...); "
+                "run `blendkv calibrate` again with this model"
+            )
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    def table(self) -> str:
+        """The curve, a line per ratio."""
+        lines = [f"ratio  p{QUANTILE * 100:.0f} divergence (nats)  90% interval"]
+        for r, d, lo, hi in zip(self.ratios, self.divergence, self.low, self.high, strict=True):
+            lines.append(f"{r:5.2f}  {d:21.4f}  [{lo:.4f}, {hi:.4f}]")
+        return "\n".join(lines)
+
+
+def calibrate(
+    llm,
+    chunk_ids: list[int],
+    instruction: str | None,
+    *,
+    ratios: tuple[float, ...] = DEFAULT_RATIOS,
+    num_prompts: int = 24,
+    chunks_per_prompt: int = 6,
+    seconds: float | None = None,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Calibration:
+    """Measure the divergence of blends at ``ratios`` on ``num_prompts`` prompts of
+    ``chunks_per_prompt`` random stored chunks (``chunk_ids``) each; stop early, with at least
+    two prompts, once ``seconds`` have passed. ``progress(1)`` after each prompt."""
+    if not chunk_ids:
+        raise CalibrationError("the store holds no document chunks to calibrate on: ingest first")
+    if any(not 0.0 <= r < 1.0 for r in ratios) or list(ratios) != sorted(set(ratios)):
+        raise CalibrationError(f"ratios must be ascending in [0, 1), got {ratios}")
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    rows: list[list[float]] = []  # per prompt, per ratio: its divergence
+    for _ in range(num_prompts):
+        picked = rng.sample(chunk_ids, min(chunks_per_prompt, len(chunk_ids)))
+        prompt = {"chunk_ids": picked, "query": f"\n\nQuestion: {rng.choice(QUESTIONS)}\nAnswer:"}
+        if instruction:
+            prompt["instruction"] = instruction
+        rows.append(prompt_divergence(llm, prompt, ratios))
+        if progress is not None:
+            progress(1)
+        if seconds is not None and len(rows) >= 2 and time.perf_counter() - t0 > seconds:
+            break
+    return _curve(llm, ratios, rows, rng, time.perf_counter() - t0)
+
+
+def prompt_divergence(llm, prompt: dict, ratios: tuple[float, ...]) -> list[float]:
+    """Per ratio, the largest next-token KL(full || blend) along full prefill's greedy answer."""
+    from blendkv.blend.config import BlendConfig
+    from blendkv.guards.fidelity import kl_divergence, teacher_forced_logits
+    from blendkv.sampling_params import SamplingParams
+
+    ids = list(llm.blend_manager().prepare(prompt, None).prompt.token_ids)
+    greedy = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS)
+    answer = list(llm.generate([ids], greedy)[0].outputs[0].token_ids)
+    scored = max(1, len(answer))
+    ref = teacher_forced_logits(llm, ids, answer).rows[:scored]
+    out = []
+    for ratio in ratios:
+        config = BlendConfig(recompute_ratio=ratio)
+        test = teacher_forced_logits(llm, ids, answer, prompt, config).rows[:scored]
+        out.append(float(kl_divergence(ref, test).max()))
+    return out
+
+
+def _curve(llm, ratios, rows: list[list[float]], rng: random.Random, seconds: float):
+    """The quantile per ratio with a bootstrap interval, made non-increasing in the ratio."""
+    columns = list(zip(*rows, strict=True))
+    point = [_quantile(list(c)) for c in columns]
+    boots = [[_quantile(rng.choices(c, k=len(c))) for _ in range(1000)] for c in columns]
+    low = [_quantile(b, 0.05) for b in boots]
+    high = [_quantile(b, 0.95) for b in boots]
+    # the upper envelope from the high ratios down: a higher ratio never promises more drift
+    for values in (point, low, high):
+        for i in range(len(values) - 2, -1, -1):
+            values[i] = max(values[i], values[i + 1])
+    fingerprint = llm.blend_manager().fingerprint.digest()
+    return Calibration(
+        fingerprint, tuple(ratios), tuple(point), tuple(low), tuple(high), len(rows), seconds
+    )
+
+
+def _quantile(values: list[float], q: float = QUANTILE) -> float:
+    """The ``q`` quantile of ``values`` (linear between order statistics)."""
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -1,0 +1,114 @@
+"""A fidelity target instead of a fixed ratio: the calibration on a store's own chunks (saved
+beside it, tied to the model), the ratio a target picks from it, and the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers import QUIET_FLAGS, QuietLLM
+from rag_helpers import DEMO_DOCS
+
+from blendkv import SamplingParams
+from blendkv.blend.config import BlendConfig
+from blendkv.cli import main
+from blendkv.errors import ConfigError
+from blendkv.guards.calibration import (
+    UNCALIBRATED_RATIO,
+    Calibration,
+    CalibrationError,
+    calibrate,
+)
+from blendkv.rag import RAGPipeline
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def rag(tiny_llama_dir, tmp_path_factory):
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    with RAGPipeline(tmp_path_factory.mktemp("calib") / "store", llm=llm, chunk_tokens=48) as rag:
+        rag.ingest([DEMO_DOCS], progress=False)
+        yield rag
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def calibration(rag):
+    ids = [m.chunk_id for m in rag.store.kv.iter_meta() if m.doc_id]
+    made = calibrate(
+        rag.llm, ids, rag.instruction, ratios=(0.0, 0.3), num_prompts=3, chunks_per_prompt=3
+    )
+    made.save(rag.store_dir)
+    return made
+
+
+def test_the_curve_is_monotone_and_read_back(rag, calibration):
+    c = calibration
+    assert c.ratios == (0.0, 0.3) and c.num_prompts == 3
+    assert c.divergence[0] >= c.divergence[1] >= 0.0
+    assert c.high[0] >= c.high[1]
+    assert all(lo <= d <= hi for lo, d, hi in zip(c.low, c.divergence, c.high, strict=True))
+    assert c.divergence[0] > 0.0  # reuse of chunks computed apart does drift
+    fingerprint = rag.manager.fingerprint.digest()
+    assert Calibration.load(rag.store_dir, fingerprint) == c
+    with pytest.raises(CalibrationError, match="measured with another model"):
+        Calibration.load(rag.store_dir, "0" * 32)
+    assert rag.manager.calibration() == c
+
+
+def test_a_target_picks_the_least_ratio_within_it(calibration):
+    c = calibration
+    assert c.ratio_for(c.high[0]) == 0.0  # reuse already meets it
+    assert c.ratio_for(c.high[1]) in (0.0, 0.3)
+    assert c.ratio_for(-1.0) == 1.0  # nothing measured meets it: full prefill's answer
+    replaced = dataclasses.replace(c, high=(0.5, 0.2))
+    assert replaced.ratio_for(0.3) == 0.3
+
+
+def test_target_zero_runs_full_prefill(rag, calibration):
+    question = "Who created Python?"
+    answer = rag.query(question, k=2, sampling_params=GREEDY, blend=BlendConfig(fidelity_target=0))
+    stats = answer.blend_stats
+    assert stats.fidelity_target == 0 and stats.calibrated
+    assert stats.chosen_recompute_ratio == 1.0 and "fidelity target" in stats.fallback
+    ids = rag.manager.prepare(answer.prompt, None).prompt.token_ids
+    full = rag.llm.generate([ids], GREEDY)[0]
+    assert answer.answer == full.text.strip()
+
+
+def test_an_explicit_ratio_is_never_overridden(rag, calibration):
+    answer = rag.query(
+        "Who created Python?", k=2, sampling_params=GREEDY, blend=BlendConfig(recompute_ratio=0.3)
+    )
+    assert answer.blend_stats.fidelity_target is None
+    assert answer.blend_stats.recompute_fraction == pytest.approx(0.3, abs=0.05)
+
+
+def test_without_a_calibration_a_target_runs_the_conservative_ratio(tiny_llama_dir, tmp_path):
+    with QuietLLM(str(tiny_llama_dir), dtype="float32") as llm:
+        prompt = {"documents": ["Paris is in France.", "Rome is in Italy."], "query": "Paris?"}
+        out = llm.generate([prompt], GREEDY, blend=BlendConfig(fidelity_target=0.05))[0]
+    stats = out.blend_stats
+    assert stats.calibrated is False and stats.chosen_recompute_ratio == UNCALIBRATED_RATIO
+
+
+def test_bad_input_is_a_typed_error(rag):
+    with pytest.raises(ConfigError, match="fidelity_target must be >= 0"):
+        BlendConfig(fidelity_target=-0.1)
+    with pytest.raises(ConfigError, match="not both"):
+        BlendConfig(recompute_ratio=0.2, fidelity_target=0.1)
+    with pytest.raises(CalibrationError, match="no document chunks"):
+        calibrate(rag.llm, [], None)
+
+
+def test_the_command(tiny_llama_dir, tmp_path, capsys):
+    store = tmp_path / "store"
+    args = ["--store", str(store), "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    args += QUIET_FLAGS
+    assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
+    argv = ["calibrate", "--prompts", "2", "--ratios", "0,0.5", "--no-progress", *args]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts" in out and (store / "calibration.json").exists()
+    assert main(["calibrate", "--prompts", "2", "--ratios", "0.5,0", *args]) == 2
