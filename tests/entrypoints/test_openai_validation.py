@@ -206,6 +206,10 @@ INVALID = {
     "cmpl logit_bias value NaN": Bad(CMPL, cmpl(logit_bias={"5": NAN}), "logit_bias"),
     "chat presence_penalty Infinity": Bad(CHAT, chat(presence_penalty=INF), "presence_penalty"),
     "blend.seed 10**30": Bad(CHAT, blend(selection="random", seed=10**30), "blend", "seed"),
+    "blend.fidelity_target -1": Bad(CHAT, blend(fidelity_target=-1), "blend", "fidelity_target"),
+    "blend ratio and fidelity_target": Bad(
+        CHAT, blend(recompute_ratio=0.2, fidelity_target=0.1), "blend", "fidelity_target"
+    ),
     "blend without documents": Bad(CHAT, chat(blend={"recompute_ratio": 0.2}), "blend"),
     # huge integers where a small one is meant
     "cmpl top_k 10**30": Bad(CMPL, cmpl(top_k=10**30), "top_k"),
@@ -284,6 +288,7 @@ def test_max_tokens_of_the_room_left_passes_one_more_does_not(server, path, body
 
 VALID = {
     "temperature 0": (CMPL, cmpl(temperature=0)),
+    "blend.fidelity_target 0.1": (CHAT, blend(fidelity_target=0.1)),
     "temperature 2": (CHAT, chat(temperature=2)),
     "temperature 2.0": (CMPL, cmpl(temperature=2.0)),
     "temperature 1 (an integer)": (CHAT, chat(temperature=1)),

@@ -187,6 +187,7 @@ class BlendOptions(StrictModel):
     chunk_samples: StrictInt | None = None
     reselect: StrictInt | None = None
     skip_exact: StrictBool | None = None
+    fidelity_target: StrictFloat | None = None
 
 
 class RAGOptions(StrictModel):
