@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from blendkv.engine.scheduler_output import AuditWork, PrecomputeWork, SchedulerOutput
     from blendkv.engine.sequence import Sequence
 
+# Rows of one packed chunk-precompute forward (``pack_chunks``): a step's worth of small chunks
+# in one forward, its activations a few MLP widths of that many rows.
+PACK_ROWS = 2048
+
 
 @dataclass
 class ModelInputs:
@@ -82,11 +86,16 @@ class ModelRunner:
         sampler: Sampler,
         connector: KVConnectorBase,
         prune_last_layer: bool = True,
+        pack_chunks: bool = False,
     ) -> None:
         """``prune_last_layer``: the last layer attends and runs its MLP only for the rows the
-        step reads (``EngineConfig.prune_last_layer``)."""
+        step reads (``EngineConfig.prune_last_layer``). ``pack_chunks``: chunk precompute runs
+        many chunks in one forward; only for a model whose GEMMs are row-tiled
+        (``EngineConfig.deterministic``), where a chunk's bits do not depend on its
+        neighbours."""
         self.model = model
         self.prune_last_layer = prune_last_layer
+        self.pack_chunks = pack_chunks
         self.attn_backend = attn_backend
         self.spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
@@ -146,14 +155,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run_precompute(self, out: SchedulerOutput) -> list[tuple[PrecomputeWork, float]]:
         """The step's chunk precompute, before the batch: each chunk's K/V to the connector.
-        Returns each item with the seconds its forward took."""
+        Returns each item with the seconds its forward took (a packed forward's time shared
+        by the items' tokens)."""
         done = []
-        for work in out.precompute:
+        works = list(out.precompute)
+        sizes = [len(w.context_ids) + len(w.chunk_ids) for w in works]
+        packed = _pack(sizes, PACK_ROWS) if self.pack_chunks else [[i] for i in range(len(works))]
+        for group in ([works[i] for i in g] for g in packed):
             t0 = time.perf_counter()
-            kv = self.compute_chunk_kv([list(work.context_ids)], [list(work.chunk_ids)])[0]
+            contexts = [list(w.context_ids) for w in group]
+            kvs = self.compute_chunk_kv(contexts, [list(w.chunk_ids) for w in group])
             seconds = time.perf_counter() - t0
-            self.connector.save_chunk_kv(work, kv, seconds)
-            done.append((work, seconds))
+            rows = sum(len(w.context_ids) + len(w.chunk_ids) for w in group)
+            for work, kv in zip(group, kvs, strict=True):
+                share = seconds * (len(work.context_ids) + len(work.chunk_ids)) / rows
+                self.connector.save_chunk_kv(work, kv, share)
+                done.append((work, share))
         return done
 
     @torch.inference_mode()
@@ -164,14 +181,14 @@ class ModelRunner:
         context (``contexts[i]``: the anchor's ids, or the anchor and the previous chunk's last
         ids): ``[num_layers, 2, len(chunk), kv_heads, head_dim]`` each, on the model's device.
 
-        One forward per chunk, on purpose: stored K/V is addressed by content, so its bits must
-        not depend on which chunks were computed beside it (a batched forward changes the
-        GEMMs' row count, and with it their rounding). No KV pool (dense metadata); the last
-        layer stops after its projections (``kv_only``): its attention and MLP are never used.
+        Stored K/V is addressed by content, so its bits must not depend on which chunks were
+        computed beside it. A forward of several chunks changes the GEMMs' row count, and with
+        it their rounding, unless the GEMMs are row-tiled: so one forward per chunk, or with
+        ``pack_chunks`` up to ``PACK_ROWS`` rows of chunks per forward, each its own sequence.
+        No KV pool (dense metadata); the last layer stops after its projections (``kv_only``):
+        its attention and MLP are never used.
         """
         limit = self.model.model.rotary_emb.max_position
-        spec, device = self.spec, self.device
-        outs = []
         for context, chunk in zip(contexts, chunks, strict=True):
             assert chunk, "empty chunks are rejected before precompute"
             if len(context) + len(chunk) > limit:
@@ -179,17 +196,31 @@ class ModelRunner:
                     f"a chunk of {len(chunk)} tokens behind the {len(context)}-token anchor "
                     f"exceeds the model's {limit} positions; split it into smaller chunks"
                 )
-            ids = list(context) + list(chunk)
-            out = torch.empty(
-                (spec.num_layers, 2, len(chunk), spec.num_kv_heads, spec.head_dim),
-                dtype=spec.dtype,
-                device=device,
+        pairs = list(zip(contexts, chunks, strict=True))
+        sizes = [len(c) + len(k) for c, k in pairs]
+        packed = _pack(sizes, PACK_ROWS) if self.pack_chunks else [[i] for i in range(len(pairs))]
+        return [kv for g in packed for kv in self._chunk_forward([pairs[i] for i in g])]
+
+    def _chunk_forward(self, pairs: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        """One forward of ``(context, chunk)`` sequences; each chunk's K/V."""
+        spec, device = self.spec, self.device
+        outs, spans, ids, row = [], [], [], 0
+        for context, chunk in pairs:
+            outs.append(
+                torch.empty(
+                    (spec.num_layers, 2, len(chunk), spec.num_kv_heads, spec.head_dim),
+                    dtype=spec.dtype,
+                    device=device,
+                )
             )
-            md = self.attn_backend.dense_metadata([len(ids)])
-            input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-            saver = _ChunkKVSaver(out, len(context))
-            self.model(input_ids, md.positions, None, md, hooks=saver, kv_only=True)
-            outs.append(out)
+            spans.append((row + len(context), row + len(context) + len(chunk)))
+            ids.extend(context)
+            ids.extend(chunk)
+            row += len(context) + len(chunk)
+        md = self.attn_backend.dense_metadata([len(c) + len(k) for c, k in pairs])
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        saver = _ChunkKVSaver(outs, spans)
+        self.model(input_ids, md.positions, None, md, hooks=saver, kv_only=True)
         return outs
 
     # ----------------------------------------------------------------- audit
@@ -359,12 +390,28 @@ def _identity(idx: list[int]) -> list[int]:
 
 
 class _ChunkKVSaver(LayerHooks):
-    """Copies the chunk rows' fresh K (before RoPE) and V of every layer into one tensor."""
+    """Copies each chunk's rows of fresh K (before RoPE) and V of every layer into its
+    tensor (``spans``: each chunk's rows in the forward)."""
 
-    def __init__(self, out: torch.Tensor, first_row: int) -> None:
-        self.out = out
-        self.first_row = first_row
+    def __init__(self, outs: list[torch.Tensor], spans: list[tuple[int, int]]) -> None:
+        self.outs = outs
+        self.spans = spans
 
     def save_kv_layer(self, layer_idx, k, v, kv_cache, attn_metadata) -> None:
-        self.out[layer_idx, 0] = k[self.first_row :]
-        self.out[layer_idx, 1] = v[self.first_row :]
+        for out, (lo, hi) in zip(self.outs, self.spans, strict=True):
+            out[layer_idx, 0] = k[lo:hi]
+            out[layer_idx, 1] = v[lo:hi]
+
+
+def _pack(sizes: list[int], max_rows: int) -> list[list[int]]:
+    """Indices of items of ``sizes`` rows, in order, in groups of at most ``max_rows`` rows
+    (a longer item alone)."""
+    groups: list[list[int]] = []
+    rows = max_rows
+    for i, n in enumerate(sizes):
+        if rows + n > max_rows:
+            groups.append([])
+            rows = 0
+        groups[-1].append(i)
+        rows += n
+    return groups
