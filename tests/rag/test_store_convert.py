@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import QuietLLM
 from store_helpers import same_bits
-from test_store_index import HashEmbedder
+from test_index import HashEmbedder
 
 from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
