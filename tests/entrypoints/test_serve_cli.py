@@ -4,8 +4,6 @@ model that fails to load exit 2."""
 
 from __future__ import annotations
 
-from helpers import QUIET_FLAGS
-
 import os
 import signal
 import socket
@@ -14,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers import QUIET_FLAGS
 from server_helpers import raw_request, wait_for
 
 from blendkv.cli import main
