@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -88,6 +89,35 @@ def _rss_bytes() -> int:
         return 0
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n 2``: each worker a process) torch runs one intra-op thread per
+    worker, so the workers do not queue for the same cores."""
+    if hasattr(config, "workerinput"):
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _keep_num_threads():
+    """An engine made with ``num_threads`` sets torch's for the process: the next test gets the
+    worker's own back (the goldens run at 2 threads, as they were recorded)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def pytest_collection_finish(session):
+    """What importing torch, transformers and the test modules made (hundreds of thousands of
+    objects) lives for the session: frozen, the collections below walk only what tests made,
+    not all of it again once per module and after every test over the RSS mark."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session):
+    gc.unfreeze()
+
+
 _RSS_COLLECT_BYTES = 3 << 30
 
 
@@ -101,12 +131,22 @@ def _collect_when_large():
         gc.collect()
 
 
+def _trim_malloc() -> None:
+    """Hand the heap's free pages back to the system (glibc): freed tensors under malloc's mmap
+    threshold otherwise stay in the process's RSS, module after module."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_after_module():
     """Each module's engines (a KV pool each) are gone before the next module starts, even one
     a test left in a reference cycle (tests/rag/test_pipeline_lifetime.py guards the pipeline)."""
     yield
     gc.collect()
+    _trim_malloc()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

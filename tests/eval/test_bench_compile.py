@@ -46,10 +46,12 @@ def compile_env(tmp_path) -> dict:
 
 
 def test_every_engine_kernel_compiles_for_an_h100(tmp_path):
+    """At the 8B shape (a real model's head size and tuned tiles): every variant is a ptxas run
+    of seconds, so the tiny shape's variants are left to ``blendkv bench compile``."""
     out = tmp_path / "variants.json"
     done = subprocess.run(
         [sys.executable, "-c", CLI, "bench", "compile", "--arch", "90",
-         "--shapes", "tiny,llama8b", "--json", str(out)],
+         "--shapes", "llama8b", "--json", str(out)],
         env=compile_env(tmp_path), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

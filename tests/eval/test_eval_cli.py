@@ -1,4 +1,4 @@
-"""End to end: ``blendkv eval`` in-process on two synthetic examples with the embedded model."""
+"""End to end: ``blendkv eval`` in-process on two synthetic examples with a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ RECORD_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def eval_dir(tmp_path_factory):
+def eval_dir(tmp_path_factory, eval_model_dir):
     out = tmp_path_factory.mktemp("eval")
     argv = ["eval", "--data", "synthetic", "--limit", "2", "--methods", ",".join(METHODS)]
+    argv += ["--model", str(eval_model_dir)]
     argv += ["--dtype", "float32", "--max-tokens", "8", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     return out
@@ -87,7 +88,9 @@ def test_bad_method_fails_before_loading(tmp_path, capsys):
     assert "recompute ratio 2.0 is not in [0, 1]" in capsys.readouterr().err
 
 
-def test_every_chunk_is_a_hit_when_the_store_cannot_hold_the_run(eval_dir, tmp_path, monkeypatch):
+def test_every_chunk_is_a_hit_when_the_store_cannot_hold_the_run(
+    eval_dir, eval_model_dir, tmp_path, monkeypatch
+):
     """The run's private store is bounded (a few GB for real runs): bounded here to about one
     example's chunks, every timed request still finds its chunks stored (each example's are
     stored just before it runs), so no chunk precompute lands in a method's TTFT."""
@@ -101,6 +104,7 @@ def test_every_chunk_is_a_hit_when_the_store_cannot_hold_the_run(eval_dir, tmp_p
     monkeypatch.setattr(manager, "default_request_cache_bytes", lambda path: bound)
     out = tmp_path / "bounded"
     argv = ["eval", "--data", "synthetic", "--limit", "2", "--methods", "full,reuse,blend@0.5"]
+    argv += ["--model", str(eval_model_dir)]
     argv += ["--dtype", "float32", "--max-tokens", "4", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     blended = [json.loads(line) for line in (out / "per_example.jsonl").open()]

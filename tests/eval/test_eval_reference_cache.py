@@ -19,13 +19,14 @@ def _records(out):
     return [json.loads(line) for line in (out / "per_example.jsonl").open()]
 
 
-def test_a_second_run_reads_full_prefill_from_the_cache(tmp_path, capsys):
+def test_a_second_run_reads_full_prefill_from_the_cache(eval_model_dir, tmp_path, capsys):
     cache = tmp_path / "ref"
     first, second = tmp_path / "a", tmp_path / "b"
-    assert main([*ARGS, "--out", str(first), "--reference-cache", str(cache)]) == 0
+    args = [*ARGS, "--model", str(eval_model_dir), "--reference-cache", str(cache)]
+    assert main([*args, "--out", str(first)]) == 0
     assert len(list(cache.glob("*.pt"))) == 2
     assert "came from --reference-cache" not in capsys.readouterr().out
-    assert main([*ARGS, "--out", str(second), "--reference-cache", str(cache)]) == 0
+    assert main([*args, "--out", str(second)]) == 0
     assert "full prefill of 2 example(s) came from --reference-cache" in capsys.readouterr().out
     a, b = _records(first), _records(second)
     assert [r["reference_cached"] for r in a] == [False] * 6

@@ -24,12 +24,13 @@ def _records(out):
     return [json.loads(line) for line in (out / "per_example.jsonl").open()]
 
 
-def test_resume_keeps_finished_examples_and_runs_the_rest(tmp_path):
+def test_resume_keeps_finished_examples_and_runs_the_rest(eval_model_dir, tmp_path):
+    args = [*ARGS, "--model", str(eval_model_dir)]
     out = str(tmp_path)
-    assert main([*ARGS, "--limit", "1", "--out", out]) == 0
+    assert main([*args, "--limit", "1", "--out", out]) == 0
     first = _records(tmp_path)
     assert len(first) == 2
-    assert main([*ARGS, "--limit", "2", "--out", out, "--resume"]) == 0
+    assert main([*args, "--limit", "2", "--out", out, "--resume"]) == 0
     both = _records(tmp_path)
     assert both[:2] == first  # kept as measured, not rerun
     assert len(both) == 4 and len({r["id"] for r in both}) == 2
@@ -37,10 +38,10 @@ def test_resume_keeps_finished_examples_and_runs_the_rest(tmp_path):
     assert results["methods"]["reuse"]["n"] == 2
     assert results["config"]["num_examples"] == 2
     # Everything journaled: aggregates again without running anything.
-    assert main([*ARGS, "--limit", "2", "--out", out, "--resume"]) == 0
+    assert main([*args, "--limit", "2", "--out", out, "--resume"]) == 0
     assert _records(tmp_path) == both
     # Other settings cannot resume this journal; the journal is left as it was.
-    assert main([*ARGS, "--limit", "2", "--out", out, "--resume", "--max-tokens", "5"]) == 2
+    assert main([*args, "--limit", "2", "--out", out, "--resume", "--max-tokens", "5"]) == 2
     assert _records(tmp_path) == both
 
 
@@ -81,13 +82,14 @@ def test_journal_from_before_the_anchor_settings_resumes_with_the_default_anchor
         Journal(tmp_path, {**SETTINGS, "anchor": "template"}, ["full"], resume=True)
 
 
-def test_anchor_options_change_what_chunks_were_precomputed_behind(tmp_path):
+def test_anchor_options_change_what_chunks_were_precomputed_behind(eval_model_dir, tmp_path):
     """Reuse's K/V comes from chunks precomputed behind the anchor asked for: another anchor,
     another reuse error; full prefill does not depend on it."""
     kls = {}
     for anchor in (["--anchor", "prompt"], ["--anchor", "template", "--anchor-boundary", "4"]):
         out = tmp_path / anchor[1]
-        assert main([*ARGS, "--limit", "1", "--out", str(out), *anchor]) == 0
+        args = [*ARGS, "--model", str(eval_model_dir), "--limit", "1", "--out", str(out)]
+        assert main([*args, *anchor]) == 0
         results = json.loads((out / "results.json").read_text())
         assert results["config"]["anchor"] == anchor[1]
         kls[anchor[1]] = {r["method"]: r["answer_kl"] for r in _records(out)}

@@ -139,8 +139,9 @@ def test_an_unwritable_cache_is_a_build_error(tmp_path):
 def test_the_build_is_cached_and_a_broken_cache_is_built_again(tmp_path):
     """A build finds a matching library in its cache and compiles nothing; a cached library
     that does not load is rebuilt, in a fresh process (torch registers the op namespace once
-    per process). The library the suite already built is copied in as the first build (a
-    compile takes over a minute on 2 cores; the rebuild below is one)."""
+    per process). The library the suite already built is copied in as the first build, and the
+    rebuild's compiler is a stand-in that logs its arguments and copies that library to its
+    ``-o`` (a real compile takes minutes on 2 cores; the suite's first build is one)."""
     import shutil
     import subprocess
     import sys
@@ -154,15 +155,28 @@ def test_the_build_is_cached_and_a_broken_cache_is_built_again(tmp_path):
     assert path.stat().st_mtime_ns == mtime and path.name.startswith("blendkv_cpu_")
     assert list(path.parent.iterdir()) == [path]
     path.write_bytes(b"not an ELF file")
+    log = tmp_path / "compiler.log"
+    compiler = tmp_path / "c++"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = --version ] && exec {cpu_extension.find_compiler()} --version\n'
+        f'echo "$@" >> {log}\n'
+        "for out; do :; done\n"  # the last argument: the file after -o
+        f'cp {built} "$out"\n'
+    )
+    compiler.chmod(0o755)
     script = (
         "from blendkv.kernels.cpu_extension import load_ops; "
         "print(hasattr(load_ops(), 'decode_attention'))"
     )
-    env = {**os.environ, "BLENDKV_CACHE": str(tmp_path)}
+    env = {**os.environ, "BLENDKV_CACHE": str(tmp_path), "CXX": str(compiler)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "True" and "building them again" in done.stderr
     assert path.read_bytes()[:4] == b"\x7fELF"
+    (call,) = log.read_text().splitlines()  # compiled once, every source, into a temporary file
+    assert all(str(src) in call for src in cpu_extension.SOURCES)
+    assert call.split()[-2] == "-o" and call.split()[-1].endswith(".so")
 
 
 def test_the_cpu_backend_runs_the_reference_when_the_kernels_cannot_be_built(monkeypatch, caplog):
