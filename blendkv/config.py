@@ -96,9 +96,9 @@ class GuardConfig:
             blend and full prefill from this engine's measurements and run the cheaper
             (blendkv.guards.cost_check); a request's own BlendConfig always runs as given.
         blend_audit_rate: the fraction of blended requests that also run full prefill after
-            their answer, when the engine is idle, to measure the first token's KL(full ||
-            blend) and top-1 agreement (blendkv.guards.audit); drawn with the engine's seed.
-            0: never.
+            their answer, when the engine is idle, to measure KL(full || blend) along their
+            first answer tokens and top-1 agreement (blendkv.guards.audit); drawn with the
+            engine's seed. 0: never.
     """
 
     blend_start_gate: bool | None = None

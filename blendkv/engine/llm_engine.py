@@ -250,10 +250,8 @@ class LLMEngine:
         first = states[0].seq
         first.logits_from = req.logits_from
         self.kv_connector.add_request(request_id, req.kv_transfer_params)
-        if req.approximate:
+        if req.approximate and params.n == 1:  # n > 1 is never audited
             self.auditor.choose(request_id, req.prompt_token_ids, req.stats)
-            if params.n == 1:  # n > 1 is never audited
-                first.logits_from = self.auditor.wants_logits(request_id, req.logits_from)
         first.pending_children = [state.seq for state in states[1:]]
         if params.n > 1:
             self.parents[request_id] = ParentRequest(request_id, states)
@@ -328,8 +326,6 @@ class LLMEngine:
         self.step_costs.record(out.work, time.perf_counter() - t0)
         sampled_seqs, sampled = result.sampled_seqs, result.sampled
         for request_id, logits in result.logits.items():
-            if self.auditor.take_logits(request_id, logits):
-                continue  # asked for the blend audit only (blendkv.guards.audit)
             self.requests[request_id].add_prompt_logits(logits)
         self.scheduler.update_from_output(out)
         now = time.perf_counter()
@@ -340,6 +336,10 @@ class LLMEngine:
                 continue
             state = self.requests[seq.request_id]
             self._num_generated_tokens += 1
+            if self.auditor.is_audited(seq.request_id):  # (blendkv.guards.audit)
+                self.auditor.take_sample(
+                    seq.request_id, result.sample_logits[i], sampled.token_ids[i]
+                )
             status = state.append(
                 sampled.token_ids[i],
                 sampled.logprobs[i],

@@ -7,7 +7,7 @@ The runner runs every forward pass of the engine, each through the model's one l
   KV connector to store (``SchedulerOutput.precompute``, and ingest);
 - a query pass before a fused prefill (``SchedulerOutput.query_passes``), with the row plan the
   connector gives it, eagerly or replayed from a captured graph;
-- an audit's full prefill (``SchedulerOutput.audits``): the last prompt row's logits.
+- an audit's full prefill (``SchedulerOutput.audits``): the logits of its last rows.
 
 The paged KV pool (one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``)
 is allocated, written and read by the attention backend; a KV connector, if any, loads external
@@ -65,6 +65,9 @@ class StepResult:
     sampled_seqs: list[Sequence]
     sampled: object  # SamplerOutput, None when no sequence sampled
     logits: dict[str, torch.Tensor]  # request_id -> [rows, vocab] float32 (logits_from)
+    # The rows each sampled sequence's token was drawn from, before any sampling parameter:
+    # [len(sampled_seqs), vocab] float32 on the device (the blend audit keeps some).
+    sample_logits: torch.Tensor | None = None
 
 
 def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -226,14 +229,16 @@ class ModelRunner:
     # ----------------------------------------------------------------- audit
     @torch.inference_mode()
     def full_prefill_logits(self, work: AuditWork) -> torch.Tensor:
-        """Logits ``[vocab]`` (float32, CPU) of an audited prompt's last row under plain full
-        prefill: one forward without the KV pool (dense metadata), as chunk precompute runs."""
-        token_ids = list(work.token_ids)
+        """Logits ``[num_rows, vocab]`` (float32, CPU) of an audit's last ``work.num_rows``
+        rows under plain full prefill: one forward without the KV pool (dense metadata), as
+        chunk precompute runs."""
+        token_ids, k = list(work.token_ids), work.num_rows
+        assert 1 <= k <= len(token_ids)
         md = self.attn_backend.dense_metadata([len(token_ids)])
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        last = torch.tensor([len(token_ids) - 1], dtype=torch.long, device=self.device)
-        hidden = self.model(ids, md.positions, None, md, output_rows=last)
-        return self.model.compute_logits(hidden[-1:])[0].float().cpu()
+        rows = torch.arange(len(token_ids) - k, len(token_ids), dtype=torch.long)
+        hidden = self.model(ids, md.positions, None, md, output_rows=rows)
+        return self.model.compute_logits(hidden[-k:]).float().cpu()
 
     # -------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -287,7 +292,7 @@ class ModelRunner:
             return StepResult([], None, logits)
         sample_logits = self.model.compute_logits(hidden[remap(inputs.sample_indices)])
         sampled = self.sample(sample_logits, inputs.sample_seqs)
-        return StepResult(inputs.sample_seqs, sampled, logits)
+        return StepResult(inputs.sample_seqs, sampled, logits, sample_logits)
 
     def _run_query_pass(self, query_pass: QueryPass) -> None:
         """A query pass over the loaded K/V: replayed from a captured graph where it can (each

@@ -79,11 +79,14 @@ class PrecomputeWork:
 
 @dataclass(frozen=True)
 class AuditWork:
-    """Full prefill of an audited request's prompt (``blendkv.guards.audit``): the runner
-    computes the last prompt row's logits, one forward without the KV pool."""
+    """Full prefill of an audited request (``blendkv.guards.audit``): its prompt and the first
+    answer tokens the blend drew but the last kept one. The runner computes the logits of the
+    last ``num_rows`` rows (the last prompt row and each answer position's), one forward
+    without the KV pool."""
 
     request_id: str
     token_ids: tuple[int, ...]
+    num_rows: int
 
     @property
     def num_tokens(self) -> int:

@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from blendkv.errors import BlendKVError
+from blendkv.guards.fidelity import ANSWER_TOKENS
 
 CALIBRATION_FILE = "calibration.json"
 DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUANTILE = 0.9  # the share of requests a target promises
-ANSWER_TOKENS = 16  # the answer positions a divergence is measured over
 # A target without a calibration: a ratio that keeps most prompts near full prefill on the
 # models measured (docs/guide/blending.md), at about three times the default's recompute.
 UNCALIBRATED_RATIO = 0.3

@@ -17,7 +17,11 @@ import torch
 
 from blendkv.sampling_params import SamplingParams
 
+# The answer positions a divergence is measured over: the calibration's and the audit's.
+ANSWER_TOKENS = 16
+
 __all__ = [
+    "ANSWER_TOKENS",
     "Fidelity",
     "TeacherForced",
     "first_token_agreement",

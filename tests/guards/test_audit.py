@@ -1,6 +1,7 @@
 """The blend audit (``EngineConfig.blend_audit_rate``, ``blendkv.guards.audit``): a sampled share of
 blended requests also runs full prefill after the answer, when the engine is idle; it never
-changes the answer nor the step of its first token, and records KL(full || blend) and top-1."""
+changes the answer nor the step of its first token, and records KL(full || blend) along the
+blend's own answer (the first token's, the largest) and top-1."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from blendkv import LLM, SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
 from blendkv.guards.audit import Auditor
+from blendkv.guards.fidelity import ANSWER_TOKENS, kl_divergence, teacher_forced_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 FULL_REUSE = BlendConfig(recompute_ratio=0.0)
@@ -67,11 +69,34 @@ def test_audit_changes_neither_answer_nor_first_token_step(pair, ratio):
     assert record.request_id == rid
     assert record.num_prompt_tokens == len(a_out.prompt_token_ids)
     assert a_out.blend_stats.audit == record  # lands in the answer's stats once it ran
+    assert record.num_answer_tokens == len(a_tokens) and record.max_kl >= record.kl
     if ratio == 1.0:  # a blend that recomputes everything is full prefill
-        assert record.kl < 1e-4 and record.top1_agree
+        assert record.max_kl < 1e-4 and record.top1_agree and record.flips == 0
     else:  # full reuse of chunks computed apart differs from full prefill
         assert record.kl > 1e-6
     assert plain.engine.blend_audit_records() == []
+
+
+def test_max_kl_is_the_largest_kl_along_the_blends_own_answer(pair):
+    """The record against an offline recomputation: full prefill and the blend, each
+    teacher-forced on the blend's answer; only the first ANSWER_TOKENS positions count."""
+    audited, _ = pair
+    prompt = {"documents": DOCS, "query": "Which river flows through it?"}
+    params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS + 2, ignore_eos=True)
+    out = audited.generate(prompt, params, blend=FULL_REUSE)[0]
+    record = audited.blend_audit_records()[-1]
+    assert record.request_id == out.request_id
+    ids, answer = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+    kept = answer[:ANSWER_TOKENS]
+    full = teacher_forced_logits(audited, ids, kept).rows[:ANSWER_TOKENS]
+    blend = teacher_forced_logits(audited, ids, kept, prompt, FULL_REUSE).rows[:ANSWER_TOKENS]
+    kls = kl_divergence(full, blend)
+    assert record.num_answer_tokens == ANSWER_TOKENS
+    assert record.max_kl == pytest.approx(float(kls.max()), rel=1e-3)
+    assert record.kl == pytest.approx(float(kls[0]), rel=1e-3)
+    assert record.flips == int((full.argmax(-1) != blend.argmax(-1)).sum())
+    assert int(kls.argmax()) > 0  # the largest is not the first token's: max_kl sees further
+    audited.blend_audit_records()  # the offline runs' own audits run now, not in later tests
 
 
 def test_audit_waits_while_other_requests_run(pair):
@@ -132,7 +157,7 @@ def test_watch_warns_once_per_crossing(caplog):
     from blendkv.guards.audit import AuditRecord, AuditWatch
 
     def record(kl):
-        return AuditRecord("r", kl, True, 1, 1, 10)
+        return AuditRecord("r", kl, True, 1, 1, 10, max_kl=kl, flips=0, num_answer_tokens=1)
 
     watch = AuditWatch(warn_kl=0.5, window=2)
     with caplog.at_level("WARNING", logger="blendkv.guards.audit"):
