@@ -20,7 +20,8 @@ others keep serving. A replica that dies before answering gets a 503.
 key=value ...`` and Serve config files; :func:`serve_replicas` is the command.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: FastAPI reads the route's annotations
+# (``request: Request``) at run time, and under Serve's class ingress it cannot resolve strings.
 
 import asyncio
 import json
@@ -44,6 +45,39 @@ logger = logging.getLogger(__name__)
 STATS_PERIOD_S = 1.0  # how often a replica reports its tier summary
 ingress_api = FastAPI(title="blendkv replicas", docs_url=None, redoc_url=None)
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+# Defined before the ingress class: ``serve.ingress`` pickles the routes when it decorates it,
+# with the module's names defined so far.
+async def _pieces(stream, start: ResponseStart) -> AsyncIterator[bytes]:
+    """The response body as the replica sends it; a replica lost mid-response ends an event
+    stream with an error event (and ``[DONE]``), and cuts any other body short."""
+    events = any(
+        k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+        for k, v in start.headers
+    )
+    ended = False
+    try:
+        async for piece in stream:
+            yield piece
+        ended = True
+    except Exception as exc:
+        logger.warning("a replica was lost mid-response: %s", exc)
+        if events:
+            yield f"data: {json.dumps(_replica_lost(exc).body())}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+    finally:
+        if not ended:
+            stream.cancel()  # the client left, or the replica is gone: stop its request
+
+
+def _replica_lost(exc: BaseException) -> APIError:
+    return APIError(
+        503,
+        f"the replica serving this request was lost ({type(exc).__name__}); retry it",
+        "server_error",
+        code="replica_lost",
+    )
 
 
 @serve.deployment(name="BlendKVIngress", ray_actor_options={"num_cpus": 0})
@@ -90,37 +124,6 @@ class BlendKVIngress:
         # The body may end early (a replica lost mid-response): no content-length.
         response.raw_headers = [(k, v) for k, v in start.headers if k.lower() != b"content-length"]
         return response
-
-
-async def _pieces(stream, start: ResponseStart) -> AsyncIterator[bytes]:
-    """The response body as the replica sends it; a replica lost mid-response ends an event
-    stream with an error event (and ``[DONE]``), and cuts any other body short."""
-    events = any(
-        k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-        for k, v in start.headers
-    )
-    ended = False
-    try:
-        async for piece in stream:
-            yield piece
-        ended = True
-    except Exception as exc:
-        logger.warning("a replica was lost mid-response: %s", exc)
-        if events:
-            yield f"data: {json.dumps(_replica_lost(exc).body())}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-    finally:
-        if not ended:
-            stream.cancel()  # the client left, or the replica is gone: stop its request
-
-
-def _replica_lost(exc: BaseException) -> APIError:
-    return APIError(
-        503,
-        f"the replica serving this request was lost ({type(exc).__name__}); retry it",
-        "server_error",
-        code="replica_lost",
-    )
 
 
 def build_app(
