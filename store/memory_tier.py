@@ -3,7 +3,9 @@
 Values are content-addressed, so an entry can never be stale in content; it can at most outlive
 its LMDB entry (evicted by another process), which is harmless. Thread-safe. A store with a K/V
 codec keeps values here encoded (:class:`~blendkv.store.codecs.EncodedKV`) and the budget counts
-their encoded bytes, so the same budget holds more chunks.
+their encoded bytes, so the same budget holds more chunks. :attr:`MemoryTier.generation` counts
+the changes to the set of keys it holds, so that a summary of them (a replica's report to its
+router, :mod:`blendkv.entrypoints.ray_serve.routing`) is rebuilt only when it changed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class MemoryTier:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.generation = 0  # bumped whenever a key enters or leaves
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -69,6 +72,11 @@ class MemoryTier:
         with self._lock:
             return list(self._entries)
 
+    def keys_at(self) -> tuple[int, list[bytes]]:
+        """``(generation, keys)``, read together."""
+        with self._lock:
+            return self.generation, list(self._entries)
+
     def get(self, key: bytes) -> StoredKV | None:
         """The value of ``key`` (now the most recently used), or None."""
         with self._lock:
@@ -89,10 +97,13 @@ class MemoryTier:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= kv_nbytes(old)
+            else:
+                self.generation += 1
             while self._entries and self._bytes + size > self.max_bytes:
                 _, victim = self._entries.popitem(last=False)
                 self._bytes -= kv_nbytes(victim)
                 self.evictions += 1
+                self.generation += 1
             self._entries[key] = tensor
             self._bytes += size
             return True
@@ -103,9 +114,12 @@ class MemoryTier:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= kv_nbytes(old)
+                self.generation += 1
 
     def clear(self) -> None:
         """Drop every value."""
         with self._lock:
+            if self._entries:
+                self.generation += 1
             self._entries.clear()
             self._bytes = 0

@@ -367,21 +367,39 @@ class RedisKVStore:
         want = (fp.num_layers, 2, fp.num_kv_heads, fp.head_dim)
         if len(kv.shape) != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
             raise ValueError(f"chunk K/V shape {tuple(kv.shape)} does not match the store")
-        raw = self.client.get(self._chunk(chunk.key, "m"))
-        if raw is not None:
-            return PutResult(json.loads(raw)["chunk_id"], False, ())
-        value = fmt.encode_value(codecs.encode_for_store(self.kv_codec, kv, self.url))
-        cid = int(self.client.incr(self._k("next_id")))
-        meta = ChunkMeta.for_new(chunk, cid, len(value), time.time())
-        record = json.loads(meta.to_json())
-        parts = [value[i : i + self.part_bytes] for i in range(0, len(value), self.part_bytes)]
-        record["parts"] = len(parts)
-        pipe = self.client.pipeline(transaction=True)  # MULTI ... EXEC
-        for i, part in enumerate(parts):
-            pipe.set(self._chunk(chunk.key, f"p:{i}"), bytes(part))
-        pipe.set(self._chunk(chunk.key, "m"), json.dumps(record))  # the marker, last
-        pipe.execute()
-        self._wait_replica(self._chunk(chunk.key, "m"))
+        import redis
+
+        marker = self._chunk(chunk.key, "m")
+        value = None
+        while True:  # again only when the chunk was stored and deleted meanwhile
+            raw = self.client.get(marker)
+            if raw is not None:
+                return PutResult(json.loads(raw)["chunk_id"], False, ())
+            if value is None:
+                value = fmt.encode_value(codecs.encode_for_store(self.kv_codec, kv, self.url))
+            with self.client.pipeline(transaction=True) as pipe:
+                # Processes that computed the same chunk (ingest workers, engines writing
+                # back) race here: WATCH makes the first EXEC win and the others find its
+                # chunk, so a chunk written twice is stored once (one chunk id, one value).
+                pipe.watch(marker)
+                if pipe.get(marker) is not None:
+                    continue
+                cid = int(self.client.incr(self._k("next_id")))
+                meta = ChunkMeta.for_new(chunk, cid, len(value), time.time())
+                record = json.loads(meta.to_json())
+                size = self.part_bytes
+                parts = [value[i : i + size] for i in range(0, len(value), size)]
+                record["parts"] = len(parts)
+                pipe.multi()  # MULTI ... EXEC
+                for i, part in enumerate(parts):
+                    pipe.set(self._chunk(chunk.key, f"p:{i}"), bytes(part))
+                pipe.set(marker, json.dumps(record))  # the marker, last
+                try:
+                    pipe.execute()
+                    break
+                except redis.WatchError:  # another process stored it first: theirs stands
+                    continue
+        self._wait_replica(marker)
         index = self.client.pipeline(transaction=False)
         index.set(self._k("id", cid), chunk.key.hex())
         index.sadd(self._k("chunks"), chunk.key.hex())

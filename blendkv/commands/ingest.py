@@ -100,14 +100,41 @@ def register(sub) -> None:
         help="keep the stored version of a file whose content changed (default: replace it)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_worker_args(p)
     add_model_args(p)
     p.set_defaults(func=run)
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    ray = p.add_argument_group("distributed ingest on Ray Data (pip install 'blendkv[ray]')")
+    ray.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ingest on N Ray workers, each with its own engine, into a shared --store "
+        "redis://... (default: in this process)",
+    )
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to run on ('auto': the one running here; default: start a local one)",
+    )
+    ray.add_argument(
+        "--worker-cpus", type=float, default=1.0, help="CPUs each worker takes (default 1)"
+    )
+    ray.add_argument(
+        "--worker-gpus", type=float, default=0.0, help="GPUs each worker takes (default 0)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.rag.documents import load_inputs
     from blendkv.rag.ingest import IngestInterrupted
 
+    if args.workers is not None:
+        return _run_on_ray(args)
     # Read and validate every file before loading the model; the pipeline ingests what was read.
     loaded = load_inputs(paths=args.paths, strict=args.strict)
     for s in loaded.skipped:
@@ -170,6 +197,29 @@ def _name(received: list[int]) -> str | None:
 
 def _by(received: list[int]) -> str:
     return f" by {_name(received)}" if received else ""
+
+
+def _run_on_ray(args: argparse.Namespace) -> int:
+    from blendkv.rag.distributed import ingest_on_ray
+
+    report = ingest_on_ray(
+        args.store,
+        paths=args.paths,
+        workers=args.workers,
+        model=args.model,
+        chunk_tokens=args.chunk_tokens,
+        strict=args.strict,
+        replace=not args.keep_old_versions,
+        progress=not args.no_progress,
+        worker_cpus=args.worker_cpus,
+        worker_gpus=args.worker_gpus,
+        ray_address=args.ray_address,
+        **engine_kwargs(args),
+    )
+    for s in report.skipped_files:
+        print(f"warning: skipped {s.path}: {s.reason}", file=sys.stderr)
+    _print_report(report)
+    return 0
 
 
 def _print_report(report) -> None:

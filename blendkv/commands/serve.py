@@ -11,6 +11,7 @@ from blendkv.cli import add_model_args, engine_kwargs
 from blendkv.commands.ingest import add_store_max_bytes_arg
 from blendkv.config import resolve_device
 from blendkv.engine_args import create_engine_config, follow_store_dtype
+from blendkv.entrypoints.openai.serve_config import ServeConfig
 from blendkv.errors import BlendKVError, ConfigError
 from blendkv.guards.audit import DEFAULT_WARN_KL, WARN_WINDOW
 from blendkv.sizes import size_arg
@@ -75,6 +76,7 @@ def register(sub) -> None:
         f"last {WARN_WINDOW} audited requests passes it (default {DEFAULT_WARN_KL})",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_replica_args(p)
     add_model_args(
         p,
         (
@@ -87,7 +89,51 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    from blendkv.entrypoints.ray_serve.routing import DEFAULT_IMBALANCE, POLICIES
+
+    ray = p.add_argument_group("replicas on Ray Serve (pip install 'blendkv[ray]')")
+    ray.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N engine replicas on Ray Serve behind this endpoint, sharing --store "
+        "redis://... (default: one engine in this process)",
+    )
+    ray.add_argument(
+        "--router",
+        default="chunk-affinity",
+        choices=POLICIES,
+        help="how a request picks its replica: the one whose memory and device tiers hold most "
+        "of its chunks (chunk-affinity, bounded by --imbalance), or round-robin, or "
+        "least-loaded (default: %(default)s)",
+    )
+    ray.add_argument(
+        "--imbalance",
+        type=int,
+        default=DEFAULT_IMBALANCE,
+        metavar="REQUESTS",
+        help="chunk-affinity: how many more requests than the least loaded replica the "
+        "replica holding the chunks may hold (default: %(default)s)",
+    )
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to run on ('auto': the one running here; default: start a local one)",
+    )
+    ray.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs each replica takes (default 1)"
+    )
+    ray.add_argument(
+        "--replica-gpus", type=float, default=0.0, help="GPUs each replica takes (default 0)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        return _run_replicas(args)
     try:
         import uvicorn
 
@@ -143,6 +189,62 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(state.load_error, BlendKVError):
             raise state.load_error
         return 1
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace) -> int:
+    """``--replicas N``: the same server, N engines on Ray Serve (docs/guide/ray.md)."""
+    from blendkv.rag.distributed import RAY_MISSING
+    from blendkv.store.redis_store import is_redis_url
+
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.store is not None and not is_redis_url(args.store):
+        raise ConfigError(
+            "replicas share one store: give --store redis://HOST:PORT/DB (an LMDB store has "
+            "one writer)"
+        )
+    try:
+        from blendkv.entrypoints.ray_serve.app import build_app, serve_replicas
+    except ImportError as exc:
+        raise ConfigError(f"--replicas {RAY_MISSING} ({exc})") from exc
+    options = follow_store_dtype(engine_kwargs(args), args.store)
+    create_engine_config(model=args.model, **{k: v for k, v in options.items() if k != "warmup"})
+    if args.replica_gpus == 0 and options.get("num_threads") is None:
+        options["num_threads"] = max(1, int(args.replica_cpus))
+    serve_options = dict(
+        api_key=args.api_key or os.environ.get("BLENDKV_API_KEY") or None,
+        served_model_name=args.served_model_name,
+        store_dir=args.store,
+        request_cache_bytes=args.request_cache_bytes,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        max_request_documents=args.max_request_documents,
+        max_document_tokens=args.max_document_tokens,
+        blend_audit_warn_kl=args.blend_audit_warn_kl,
+    )
+    try:
+        ServeConfig(**serve_options)  # bad options fail here, before Ray starts
+        app = build_app(
+            args.model,
+            replicas=args.replicas,
+            policy=args.router,
+            imbalance=args.imbalance,
+            engine_options=options,
+            serve_options=serve_options,
+            replica_cpus=args.replica_cpus,
+            replica_gpus=args.replica_gpus,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    url = f"http://{args.host}:{args.port}"
+
+    def ready() -> None:
+        print(f"serving {args.replicas} replicas ({args.router}) on {url}", flush=True)
+
+    serve_replicas(
+        app, host=args.host, port=args.port, ray_address=args.ray_address, on_ready=ready
+    )
     return 0
 
 

@@ -154,6 +154,15 @@ class BlendConnector(KVConnectorBase):
         self._loader.prefetcher = self._prefetcher
         return self._prefetcher
 
+    def held_chunks(self) -> tuple[int, list[bytes], list[bytes]]:
+        """``(generation, keys in the host-memory tier, keys in the device tier)``: what a
+        replica reports to its router (:mod:`blendkv.entrypoints.ray_serve.routing`). The
+        generation moves whenever a key enters or leaves either tier."""
+        gen, memory = self.manager.store.memory_tier.keys_at()
+        tier = self._loader.device_tier
+        on_device, device = tier.keys_at() if tier is not None else (0, [])
+        return gen + on_device, memory, device
+
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: dict, options, token_map: bool = False) -> ConnectorPrompt:
         state = self.manager.prepare(prompt, options)

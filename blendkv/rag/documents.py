@@ -95,10 +95,7 @@ def load_inputs(
             docs.append(SourceDocument(replace_lone_surrogates(item, f"document {i}"), None))
         else:
             docs.append(_framework_document(item, i))
-    for item in _items(paths):
-        if not isinstance(item, (str, os.PathLike)):
-            raise DocumentError(f"paths= takes str or Path items, got a {type(item).__name__}")
-        _load_path_or_glob(item, docs, skipped, strict)
+    _read_files(input_files(paths), docs, skipped, strict)
     for i, item in enumerate(_items(texts)):
         if not isinstance(item, str):
             raise DocumentError(f"texts= takes str items, got a {type(item).__name__}")
@@ -166,21 +163,93 @@ def _framework_document(item: Any, i: int) -> SourceDocument:
     return SourceDocument(text, None if source is None else str(source), metadata)
 
 
-def _load_path_or_glob(item, docs, skipped, strict: bool) -> None:
+@dataclass(frozen=True)
+class InputFile:
+    """A file an ingest will read: its path and the folder or glob it was found in (None: it
+    was named on its own, so that failing to read it is an error, not a skip)."""
+
+    path: Path
+    where: str | None = None
+
+
+def input_files(paths: Any) -> list[InputFile]:
+    """The files ``paths`` (files, folders, globs) name, in ingest order, none read yet;
+    raises for a path that does not exist, a pattern that matches no file and a folder
+    without text files. :func:`read_input_file` reads one (a distributed ingest reads them
+    on its workers)."""
+    out: list[InputFile] = []
+    for item in _items(paths):
+        if not isinstance(item, (str, os.PathLike)):
+            raise DocumentError(f"paths= takes str or Path items, got a {type(item).__name__}")
+        out.extend(_path_or_glob_files(item))
+    return out
+
+
+def read_input_file(f: InputFile, strict: bool = False) -> SourceDocument | SkippedFile:
+    """``f`` read: its document, or, for a file of a folder or glob that cannot be read (empty,
+    binary, not UTF-8), why it is skipped; raises instead for a file named on its own, or
+    with ``strict``."""
+    if f.where is None:
+        return SourceDocument(read_text_file(f.path), _source(f.path))
+    try:
+        text = read_text_file(f.path)
+    except (UnreadableDocumentError, OSError) as e:
+        if strict:
+            raise UnreadableDocumentError(f"{e} (--strict / strict=True)") from e
+        return SkippedFile(_source(f.path), _reason(e, f.path))
+    if not text.strip():
+        if strict:
+            raise EmptyDocumentError(f"{f.path} is empty (--strict / strict=True)")
+        return SkippedFile(_source(f.path), "empty")
+    return SourceDocument(text, _source(f.path))
+
+
+def check_folders_read(files: list[InputFile], read: list[SourceDocument | SkippedFile]) -> None:
+    """Raise when a folder or glob had files and none of them could be read."""
+    found: dict[str, list[SkippedFile]] = {}
+    ok: set[str] = set()
+    for f, got in zip(files, read, strict=True):
+        if f.where is None:
+            continue
+        found.setdefault(f.where, [])
+        if isinstance(got, SkippedFile):
+            found[f.where].append(got)
+        else:
+            ok.add(f.where)
+    for where, skipped in found.items():
+        if where not in ok:
+            raise UnreadableDocumentError(
+                f"{where}: none of its {len(skipped)} file(s) could be read "
+                f"({'; '.join(f'{s.path}: {s.reason}' for s in skipped[-3:])})"
+            )
+
+
+def _load_path(path: Path, docs, skipped, strict: bool) -> None:
+    """A file or folder given as a ``Path`` in ``documents=`` (never a glob)."""
+    _read_files(_path_files(path), docs, skipped, strict)
+
+
+def _read_files(files: list[InputFile], docs, skipped, strict: bool) -> None:
+    read = [read_input_file(f, strict) for f in files]
+    check_folders_read(files, read)
+    for got in read:
+        (skipped if isinstance(got, SkippedFile) else docs).append(got)
+
+
+def _path_or_glob_files(item) -> list[InputFile]:
     name = os.fspath(item)
     if isinstance(name, bytes):
         raise DocumentError(f"paths= takes str or Path items, got the bytes path {name!r}")
     if Path(name).exists() or not _GLOB_CHARS.search(name):
-        _load_path(Path(name), docs, skipped, strict)
-        return
+        return _path_files(Path(name))
     found = sorted(Path(p) for p in glob.glob(name, recursive=True))
     files = [p for p in found if p.is_file()]  # glob's "*" skips hidden names itself
     if not files:
         raise UnreadableDocumentError(f"{name}: the pattern matches no file")
-    _load_files(files, name, docs, skipped, strict)
+    return [InputFile(f, name) for f in files]
 
 
-def _load_path(path: Path, docs, skipped, strict: bool) -> None:
+def _path_files(path: Path) -> list[InputFile]:
     if path.is_dir():
         files = sorted(
             f
@@ -191,37 +260,10 @@ def _load_path(path: Path, docs, skipped, strict: bool) -> None:
             pdfs = [f for f in path.rglob("*.pdf") if f.is_file() and not _hidden(f, path)]
             advice = f" (it holds {len(pdfs)} PDF file(s): {pdf_advice(pdfs[0])})" if pdfs else ""
             raise EmptyDocumentError(f"{path} holds no {'/'.join(TEXT_SUFFIXES)} files{advice}")
-        _load_files(files, str(path), docs, skipped, strict)
-    elif path.is_file():
-        docs.append(SourceDocument(read_text_file(path), _source(path)))
-    else:
-        raise UnreadableDocumentError(f"{path}: no such file or directory")
-
-
-def _load_files(files: list[Path], where: str, docs, skipped, strict: bool) -> None:
-    """Read the files of a folder or glob: an unreadable one is skipped (or raises, strict);
-    raises when none could be read."""
-    read = 0
-    for f in files:
-        try:
-            text = read_text_file(f)
-        except (UnreadableDocumentError, OSError) as e:
-            if strict:
-                raise UnreadableDocumentError(f"{e} (--strict / strict=True)") from e
-            skipped.append(SkippedFile(_source(f), _reason(e, f)))
-            continue
-        if not text.strip():
-            if strict:
-                raise EmptyDocumentError(f"{f} is empty (--strict / strict=True)")
-            skipped.append(SkippedFile(_source(f), "empty"))
-            continue
-        docs.append(SourceDocument(text, _source(f)))
-        read += 1
-    if not read:
-        raise UnreadableDocumentError(
-            f"{where}: none of its {len(files)} file(s) could be read "
-            f"({'; '.join(f'{s.path}: {s.reason}' for s in skipped[-3:])})"
-        )
+        return [InputFile(f, str(path)) for f in files]
+    if path.is_file():
+        return [InputFile(path)]
+    raise UnreadableDocumentError(f"{path}: no such file or directory")
 
 
 def pdf_advice(path: Path | str) -> str:

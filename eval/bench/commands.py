@@ -1,5 +1,6 @@
 """``blendkv bench engine|decode|threads|sampler|blend|gpu|gemm|attention|gpu-attention|
-launches|compile|prefetch|store``: benchmarks, correctness first, ratios side by side.
+launches|compile|prefetch|store|replicas|route-sim``: benchmarks, correctness first, ratios
+side by side.
 
 The CLI finds this command through the ``blendkv.commands`` entry-point group (pyproject.toml),
 so the engine never imports the harness. Each kind's module is imported only when it runs
@@ -133,6 +134,8 @@ def register_bench(sub) -> None:
     _add_store(bench)
     _add_stall(bench)
     _add_plot(bench)
+    _add_replicas(bench)
+    _add_route_sim(bench)
 
 
 def _add_gemm(bench) -> None:
@@ -285,6 +288,76 @@ def _add_stall(bench) -> None:
     )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_run("stall"))
+
+
+def _add_replicas(bench) -> None:
+    from blendkv.entrypoints.ray_serve.routing import DEFAULT_IMBALANCE
+
+    from .route_sim import policies_arg
+
+    p = bench.add_parser(
+        "replicas",
+        help="replicas on a local Ray cluster: chunk-affinity vs round-robin vs least-loaded "
+        "routing on a Zipf RAG workload (needs blendkv[ray] and redis-server)",
+    )
+    add_config_args(p, EngineConfig, ("model",))
+    add_config_args(p, EngineConfig, ("dtype",), defaults={"dtype": "float32"})
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--policies", type=policies_arg, default=list(_POLICIES))
+    p.add_argument("--imbalance", type=int, default=DEFAULT_IMBALANCE)
+    p.add_argument("--documents", type=int, default=48, help="passages in the corpus")
+    p.add_argument("--per-request", type=int, default=4, help="documents per request")
+    p.add_argument("--topic-size", type=int, default=8, help="documents per topic")
+    p.add_argument("--requests", type=int, default=64, help="requests per router")
+    p.add_argument("--zipf-s", type=float, default=1.0, help="popularity exponent")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument(
+        "--memory-tier-chunks", type=int, default=16, help="each replica's memory tier, in chunks"
+    )
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--kv-cache-mb", type=int, default=384, help="each replica's KV pool")
+    p.add_argument("--kill-replica", action="store_true", help="also kill one mid-stream")
+    p.add_argument("--tier-samples", type=int, default=4, help="requests timed per tier")
+    p.add_argument("--cpus", type=int, default=2, help="the local Ray cluster's CPUs")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("replicas"))
+
+
+_POLICIES = ("round-robin", "least-loaded", "chunk-affinity")
+
+
+def _add_route_sim(bench) -> None:
+    from blendkv.entrypoints.ray_serve.routing import DEFAULT_IMBALANCE
+
+    from .route_sim import ints_arg, policies_arg
+
+    p = bench.add_parser(
+        "route-sim",
+        help="the same routers simulated to 64 replicas with measured per-tier costs",
+    )
+    p.add_argument("--costs", default=None, help="a `bench replicas --json` file")
+    p.add_argument("--replicas", type=ints_arg, default=[2, 4, 8, 16, 32, 64])
+    p.add_argument("--policies", type=policies_arg, default=list(_POLICIES))
+    p.add_argument("--imbalance", type=int, default=DEFAULT_IMBALANCE)
+    p.add_argument("--documents-per-replica", type=int, default=48)
+    p.add_argument("--requests-per-replica", type=int, default=200)
+    p.add_argument("--memory-tier-chunks", type=int, default=24)
+    p.add_argument("--per-request", type=int, default=4)
+    p.add_argument("--topic-size", type=int, default=8, help="documents per topic")
+    p.add_argument("--zipf-s", type=float, default=1.0)
+    p.add_argument(
+        "--load",
+        type=float,
+        default=0.8,
+        help="arrivals / capacity with every chunk from the store",
+    )
+    p.add_argument("--stats-period", type=float, default=1.0, help="seconds between reports")
+    p.add_argument("--ingest-workers", type=ints_arg, default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("route_sim"))
 
 
 def _run(kind: str):

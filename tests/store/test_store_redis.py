@@ -134,6 +134,29 @@ def test_a_second_process_store_sees_the_same_chunks_and_refuses_other_models(re
     assert "weights_hash" in str(err.value) and "head_dim" in str(err.value)
 
 
+def test_a_chunk_two_processes_store_at_once_is_stored_once(redis_url, fp):
+    """Two writers of the same chunk (ingest workers sharing a chunk): B stores it between A's
+    check and A's write; A's write is refused (WATCH) and A reports B's chunk."""
+    with (
+        open_kv_store(redis_url, fp, memory_tier_bytes=0) as a,
+        open_kv_store(redis_url, fp, memory_tier_bytes=0) as b,
+    ):
+        incr = a.client.incr
+        theirs = []
+
+        def b_writes_first(name):  # runs between A's WATCH and A's MULTI
+            if not theirs:
+                theirs.extend(b.put_many([NewChunk(key_of(1), make_kv(1), doc_id="d")]))
+            return incr(name)
+
+        a.client.incr = b_writes_first
+        [mine] = a.put_many([NewChunk(key_of(1), make_kv(1), doc_id="d")])
+        assert theirs[0].inserted and not mine.inserted
+        assert mine.chunk_id == theirs[0].chunk_id
+        assert len(a) == 1 and a.verify().ok
+        assert same_bits(a.get(key_of(1)).kv, make_kv(1))
+
+
 def test_corrupted_value_is_a_checksum_miss(redis_url, fp):
     with open_kv_store(redis_url, fp, memory_tier_bytes=0) as s:
         s.put_many([NewChunk(key_of(2), make_kv(2))])

@@ -39,6 +39,7 @@ from blendkv.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     MetricsMiddleware,
+    ReplicaMiddleware,
     RequestIdMiddleware,
 )
 from blendkv.entrypoints.openai.protocol import (
@@ -132,6 +133,7 @@ class ServerState:
                 vocab_size=llm.engine.info.vocab_size,
                 num_layers=llm.engine.info.num_layers,
                 tokenizer=tokenizer,
+                replica_name=self.config.replica_name,
             )
             logger.info("model %s loaded; serving", self.served.model_name)
             if self._closing.is_set():  # the server stopped while the model loaded
@@ -198,6 +200,8 @@ def create_app(load: Callable[[], LLM] | LLM, config: ServeConfig | None = None)
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=ROUTES)
     app.add_middleware(RequestIdMiddleware)
+    if config.replica_name is not None:
+        app.add_middleware(ReplicaMiddleware, name=config.replica_name)
     return app
 
 

@@ -51,6 +51,26 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class ReplicaMiddleware:
+    """Every response carries ``x-blendkv-replica: NAME``: which replica served it, when the
+    server is one of several (``blendkv serve --replicas N``)."""
+
+    def __init__(self, app, name: str) -> None:
+        self.app, self.name = app, name.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_name(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (b"x-blendkv-replica", self.name)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_name)
+
+
 class MetricsMiddleware:
     """Counts every HTTP response by route (known paths, else "other") and status."""
 

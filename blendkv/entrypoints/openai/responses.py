@@ -49,6 +49,8 @@ def blend_info(out: RequestOutput | None, stream: RequestStream, served: Served)
     if out is None or out.blend_stats is None:
         return None
     info = out.blend_stats.to_dict()
+    if served.replica_name is not None:
+        info["replica"] = served.replica_name
     if "sources" in stream.extra:
         info["sources"] = stream.extra["sources"]
     token_map = out.blend_stats.token_map

@@ -27,6 +27,8 @@ class ServeConfig:
         (None: 1024 documents, max_model_len tokens; :mod:`.request_limits`).
     blend_audit_warn_kl: with ``blend_audit_rate`` > 0, warn when the mean first-token KL of
         the recent audits passes it (nats; :mod:`blendkv.guards.audit`).
+    replica_name: this server's name among replicas (``blendkv serve --replicas N``): every
+        response says it in ``x-blendkv-replica`` and blend stats in ``replica``. None: alone.
     """
 
     api_key: str | None = None
@@ -40,6 +42,7 @@ class ServeConfig:
     max_request_documents: int | None = None
     max_document_tokens: int | None = None
     blend_audit_warn_kl: float = DEFAULT_WARN_KL
+    replica_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:

@@ -51,6 +51,7 @@ class Served:
     # The HTTP side's own tokenizer (the engine thread uses the engine's): chat templates of
     # conversations with documents are rendered with it, as text.
     tokenizer: Any = None
+    replica_name: str | None = None  # among replicas: this one's (blend stats say it)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

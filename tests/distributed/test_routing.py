@@ -1,0 +1,113 @@
+"""The routing policies on injected replica summaries and queue depths (pure Python, no Ray):
+chunk affinity picks the replica holding most of a request's chunks, within the queue-depth
+imbalance bound, else the least loaded; the baselines do what their names say."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blendkv.entrypoints.ray_serve.routing import (
+    ChunkAffinity,
+    LeastLoaded,
+    ReplicaState,
+    RoundRobin,
+    TierSummary,
+    key_digest,
+    make_policy,
+)
+from blendkv.store.memory_tier import MemoryTier
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(2, "big") * 8  # 16 bytes, like a chunk key
+
+
+def chunks(*ids: int) -> list[list[str]]:
+    """A request's chunks: one candidate key each."""
+    return [[key_digest(key(i))] for i in ids]
+
+
+def replica(name: str, depth: int, memory=(), device=()) -> ReplicaState:
+    return ReplicaState(name, depth, TierSummary.of(map(key, memory), map(key, device)))
+
+
+def test_affinity_picks_the_replica_holding_most_chunks():
+    replicas = [
+        replica("a", 0, memory=[1]),
+        replica("b", 1, memory=[1, 2, 3]),
+        replica("c", 0, memory=[4]),
+    ]
+    decision = ChunkAffinity(imbalance=2).choose(chunks(1, 2, 3), replicas)
+    assert (decision.replica_id, decision.reason, decision.chunks_held) == ("b", "affinity", 3)
+
+
+def test_affinity_prefers_the_device_tier_then_the_shorter_queue():
+    on_device = [replica("a", 0, memory=[1, 2]), replica("b", 0, memory=[1], device=[2])]
+    assert ChunkAffinity().choose(chunks(1, 2), on_device).replica_id == "b"
+    shorter = [replica("a", 2, memory=[1, 2]), replica("b", 1, memory=[1, 2])]
+    assert ChunkAffinity().choose(chunks(1, 2), shorter).replica_id == "b"
+
+
+def test_affinity_respects_the_imbalance_bound():
+    # b holds every chunk but holds 3 more requests than a: past a bound of 2, not past 3.
+    replicas = [replica("a", 0, memory=[1]), replica("b", 3, memory=[1, 2, 3])]
+    assert ChunkAffinity(imbalance=2).choose(chunks(1, 2, 3), replicas).replica_id == "a"
+    assert ChunkAffinity(imbalance=3).choose(chunks(1, 2, 3), replicas).replica_id == "b"
+    # Within the bound nothing is held: the least loaded one.
+    replicas = [replica("a", 1), replica("b", 5, memory=[1, 2, 3]), replica("c", 0)]
+    decision = ChunkAffinity(imbalance=2).choose(chunks(1, 2, 3), replicas)
+    assert (decision.replica_id, decision.reason) == ("c", "least_loaded")
+
+
+def test_affinity_falls_back_to_the_least_loaded():
+    # No overlap, no chunks, no summary yet: the least loaded (ties in turn).
+    replicas = [replica("a", 1, memory=[7]), replica("b", 0), ReplicaState("c", 0, None)]
+    policy = ChunkAffinity()
+    picked = [policy.choose(chunks(1), replicas).replica_id for _ in range(4)]
+    assert picked == ["b", "c", "b", "c"]
+    assert policy.choose([], replicas).reason == "least_loaded"
+
+
+def test_a_chunk_found_under_any_of_its_candidate_keys_counts():
+    # A document sent in a request: stored under the store's anchor or the query-time one.
+    request = [[key_digest(key(1)), key_digest(key(9))], [key_digest(key(2))]]
+    replicas = [replica("a", 0, memory=[2]), replica("b", 0, memory=[9, 2])]
+    decision = ChunkAffinity().choose(request, replicas)
+    assert (decision.replica_id, decision.chunks_held) == ("b", 2)
+
+
+def test_baselines_ignore_what_replicas_hold():
+    replicas = [replica("a", 3, memory=[1]), replica("b", 1), replica("c", 2)]
+    rr = RoundRobin()
+    assert [rr.choose(chunks(1), replicas).replica_id for _ in range(4)] == ["a", "b", "c", "a"]
+    ll = LeastLoaded()
+    assert {ll.choose(chunks(1), replicas).replica_id for _ in range(3)} == {"b"}
+
+
+def test_policies_by_name_and_bad_options():
+    assert isinstance(make_policy("chunk-affinity", 4), ChunkAffinity)
+    assert make_policy("chunk-affinity", 4).imbalance == 4
+    assert isinstance(make_policy("round-robin"), RoundRobin)
+    with pytest.raises(ValueError, match="routing policy"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="imbalance"):
+        ChunkAffinity(-1)
+    with pytest.raises(ValueError, match="no replica"):
+        LeastLoaded().choose([], [])
+
+
+def test_summary_round_trips_and_follows_the_memory_tier():
+    tier = MemoryTier(3 * 64)
+    before = tier.generation
+    for i in range(4):  # the fourth evicts the first
+        tier.put(key(i), torch.zeros(16))
+    generation, keys = tier.keys_at()
+    assert generation > before and keys == [key(1), key(2), key(3)]
+    summary = TierSummary.of(keys, [key(3)], generation)
+    assert TierSummary.from_dict(summary.to_dict()) == summary
+    assert summary.held(chunks(0, 1, 3)) == (2, 1)
+    tier.get(key(2))  # a hit changes the order, not the set: the summary stands
+    assert tier.generation == generation
+    tier.discard(key(2))
+    assert tier.generation == generation + 1
