@@ -116,6 +116,7 @@ def test_engine_options_reach_the_engine_config():
         assert kwargs["num_threads"] == 3
         assert kwargs["prune_last_layer"] is False and kwargs["prefetch_kv"] is False
         assert kwargs["prefetch_kv_bytes"] == 4096
+        kwargs.pop("warmup")  # LLM's own, not the engine config's
         create_engine_config(**kwargs)  # valid config fields
         defaults = engine_kwargs(build_parser().parse_args(command))
         assert defaults["num_threads"] is None

@@ -29,17 +29,18 @@ def prose(seed: int, num_words: int) -> str:
 
 
 class ComputedRows:
-    """Counts the chunks the pipeline computes K/V for (rows of ``compute_kv``, the forward)."""
+    """Counts the chunks the pipeline computes K/V for (the runner's ``compute_chunk_kv``)."""
 
     def __init__(self, rag, monkeypatch) -> None:
         self.rows = 0
-        real = rag.manager.compute_kv
+        runner = rag.llm.engine.runner
+        real = runner.compute_chunk_kv
 
-        def counted(ids):
-            self.rows += len(ids)
-            return real(ids)
+        def counted(contexts, chunks):
+            self.rows += len(chunks)
+            return real(contexts, chunks)
 
-        monkeypatch.setattr(rag.manager, "compute_kv", counted)
+        monkeypatch.setattr(runner, "compute_chunk_kv", counted)
 
 
 def test_a_path_and_its_text_are_one_document(tiny_rag, tmp_path, monkeypatch):
