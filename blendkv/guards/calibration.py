@@ -164,10 +164,10 @@ def prompt_divergence(llm, prompt: dict, ratios: tuple[float, ...]) -> list[floa
 def _curve(llm, ratios, rows: list[list[float]], rng: random.Random, seconds: float):
     """The quantile per ratio with a bootstrap interval, made non-increasing in the ratio."""
     columns = list(zip(*rows, strict=True))
-    point = [_quantile(list(c)) for c in columns]
-    boots = [[_quantile(rng.choices(c, k=len(c))) for _ in range(1000)] for c in columns]
-    low = [_quantile(b, 0.05) for b in boots]
-    high = [_quantile(b, 0.95) for b in boots]
+    point = [quantile(list(c)) for c in columns]
+    boots = [[quantile(rng.choices(c, k=len(c))) for _ in range(1000)] for c in columns]
+    low = [quantile(b, 0.05) for b in boots]
+    high = [quantile(b, 0.95) for b in boots]
     # the upper envelope from the high ratios down: a higher ratio never promises more drift
     for values in (point, low, high):
         for i in range(len(values) - 2, -1, -1):
@@ -178,7 +178,7 @@ def _curve(llm, ratios, rows: list[list[float]], rng: random.Random, seconds: fl
     )
 
 
-def _quantile(values: list[float], q: float = QUANTILE) -> float:
+def quantile(values: list[float], q: float = QUANTILE) -> float:
     """The ``q`` quantile of ``values`` (linear between order statistics)."""
     xs = sorted(values)
     pos = q * (len(xs) - 1)
