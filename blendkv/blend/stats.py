@@ -50,9 +50,12 @@ class BlendStats:
         read_hidden_seconds: of the reads, those behind the forward (deferred, CPU).
         chunks_prefetched: chunks read while the request was queued (``prefetch_kv``).
         prefetch_seconds: those reads' time (not in ``load_seconds`` nor the step).
-        chosen_recompute_ratio: the ratio the loading controller picked (``"auto"``) or the
-            calibration picked for ``fidelity_target``; else None.
+        chosen_recompute_ratio: the ratio the loading controller picked (``"auto"``) or, for
+            ``fidelity_target``, the ratio it ran at: the calibration's pick moved by the
+            engine's fidelity controller (:mod:`blendkv.guards.fidelity_controller`); else None.
         fidelity_target: the request's fidelity target (nats), None without one.
+        predicted_recompute_ratio: with a target, the ratio the calibration picks for it (the
+            conservative one without a calibration): the floor the controller moves up from.
         calibrated: with a target, whether a calibration picked the ratio (False: no
             calibration for this store and model, the conservative ratio ran).
         precompute_seconds: time computing missed chunks.
@@ -93,6 +96,7 @@ class BlendStats:
     prefetch_seconds: float = 0.0
     chosen_recompute_ratio: float | None = None
     fidelity_target: float | None = None
+    predicted_recompute_ratio: float | None = None
     calibrated: bool | None = None
     precompute_seconds: float = 0.0
     store_errors: int = 0

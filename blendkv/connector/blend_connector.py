@@ -115,6 +115,7 @@ class BlendConnector(KVConnectorBase):
                 anchor_system=conf.anchor_system,
                 anchor_instruction=conf.anchor_instruction,
                 anchor_boundary_tokens=conf.anchor_boundary_tokens,
+                fidelity=ctx.fidelity,
             )
             info = ctx.info
             # On CUDA, values read from storage land in pinned memory (async copies).

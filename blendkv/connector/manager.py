@@ -23,7 +23,7 @@ import xxhash
 from blendkv.blend.config import BlendConfig
 from blendkv.connector.prompt import BlendedPrompt, PromptBuilder, parse_prompt
 from blendkv.connector.request_state import BlendRequestState
-from blendkv.guards.calibration import UNCALIBRATED_RATIO, Calibration
+from blendkv.guards.calibration import DEFAULT_RATIOS, UNCALIBRATED_RATIO, Calibration
 from blendkv.layers.rotary import rope_parameters
 from blendkv.store import (
     FingerprintMismatchError,
@@ -42,6 +42,7 @@ from blendkv.store.writer import BackgroundWriter
 from blendkv.text import replace_in_blended_prompt
 
 if TYPE_CHECKING:
+    from blendkv.guards.fidelity_controller import FidelityController
     from blendkv.store.base import ChunkKVStore
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,11 @@ class BlendManager:
         anchor_instruction: str | None = None,
         anchor_boundary_tokens: int = 0,
         kv_codec: str | None = None,
+        fidelity: FidelityController | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # Moves a target's ratio by live audits (the engine's); None: the calibration's alone.
+        self.fidelity = fidelity
         self.builder = PromptBuilder(tokenizer)
         # What chunks computed at query time are prefilled behind (request documents, misses)
         self.anchor_ids = self.builder.anchor(anchor_system, anchor_instruction)
@@ -249,9 +253,9 @@ class BlendManager:
         Raises on bad input."""
         config = config or BlendConfig()
         target = config.fidelity_target if config.target_mode else None
-        calibrated = None
+        calibrated = predicted = None
         if target is not None:  # the least ratio the store's calibration says meets it
-            config, calibrated = self._for_target(config)
+            config, predicted, calibrated = self._for_target(config)
         config.validate_for(self.num_layers)
         prompt = replace_in_blended_prompt(prompt)  # lone surrogates -> U+FFFD, with a warning
         parts = parse_prompt(prompt, self.builder.encode, self._stored_tokens)
@@ -270,19 +274,26 @@ class BlendManager:
         if target is not None:
             state.stats.fidelity_target = target
             state.stats.calibrated = calibrated
+            state.stats.predicted_recompute_ratio = predicted
             state.stats.chosen_recompute_ratio = config.recompute_ratio
         return state
 
-    def _for_target(self, config: BlendConfig) -> tuple[BlendConfig, bool]:
-        """``config`` with the ratio the calibration picks for its target (the conservative
-        one without a calibration), and whether a calibration picked it."""
+    def _for_target(self, config: BlendConfig) -> tuple[BlendConfig, float, bool]:
+        """``config`` with the ratio to run its target at, the ratio the calibration picks for
+        it (the conservative one without a calibration) and whether a calibration picked it.
+        The ratio run is the fidelity controller's: that pick moved along the calibration's
+        grid by live audits."""
         calibration = self.calibration()
         if calibration is None:
-            ratio = UNCALIBRATED_RATIO
+            predicted, grid = UNCALIBRATED_RATIO, DEFAULT_RATIOS
         else:
-            ratio = calibration.ratio_for(config.fidelity_target)
+            predicted = calibration.ratio_for(config.fidelity_target)
+            grid = calibration.ratios
+        ratio = predicted
+        if self.fidelity is not None:
+            ratio = self.fidelity.ratio_for(config.fidelity_target, predicted, grid)
         resolved = dataclasses.replace(config, recompute_ratio=ratio, fidelity_target=None)
-        return resolved, calibration is not None
+        return resolved, predicted, calibration is not None
 
     def calibration(self) -> Calibration | None:
         """The calibration saved beside the document store for this model (read once)."""

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from blendkv.config import EngineConfig
     from blendkv.engine.scheduler_output import PrecomputeWork, SchedulerOutput
     from blendkv.engine.sequence import Sequence
+    from blendkv.guards.fidelity_controller import FidelityController
     from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
     from blendkv.models.hooks import QueryPass, RowPlan
 
@@ -60,6 +61,9 @@ class KVConnectorContext:
     attn_backend: AttentionBackend
     info: Any  # RuntimeInfo
     resolved: Any  # the resolved model (paths, for fingerprints)
+    # The engine's FidelityController (blendkv.guards.fidelity_controller): fidelity targets
+    # resolve to ratios through it; the engine feeds it the audits.
+    fidelity: FidelityController | None = None
 
 
 @dataclass

@@ -40,6 +40,7 @@ from blendkv.engine.step_cost import StepCostModel, chunk_forward_work
 from blendkv.engine.structured_output import StructuredOutputs
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.guards.audit import Auditor
+from blendkv.guards.fidelity_controller import FidelityController
 from blendkv.kernels.attention import KVCacheSpec
 from blendkv.kernels.backends import get_attention_backend
 from blendkv.layers.batch_invariant import enable_batch_invariance
@@ -74,10 +75,19 @@ class LLMEngine:
         self.info = runtime_info(
             config, self.model, self.tokenizer, self.resolved.name, self.device, self.dtype
         )
+        # Holds fidelity targets on live traffic: their ratios move by the audits' divergence
+        # (blendkv.guards.fidelity_controller); the connector resolves targets through it.
+        self.fidelity = FidelityController()
         self.kv_connector = create_kv_connector(
             config.kv_connector,
             KVConnectorContext(
-                config, self.model, self.tokenizer, self.attn_backend, self.info, self.resolved
+                config,
+                self.model,
+                self.tokenizer,
+                self.attn_backend,
+                self.info,
+                self.resolved,
+                fidelity=self.fidelity,
             ),
         )
         self.block_manager = BlockManager(
@@ -251,7 +261,10 @@ class LLMEngine:
         first.logits_from = req.logits_from
         self.kv_connector.add_request(request_id, req.kv_transfer_params)
         if req.approximate and params.n == 1:  # n > 1 is never audited
-            self.auditor.choose(request_id, req.prompt_token_ids, req.stats)
+            # a target's request: its audit (target, ratio run) feeds the fidelity controller
+            target = getattr(req.stats, "fidelity_target", None)
+            ratio = req.stats.chosen_recompute_ratio if target is not None else None
+            self.auditor.choose(request_id, req.prompt_token_ids, req.stats, target, ratio)
         first.pending_children = [state.seq for state in states[1:]]
         if params.n > 1:
             self.parents[request_id] = ParentRequest(request_id, states)
@@ -317,7 +330,9 @@ class LLMEngine:
         for work, seconds in self.runner.run_precompute(out):
             self.step_costs.record(chunk_forward_work(work.num_tokens), seconds)
         for audit in out.audits:
-            self.auditor.record(audit.request_id, self.runner.full_prefill_logits(audit))
+            record = self.auditor.record(audit.request_id, self.runner.full_prefill_logits(audit))
+            if record.fidelity_target is not None:
+                self.fidelity.observe(record)
         if not out.scheduled:
             self.scheduler.update_from_output(out)
             return []

@@ -1,14 +1,20 @@
 """The fidelity controller (``blendkv.guards.fidelity_controller``): audits of a target's requests
 move its ratio along the calibration grid, up on drift and down on headroom, between the
-calibration's floor and full prefill, one step per fresh window."""
+calibration's floor and full prefill, one step per fresh window. The engine test runs it on the
+tiny random model with every request audited."""
 
 from __future__ import annotations
 
 import pytest
+from helpers import BLEND_DOCS as DOCS
+from helpers import BLEND_QUERY as QUERY
+from helpers import QuietLLM
 
+from blendkv import SamplingParams
+from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
 from blendkv.guards.audit import AuditRecord
-from blendkv.guards.calibration import DEFAULT_RATIOS
+from blendkv.guards.calibration import DEFAULT_RATIOS, UNCALIBRATED_RATIO
 from blendkv.guards.fidelity_controller import FidelityController
 
 TARGET = 0.4  # nats
@@ -106,3 +112,41 @@ def test_bad_knobs_are_typed_errors():
         FidelityController(headroom=1.0)
     with pytest.raises(ConfigError, match="window"):
         FidelityController(window=0)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def test_the_engine_raises_a_drifting_targets_ratio_and_leaves_explicit_ratios(tiny_llama_dir):
+    """No calibration: a target runs at the conservative ratio (0.3). Target 0 nats is one the
+    real blends on the random model miss, so the audits (every request, each run before the
+    next request) move it up a step within ``min_audits`` requests; an explicit ratio runs as
+    given and moves nothing."""
+    llm = QuietLLM(
+        str(tiny_llama_dir), dtype="float32", block_size=4, prefetch_kv=False, blend_audit_rate=1.0
+    )
+    with llm:
+        ctl = llm.engine.fidelity
+        target = BlendConfig(fidelity_target=0.0)
+        stats = []
+        for i in range(ctl.min_audits + 1):
+            prompt = {"documents": DOCS, "query": f"{QUERY} ({i})"}
+            stats.append(llm.generate([prompt], GREEDY, blend=target)[0].blend_stats)
+            llm.blend_audit_records()  # an idle engine: the audit runs
+        assert [s.predicted_recompute_ratio for s in stats] == [UNCALIBRATED_RATIO] * len(stats)
+        chosen = [s.chosen_recompute_ratio for s in stats]
+        assert chosen[: ctl.min_audits] == [UNCALIBRATED_RATIO] * ctl.min_audits
+        assert chosen[-1] == 0.5  # the next grid step (DEFAULT_RATIOS) above 0.3
+        records = llm.blend_audit_records()
+        assert all(r.fidelity_target == 0.0 for r in records)
+        assert [r.recompute_ratio for r in records][: ctl.min_audits] == chosen[: ctl.min_audits]
+        assert ctl.state()[0.0].ratio == 0.5
+
+        before = ctl.state()
+        prompt = {"documents": DOCS, "query": f"{QUERY} (explicit)"}
+        out = llm.generate([prompt], GREEDY, blend=BlendConfig(recompute_ratio=0.1))[0]
+        assert out.blend_stats.fidelity_target is None
+        assert out.blend_stats.predicted_recompute_ratio is None
+        assert llm.blend_audit_records()[-1].fidelity_target is None  # audited, not fed
+        assert out.blend_stats.recompute_fraction == pytest.approx(0.1, abs=0.05)
+        assert ctl.state() == before
