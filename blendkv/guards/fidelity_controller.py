@@ -25,12 +25,14 @@ it from stepping on its own echo. At 1.0 a target runs as full prefill, which is
 it stays there until the engine restarts (or the calibration changes).
 
 Pure Python, no tensors: the engine resolves targets through :meth:`ratio_for` and feeds it
-audit records; an explicit ``recompute_ratio`` never comes here.
+audit records; an explicit ``recompute_ratio`` never comes here. A lock guards it: the server
+resolves targets on its prepare thread while audits land on the engine thread.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -100,6 +102,7 @@ class FidelityController:
         self.min_audits = min_audits
         self.headroom = headroom
         self._tracks: dict[float, _Track] = {}  # by target, nats
+        self._lock = threading.Lock()
 
     def ratio_for(self, target: float, floor: float, grid: tuple[float, ...]) -> float:
         """The ratio to run a request with fidelity target ``target`` (nats) at: ``floor`` (what
@@ -108,15 +111,22 @@ class FidelityController:
         assert 0.0 <= floor <= 1.0, floor
         ladder = (floor, *sorted(r for r in set(grid) if floor < r < 1.0))
         ladder = ladder if ladder[-1] >= 1.0 else (*ladder, 1.0)
-        track = self._tracks.get(target)
-        if track is None or track.ladder != ladder:
-            track = self._tracks[target] = _Track(ladder, deque(maxlen=self.window))
-        return track.ratio
+        with self._lock:
+            track = self._tracks.get(target)
+            if track is None or track.ladder != ladder:
+                track = self._tracks[target] = _Track(ladder, deque(maxlen=self.window))
+            return track.ratio
 
     def observe(self, record: AuditRecord) -> int:
         """Count one audit of a target-mode request; returns the step taken: +1 (up), -1
         (down) or 0. An audit of a ratio the target has left, or of an unknown target, is
         not counted."""
+        with self._lock:
+            step = self._observe(record)
+        self.check_integrity()
+        return step
+
+    def _observe(self, record: AuditRecord) -> int:
         track = self._tracks.get(record.fidelity_target)
         if track is None or record.recompute_ratio != track.ratio:
             return 0
@@ -136,7 +146,6 @@ class FidelityController:
                 before,
                 track.ratio,
             )
-        self.check_integrity()
         return step
 
     def _decide(self, target: float, track: _Track) -> int:
@@ -149,14 +158,16 @@ class FidelityController:
 
     def state(self) -> dict[float, TargetControl]:
         """Per target seen, its floor, ratio now and audited 90th percentile."""
-        return {
-            target: TargetControl(t.ladder[0], t.ratio, t.p90, len(t.window))
-            for target, t in self._tracks.items()
-        }
+        with self._lock:
+            return {
+                target: TargetControl(t.ladder[0], t.ratio, t.p90, len(t.window))
+                for target, t in self._tracks.items()
+            }
 
     def check_integrity(self) -> None:
-        for track in self._tracks.values():
-            assert 0 <= track.offset < len(track.ladder), (track.offset, track.ladder)
-            assert list(track.ladder) == sorted(set(track.ladder)), track.ladder
-            assert track.ladder[-1] == 1.0 and 0.0 <= track.ladder[0], track.ladder
-            assert len(track.window) <= self.window
+        with self._lock:
+            for track in self._tracks.values():
+                assert 0 <= track.offset < len(track.ladder), (track.offset, track.ladder)
+                assert list(track.ladder) == sorted(set(track.ladder)), track.ladder
+                assert track.ladder[-1] == 1.0 and 0.0 <= track.ladder[0], track.ladder
+                assert len(track.window) <= self.window
