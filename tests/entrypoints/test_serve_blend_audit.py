@@ -1,5 +1,6 @@
-"""The blend audit in the server: audited requests land in ``/metrics`` histograms, and a mean
-KL above ``blend_audit_warn_kl`` logs a warning (``blendkv.guards.audit``)."""
+"""The blend audit in the server: audited requests land in ``/metrics`` histograms (and, for a
+fidelity target, the fidelity controller's gauges), and a mean KL above ``blend_audit_warn_kl``
+logs a warning (``blendkv.guards.audit``)."""
 
 from __future__ import annotations
 
@@ -43,4 +44,14 @@ def test_audits_reach_metrics_and_warn(tmp_path, caplog):
             assert after["blendkv_blend_audit_top1_agreement_count"] == 1
             assert after["blendkv_blend_audit_kl_sum"] > 0
             assert "blendkv_blend_audit_kl_bucket{le=+Inf}" in after
+            # a fidelity target's request: the controller's ratio and audited p90 per target
+            body["blend"] = {"fidelity_target": 0.0}
+            status, _, reply = raw_request(url, "POST", "/v1/chat/completions", body=body)
+            assert status == 200, reply
+            p90 = "blendkv_fidelity_target_audit_p90{target=0}"
+            assert wait_for(lambda: p90 in scrape(url))
+            targets = scrape(url)
+            assert targets["blendkv_blend_audit_kl_count"] == 2
+            assert targets["blendkv_fidelity_target_recompute_ratio{target=0}"] == 0.3
+            assert targets[p90] > 0
     assert "above --blend-audit-warn-kl 0" in caplog.text

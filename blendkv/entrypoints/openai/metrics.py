@@ -6,7 +6,9 @@ Three sources:
 * the engine thread, after every step (:meth:`ServerMetrics.on_step`, an ``AsyncLLM`` step
   listener): tokens in/out, TTFT and end-to-end latency, blend counters, and how many requests
   received a token in the step (the continuous batch at work), and the blend audits that
-  landed (first-token KL and top-1 agreement histograms; ``blendkv.guards.audit``);
+  landed (first-token KL and top-1 agreement histograms; ``blendkv.guards.audit``) and, per
+  fidelity target, the ratio the fidelity controller runs it at and its audited p90
+  (``blendkv.guards.fidelity_controller``);
 * the engine's published :class:`~blendkv.entrypoints.async_llm.EngineStats`, read at scrape
   time: running/waiting requests, KV blocks used, steps, aborts.
 
@@ -16,7 +18,7 @@ The first tokens and audits also go to a bounded window of samples (:mod:`.healt
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blendkv.entrypoints.async_llm import AsyncLLM
@@ -43,6 +45,7 @@ class ServerMetrics:
     def __init__(self, blend_audit_warn_kl: float = DEFAULT_WARN_KL) -> None:
         r = self.registry = CollectorRegistry()
         self._auditor = None
+        self._fidelity = None  # the engine's FidelityController
         self._audit_warn_kl = blend_audit_warn_kl
         self.audit_watch = None
         self.health = HealthLog()  # the recent window, for /v1/blendkv/health and /ui
@@ -54,6 +57,16 @@ class ServerMetrics:
             "blendkv_blend_audit_top1_agreement",
             "Audited blends: 1 when the first token's argmax equals full prefill's, else 0",
             buckets=(0.5,), registry=r,
+        )  # fmt: skip
+        self.target_ratio = Gauge(
+            "blendkv_fidelity_target_recompute_ratio",
+            "Per fidelity target (nats): the recompute ratio its requests run at now",
+            ["target"], registry=r,
+        )  # fmt: skip
+        self.target_p90 = Gauge(
+            "blendkv_fidelity_target_audit_p90",
+            "Per fidelity target (nats): p90 of the audited divergence at that ratio, nats",
+            ["target"], registry=r,
         )  # fmt: skip
         self.http_requests = Counter(
             "blendkv_http_requests", "HTTP requests by route and status", ["route", "status"],
@@ -87,6 +100,7 @@ class ServerMetrics:
         """Observe ``engine``'s steps and export its stats (once, when the model is loaded)."""
         engine.add_step_listener(self.on_step)
         self._auditor = engine.llm.engine.auditor
+        self._fidelity = engine.llm.engine.fidelity
         self.audit_watch = AuditWatch(self._audit_warn_kl)
         self.registry.register(_EngineCollector(engine))
 
@@ -104,6 +118,8 @@ class ServerMetrics:
                 self.audit_top1.observe(1.0 if record.top1_agree else 0.0)
                 self.audit_watch.observe(record)
                 self.health.on_audit(record)
+        if self._fidelity is not None:  # read here: the engine's thread changes it
+            self._observe_targets()
         for out in outputs:
             m = out.metrics
             if len(out.outputs[0].token_ids) == 1:  # the request's first token
@@ -120,6 +136,12 @@ class ServerMetrics:
                 self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
                 if m.e2e_latency is not None:
                     self.e2e.observe(m.e2e_latency)
+
+    def _observe_targets(self) -> None:
+        for target, control in self._fidelity.state().items():
+            self.target_ratio.labels(f"{target:g}").set(control.ratio)
+            if control.p90 is not None:
+                self.target_p90.labels(f"{target:g}").set(control.p90)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
