@@ -27,10 +27,10 @@ from pathlib import Path
 
 from blendkv.errors import BlendKVError
 from blendkv.guards.fidelity import ANSWER_TOKENS
+from blendkv.guards.quantile import QUANTILE, quantile
 
 CALIBRATION_FILE = "calibration.json"
 DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
-QUANTILE = 0.9  # the share of requests a target promises
 # A target without a calibration: a ratio that keeps most prompts near full prefill on the
 # models measured (docs/guide/blending.md), at about three times the default's recompute.
 UNCALIBRATED_RATIO = 0.3
@@ -176,12 +176,3 @@ def _curve(llm, ratios, rows: list[list[float]], rng: random.Random, seconds: fl
     return Calibration(
         fingerprint, tuple(ratios), tuple(point), tuple(low), tuple(high), len(rows), seconds
     )
-
-
-def quantile(values: list[float], q: float = QUANTILE) -> float:
-    """The ``q`` quantile of ``values`` (linear between order statistics)."""
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
