@@ -111,6 +111,20 @@ def test_summarize_method_by_hand():
     assert s["ttft_speedup_paired_median"] == pytest.approx(1.0)  # ratios 2, 1, 0.5
 
 
+def test_summarize_within_target_and_greedy_differs_by_hand():
+    recs = [_record("target@0.5", 1.0, 0.0) for _ in range(4)]
+    for r, kl, match in zip(recs, [0.0, 0.2, 0.5, 0.9], [1.0, 1.0, 0.0, 0.0], strict=True):
+        r.update(answer_max_kl=kl, continuation_match=match)
+    s = summarize_method(recs, fidelity_target=0.5)
+    assert s["fidelity_target"] == 0.5
+    assert s["within_target"] == 0.75  # 0.5 itself is within: the calibration's "<="
+    assert s["greedy_differs"] == 0.5
+    assert summarize_method(recs, fidelity_target=0.0)["within_target"] == 0.25
+    # Records of older runs lack the measure: no fraction rather than a wrong one.
+    old = summarize_method([_record("blend@0.1", 1.0, 0.0)])
+    assert old["within_target"] is None and old["greedy_differs"] == 0.5
+
+
 def test_write_outputs_files_and_sweep_only_with_two_ratios(tmp_path):
     config = {
         "data": "synthetic", "num_examples": 1, "model": None, "model_name": "m",
