@@ -29,9 +29,10 @@ def register_eval(sub) -> None:
     p.add_argument(
         "--methods",
         default="full,reuse,blend@0.15",
-        help="comma-separated: full, prefix, reuse, hf, blend@R (R in [0, 1]), "
-        "blend@R:SELECTION[+OPTIONS] (v_deviation, k_deviation, attention, random, prophet, "
-        "heads; default prophet with the K correction)",
+        help="comma-separated: full, prefix, reuse, default (BlendConfig() as shipped), hf, "
+        "blend@R (R in [0, 1]), blend@R:SELECTION[+OPTIONS] (v_deviation, k_deviation, "
+        "attention, random, prophet, heads; default prophet with the K correction), target@T "
+        "(BlendConfig(fidelity_target=T): the engine picks the ratio for T nats)",
     )
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N examples")
     p.add_argument(
@@ -47,6 +48,12 @@ def register_eval(sub) -> None:
     p.add_argument(
         "--answer-tokens", type=int, default=16,
         help="tokens of full prefill's answer the teacher-forced KL follows",
+    )  # fmt: skip
+    p.add_argument(
+        "--fidelity-target", type=float, default=None, metavar="NATS",
+        help="report per method the fraction of examples whose largest next-token KL over the "
+        "first 16 answer tokens is within NATS (default: a target@T method's own T, "
+        "0.5 for the others; fewer tokens with a smaller --answer-tokens)",
     )  # fmt: skip
     add_config_args(p, EngineConfig, ("max_model_len",))
     p.add_argument(
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_order=args.chunk_order,
         kv_codecs=args.kv_codec,
         reference_cache=args.reference_cache,
+        fidelity_target=args.fidelity_target,
     )  # validates the method names before the model loads
     names = [m.name for m, _ in config.variants]
     if args.baseline is not None and args.baseline not in names:

@@ -10,6 +10,13 @@ A method is how the prompt's K/V comes about:
   another fusion strategy of :class:`BlendConfig`: a selection (``attention``, ``k_deviation``,
   ``random``, ``prophet``, ``heads``; the default is ``v_deviation``) followed by options
   joined with ``+`` (:func:`parse_strategy`), e.g. ``blend@0.1:prophet+cv+h4``.
+- ``default``: ``BlendConfig()`` as shipped, whatever its defaults are (today ProphetKV with
+  the K correction at ratio 0.10, so it is the same method as ``blend@0.1``). It is passed as
+  the request's own config, so the engine's cost check, which may run full prefill or a cheaper
+  selection for a request that passes none, does not change it.
+- ``target@T``: ``BlendConfig(fidelity_target=T)``, T in nats (>= 0): the engine picks the
+  ratio per request from a calibration beside the run's chunk store (the private store has
+  none: the conservative 0.3); each record's ``recompute_ratio`` says which.
 - ``hf``: transformers ``generate`` on the same token ids (an engine-independent reference).
 
 Every timed request starts from an empty prefix cache (except the ``prefix`` warm-up), so TTFT
@@ -20,6 +27,7 @@ only the answer tokens and the prompt's last partial block.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -33,7 +41,7 @@ from blendkv.guards.fidelity import TeacherForced, generate_cold, teacher_forced
 
 __all__ = ["Method", "MethodError", "MethodRun", "parse_method", "parse_methods", "run_method"]
 
-PLAIN_METHODS = ("full", "prefix", "reuse", "hf")
+PLAIN_METHODS = ("full", "prefix", "reuse", "default", "hf")
 
 
 class MethodError(BlendKVError, ValueError):
@@ -45,6 +53,13 @@ class Method:
     name: str  # as written on the command line (``blend@0.15``), the key in every output
     kind: str  # "full" | "prefix" | "blend" | "hf"
     blend: BlendConfig | None = None  # for kind == "blend" (``reuse`` is blend at 0.0)
+
+    @property
+    def fidelity_target(self) -> float | None:
+        """The method's own fidelity target (nats): ``target@T``'s T, else None."""
+        if self.blend is None or not self.blend.target_mode:
+            return None
+        return self.blend.fidelity_target
 
 
 _OPTIONS = (
@@ -92,7 +107,8 @@ def parse_strategy(text: str) -> dict[str, Any]:
 
 
 def parse_method(name: str) -> Method:
-    """``"full"``, ``"prefix"``, ``"reuse"``, ``"hf"``, ``"blend@R"`` with R in [0, 1], or
+    """``"full"``, ``"prefix"``, ``"reuse"``, ``"default"``, ``"hf"``, ``"target@T"`` with T
+    >= 0 nats, ``"blend@R"`` with R in [0, 1], or
     ``"blend@R:STRATEGY"`` with STRATEGY a selection of
     :data:`~blendkv.blend.config.SELECTIONS` and options (:func:`parse_strategy`). A record
     name ``METHOD[codec]`` (``eval --kv-codec``, :mod:`blendkv.eval.codecs`) is METHOD."""
@@ -106,6 +122,10 @@ def parse_method(name: str) -> Method:
         return Method(name, name)
     if name == "reuse":
         return Method(name, "blend", BlendConfig(recompute_ratio=0.0))
+    if name == "default":
+        return Method(name, "blend", BlendConfig())
+    if name.startswith("target@"):
+        return Method(name, "blend", BlendConfig(fidelity_target=_target(name)))
     if name.startswith("blend@"):
         text, colon, selection = name.removeprefix("blend@").partition(":")
         try:
@@ -131,8 +151,23 @@ def parse_method(name: str) -> Method:
         return Method(name, "blend", config)
     raise MethodError(
         f"unknown method {name!r}; use one of {', '.join(PLAIN_METHODS)}, blend@R "
-        "(R in [0, 1], e.g. blend@0.15) or blend@R:SELECTION (e.g. blend@0.15:attention)"
+        "(R in [0, 1], e.g. blend@0.15), blend@R:SELECTION (e.g. blend@0.15:attention) or "
+        "target@T (a fidelity target of T >= 0 nats, e.g. target@0.5)"
     )
+
+
+def _target(name: str) -> float:
+    """``target@T``'s T, a finite number of nats >= 0."""
+    try:
+        target = float(name.removeprefix("target@"))
+    except ValueError:
+        target = math.nan
+    if not 0.0 <= target < math.inf:
+        raise MethodError(
+            f"bad method {name!r}: the fidelity target after 'target@' must be a finite "
+            "number of nats >= 0, e.g. target@0.5"
+        )
+    return target
 
 
 def _identity(method: Method) -> tuple:
@@ -141,6 +176,8 @@ def _identity(method: Method) -> tuple:
     if method.blend is None:
         return (method.kind,)
     b = method.blend
+    if b.target_mode:  # the ratio is the engine's pick: the target names the method
+        return (method.kind, "target", b.fidelity_target)
     strategy = b.cache_key() if 0.0 < b.recompute_ratio < 1.0 else None
     return (method.kind, b.recompute_ratio, strategy)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from blendkv.guards.fidelity import (
     Fidelity,
+    answer_divergence,
     first_token_agreement,
     kl_divergence,
     teacher_forced_fidelity,
@@ -31,6 +32,7 @@ from blendkv.guards.fidelity import (
 
 __all__ = [
     "Fidelity",
+    "answer_divergence",
     "exact_match",
     "f1_score",
     "first_line",

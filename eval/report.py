@@ -9,6 +9,8 @@
                             with two or more blend@R of one strategy; reuse is R = 0)
     DIR/pareto.png          answer KL against median TTFT, one line per fusion strategy (its
                             ratios), reuse and full as points (with any blend@R)
+    DIR/tradeoff.png        TTFT speedup against the fraction of examples within the fidelity
+                            target, one point per method, target@T apart from fixed ratios
 
 Plots use matplotlib's Agg backend (no display needed).
 """
@@ -39,6 +41,9 @@ _COLUMNS = (
     ("answer_kl", "answer KL", "{:.4f}"),
     ("answer_agreement", "answer agree", "{:.3f}"),
     ("continuation_match", "cont. match", "{:.2f}"),
+    ("fidelity_target", "target (nats)", "{:g}"),
+    ("within_target", "within target", "{:.2f}"),
+    ("greedy_differs", "greedy differs", "{:.2f}"),
     ("ttft_median_s", "TTFT p50 (s)", "{:.3f}"),
     ("ttft_p90_s", "TTFT p90 (s)", "{:.3f}"),
     ("ttft_speedup", "speedup vs full", "{:.2f}x"),
@@ -140,7 +145,10 @@ def _report_md(config: dict[str, Any], methods: dict[str, dict[str, Any]]) -> st
         "recomputed to the last layer (blend) or of prompt tokens computed (full, prefix, hf); "
         "`cost` = row-layers run / full prefill's (selection passes included). `prefix` reuses "
         "exact K/V, so its logit fidelity is full's (not re-measured); its answers and TTFT are "
-        "its own.\n\n" + format_table(methods) + "\n"
+        "its own. `within target`: the share of examples whose largest next-token KL over the "
+        "first 16 answer tokens (teacher-forced, what `BlendConfig(fidelity_target=...)` bounds) "
+        "is within `target` nats (a target promises 0.9); `greedy differs`: the share whose "
+        "greedy answer is not full prefill's.\n\n" + format_table(methods) + "\n"
     )
 
 
@@ -176,6 +184,9 @@ def write_outputs(out_dir: str | Path, result, baseline: str | None = None) -> d
     if any(sum(n.startswith("blend@") for _, n in points) >= 2 for points in sweeps.values()):
         paths["recompute_sweep"] = out / "recompute_sweep.png"
         _plot_sweep(result.summary, sweeps, paths["recompute_sweep"])
+    if any(s.get("within_target") is not None for s in result.summary.values()):
+        paths["tradeoff"] = out / "tradeoff.png"  # (journals of older runs lack the measure)
+        _plot_tradeoff(result.summary, paths["tradeoff"])
     return paths
 
 
@@ -279,6 +290,51 @@ def _plot_sweep(methods, sweeps: dict[str, list[tuple[float, str]]], path: Path)
         ax.grid(alpha=0.3)
         ax.legend(title="strategy", fontsize=8)
     fig.suptitle("blend recompute sweep")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_tradeoff(methods: dict[str, dict[str, Any]], path: Path) -> None:
+    """TTFT speedup over full prefill against the fraction of examples within the fidelity
+    target, one point per method: ``target@T`` (the engine picks the ratio) as triangles, fixed
+    ratios (``blend@R``, ``reuse``, ``default``) as circles, the others (full, prefix, hf) as
+    squares. A point held to another target than most (``target@T`` by default: its own T)
+    says so. A dotted line at 0.9, what a target promises. Upper-right is better."""
+    from collections import Counter
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    kinds = {
+        "fidelity target": ("^", "tab:red"),
+        "fixed ratio": ("o", "tab:blue"),
+        "no blend": ("s", "k"),
+    }
+    shown = {n: s for n, s in methods.items() if s.get("within_target") is not None}
+    common = Counter(s["fidelity_target"] for s in shown.values()).most_common(1)[0][0]
+    seen = set()
+    for name, s in shown.items():
+        method = parse_method(name)
+        if method.fidelity_target is not None:
+            kind = "fidelity target"
+        else:
+            kind = "fixed ratio" if method.kind == "blend" else "no blend"
+        marker, color = kinds[kind]
+        x, y = s["within_target"], s["ttft_speedup"]
+        ax.scatter(x, y, marker=marker, color=color, s=50, label=None if kind in seen else kind)
+        seen.add(kind)
+        target = s["fidelity_target"]
+        label = name if target == common else f"{name} (within {target:g})"
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.axvline(0.9, color="gray", linestyle=":", alpha=0.7, label="a target's promise (0.9)")
+    ax.set_xlim(-0.05, 1.05)
+    ax.set_xlabel(
+        f"fraction of examples within {common:g} nats (largest next-token KL, 16 answer tokens)"
+    )
+    ax.set_ylabel("TTFT speedup vs full prefill (median)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("speed against fidelity: fixed ratios and fidelity targets")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,6 +1,8 @@
 """``blendkv demo``: ingest the bundled demo documents into a temporary store and answer three
 questions, timing full prefill against blended prefill over exactly the same prompt tokens and
 printing both answers where they differ (a 135M model answers some questions badly either way).
+Per question it says the fidelity target (``--fidelity-target``), the recompute ratio that ran
+and whether the blended answer is full prefill's.
 
 Runs in float32 by default: on CPUs without bf16 matrix units, bfloat16 matmuls are several
 times slower, and the demo should take well under a minute.
@@ -31,7 +33,13 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="ingest bundled docs, ask 3 questions, compare TTFT")
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
+    knob = p.add_mutually_exclusive_group()
+    knob.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
+    knob.add_argument(
+        "--fidelity-target", type=float, default=None, metavar="NATS",
+        help="let the engine pick the ratio for this target (the demo's store is not "
+        "calibrated: the conservative ratio runs)",
+    )  # fmt: skip
     add_device_args(p, dtype="float32")
     p.set_defaults(func=run)
 
@@ -40,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from blendkv import LLM
     from blendkv.rag import RAGPipeline
 
-    blend = BlendConfig() if args.ratio is None else BlendConfig(recompute_ratio=args.ratio)
+    blend = BlendConfig(recompute_ratio=args.ratio, fidelity_target=args.fidelity_target)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     first_token = SamplingParams(max_tokens=1, temperature=0.0)
     print(f"loading the embedded model ({args.dtype}) ...")
@@ -64,19 +72,20 @@ def run(args: argparse.Namespace) -> int:
                 cold = rag.query(q, args.top_k, first_token, blend)  # first read: + checksums
                 warm = rag.query(q, args.top_k, params, blend)  # warm: page cache / memory tier
                 rows.append((q, len(ids), full, cold.ttft, warm))
-            _print(rows)
+            _print(rows, blend)
     llm.close()
     return 0
 
 
-def _print(rows) -> None:
+def _print(rows, blend: BlendConfig) -> None:
     for q, n, full, _, warm in rows:
         st = warm.blend_stats
         reference = full.outputs[0].text.strip()
-        same = " (the same as full prefill's)" if reference == warm.answer else ""
-        print(f"\nQ: {q}\nA, blended: {warm.answer}{same}")
+        same = reference == warm.answer
+        print(f"\nQ: {q}\nA, blended: {warm.answer}")
         if not same:
             print(f"A, full prefill: {reference}")
+        print(f"   {_knobs(st, blend)}; the same answer as full prefill: {'yes' if same else 'no'}")
         for s in warm.sources:
             print(
                 f"   source chunk {s.chunk_id} (score {s.score:.2f}): "
@@ -91,3 +100,13 @@ def _print(rows) -> None:
             f"{q[:24]:24s}  {full * 1e3:12.0f}   {cold * 1e3:12.0f}   {warm.ttft * 1e3:12.0f}"
             f"   {full / warm.ttft:7.1f}x"
         )
+
+
+def _knobs(stats, blend: BlendConfig) -> str:
+    """The target asked for (if any) and the recompute ratio the blend ran at."""
+    ratio = stats.chosen_recompute_ratio  # the engine's pick for a target
+    if ratio is None:
+        return f"recompute ratio {blend.recompute_ratio:g}"
+    calibrated = "calibrated" if stats.calibrated else "no calibration"
+    target = stats.fidelity_target
+    return f"fidelity target {target:g} nats: recompute ratio {ratio:g} ({calibrated})"

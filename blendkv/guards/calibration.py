@@ -145,7 +145,7 @@ def calibrate(
 def prompt_divergence(llm, prompt: dict, ratios: tuple[float, ...]) -> list[float]:
     """Per ratio, the largest next-token KL(full || blend) along full prefill's greedy answer."""
     from blendkv.blend.config import BlendConfig
-    from blendkv.guards.fidelity import kl_divergence, teacher_forced_logits
+    from blendkv.guards.fidelity import answer_divergence, teacher_forced_logits
     from blendkv.sampling_params import SamplingParams
 
     ids = list(llm.blend_manager().prepare(prompt, None).prompt.token_ids)
@@ -157,7 +157,7 @@ def prompt_divergence(llm, prompt: dict, ratios: tuple[float, ...]) -> list[floa
     for ratio in ratios:
         config = BlendConfig(recompute_ratio=ratio)
         test = teacher_forced_logits(llm, ids, answer, prompt, config).rows[:scored]
-        out.append(float(kl_divergence(ref, test).max()))
+        out.append(answer_divergence(ref, test, scored))
     return out
 
 

@@ -7,6 +7,8 @@
 - :func:`teacher_forced_logits`: next-token logits along a given answer, full prefill or blend.
 - :func:`kl_divergence`, :func:`first_token_agreement`, :func:`teacher_forced_fidelity`: the
   comparison of two such logit tensors (KL in nats, greedy agreement).
+- :func:`answer_divergence`: the largest next-token KL along the answer, what a fidelity target
+  bounds (the calibration's measure, :mod:`blendkv.guards.calibration`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "ANSWER_TOKENS",
     "Fidelity",
     "TeacherForced",
+    "answer_divergence",
     "first_token_agreement",
     "generate_cold",
     "kl_divergence",
@@ -133,3 +136,20 @@ def teacher_forced_fidelity(
     mean_kl = kl_divergence(ref, test).mean().item()
     agree = (ref.argmax(dim=-1) == test.argmax(dim=-1)).to(torch.float64).mean().item()
     return Fidelity(mean_kl, agree)
+
+
+def answer_divergence(
+    ref_logits: torch.Tensor, test_logits: torch.Tensor, max_tokens: int = ANSWER_TOKENS
+) -> float:
+    """The largest next-token KL(ref || test) over the first ``max_tokens`` rows, in nats: what
+    ``BlendConfig(fidelity_target=...)`` bounds, both ``[T, V]`` and teacher-forced along full
+    prefill's answer (row ``t``: after the prompt plus its first ``t`` tokens). A single token
+    where the two distributions part shows here; a mean hides it."""
+    if ref_logits.dim() != 2 or ref_logits.shape != test_logits.shape:
+        raise ValueError(
+            "expected two [T, V] logit tensors of equal shape, got "
+            f"{tuple(ref_logits.shape)} and {tuple(test_logits.shape)}"
+        )
+    if max_tokens < 1 or ref_logits.shape[0] == 0:
+        raise ValueError(f"no positions to score (T = {ref_logits.shape[0]}, max {max_tokens})")
+    return float(kl_divergence(ref_logits[:max_tokens], test_logits[:max_tokens]).max())

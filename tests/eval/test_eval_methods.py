@@ -33,6 +33,25 @@ def test_parse_blend_selection():
     ]  # fmt: skip
 
 
+def test_parse_default_and_fidelity_target():
+    m = parse_method("default")
+    assert (m.name, m.kind, m.blend) == ("default", "blend", BlendConfig())  # as shipped
+    assert m.fidelity_target is None
+    t = parse_method("target@0.5")
+    assert (t.name, t.kind, t.blend) == ("target@0.5", "blend", BlendConfig(fidelity_target=0.5))
+    assert t.blend.target_mode and t.fidelity_target == 0.5
+    assert parse_method("target@0").fidelity_target == 0.0
+    # Targets are told apart by T (their ratio is the engine's pick, not part of the name).
+    names = [m.name for m in parse_methods("full,default,target@0.5,target@1,blend@0.2")]
+    assert names == ["full", "default", "target@0.5", "target@1", "blend@0.2"]
+
+
+@pytest.mark.parametrize("spec", ["target@-1", "target@x", "target@", "target@inf", "target@nan"])
+def test_bad_fidelity_target_is_a_method_error(spec):
+    with pytest.raises(MethodError, match="fidelity target after 'target@' must be a finite"):
+        parse_method(spec)
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
@@ -53,6 +72,9 @@ def test_parse_blend_selection():
         ("blend@0.15,blend@0.15:prophet", "same method"),  # the default strategy
         ("reuse,blend@0:attention", "same method"),  # nothing recomputed: no pick to make
         ("blend@1,blend@1.0:random", "same method"),  # everything recomputed
+        ("default,blend@0.1", "same method"),  # BlendConfig()'s ratio and strategy
+        ("target@0.5,target@0.50", "same method"),
+        ("target", "unknown method"),
     ],
 )
 def test_bad_method_names_raise_clearly(spec, message):
@@ -87,6 +109,20 @@ def test_summarize_method_by_hand():
     assert s["ttft_median_s"] == pytest.approx(2.0)
     assert s["ttft_p90_s"] == pytest.approx(2.0 + 0.8 * 2.0)  # 0.9 * (3 - 1) = 1.8 -> v1 + .8 d
     assert s["ttft_speedup_paired_median"] == pytest.approx(1.0)  # ratios 2, 1, 0.5
+
+
+def test_summarize_within_target_and_greedy_differs_by_hand():
+    recs = [_record("target@0.5", 1.0, 0.0) for _ in range(4)]
+    for r, kl, match in zip(recs, [0.0, 0.2, 0.5, 0.9], [1.0, 1.0, 0.0, 0.0], strict=True):
+        r.update(answer_max_kl=kl, continuation_match=match)
+    s = summarize_method(recs, fidelity_target=0.5)
+    assert s["fidelity_target"] == 0.5
+    assert s["within_target"] == 0.75  # 0.5 itself is within: the calibration's "<="
+    assert s["greedy_differs"] == 0.5
+    assert summarize_method(recs, fidelity_target=0.0)["within_target"] == 0.25
+    # Records of older runs lack the measure: no fraction rather than a wrong one.
+    old = summarize_method([_record("blend@0.1", 1.0, 0.0)])
+    assert old["within_target"] is None and old["greedy_differs"] == 0.5
 
 
 def test_write_outputs_files_and_sweep_only_with_two_ratios(tmp_path):

@@ -7,6 +7,7 @@ import torch
 
 from blendkv.eval.metrics import (
     Fidelity,
+    answer_divergence,
     exact_match,
     f1_score,
     first_line,
@@ -122,6 +123,19 @@ def test_teacher_forced_fidelity_truncates_to_max_tokens():
         teacher_forced_fidelity(ref, test, max_tokens=0)
     with pytest.raises(ValueError):
         teacher_forced_fidelity(ref[:0], test[:0])
+
+
+def test_answer_divergence_is_the_largest_row_kl_within_max_tokens():
+    ref = torch.tensor([[0.0, math.log(3.0)]] * 5)
+    test = ref.clone()
+    test[1] = torch.tensor([math.log(3.0), 0.0])  # one flipped row: KL ln(3) / 2
+    test[3] = torch.tensor([0.0, math.log(2.0)])  # a smaller drift
+    row_kl = 0.25 * math.log(0.25 / 0.75) + 0.75 * math.log(0.75 / 0.25)
+    assert answer_divergence(ref, test) == pytest.approx(row_kl)  # not the mean over rows
+    assert answer_divergence(ref, test, max_tokens=1) == 0.0
+    assert answer_divergence(ref, ref) == 0.0
+    with pytest.raises(ValueError):
+        answer_divergence(ref[:0], test[:0])
 
 
 def test_summarize_linear_percentile():

@@ -1,0 +1,103 @@
+"""End to end: ``blendkv eval`` reports each method against a fidelity target (the share of
+examples within it, how often the greedy answer differs from full prefill's) and the ratio each
+blend ran at, on two synthetic examples with a tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from blendkv.cli import main
+from blendkv.eval.methods import parse_method
+from blendkv.eval.runner import REPORT_TARGET, EvalConfig
+from blendkv.guards.calibration import UNCALIBRATED_RATIO
+
+METHODS = ["full", "blend@0.2", "target@0.5"]
+
+
+@pytest.fixture(scope="module")
+def eval_dir(tmp_path_factory, eval_model_dir):
+    out = tmp_path_factory.mktemp("eval-target")
+    argv = ["eval", "--data", "synthetic", "--limit", "2", "--methods", ",".join(METHODS)]
+    argv += ["--model", str(eval_model_dir), "--fidelity-target", "0"]
+    argv += ["--dtype", "float32", "--max-tokens", "8", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    return out
+
+
+def _results(out):
+    return json.loads((out / "results.json").read_text())["methods"]
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "per_example.jsonl").open()]
+
+
+def test_within_target_and_greedy_differs_per_method(eval_dir):
+    m = _results(eval_dir)
+    assert list(m) == METHODS
+    for name, s in m.items():
+        assert s["fidelity_target"] == 0.0, name  # --fidelity-target holds every method to it
+        assert 0.0 <= s["within_target"] <= 1.0 and 0.0 <= s["greedy_differs"] <= 1.0
+    # Full prefill is its own reference: its divergence is exactly 0, within even a 0 target.
+    assert m["full"]["within_target"] == 1.0 and m["full"]["greedy_differs"] == 0.0
+    records = _records(eval_dir)
+    for name in METHODS:
+        rows = [r for r in records if r["method"] == name]
+        within = sum(r["answer_max_kl"] <= 0.0 for r in rows) / len(rows)
+        assert m[name]["within_target"] == pytest.approx(within)
+        differs = sum(r["continuation_match"] == 0.0 for r in rows) / len(rows)
+        assert m[name]["greedy_differs"] == pytest.approx(differs)
+    # A random model's blend drifts somewhere: the largest row KL is at least the mean.
+    for r in records:
+        assert r["answer_max_kl"] >= r["answer_kl"] - 1e-12
+    assert any(r["answer_max_kl"] > 0.0 for r in records if r["method"] == "blend@0.2")
+    report = (eval_dir / "report.md").read_text()
+    assert "within target" in report and "greedy differs" in report
+
+
+def test_the_ratio_each_blend_ran_at_is_in_every_record(eval_dir):
+    ratios = {(r["method"], r["id"]): r["recompute_ratio"] for r in _records(eval_dir)}
+    assert len(ratios) == 2 * len(METHODS)
+    for (method, _), ratio in ratios.items():
+        # No calibration beside the run's private store: a target runs the conservative ratio.
+        want = {"full": None, "blend@0.2": 0.2, "target@0.5": UNCALIBRATED_RATIO}[method]
+        assert ratio == want, method
+    stats = [r["blend_stats"] for r in _records(eval_dir) if r["method"] == "target@0.5"]
+    assert all(s["fidelity_target"] == 0.5 and s["calibrated"] is False for s in stats)
+
+
+def test_tradeoff_plot_is_written(eval_dir):
+    assert (eval_dir / "tradeoff.png").stat().st_size > 0
+
+
+def test_without_the_option_a_target_method_is_held_to_its_own(eval_dir, eval_model_dir, tmp_path):
+    """``--resume`` with every example journaled re-aggregates without the model: the same
+    records, held to the default targets."""
+    out = tmp_path / "again"
+    shutil.copytree(eval_dir, out)
+    argv = ["eval", "--data", "synthetic", "--limit", "2", "--methods", ",".join(METHODS)]
+    argv += ["--model", str(eval_model_dir), "--resume"]
+    argv += ["--dtype", "float32", "--max-tokens", "8", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    m = _results(out)
+    assert m["target@0.5"]["fidelity_target"] == 0.5
+    assert m["blend@0.2"]["fidelity_target"] == m["full"]["fidelity_target"] == REPORT_TARGET
+    records = _records(out)
+    for name, s in m.items():
+        rows = [r for r in records if r["method"] == name]
+        within = sum(r["answer_max_kl"] <= s["fidelity_target"] for r in rows) / len(rows)
+        assert s["within_target"] == pytest.approx(within)
+
+
+def test_target_for():
+    config = EvalConfig(data="synthetic", methods="full,blend@0.2,target@0.3")
+    targets = {m.name: config.target_for(m) for m in config.method_list}
+    assert targets == {"full": REPORT_TARGET, "blend@0.2": REPORT_TARGET, "target@0.3": 0.3}
+    config = EvalConfig(data="synthetic", methods="target@0.3", fidelity_target=1.5)
+    assert config.target_for(parse_method("target@0.3")) == 1.5
+    for bad in (-1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="fidelity_target"):
+            EvalConfig(data="synthetic", fidelity_target=bad)
