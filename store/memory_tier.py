@@ -32,6 +32,8 @@ class MemoryTier:
         hits: lookups that found their key.
         misses: lookups that did not.
         evictions: values dropped to stay within ``max_bytes``.
+        generation: bumped whenever a key enters or leaves (a replica's tier summary is
+            rebuilt only when it moved).
     """
 
     def __init__(self, max_bytes: int) -> None:
