@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from blendkv.engine.scheduler_output import AuditWork
-from blendkv.guards.fidelity import ANSWER_TOKENS
+from blendkv.guards.measure import ANSWER_TOKENS
 
 if TYPE_CHECKING:
     import torch

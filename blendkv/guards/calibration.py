@@ -26,8 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from blendkv.errors import BlendKVError
-from blendkv.guards.fidelity import ANSWER_TOKENS
-from blendkv.guards.quantile import QUANTILE, quantile
+from blendkv.guards.measure import ANSWER_TOKENS, QUANTILE, quantile
 
 CALIBRATION_FILE = "calibration.json"
 DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)

@@ -17,10 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from blendkv.guards.measure import ANSWER_TOKENS
 from blendkv.sampling_params import SamplingParams
-
-# The answer positions a divergence is measured over: the calibration's and the audit's.
-ANSWER_TOKENS = 16
 
 __all__ = [
     "ANSWER_TOKENS",

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from blendkv.errors import ConfigError
-from blendkv.guards.quantile import QUANTILE, quantile
+from blendkv.guards.measure import QUANTILE, quantile
 
 if TYPE_CHECKING:
     from blendkv.guards.audit import AuditRecord
