@@ -87,6 +87,7 @@ def run_start_gate(engine) -> GateResult | None:
     Returns None when the engine's connector is not the blend connector."""
     from blendkv.blend.config import BlendConfig
     from blendkv.entrypoints.warmup import _fresh_block_pool
+    from blendkv.errors import PromptTooLongError
     from blendkv.guards.fidelity import kl_divergence
     from blendkv.sampling_params import SamplingParams
 
@@ -98,9 +99,12 @@ def run_start_gate(engine) -> GateResult | None:
     prompt = {"documents": list(GATE_DOCUMENTS), "query": GATE_QUERY}
     params = SamplingParams(max_tokens=GATE_TOKENS, temperature=0.0, ignore_eos=True)
     config = BlendConfig(recompute_ratio=1.0)
-    num_ids = len(engine.prepare_request(prompt, params, blend=config).prompt_token_ids)
+    try:
+        num_ids = len(engine.prepare_request(prompt, params, blend=config).prompt_token_ids)
+    except PromptTooLongError:
+        num_ids = engine.info.max_model_len
     if num_ids + GATE_TOKENS > engine.info.max_model_len:
-        logger.info("start gate skipped: its %d-token prompt exceeds max_model_len", num_ids)
+        logger.info("start gate skipped: its prompt does not fit max_model_len")
         return None
     try:
         blend = _run(engine, prompt, params, config)

@@ -3,6 +3,8 @@ blend and serves full prefill (``blendkv.guards.start_gate``)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from helpers import QuietLLM
 
@@ -91,3 +93,15 @@ def test_a_blend_path_that_raises_is_refused_not_fatal(llm, monkeypatch):
         assert out.blend_stats.fallback == gate.reason
     finally:
         conn.blend_refused = None
+
+
+def test_a_max_model_len_shorter_than_the_gate_prompt_skips_the_gate(tiny_llama_dir, caplog):
+    """The gate's canned prompt does not fit: the engine starts, ungated, and says so."""
+    caplog.set_level(logging.INFO, logger="blendkv.guards.start_gate")
+    short = QuietLLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, blend_start_gate=True)
+    try:
+        assert short.start_gate is None
+        assert short.engine.kv_connector.blend_refused is None
+        assert "start gate skipped" in caplog.text
+    finally:
+        short.close()
