@@ -224,19 +224,23 @@ class SamplingParams:
         put(
             "repetition_penalty",
             _check_float(
-                "repetition_penalty", self.repetition_penalty, "a finite float > 0 (1 disables)",
+                "repetition_penalty",
+                self.repetition_penalty,
+                "a finite float > 0 (1 disables)",
                 lambda v: v > 0,
             ),
-        )  # fmt: skip
+        )
         put("logit_bias", self._normalise_logit_bias(self.logit_bias))
         if self.seed is not None:
             put(
                 "seed",
                 _check_int(
-                    "seed", self.seed, "None or an int in [-2**63, 2**64)",
+                    "seed",
+                    self.seed,
+                    "None or an int in [-2**63, 2**64)",
                     lambda v: _SEED_MIN <= v <= _SEED_MAX,
                 ),
-            )  # fmt: skip
+            )
         if self.max_tokens is not None:
             put(
                 "max_tokens",
@@ -256,10 +260,12 @@ class SamplingParams:
             put(
                 "prompt_logprobs",
                 _check_int(
-                    "prompt_logprobs", self.prompt_logprobs,
-                    f"None or an int in [0, {MAX_LOGPROBS}]", lambda v: 0 <= v <= MAX_LOGPROBS,
+                    "prompt_logprobs",
+                    self.prompt_logprobs,
+                    f"None or an int in [0, {MAX_LOGPROBS}]",
+                    lambda v: 0 <= v <= MAX_LOGPROBS,
                 ),
-            )  # fmt: skip
+            )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -268,10 +274,12 @@ class SamplingParams:
             put(
                 "logprobs",
                 _check_int(
-                    "logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]",
+                    "logprobs",
+                    self.logprobs,
+                    f"None or an int in [0, {MAX_LOGPROBS}]",
                     lambda v: 0 <= v <= MAX_LOGPROBS,
                 ),
-            )  # fmt: skip
+            )
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -149,8 +149,16 @@ def compare_methods(
             losses = len(ids) - wins - ties
         rows.append(
             MethodComparison(
-                m, metric, len(ids), float(x[m].mean()), ratio, diff, wins, losses, ties,
+                m,
+                metric,
+                len(ids),
+                float(x[m].mean()),
+                ratio,
+                diff,
+                wins,
+                losses,
+                ties,
                 "baseline" if m == base else verdict(diff, metric),
             )
-        )  # fmt: skip
+        )
     return rows

@@ -51,8 +51,11 @@ def codec_variants(methods: list, codecs: list[str]) -> list[tuple[Any, str]]:
     out = [(m, "none") for m in methods]
     for codec in codecs:
         if codec != "none":
-            out += [(replace(m, name=codec_method_name(m.name, codec)), codec)
-                    for m in methods if uses_store(m.kind)]  # fmt: skip
+            out += [
+                (replace(m, name=codec_method_name(m.name, codec)), codec)
+                for m in methods
+                if uses_store(m.kind)
+            ]
     return out
 
 

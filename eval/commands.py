@@ -46,52 +46,70 @@ def register_eval(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data set")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer")
     p.add_argument(
-        "--answer-tokens", type=int, default=16,
+        "--answer-tokens",
+        type=int,
+        default=16,
         help="tokens of full prefill's answer the teacher-forced KL follows",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--fidelity-target", type=float, default=None, metavar="NATS",
+        "--fidelity-target",
+        type=float,
+        default=None,
+        metavar="NATS",
         help="report per method the fraction of examples whose largest next-token KL over the "
         "first 16 answer tokens is within NATS (default: a target@T method's own T, "
         "0.5 for the others; fewer tokens with a smaller --answer-tokens)",
-    )  # fmt: skip
+    )
     add_config_args(p, EngineConfig, ("max_model_len",))
     p.add_argument(
-        "--anchor", default="prompt", choices=["prompt", "template", "generic"],
+        "--anchor",
+        default="prompt",
+        choices=["prompt", "template", "generic"],
         help="what chunks are precomputed behind after the chat template's prefix: the "
         "prompt's own instruction (default), nothing, or a generic instruction",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--anchor-boundary", type=int, default=0, metavar="N",
+        "--anchor-boundary",
+        type=int,
+        default=0,
+        metavar="N",
         help="also precompute each chunk behind the last N tokens of the chunk before it",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--chunk-order", default="source",
+        "--chunk-order",
+        default="source",
         help="passage order in the prompt: the data set's (source, default), or ranked by the "
         "RAG pipeline's embedder against the question: relevance_first, relevance_last",
-    )  # fmt: skip
+    )
     add_config_args(p, BlendConnectorConfig, ("kv_store_dir",))
     p.add_argument(
-        "--kv-codec", default="none", metavar="CODECS",
+        "--kv-codec",
+        default="none",
+        metavar="CODECS",
         help="stored-K/V codecs, comma-separated (none, int8, int4): reuse and blend methods "
         "run once per codec, from a store of that codec, as METHOD[codec]",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--baseline", default=None, metavar="METHOD",
+        "--baseline",
+        default=None,
+        metavar="METHOD",
         help="the method the report's bootstrap intervals compare every method with "
         "(default: the default blend, when the run has it)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--reference-cache", default=None, metavar="DIR",
+        "--reference-cache",
+        default=None,
+        metavar="DIR",
         help="keep full prefill's answer and logits per prompt in DIR and read them back in "
         "later runs of the same model and settings: only the other methods run (full's TTFT "
         "is then the one measured when it was stored)",
-    )  # fmt: skip
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
-        "--resume", action="store_true",
+        "--resume",
+        action="store_true",
         help="continue the run journaled in --out (same settings; --limit may grow)",
-    )  # fmt: skip
+    )
     p.set_defaults(func=run)
 
 

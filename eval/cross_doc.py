@@ -36,15 +36,62 @@ DOC_TOKENS = 400  # about this many tokens per document
 MAX_CHAINS = 12  # look-alike chains (two facts each), capped by the word lists
 
 # Filler vocabulary: none of it is a project, surname, honorific or attribute value.
-_TEAMS = ("logistics", "finance", "legal", "research", "facilities", "procurement", "outreach",
-          "training", "payroll", "security", "catering", "records")  # fmt: skip
-_THINGS = ("chairs", "printers", "cables", "desks", "lamps", "folders", "badges", "monitors",
-           "keyboards", "shelves", "routers", "whiteboards")  # fmt: skip
-_TOPICS = ("travel policy", "holiday rota", "fire drill", "parking plan", "hiring freeze",
-           "energy audit", "office move", "supplier review", "data retention rules",
-           "visitor policy", "recycling scheme", "expense limits")  # fmt: skip
-_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August",
-           "September", "October", "November", "December")  # fmt: skip
+_TEAMS = (
+    "logistics",
+    "finance",
+    "legal",
+    "research",
+    "facilities",
+    "procurement",
+    "outreach",
+    "training",
+    "payroll",
+    "security",
+    "catering",
+    "records",
+)
+_THINGS = (
+    "chairs",
+    "printers",
+    "cables",
+    "desks",
+    "lamps",
+    "folders",
+    "badges",
+    "monitors",
+    "keyboards",
+    "shelves",
+    "routers",
+    "whiteboards",
+)
+_TOPICS = (
+    "travel policy",
+    "holiday rota",
+    "fire drill",
+    "parking plan",
+    "hiring freeze",
+    "energy audit",
+    "office move",
+    "supplier review",
+    "data retention rules",
+    "visitor policy",
+    "recycling scheme",
+    "expense limits",
+)
+_MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 _DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday")
 _FILLER = (
     "The {team} team met on {day} to discuss the {topic}.",
@@ -80,7 +127,7 @@ def make_cross_doc(
             num_docs,
             int(tokens * CHARS_PER_TOKEN / num_docs),
             chains,
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 
@@ -100,10 +147,14 @@ def cross_doc_examples(
 
 def _filler(rng: random.Random) -> str:
     return rng.choice(_FILLER).format(
-        team=rng.choice(_TEAMS), thing=rng.choice(_THINGS), topic=rng.choice(_TOPICS),
-        month=rng.choice(_MONTHS), day=rng.choice(_DAYS), n=rng.randrange(2, 40),
+        team=rng.choice(_TEAMS),
+        thing=rng.choice(_THINGS),
+        topic=rng.choice(_TOPICS),
+        month=rng.choice(_MONTHS),
+        day=rng.choice(_DAYS),
+        n=rng.randrange(2, 40),
         room=rng.randrange(100, 999),
-    )  # fmt: skip
+    )
 
 
 def _make_record(
@@ -126,9 +177,10 @@ def _make_record(
         other_role.sentence.format(project=gold_project, person=people[1])
     )
     facts[rng.choice(others)].append(
-        other_attribute.sentence.format(person=gold_person, value=rng.choice(
-            [v for v in other_attribute.values if v != answer]))
-    )  # fmt: skip
+        other_attribute.sentence.format(
+            person=gold_person, value=rng.choice([v for v in other_attribute.values if v != answer])
+        )
+    )
     for project, person, value in zip(projects[1:], people[2:], values[1:], strict=True):
         a, b = rng.sample(range(num_docs), 2)  # each chain spans two documents too
         facts[a].append(role.sentence.format(project=project, person=person))
@@ -141,9 +193,13 @@ def _make_record(
             sentences.append(_filler(rng))
         rng.shuffle(sentences)
         paragraphs.append(
-            {"idx": d, "title": f"Memo {rng.randrange(100, 1000)}",
-             "paragraph_text": " ".join(sentences), "is_supporting": d in (bridge_doc, answer_doc)}
-        )  # fmt: skip
+            {
+                "idx": d,
+                "title": f"Memo {rng.randrange(100, 1000)}",
+                "paragraph_text": " ".join(sentences),
+                "is_supporting": d in (bridge_doc, answer_doc),
+            }
+        )
     hop1 = f"Who {role.clause} Project {gold_project}?"
     hop2 = f"What is the {attribute.noun} of {gold_person}?"
     return {

@@ -21,9 +21,18 @@ __all__ = ["RESUME_KEYS", "Journal", "JournalError"]
 
 # EvalConfig fields a resumed run must share with the journal's run.
 RESUME_KEYS = (
-    "data", "methods", "model", "dtype", "max_tokens", "seed", "answer_tokens", "max_model_len",
-    "anchor", "anchor_boundary", "chunk_order",
-)  # fmt: skip
+    "data",
+    "methods",
+    "model",
+    "dtype",
+    "max_tokens",
+    "seed",
+    "answer_tokens",
+    "max_model_len",
+    "anchor",
+    "anchor_boundary",
+    "chunk_order",
+)
 # What a journal written before a key existed ran with.
 _OLD_DEFAULTS = {"anchor": "prompt", "anchor_boundary": 0, "chunk_order": "source"}
 

@@ -61,13 +61,23 @@ def compare(base: dict, run: dict, metric: str, with_full: bool = False) -> list
         theirs = statistics.mean(base[(i, method)][metric] for i in ids)
         lower = sum(run[(i, method)][metric] < base[(i, method)][metric] for i in ids)
         higher = sum(run[(i, method)][metric] > base[(i, method)][metric] for i in ids)
-        low, high = _diff_interval([run[(i, method)][metric] - base[(i, method)][metric]
-                                    for i in ids])  # fmt: skip
+        low, high = _diff_interval(
+            [run[(i, method)][metric] - base[(i, method)][metric] for i in ids]
+        )
         rows.append(
-            {"method": method, "n": len(ids), "mean": ours, "base_mean": theirs, "lower": lower,
-             "higher": higher, "p": sign_test(lower, higher), "diff_low": low, "diff_high": high,
-             "called": "lower" if high < 0 else "higher" if low > 0 else "no difference"}
-        )  # fmt: skip
+            {
+                "method": method,
+                "n": len(ids),
+                "mean": ours,
+                "base_mean": theirs,
+                "lower": lower,
+                "higher": higher,
+                "p": sign_test(lower, higher),
+                "diff_low": low,
+                "diff_high": high,
+                "called": "lower" if high < 0 else "higher" if low > 0 else "no difference",
+            }
+        )
     return rows
 
 

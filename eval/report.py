@@ -233,8 +233,9 @@ def _plot_quality_vs_ttft(methods: dict[str, dict[str, Any]], path: Path) -> Non
             ax.scatter(x, y)
             # Stack the labels of points that (nearly) coincide, e.g. full and prefix.
             n = sum(abs(x - px) <= dx and abs(y - py) <= dy for _, px, py in points[:i])
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4 + 10 * n),
-                        fontsize=8)  # fmt: skip
+            ax.annotate(
+                name, (x, y), textcoords="offset points", xytext=(5, 4 + 10 * n), fontsize=8
+            )
         ax.set_xlabel("median TTFT (s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -261,8 +262,15 @@ def _plot_pareto(methods, sweeps: dict[str, list[tuple[float, str]]], path: Path
     for name, marker in (("reuse", "s"), ("full", "*")):
         if name in methods:
             s = methods[name]
-            ax.scatter(s["ttft_median_s"], s["answer_kl"], marker=marker, s=80, color="k",
-                       zorder=3, label=name)  # fmt: skip
+            ax.scatter(
+                s["ttft_median_s"],
+                s["answer_kl"],
+                marker=marker,
+                s=80,
+                color="k",
+                zorder=3,
+                label=name,
+            )
     ax.set_xscale("log")  # full prefill sits far to the right of every blend
     ax.set_xlabel("median TTFT (s, log scale)")
     ax.set_ylabel("answer KL vs full prefill (nats, lower is better)")

@@ -218,8 +218,9 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         variants = config.variants
         for ex, prompt in bar:
             _store_chunks(llm, stores, prompt)  # untimed: every chunk is a hit in the timed runs
-            runs, rows, cached = _run_example(llm, hf, variants, stores, prompt, params,
-                                              config.answer_tokens, reference)  # fmt: skip
+            runs, rows, cached = _run_example(
+                llm, hf, variants, stores, prompt, params, config.answer_tokens, reference
+            )
             records = _score_example([m for m, _ in variants], ex, prompt, runs, rows, config)
             for r in records:
                 r["reference_cached"] = cached

@@ -48,17 +48,59 @@ ROLES: tuple[Role, ...] = (
 )
 
 COLOURS = (
-    "teal", "crimson", "amber", "violet", "olive", "indigo", "scarlet", "ivory",
-    "maroon", "turquoise", "lavender", "ochre", "silver", "coral", "navy", "beige",
-)  # fmt: skip
+    "teal",
+    "crimson",
+    "amber",
+    "violet",
+    "olive",
+    "indigo",
+    "scarlet",
+    "ivory",
+    "maroon",
+    "turquoise",
+    "lavender",
+    "ochre",
+    "silver",
+    "coral",
+    "navy",
+    "beige",
+)
 CITIES = (
-    "Lisbon", "Osaka", "Quito", "Tallinn", "Nairobi", "Perth", "Bergen", "Cusco",
-    "Dakar", "Hanoi", "Krakow", "Lyon", "Mumbai", "Porto", "Seville", "Tbilisi",
-)  # fmt: skip
+    "Lisbon",
+    "Osaka",
+    "Quito",
+    "Tallinn",
+    "Nairobi",
+    "Perth",
+    "Bergen",
+    "Cusco",
+    "Dakar",
+    "Hanoi",
+    "Krakow",
+    "Lyon",
+    "Mumbai",
+    "Porto",
+    "Seville",
+    "Tbilisi",
+)
 INSTRUMENTS = (
-    "cello", "oboe", "harp", "banjo", "tuba", "sitar", "viola", "bassoon",
-    "clarinet", "mandolin", "trombone", "ukulele", "accordion", "piccolo", "lute", "flute",
-)  # fmt: skip
+    "cello",
+    "oboe",
+    "harp",
+    "banjo",
+    "tuba",
+    "sitar",
+    "viola",
+    "bassoon",
+    "clarinet",
+    "mandolin",
+    "trombone",
+    "ukulele",
+    "accordion",
+    "piccolo",
+    "lute",
+    "flute",
+)
 
 ATTRIBUTES: tuple[Attribute, ...] = (
     Attribute("favourite colour", "{person}'s favourite colour is {value}.", COLOURS),
@@ -69,16 +111,58 @@ ATTRIBUTES: tuple[Attribute, ...] = (
 )
 
 PROJECTS: tuple[str, ...] = (
-    "Aurora", "Basalt", "Cobalt", "Dervish", "Ember", "Falcon", "Granite", "Harbor",
-    "Ironwood", "Juniper", "Kestrel", "Lantern", "Monsoon", "Nimbus", "Obsidian", "Pinnacle",
-    "Quartz", "Riverstone", "Sapphire", "Tundra", "Umbra", "Vertex", "Willow", "Zephyr",
-)  # fmt: skip
+    "Aurora",
+    "Basalt",
+    "Cobalt",
+    "Dervish",
+    "Ember",
+    "Falcon",
+    "Granite",
+    "Harbor",
+    "Ironwood",
+    "Juniper",
+    "Kestrel",
+    "Lantern",
+    "Monsoon",
+    "Nimbus",
+    "Obsidian",
+    "Pinnacle",
+    "Quartz",
+    "Riverstone",
+    "Sapphire",
+    "Tundra",
+    "Umbra",
+    "Vertex",
+    "Willow",
+    "Zephyr",
+)
 
 SURNAMES: tuple[str, ...] = (
-    "Okafor", "Lindqvist", "Moreau", "Tanaka", "Alvarez", "Kowalski", "Haddad", "Brennan",
-    "Castillo", "Dubois", "Eriksen", "Fontaine", "Gallagher", "Horvath", "Iverson", "Jovanovic",
-    "Kaur", "Larsen", "Mbeki", "Novak", "Oyelaran", "Petrov", "Quintero", "Rasmussen",
-)  # fmt: skip
+    "Okafor",
+    "Lindqvist",
+    "Moreau",
+    "Tanaka",
+    "Alvarez",
+    "Kowalski",
+    "Haddad",
+    "Brennan",
+    "Castillo",
+    "Dubois",
+    "Eriksen",
+    "Fontaine",
+    "Gallagher",
+    "Horvath",
+    "Iverson",
+    "Jovanovic",
+    "Kaur",
+    "Larsen",
+    "Mbeki",
+    "Novak",
+    "Oyelaran",
+    "Petrov",
+    "Quintero",
+    "Rasmussen",
+)
 
 HONORIFICS: tuple[str, ...] = ("Dr.", "Prof.", "Ms.", "Mr.")
 

@@ -268,9 +268,15 @@ class AttentionBackend(ABC):
         keys = flat_k.index_select(0, slots).view(-1, num_kv_heads, head_dim)  # K only
         key_positions = torch.arange(len(slots), device=slots.device)
         scores += query_attention_mass(
-            q, keys, q_positions, key_positions, visible_prefix, scale=scale, window=window,
+            q,
+            keys,
+            q_positions,
+            key_positions,
+            visible_prefix,
+            scale=scale,
+            window=window,
             soft_cap=soft_cap,
-        )  # fmt: skip
+        )
 
     def shift_kept_rows(
         self,

@@ -99,9 +99,15 @@ def attention_with_mass(
     for lo in range(0, num_q, step):
         hi = min(num_q, lo + step)
         probs = _query_probs(
-            q[lo:hi], keys, q_positions[lo:hi], k_positions, visible_prefix, scale, window,
+            q[lo:hi],
+            keys,
+            q_positions[lo:hi],
+            k_positions,
+            visible_prefix,
+            scale,
+            window,
             soft_cap,
-        )  # fmt: skip
+        )
         mass += probs.sum(dim=(0, 1))
         o = torch.bmm(probs, v)  # [Hkv, G * rows, D]
         rows = hi - lo

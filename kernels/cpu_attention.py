@@ -73,8 +73,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return True
         if kernel is not None and what not in self._logged:
             self._logged.add(what)
-            logger.info("the C++ %s kernel takes float32 or bfloat16, not %s: torch runs", what,
-                        dtype)  # fmt: skip
+            logger.info(
+                "the C++ %s kernel takes float32 or bfloat16, not %s: torch runs", what, dtype
+            )
         return False
 
     # ---- the pool -----------------------------------------------------------------------
@@ -94,11 +95,36 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return
         super().load_encoded_kv(*args)
 
-    def shift_kept_rows(self, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks,
-                        cos, sin, attention_scaling) -> bool:  # fmt: skip
+    def shift_kept_rows(
+        self,
+        kv_cache,
+        which,
+        shrink,
+        pooled,
+        k,
+        v,
+        recomputed,
+        kept,
+        num_chunks,
+        cos,
+        sin,
+        attention_scaling,
+    ) -> bool:
         return self.ops is not None and cpu_blend.shift_kept_rows(
-            self.ops, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks, cos, sin,
-            attention_scaling)  # fmt: skip
+            self.ops,
+            kv_cache,
+            which,
+            shrink,
+            pooled,
+            k,
+            v,
+            recomputed,
+            kept,
+            num_chunks,
+            cos,
+            sin,
+            attention_scaling,
+        )
 
     # ---- attention ----------------------------------------------------------------------
     def _causal(self, q, k, v, scale, out, **wc) -> None:

@@ -36,8 +36,21 @@ def rope_write(ops, kv, kv_caches, first_layer, positions, slots, cos, sin) -> b
     return True
 
 
-def shift_kept_rows(ops, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks, cos,
-                    sin, attention_scaling) -> bool:  # fmt: skip
+def shift_kept_rows(
+    ops,
+    kv_cache,
+    which,
+    shrink,
+    pooled,
+    k,
+    v,
+    recomputed,
+    kept,
+    num_chunks,
+    cos,
+    sin,
+    attention_scaling,
+) -> bool:
     """``blendkv.blend.correction.correct_kept_rows`` in one call (float32 or bfloat16)."""
     if (
         kv_cache.dtype not in _DTYPES
@@ -48,8 +61,15 @@ def shift_kept_rows(ops, kv_cache, which, shrink, pooled, k, v, recomputed, kept
         or v.stride(-1) != 1
     ):
         return False
-    rows = (recomputed.rows, recomputed.slots, recomputed.positions, recomputed.chunk_ids,
-            kept.slots, kept.positions, kept.chunk_ids)  # fmt: skip
+    rows = (
+        recomputed.rows,
+        recomputed.slots,
+        recomputed.positions,
+        recomputed.chunk_ids,
+        kept.slots,
+        kept.positions,
+        kept.chunk_ids,
+    )
     ops.shift_kept_rows(
         kv_cache,
         {"k": 1, "v": 2, "kv": 3}[which],

@@ -94,8 +94,16 @@ class DecodeKernel:
         q = q.contiguous()
         dst = out if out.is_contiguous() else torch.empty_like(q)
         self.ops.decode_attention(
-            q, pool[0], pool[1], layout.rows, layout.slots, layout.lens, scale, dst,
-            0 if window is None else int(window), 0.0 if soft_cap is None else float(soft_cap),
-        )  # fmt: skip
+            q,
+            pool[0],
+            pool[1],
+            layout.rows,
+            layout.slots,
+            layout.lens,
+            scale,
+            dst,
+            0 if window is None else int(window),
+            0.0 if soft_cap is None else float(soft_cap),
+        )
         if dst is not out:
             out[layout.rows] = dst[layout.rows]

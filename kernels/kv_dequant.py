@@ -42,8 +42,9 @@ def _layers(enc: EncodedKV, lo: int, hi: int) -> EncodedKV:
         first = int(enc.outlier_heads[:lo].sum())
         outlier = enc.outlier_k[first : first + int(mask.sum())]
     shape = (hi - lo, 2, num_tokens, heads, head_dim)
-    return replace(enc, shape=shape, k=part(enc.k), v=part(enc.v), outlier_heads=mask,
-                   outlier_k=outlier)  # fmt: skip
+    return replace(
+        enc, shape=shape, k=part(enc.k), v=part(enc.v), outlier_heads=mask, outlier_k=outlier
+    )
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,9 @@ class EncodedChunk:
         return EncodedChunk(_layers(self.enc, lo, max(lo, hi)), token_lo)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> EncodedChunk:
-        return EncodedChunk(_moved(self.enc, lambda t: t.to(device, non_blocking=non_blocking)),
-                            self.token_lo)  # fmt: skip
+        return EncodedChunk(
+            _moved(self.enc, lambda t: t.to(device, non_blocking=non_blocking)), self.token_lo
+        )
 
     def pin_memory(self) -> EncodedChunk:
         return EncodedChunk(_moved(self.enc, lambda t: t.pin_memory()), self.token_lo)
@@ -131,8 +133,13 @@ def _moved(enc: EncodedKV, fn) -> EncodedKV:
     def part(p: QuantizedPart) -> QuantizedPart:
         return replace(p, q=fn(p.q), scale=fn(p.scale), zero=opt(p.zero))
 
-    return replace(enc, k=part(enc.k), v=part(enc.v), outlier_heads=opt(enc.outlier_heads),
-                   outlier_k=opt(enc.outlier_k))  # fmt: skip
+    return replace(
+        enc,
+        k=part(enc.k),
+        v=part(enc.v),
+        outlier_heads=opt(enc.outlier_heads),
+        outlier_k=opt(enc.outlier_k),
+    )
 
 
 def as_chunk(value) -> torch.Tensor | EncodedChunk:

@@ -235,8 +235,20 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     # ---- attention ----------------------------------------------------------------------
-    def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None,
-                out=None, kv_written=False):  # fmt: skip
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        attn_metadata,
+        scale,
+        *,
+        window=None,
+        soft_cap=None,
+        out=None,
+        kv_written=False,
+    ):
         md: AttentionMetadata | None = attn_metadata
         wc = {} if window is None and soft_cap is None else {"window": window, "soft_cap": soft_cap}
         out = torch.empty_like(q) if out is None else out
@@ -281,9 +293,14 @@ class TorchAttentionBackend(AttentionBackend):
             if mid < hi:  # ProphetKV's query rows: their output and their score, one call
                 request = md.query_mass[i]
                 mass = self._query_rows(
-                    q[mid:hi], keys, values, md.positions[mid:hi], request.visible_prefix,
-                    out[mid:hi], **mass_kw,
-                )  # fmt: skip
+                    q[mid:hi],
+                    keys,
+                    values,
+                    md.positions[mid:hi],
+                    request.visible_prefix,
+                    out[mid:hi],
+                    **mass_kw,
+                )
                 request.scores.add_(mass)
         if layout.decode is not None and not wc and not self.deterministic:
             self._decode(q, kv_cache, layout.decode, out, scale)
@@ -321,16 +338,30 @@ class TorchAttentionBackend(AttentionBackend):
             out.copy_(split_masked_attention(q, keys, values, positions, scale, layout))
 
     def _query_rows(
-        self, q, keys, values, positions, visible_prefix, out, scale=None, window=None,
+        self,
+        q,
+        keys,
+        values,
+        positions,
+        visible_prefix,
+        out,
+        scale=None,
+        window=None,
         soft_cap=None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Query rows' attention into ``out`` and the mass [S] float32 they pay each key
         (scale ``D ** -0.5`` unless given,
         :func:`~blendkv.kernels.attention_mass.attention_with_mass`)."""
         out[:], mass = attention_with_mass(
-            q, keys, values, positions, visible_prefix, scale=scale, window=window,
+            q,
+            keys,
+            values,
+            positions,
+            visible_prefix,
+            scale=scale,
+            window=window,
             soft_cap=soft_cap,
-        )  # fmt: skip
+        )
         return mass
 
     def _decode_layout(self, md: AttentionMetadata, seqs: list[int], cache_shape, q) -> Any:
@@ -351,9 +382,14 @@ class TorchAttentionBackend(AttentionBackend):
             keys, values = gather_kv(kv_cache, md.block_table[i, first // bs :], seq_len - first)
             position = md.positions[row : row + 1] - first
             out[row : row + 1], _ = attention_with_mass(
-                q[row : row + 1], keys, values, position, scale=scale,
-                window=window, soft_cap=soft_cap,
-            )  # fmt: skip
+                q[row : row + 1],
+                keys,
+                values,
+                position,
+                scale=scale,
+                window=window,
+                soft_cap=soft_cap,
+            )
 
     def _build_layout(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepLayout:
         fresh, decode, other = split_by_kind(md)

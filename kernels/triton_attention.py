@@ -115,9 +115,20 @@ class TritonAttentionBackend(TorchAttentionBackend):
         dequant_rope_load(kv_caches, first_layer, chunk, positions, slots, cos, sin)
 
     def add_query_mass(
-        self, scores, q, q_positions, kv_cache, slots, visible_prefix=0, *, scale=None,
-        window=None, soft_cap=None, lse=None, key_count=None,
-    ) -> None:  # fmt: skip
+        self,
+        scores,
+        q,
+        q_positions,
+        kv_cache,
+        slots,
+        visible_prefix=0,
+        *,
+        scale=None,
+        window=None,
+        soft_cap=None,
+        lse=None,
+        key_count=None,
+    ) -> None:
         """Two launches reading the keys in place, one given attention's ``lse``
         (:mod:`blendkv.kernels.triton.query_mass`)."""
         from blendkv.kernels.triton.query_mass import add_query_mass
@@ -138,8 +149,21 @@ class TritonAttentionBackend(TorchAttentionBackend):
     scores_in_attention = False  # its forward scores nothing: the pass scores in kernels
     attention_lse = True  # (from the prefill kernel: every row of such a step goes there)
 
-    def shift_kept_rows(self, kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks,
-                        cos, sin, attention_scaling) -> bool:  # fmt: skip
+    def shift_kept_rows(
+        self,
+        kv_cache,
+        which,
+        shrink,
+        pooled,
+        k,
+        v,
+        recomputed,
+        kept,
+        num_chunks,
+        cos,
+        sin,
+        attention_scaling,
+    ) -> bool:
         """A blended layer's K/V correction in one launch, two with the pooled prior
         (:mod:`blendkv.kernels.triton.chunk_shift`); False if the kernels cannot run here (the
         caller then does it with torch ops)."""
@@ -147,8 +171,20 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
         if kept.segments is None:
             return False
-        args = (kv_cache, which, shrink, pooled, k, v, recomputed, kept, num_chunks, cos, sin,
-                attention_scaling)  # fmt: skip
+        args = (
+            kv_cache,
+            which,
+            shrink,
+            pooled,
+            k,
+            v,
+            recomputed,
+            kept,
+            num_chunks,
+            cos,
+            sin,
+            attention_scaling,
+        )
         if self._first_use("chunk_shift", shift_kept_rows, *args):
             return True
         if self._kernel_ok["chunk_shift"]:
@@ -175,13 +211,26 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return True
 
     # ---- attention ----------------------------------------------------------------------
-    def forward(self, q, k, v, kv_cache, attn_metadata, scale, *, window=None, soft_cap=None,
-                out=None, kv_written=False):  # fmt: skip
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        attn_metadata,
+        scale,
+        *,
+        window=None,
+        soft_cap=None,
+        out=None,
+        kv_written=False,
+    ):
         md: AttentionMetadata | None = attn_metadata
         windowed = window is not None or soft_cap is not None
         if kv_cache is None and windowed:  # the pool-less pass: the dense torch reference
-            return super().forward(q, k, v, None, md, scale, window=window, soft_cap=soft_cap,
-                                   out=out)  # fmt: skip
+            return super().forward(
+                q, k, v, None, md, scale, window=window, soft_cap=soft_cap, out=out
+            )
         if kv_cache is None:
             if md is None or md.num_seqs == 1:
                 return _into(out, dense_causal_attention(q, k, v, scale))
@@ -195,9 +244,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
         if self.deterministic and not md.query_mass and lse is None:
             md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
         layout = self._layout(
-            md, q.shape[1] // kv_cache.shape[3], windowed or lse is not None, kv_cache.shape[3],
-            q.shape[2], kv_cache.dtype, lse is not None,
-        )  # fmt: skip
+            md,
+            q.shape[1] // kv_cache.shape[3],
+            windowed or lse is not None,
+            kv_cache.shape[3],
+            q.shape[2],
+            kv_cache.dtype,
+            lse is not None,
+        )
         if layout.fresh_ranges == [(0, md.num_tokens)] and self._xformers() is None:
             # one fresh prefill and nothing else (a plain prompt): SDPA's output as is
             return _into(out, dense_causal_attention(q, k, v, scale))
@@ -238,9 +292,16 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return out
 
     # ---- per-step layout ------------------------------------------------------------------
-    def _layout(self, md: AttentionMetadata, group: int, windowed: bool = False,
-                num_kv_heads: int = 1, head_dim: int = 0, dtype: torch.dtype | None = None,
-                all_tiles: bool = False) -> _StepLayout:  # fmt: skip
+    def _layout(
+        self,
+        md: AttentionMetadata,
+        group: int,
+        windowed: bool = False,
+        num_kv_heads: int = 1,
+        head_dim: int = 0,
+        dtype: torch.dtype | None = None,
+        all_tiles: bool = False,
+    ) -> _StepLayout:
         """``windowed``: for a layer with a window or a soft cap (fresh prefills are tiles);
         ``head_dim`` / ``dtype`` (of the K/V pool) pick the prefill kernel's tuned tiles;
         ``all_tiles``: decode rows too (the step wants every row's log-sum-exp)."""
@@ -265,9 +326,15 @@ class TritonAttentionBackend(TorchAttentionBackend):
             )
         return self._tiles[key]
 
-    def _build_layout(self, md: AttentionMetadata, group: int, windowed: bool,
-                      num_kv_heads: int = 1, tiles=None,
-                      all_tiles: bool = False) -> _StepLayout:  # fmt: skip
+    def _build_layout(
+        self,
+        md: AttentionMetadata,
+        group: int,
+        windowed: bool,
+        num_kv_heads: int = 1,
+        tiles=None,
+        all_tiles: bool = False,
+    ) -> _StepLayout:
         from blendkv.kernels.triton.decode_attention import default_num_splits
         from blendkv.kernels.triton.prefill_tiles import (
             DEFAULT_TILES,

@@ -104,11 +104,22 @@ def _pack_header(
         raise ValueError(f"shape {tuple(shape)} has a dim too large for the value header")
     dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     return _HEADER.pack(
-        MAGIC, FORMAT_VERSION, DTYPE_TO_CODE[dtype], len(shape), 0, nbytes, *dims,
-        layout.CODEC_CODES[params.codec], params.flags, 0,
-        params.k_group[0], params.k_group[1], params.v_group[0], params.v_group[1],
+        MAGIC,
+        FORMAT_VERSION,
+        DTYPE_TO_CODE[dtype],
+        len(shape),
+        0,
+        nbytes,
+        *dims,
+        layout.CODEC_CODES[params.codec],
+        params.flags,
+        0,
+        params.k_group[0],
+        params.k_group[1],
+        params.v_group[0],
+        params.v_group[1],
         params.num_outliers,
-    )  # fmt: skip
+    )
 
 
 def encode_value(value: torch.Tensor | EncodedKV) -> bytearray:

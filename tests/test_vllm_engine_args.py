@@ -47,13 +47,27 @@ def test_vllm_names_that_mean_something_here_are_used():
 
 def test_no_op_values_of_inapplicable_options_are_accepted():
     no_ops = dict(
-        tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
-        distributed_executor_backend=None, quantization=None, kv_cache_dtype="auto",
-        cpu_offload_gb=0, swap_space=0, tokenizer="/m", tokenizer_mode="auto",
-        trust_remote_code=True, revision=None, load_format="auto", enable_lora=False,
-        speculative_config=None, kv_transfer_config=None, compilation_config=None,
-        scheduling_policy="fcfs", task="generate", disable_log_stats=True,
-    )  # fmt: skip
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        distributed_executor_backend=None,
+        quantization=None,
+        kv_cache_dtype="auto",
+        cpu_offload_gb=0,
+        swap_space=0,
+        tokenizer="/m",
+        tokenizer_mode="auto",
+        trust_remote_code=True,
+        revision=None,
+        load_format="auto",
+        enable_lora=False,
+        speculative_config=None,
+        kv_transfer_config=None,
+        compilation_config=None,
+        scheduling_policy="fcfs",
+        task="generate",
+        disable_log_stats=True,
+    )
     assert create_engine_config(model="/m", **no_ops) == EngineConfig(model="/m")
     check_options(
         {**no_ops, "model": "/m"}, "RAGPipeline"

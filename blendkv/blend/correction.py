@@ -106,8 +106,20 @@ def correct_kept_rows(
         return
     if recomputed.segments is not None:
         cos, sin = rotary.tables(kv_cache.device)
-        if backend.shift_kept_rows(kv_cache, which, shrink, pooled, k, v, recomputed, kept,
-                                   num_chunks, cos, sin, rotary.attention_scaling):  # fmt: skip
+        if backend.shift_kept_rows(
+            kv_cache,
+            which,
+            shrink,
+            pooled,
+            k,
+            v,
+            recomputed,
+            kept,
+            num_chunks,
+            cos,
+            sin,
+            rotary.attention_scaling,
+        ):
             return
     if "v" in which:
         old_v = _read(kv_cache, 1, recomputed.slots)

@@ -85,9 +85,17 @@ class QueryPassRowPlan(QueryPassPlan):
             query = slice(first - lo, hi - lo)  # the sequence's last rows: a view, no gather
             positions = md.positions[lo:hi]
             self._seqs.append(
-                (sb, slice(lo, hi), positions, md.slot_mapping[lo:hi], query, positions[query],
-                 slots, visible)
-            )  # fmt: skip
+                (
+                    sb,
+                    slice(lo, hi),
+                    positions,
+                    md.slot_mapping[lo:hi],
+                    query,
+                    positions[query],
+                    slots,
+                    visible,
+                )
+            )
         if requests:
             md.query_mass = requests
 
@@ -115,14 +123,21 @@ class QueryPassRowPlan(QueryPassPlan):
         lse = attn_metadata.lse_out
         for sb, rows, _, _, query, query_positions, slots, visible in self._seqs:
             row_lse = None if lse is None else lse[rows][query]
-            self._score(sb, attn, q_rot[rows][query], query_positions, kv_cache, slots, visible,
-                        row_lse)  # fmt: skip
+            self._score(
+                sb, attn, q_rot[rows][query], query_positions, kv_cache, slots, visible, row_lse
+            )
 
     def _score(self, sb, attn, q_rot, q_positions, kv_cache, slots, visible, lse=None) -> None:
         self.backend.add_query_mass(
-            sb.query_scores, q_rot, q_positions, kv_cache, slots, visible, **attn.mass_kwargs(),
+            sb.query_scores,
+            q_rot,
+            q_positions,
+            kv_cache,
+            slots,
+            visible,
+            **attn.mass_kwargs(),
             lse=lse,
-        )  # fmt: skip
+        )
 
     def finish(self) -> None:
         for sb in self.blends:

@@ -131,8 +131,9 @@ class BlendRowPlan(RowPlan):
                     settled = self._settled_by_query_pass(sb)
                     self._settled[sb.index] = int(settled.sum())
                     keep[settled] = False
-                self._select(attn, sb, layer_idx, schedule[layer_idx], attn_metadata, q, k, v,
-                             kv_cache, keep)  # fmt: skip
+                self._select(
+                    attn, sb, layer_idx, schedule[layer_idx], attn_metadata, q, k, v, kv_cache, keep
+                )
                 n_in = int((self.seq_ids == sb.index).sum())
                 kept = n_in - (before - int(keep.sum()))
                 sb._events.append((layer_idx, n_in, kept, q is not None))
@@ -290,9 +291,13 @@ class BlendRowPlan(RowPlan):
             md.positions[rec_d], md.slot_mapping[rec_d], upload(rec_chunks, dev), rec_d, segments
         )
         kept_rows = Rows(
-            self.all_positions[kept_d], self.all_slots[kept_d], upload(kept_chunks, dev), None,
-            kept_segments, parts,
-        )  # fmt: skip
+            self.all_positions[kept_d],
+            self.all_slots[kept_d],
+            upload(kept_chunks, dev),
+            None,
+            kept_segments,
+            parts,
+        )
         return recomputed, kept_rows
 
     def row_layers(self, num_layers: int) -> int:

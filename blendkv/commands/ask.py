@@ -124,9 +124,14 @@ def run(args: argparse.Namespace) -> int:
             return 0
         answer = None
         pieces = pipeline.stream_query(
-            args.question, args.top_k, params, blend, args.system, filter=filter,
+            args.question,
+            args.top_k,
+            params,
+            blend,
+            args.system,
+            filter=filter,
             chunk_order=order,
-        )  # fmt: skip
+        )
         for piece in pieces:
             if isinstance(piece, RAGAnswer):
                 answer = piece

@@ -36,10 +36,13 @@ def register(sub) -> None:
     knob = p.add_mutually_exclusive_group()
     knob.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
     knob.add_argument(
-        "--fidelity-target", type=float, default=None, metavar="NATS",
+        "--fidelity-target",
+        type=float,
+        default=None,
+        metavar="NATS",
         help="let the engine pick the ratio for this target (the demo's store is not "
         "calibrated: the conservative ratio runs)",
-    )  # fmt: skip
+    )
     add_device_args(p, dtype="float32")
     p.set_defaults(func=run)
 

@@ -198,8 +198,9 @@ class BlendConnector(KVConnectorBase):
         nbytes = 2 * info.num_kv_heads * info.head_dim * loader.itemsize
         model = ModelCosts(info.num_layers, nbytes, qkv_share(ctx.model))
         overlapped = resolve_pipelined(self.pipelined, loader.device, ctx.attn_backend)
-        return apply_choice(state, self.manager, self.controller, model, overlapped,
-                            loader.device_tier)  # fmt: skip
+        return apply_choice(
+            state, self.manager, self.controller, model, overlapped, loader.device_tier
+        )
 
     def add_request(self, request_id: str, kv_transfer_params) -> None:
         if isinstance(kv_transfer_params, BlendRequestState):
@@ -214,8 +215,14 @@ class BlendConnector(KVConnectorBase):
         the background writer, nor (when values are held) in the memory tier already."""
         manager, held = self.manager, self._prefetcher.hold
         tier, on_device = manager.store.memory_tier, self._loader.device_tier or ()
-        return [k for k in keys if k not in on_device and manager.pending(k) is None
-                and not (held and k in tier) and manager.has(k)]  # fmt: skip
+        return [
+            k
+            for k in keys
+            if k not in on_device
+            and manager.pending(k) is None
+            and not (held and k in tier)
+            and manager.has(k)
+        ]
 
     def request_stats(self, seq) -> BlendStats | None:
         state = self._states.get(seq.request_id)

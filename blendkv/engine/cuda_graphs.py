@@ -74,8 +74,9 @@ class CudaGraphCapture:
 
         def begin() -> None:
             graphs.append(torch.cuda.CUDAGraph())
-            scope.append(torch.cuda.graph(graphs[-1], pool=self.pool,
-                                          capture_error_mode=self.error_mode))  # fmt: skip
+            scope.append(
+                torch.cuda.graph(graphs[-1], pool=self.pool, capture_error_mode=self.error_mode)
+            )
             scope[-1].__enter__()
 
         def end(exc: BaseException | None = None) -> None:

@@ -93,8 +93,9 @@ class PiecewiseGraphs(Pieces):
                 self.failed = f"{type(exc).__name__}: {exc}"
                 self._graphs.clear()
                 self._buffers.clear()
-                logger.warning("piecewise CUDA graph capture failed, running eagerly: %s",
-                               self.failed)  # fmt: skip
+                logger.warning(
+                    "piecewise CUDA graph capture failed, running eagerly: %s", self.failed
+                )
                 self.eager_runs += 1
                 return fn(*inputs)
         self._fill(reads, inputs)

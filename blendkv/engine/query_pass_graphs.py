@@ -84,9 +84,16 @@ class _StaticScores(RowPlan):
     def _score(self, attn, q_rot, kv_cache, lse) -> None:
         g = self.graphs
         g.attn_backend.add_query_mass(
-            g.scores, q_rot, g.score_positions[: self.size], kv_cache, self.key_slots, 0,
-            **attn.mass_kwargs(), lse=lse, key_count=g.seq_lens,
-        )  # fmt: skip
+            g.scores,
+            q_rot,
+            g.score_positions[: self.size],
+            kv_cache,
+            self.key_slots,
+            0,
+            **attn.mass_kwargs(),
+            lse=lse,
+            key_count=g.seq_lens,
+        )
 
 
 class _Cuts(LayerHooks):
@@ -149,9 +156,16 @@ class QueryPassGraphs:
     def buffers(self) -> list[torch.Tensor]:
         """The static buffers the graphs read and write."""
         return [
-            self.input_ids, self.positions, self.slot_mapping, self.score_positions,
-            self.seq_lens, self.block_table, self.key_positions, self.scores, self.lse,
-        ]  # fmt: skip
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.score_positions,
+            self.seq_lens,
+            self.block_table,
+            self.key_positions,
+            self.scores,
+            self.lse,
+        ]
 
     def can_run(self, num_rows: int, seq_len: int) -> bool:
         """Whether the query pass of one sequence (``num_rows`` rows, ``seq_len`` keys)
@@ -204,8 +218,9 @@ class QueryPassGraphs:
                 self.failed = f"{type(exc).__name__}: {exc}"
                 self._graphs.clear()
                 self.retained.clear()
-                logger.warning("query pass CUDA graph capture failed, running it eagerly: %s",
-                               self.failed)  # fmt: skip
+                logger.warning(
+                    "query pass CUDA graph capture failed, running it eagerly: %s", self.failed
+                )
                 return None
 
         def before(segment: int) -> None:
@@ -248,9 +263,14 @@ class QueryPassGraphs:
             plan.key_slots = table[self.key_positions // bs] * bs + self.key_positions % bs
             self.scores.zero_()
             self.model(
-                self.input_ids[:size], md.positions, self.kv_caches, md, row_plan=plan,
-                hooks=_Cuts(starts, cut), kv_only=True,
-            )  # fmt: skip
+                self.input_ids[:size],
+                md.positions,
+                self.kv_caches,
+                md,
+                row_plan=plan,
+                hooks=_Cuts(starts, cut),
+                kv_only=True,
+            )
             return self.scores
 
         forward(lambda: None)  # warm-up: the backend builds its layout for this metadata

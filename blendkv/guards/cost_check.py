@@ -118,8 +118,9 @@ def request_shape(state, manager, controller: LoadingController, device_tier=Non
     return RequestShape(len(state.prompt.token_ids), by_tier, missing, lead)
 
 
-def blend_row_layers(config: BlendConfig, num_layers: int, reused: int, other: int,
-                     qkv_share: float, lead: int = 0) -> float:  # fmt: skip
+def blend_row_layers(
+    config: BlendConfig, num_layers: int, reused: int, other: int, qkv_share: float, lead: int = 0
+) -> float:
     """Row-layers of a fused prefill of ``reused`` chunk tokens and ``other`` always-computed
     tokens, ``lead`` of them before the first chunk, as
     :class:`~blendkv.blend.row_plan.BlendRowPlan` counts them (selection passes included; the
@@ -152,8 +153,9 @@ def predict_blend_seconds(
         return None
     reused = shape.reused_tokens
     other = shape.num_prompt_tokens - reused
-    row_layers = blend_row_layers(config, model.num_layers, reused, other, model.qkv_share,
-                                  shape.lead_tokens)  # fmt: skip
+    row_layers = blend_row_layers(
+        config, model.num_layers, reused, other, model.qkv_share, shape.lead_tokens
+    )
     compute = row_layers / rate
     loaded_layers = model.num_layers - config.first_partial_layer
     load = 0.0
@@ -204,13 +206,21 @@ def choose(
             )
             return CostChoice("cheaper_selection", cheaper, why)
     return CostChoice(
-        "full_prefill", None, f"cost check: full prefill predicted {_ms(full)} ms <= blend "
+        "full_prefill",
+        None,
+        f"cost check: full prefill predicted {_ms(full)} ms <= blend "
         f"{_ms(blend)} ms ({_name(config)}); ran full prefill",
-    )  # fmt: skip
+    )
 
 
-def apply_choice(state, manager, controller: LoadingController, model: ModelCosts,
-                 overlapped: bool, device_tier=None):  # fmt: skip
+def apply_choice(
+    state,
+    manager,
+    controller: LoadingController,
+    model: ModelCosts,
+    overlapped: bool,
+    device_tier=None,
+):
     """``state`` (a ``BlendRequestState`` on the engine's default config) with :func:`choose`'s
     choice in its stats, and its config (and prefix-cache salt) the cheaper one when chosen.
     The caller runs a ``full_prefill`` choice as full prefill."""

@@ -314,8 +314,10 @@ class ChunkLoader:
         unknown = len(windows) != num_layers - first  # windows not set (or not this model's)
         if not state.config.full_reuse or unknown or all(w is None for w in windows):
             return {i: [0] * (num_layers - first) for i in todo}
-        loaded = [(max(state.prompt.chunk_spans[i][0], start), state.prompt.chunk_spans[i][1])
-                  for i in todo]  # fmt: skip
+        loaded = [
+            (max(state.prompt.chunk_spans[i][0], start), state.prompt.chunk_spans[i][1])
+            for i in todo
+        ]
         seq_len = len(state.prompt.token_ids)
         rows = computed_rows(loaded, start, seq_len)
         return dict(zip(todo, layer_skips(loaded, rows, seq_len, windows), strict=True))

@@ -362,9 +362,16 @@ class RAGPipeline:
         return self._answer(out, sources, prompt)
 
     def stream_query(
-        self, question: str, k: int = 6, sampling_params=None, blend=None, system=None, *,
-        filter: DocumentFilter | None = None, chunk_order: str | None = None,
-    ) -> Iterator[str | RAGAnswer]:  # fmt: skip
+        self,
+        question: str,
+        k: int = 6,
+        sampling_params=None,
+        blend=None,
+        system=None,
+        *,
+        filter: DocumentFilter | None = None,
+        chunk_order: str | None = None,
+    ) -> Iterator[str | RAGAnswer]:
         """Yield the answer's text pieces as they are generated, then the final RAGAnswer
         (arguments as :meth:`query`)."""
         sources, prompt, params, blend = self._prepare(

@@ -240,9 +240,11 @@ def _add_store(bench) -> None:
     p.add_argument("--chunks", type=int, default=None, help="chunks for the read bench")
     p.add_argument("--dir", default=None, help="parent of the temp data dir")
     p.add_argument(
-        "--backend", type=_backends, default=None,
+        "--backend",
+        type=_backends,
+        default=None,
         help="lmdb, redis or lmdb,redis: run the scaling benchmark",
-    )  # fmt: skip
+    )
     p.add_argument("--sizes", default="1000,10000,100000", help="store sizes (entries)")
     p.add_argument("--out", default="bench_out/store", help="scaling results folder")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server")

@@ -143,7 +143,7 @@ def compile_only(arch: int, variants: list[Variant], shape: str) -> Iterator[Non
                     registers,
                     local,
                     constants,
-                )  # fmt: skip
+                )
             )
         return None
 
@@ -164,8 +164,15 @@ def _checks_pass(name, kernel, check, module, like) -> bool:
     return True
 
 
-def run_workload(model_dir: Path, dtype: str, store: Path, arch: int, codec: str | None,
-                 variants: list[Variant], shape: str) -> None:  # fmt: skip
+def run_workload(
+    model_dir: Path,
+    dtype: str,
+    store: Path,
+    arch: int,
+    codec: str | None,
+    variants: list[Variant],
+    shape: str,
+) -> None:
     """The engine's launches, compiled: batched prefill and decode, a chunked prefill, and three
     blends whose chunks come from the store (``codec``). The store is filled first by the CPU
     backend: no compiled kernel writes an output, so chunks computed here would hold unwritten
@@ -231,8 +238,15 @@ def compile_shape(shape: str, dtype: str, arch: int, variants: list[Variant]) ->
     mlp = min(SHAPES[shape][1]["intermediate_size"], 1024)
     with tempfile.TemporaryDirectory(prefix=f"blendkv-compile-{shape}-") as tmp:
         model_dir = Path(tmp) / "model"
-        save_random_model(model_dir, shape, getattr(torch, dtype), "cpu", num_hidden_layers=2,
-                          vocab_size=512, intermediate_size=mlp)  # fmt: skip
+        save_random_model(
+            model_dir,
+            shape,
+            getattr(torch, dtype),
+            "cpu",
+            num_hidden_layers=2,
+            vocab_size=512,
+            intermediate_size=mlp,
+        )
         passes = fused_kernels._passes
         fused_kernels._passes = _checks_pass
         try:
@@ -254,8 +268,10 @@ def problems(variants: list[Variant], arch: int) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them",
+            file=sys.stderr,
+        )
         return 2
     import importlib
 
@@ -276,20 +292,26 @@ def main(args: argparse.Namespace) -> int:
         except Exception as e:  # a compile error: report it with its shape, go on
             failed.append(f"{shape}: {type(e).__name__}: {str(e)[:2000]}")
     failed += problems(variants, args.arch)
-    print(f"{'kernel':<26} {'shape':<8} {'warps':>5} {'stages':>6} {'shared':>8} {'regs':>5} "
-          f"{'spill B':>7}")  # fmt: skip
+    print(
+        f"{'kernel':<26} {'shape':<8} {'warps':>5} {'stages':>6} {'shared':>8} {'regs':>5} "
+        f"{'spill B':>7}"
+    )
     for v in sorted(variants, key=lambda v: (v.kernel, v.shape, v.shared)):
-        print(f"{v.kernel:<26} {v.shape:<8} {v.num_warps:>5} {v.num_stages:>6} {v.shared:>8} "
-              f"{v.registers if v.registers is not None else '-':>5} "
-              f"{v.local if v.local is not None else '-':>7}")  # fmt: skip
-    print(f"{len(variants)} variants of {len({v.kernel for v in variants})} kernels compiled "
-          f"for sm_{args.arch}")  # fmt: skip
+        print(
+            f"{v.kernel:<26} {v.shape:<8} {v.num_warps:>5} {v.num_stages:>6} {v.shared:>8} "
+            f"{v.registers if v.registers is not None else '-':>5} "
+            f"{v.local if v.local is not None else '-':>7}"
+        )
+    print(
+        f"{len(variants)} variants of {len({v.kernel for v in variants})} kernels compiled "
+        f"for sm_{args.arch}"
+    )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
                 {"arch": args.arch, "variants": [asdict(v) for v in variants], "failed": failed},
                 indent=1,
-            )  # fmt: skip
+            )
         )
     for line in failed:
         print(f"FAILED {line}", file=sys.stderr)

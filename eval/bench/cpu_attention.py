@@ -142,8 +142,19 @@ def main(args: argparse.Namespace) -> None:
     print(json.dumps({**info, **check_and_time("causal2048", calls, lambda f: f(), args.repeats)}))
     query = torch.arange(6300 - 55, 6300)
     q = torch.randn(len(query), HQ, D)
-    print(json.dumps({**info, **check_and_time("query55_over6300", _query_calls(q, keys, values,
-                                                query), lambda f: f(), args.repeats)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                **info,
+                **check_and_time(
+                    "query55_over6300",
+                    _query_calls(q, keys, values, query),
+                    lambda f: f(),
+                    args.repeats,
+                ),
+            }
+        )
+    )
     # As in a forward, where the layers between two calls evict their keys: 64 MiB touched
     # before each timed call (cold), and without it (warm).
     junk = torch.zeros(16 << 20)

@@ -99,9 +99,22 @@ def _runner(case: dict, tiles, target_programs: int):
 
     def run():
         prefill_attention(
-            out, q, cache, md.block_table, md.seq_lens, md.query_start_loc, md.positions,
-            tile_seqs, tile_starts, block_q, scale, None, None, splits, tiles,
-        )  # fmt: skip
+            out,
+            q,
+            cache,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
+            md.positions,
+            tile_seqs,
+            tile_starts,
+            block_q,
+            scale,
+            None,
+            None,
+            splits,
+            tiles,
+        )
 
     return run, out, splits
 
@@ -112,9 +125,16 @@ def _expected(case: dict) -> torch.Tensor:
     md, q, cache = case["md"], case["q"], case["cache"]
     out = torch.zeros_like(q)
     prefill_attention_reference(
-        out, q, cache, md.block_table, md.seq_lens_cpu, md.query_start_loc_cpu, md.positions,
-        [0], q.shape[2] ** -0.5,
-    )  # fmt: skip
+        out,
+        q,
+        cache,
+        md.block_table,
+        md.seq_lens_cpu,
+        md.query_start_loc_cpu,
+        md.positions,
+        [0],
+        q.shape[2] ** -0.5,
+    )
     return out.float()
 
 
@@ -179,7 +199,7 @@ def tune_heads(heads, keys: list[int], configs, repeats: int, device: str) -> di
                 "best_ms": round(times[best][i], 4),
             }
             for i, c in enumerate(cases)
-        ],  # fmt: skip
+        ],
         "best": best.as_dict(),
         "speedup": round(1 / score[best], 3),
         "ranking": [

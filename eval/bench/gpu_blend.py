@@ -205,12 +205,16 @@ def print_size(row: dict, ratio: float) -> None:
             f"{ms('blend_eager_s')}, reuse {ms('reuse_eager_s')}"
         )
     if "blend_eager_pass_s" in row:
-        print(f"    ProphetKV's query pass run eagerly (not replayed): blend "
-              f"{ms('blend_eager_pass_s')}")  # fmt: skip
+        print(
+            f"    ProphetKV's query pass run eagerly (not replayed): blend "
+            f"{ms('blend_eager_pass_s')}"
+        )
     if "blend_device_s" in row:
-        print(f"    chunks kept in device memory: blend {ms('blend_device_s')} "
-              f"({row['blend_device_speedup']:.2f}x), reuse {ms('reuse_device_s')}; chunks "
-              f"read from there {row['device_tier_chunks']}")  # fmt: skip
+        print(
+            f"    chunks kept in device memory: blend {ms('blend_device_s')} "
+            f"({row['blend_device_speedup']:.2f}x), reuse {ms('reuse_device_s')}; chunks "
+            f"read from there {row['device_tier_chunks']}"
+        )
     for name in ("full", "blend", "reuse", "blend_eager"):
         p = row.get(f"profile_{name}")
         if p:

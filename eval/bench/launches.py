@@ -44,19 +44,59 @@ from blendkv.engine.cuda_graphs import EagerCapture  # noqa: E402
 
 # aten ops that launch nothing on a GPU (views, allocations, metadata)
 _NO_KERNEL = {
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view",
-    "_unsafe_view", "as_strided", "alias", "slice", "select", "expand", "permute", "transpose",
-    "t", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "detach",
-    "lift_fresh", "_reshape_alias", "resize_", "unfold", "diagonal", "view_as_real",
-    "set_", "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
-    "result_type", "_has_compatible_shallow_copy_type", "is_nonzero", "record_stream",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "view",
+    "_unsafe_view",
+    "as_strided",
+    "alias",
+    "slice",
+    "select",
+    "expand",
+    "permute",
+    "transpose",
+    "t",
+    "unsqueeze",
+    "squeeze",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "detach",
+    "lift_fresh",
+    "_reshape_alias",
+    "resize_",
+    "unfold",
+    "diagonal",
+    "view_as_real",
+    "set_",
+    "is_same_size",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "result_type",
+    "_has_compatible_shallow_copy_type",
+    "is_nonzero",
+    "record_stream",
     # composites seen before they lower: their copies show up as _to_copy / clone / copy_
-    "to", "reshape", "contiguous", "detach_",
-}  # fmt: skip
+    "to",
+    "reshape",
+    "contiguous",
+    "detach_",
+}
 # Ops whose output size depends on the values of a device input: the host waits for them.
 _DATA_DEPENDENT = {
-    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
-}  # fmt: skip
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "bincount",
+}
 # Tensor methods that copy a tensor's values to the host.
 _HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
 _PROJECT = (str(Path(__file__).resolve().parents[2]) + os.sep, "blendkv" + os.sep)
@@ -344,24 +384,40 @@ def main(args: argparse.Namespace) -> int:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     with tempfile.TemporaryDirectory(prefix="blendkv-launches-") as tmp:
         LlamaForCausalLM(config).save_pretrained(tmp)
         make_tokenizer(config.vocab_size).save_pretrained(tmp)
-        llm = LLM(tmp, dtype="float32", device="cpu", attention_backend="triton",
-                  enable_prefix_caching=False, kv_store_dir=str(Path(tmp) / "store"))  # fmt: skip
+        llm = LLM(
+            tmp,
+            dtype="float32",
+            device="cpu",
+            attention_backend="triton",
+            enable_prefix_caching=False,
+            kv_store_dir=str(Path(tmp) / "store"),
+        )
         capture = None
         if not args.eager:  # what the engine does on CUDA
             capture = CountedCapture()
             runner = llm.engine.runner
             runner.piece_graphs = PiecewiseGraphs("cpu", capture=capture)
             runner.query_graphs = QueryPassGraphs(
-                runner.model, runner.attn_backend, runner.kv_caches, runner.block_size,
-                llm.engine.info.max_model_len, capture=capture,
-            )  # fmt: skip
+                runner.model,
+                runner.attn_backend,
+                runner.kv_caches,
+                runner.block_size,
+                llm.engine.info.max_model_len,
+                capture=capture,
+            )
         prompt = {
             "documents": [random_text(args.doc_words, seed=100 + d) for d in range(args.docs)],
             "query": "Which city is the capital of France?",
@@ -375,8 +431,12 @@ def main(args: argparse.Namespace) -> int:
             "reuse": lambda: llm.generate([prompt], one, blend=reuse),
             "full": lambda: llm.generate([full_ids], one),
         }
-        rows = {"layers": args.layers, "prompt_tokens": len(full_ids), "ratio": args.ratio,
-                "graphs": not args.eager}  # fmt: skip
+        rows = {
+            "layers": args.layers,
+            "prompt_tokens": len(full_ids),
+            "ratio": args.ratio,
+            "graphs": not args.eager,
+        }
         for name, run in runs.items():
             run()  # warm: chunks stored, kernels interpreted once, pieces captured
             rows[name] = count(run, device_tensors(llm), capture)

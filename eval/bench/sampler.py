@@ -60,13 +60,23 @@ def run_setting(name: str, args: argparse.Namespace) -> tuple[float, bool]:
         if step == args.steps - 1 and params.has_penalties:  # correctness first (untimed)
             want = dense_reference(logits, seqs, params).argmax(-1).tolist()
             pen = counts.inputs(seqs)
-            got = sampler.sample(logits.clone(), [params] * args.batch, [None] * args.batch,
-                                 [s.num_output_tokens for s in seqs], pen).token_ids  # fmt: skip
+            got = sampler.sample(
+                logits.clone(),
+                [params] * args.batch,
+                [None] * args.batch,
+                [s.num_output_tokens for s in seqs],
+                pen,
+            ).token_ids
             exact = list(got) == want
         t = time.perf_counter()
         pen = counts.inputs(seqs) if params.has_penalties else None
-        out = sampler.sample(logits, [params] * args.batch, [None] * args.batch,
-                             [s.num_output_tokens for s in seqs], pen)  # fmt: skip
+        out = sampler.sample(
+            logits,
+            [params] * args.batch,
+            [None] * args.batch,
+            [s.num_output_tokens for s in seqs],
+            pen,
+        )
         times.append(time.perf_counter() - t)
         for seq, token in zip(seqs, out.token_ids, strict=True):
             seq.append_token(token)

@@ -39,9 +39,16 @@ CHUNK_BYTES = int(np.prod(CHUNK_SHAPE)) * 2  # 11,796,480 bytes = 11.25 MiB
 
 def _fingerprint(layers: int, heads: int, head_dim: int) -> ModelFingerprint:
     return ModelFingerprint(
-        "LlamaForCausalLM", "bench", "bfloat16", "bench", {"rope_theta": 1e5}, (1,),
-        layers, heads, head_dim,
-    )  # fmt: skip
+        "LlamaForCausalLM",
+        "bench",
+        "bfloat16",
+        "bench",
+        {"rope_theta": 1e5},
+        (1,),
+        layers,
+        heads,
+        head_dim,
+    )
 
 
 def _chunk(base: torch.Tensor, i: int) -> torch.Tensor:
@@ -86,9 +93,12 @@ def bench_read_write(root: Path, num_chunks: int, repeats: int) -> dict:
         # Interleave the three so that load from other users of the machine hits all alike.
         best = dict.fromkeys(("checked", "once", "unchecked", "memcpy"), float("inf"))
         for _ in range(repeats):
-            for name, fn in (("checked", lambda: read(True)), ("memcpy", memcpy),
-                             ("once", lambda: read("once")),
-                             ("unchecked", lambda: read(False))):  # fmt: skip
+            for name, fn in (
+                ("checked", lambda: read(True)),
+                ("memcpy", memcpy),
+                ("once", lambda: read("once")),
+                ("unchecked", lambda: read(False)),
+            ):
                 start = time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - start)
@@ -178,8 +188,10 @@ def main(args: argparse.Namespace) -> dict:
         num_chunks = max(4, int((free - (1 << 30)) / (CHUNK_BYTES * 1.3)))
         print(f"only {free >> 20} MiB free: scaled the read bench to {num_chunks} chunks")
     total_gb = num_chunks * CHUNK_BYTES / 1e9
-    print(f"chunk {CHUNK_SHAPE} bf16 = {CHUNK_BYTES:,} bytes; {num_chunks} chunks = "
-          f"{total_gb:.2f} GB (1000 would be 11.8 GB, too much to keep warm)")  # fmt: skip
+    print(
+        f"chunk {CHUNK_SHAPE} bf16 = {CHUNK_BYTES:,} bytes; {num_chunks} chunks = "
+        f"{total_gb:.2f} GB (1000 would be 11.8 GB, too much to keep warm)"
+    )
     try:
         results = {"quick": args.quick, "torch_threads": torch.get_num_threads()}
         results["read_write"] = bench_read_write(root, num_chunks, repeats=2 if args.quick else 3)
@@ -200,8 +212,10 @@ def main(args: argparse.Namespace) -> dict:
         ("read (unchecked) / memcpy", rw["read_unchecked_vs_memcpy"]),
         ("write, fsync per chunk (MB/s)", rw["write_MBps"]),
     ]
-    rows += [(f"get p50 / p99 at {r['entries']:,} (us)", (r["get_p50_us"], r["get_p99_us"]))
-             for r in results["lookup"]]  # fmt: skip
+    rows += [
+        (f"get p50 / p99 at {r['entries']:,} (us)", (r["get_p50_us"], r["get_p99_us"]))
+        for r in results["lookup"]
+    ]
     rows += [(f"miss at {r['entries']:,} (us)", r["miss_us"]) for r in results["lookup"]]
     for r in results["faiss"]:
         for key in sorted(k for k in r if k.startswith("p50_ms_")):

@@ -42,9 +42,16 @@ REDIS_RAM_LIMIT = 8 << 30  # fillers Redis may hold on this 24 GiB machine
 
 def _fp(layers: int, heads: int, dim: int) -> ModelFingerprint:
     return ModelFingerprint(
-        "LlamaForCausalLM", "bench", "bfloat16", "bench", {"rope_theta": 1e5}, (1,),
-        layers, heads, dim,
-    )  # fmt: skip
+        "LlamaForCausalLM",
+        "bench",
+        "bfloat16",
+        "bench",
+        {"rope_theta": 1e5},
+        (1,),
+        layers,
+        heads,
+        dim,
+    )
 
 
 def _value(shape, tokens: int, i: int) -> torch.Tensor:
@@ -88,7 +95,7 @@ def bench_store(backend, root, redis_url, model, sizes) -> list[dict]:
                     [
                         NewChunk(chunk_key(fp, (1,), [filled + j]), _value(shape, 1, filled + j))
                         for j in range(n)
-                    ]  # fmt: skip
+                    ]
                 )
                 filled += n
             fill_s = time.perf_counter() - t0
@@ -140,13 +147,20 @@ def _measure(store, fp, shape, real, backend, model, size, fill_s) -> dict:
     get = _pcts(get_s, 1e3)
     probe = _pcts(probe_s, 1e6)
     return {
-        "backend": backend, "model": model, "entries": size, "fill_s": round(fill_s, 1),
+        "backend": backend,
+        "model": model,
+        "entries": size,
+        "fill_s": round(fill_s, 1),
         "chunk_MB": round(nbytes / 1e6, 1),
-        "put_p50_ms": put[0], "put_p99_ms": put[1], "get_p50_ms": get[0], "get_p99_ms": get[1],
+        "put_p50_ms": put[0],
+        "put_p99_ms": put[1],
+        "get_p50_ms": get[0],
+        "get_p99_ms": get[1],
         "read_MBps": nbytes * NUM_REAL / read_best / 1e6,
         "memcpy_MBps": nbytes * NUM_REAL / copy_best / 1e6,
-        "lookup_p50_us": probe[0], "lookup_p99_us": probe[1],
-    }  # fmt: skip
+        "lookup_p50_us": probe[0],
+        "lookup_p99_us": probe[1],
+    }
 
 
 def bench_faiss(sizes) -> list[dict]:
@@ -171,8 +185,15 @@ def bench_faiss(sizes) -> list[dict]:
                 index.search(vectors[q], 10)
                 lat.append(time.perf_counter() - t0)
             p50, p99 = _pcts(lat, 1e3)
-            rows.append({"kind": kind, "vectors": size, "build_s": round(build_s, 2),
-                         "search_p50_ms": p50, "search_p99_ms": p99})  # fmt: skip
+            rows.append(
+                {
+                    "kind": kind,
+                    "vectors": size,
+                    "build_s": round(build_s, 2),
+                    "search_p50_ms": p50,
+                    "search_p99_ms": p99,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -188,8 +209,10 @@ def plot(results: dict, path: Path) -> None:
     for (backend, model), style in zip(
         sorted({(r["backend"], r["model"]) for r in rows}), ["-o", "--o", "-s", "--s"], strict=False
     ):
-        mine = sorted((r for r in rows if (r["backend"], r["model"]) == (backend, model)),
-                      key=lambda r: r["entries"])  # fmt: skip
+        mine = sorted(
+            (r for r in rows if (r["backend"], r["model"]) == (backend, model)),
+            key=lambda r: r["entries"],
+        )
         x = [r["entries"] for r in mine]
         label = f"{backend}, {model}"
         axes[0].plot(x, [r["get_p50_ms"] for r in mine], style, label=label)

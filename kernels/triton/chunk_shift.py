@@ -49,11 +49,35 @@ def _slot_head(cache_ptr, slots_ptr, r, n_end, block_size, stride_cb, stride_co,
 
 
 @triton.jit
-def _deviation_sums(k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, lo, hi, cache_ptr, cos_ptr,
-                    sin_ptr, h, stride_kt, stride_kh, stride_vt, stride_vh, stride_c2, stride_cb,
-                    stride_co, stride_ch, block_size, half, head_dim, inv_scale_sq,
-                    DO_K: tl.constexpr, DO_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr):  # fmt: skip
+def _deviation_sums(
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    slots_ptr,
+    pos_ptr,
+    lo,
+    hi,
+    cache_ptr,
+    cos_ptr,
+    sin_ptr,
+    h,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c2,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    block_size,
+    half,
+    head_dim,
+    inv_scale_sq,
+    DO_K: tl.constexpr,
+    DO_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Sums of (fresh - reused) over recomputed rows ``lo .. hi`` for KV head ``h``: K's and V's,
     each as its two RoPE halves (zeros for a half not asked for)."""
     a = tl.arange(0, BLOCK_HALF)[None, :]  # the first half's dims; b = a + half
@@ -66,8 +90,9 @@ def _deviation_sums(k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, lo, hi, cache_pt
         r = start + tl.arange(0, BLOCK_R)[:, None]
         ok = (r < hi) & amask
         row = tl.load(rows_ptr + r, mask=r < hi, other=0).to(tl.int64)
-        old = _slot_head(cache_ptr, slots_ptr, r, hi, block_size, stride_cb, stride_co, h,
-                         stride_ch)  # fmt: skip
+        old = _slot_head(
+            cache_ptr, slots_ptr, r, hi, block_size, stride_cb, stride_co, h, stride_ch
+        )
         if DO_K:
             pos = tl.load(pos_ptr + r, mask=r < hi, other=0).to(tl.int64)
             cos_a, sin_a, cos_b, sin_b = _cos_sin(cos_ptr, sin_ptr, pos, head_dim, half, a, ok)
@@ -93,20 +118,67 @@ def _deviation_sums(k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, lo, hi, cache_pt
 
 
 @triton.jit
-def _sums_kernel(k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, seg_ptr, cache_ptr, cos_ptr,
-                 sin_ptr, sums_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_c2,
-                 stride_cb, stride_co, stride_ch, block_size, num_heads, half, head_dim,
-                 inv_scale_sq, DO_K: tl.constexpr, DO_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):  # fmt: skip
+def _sums_kernel(
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    slots_ptr,
+    pos_ptr,
+    seg_ptr,
+    cache_ptr,
+    cos_ptr,
+    sin_ptr,
+    sums_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c2,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    block_size,
+    num_heads,
+    half,
+    head_dim,
+    inv_scale_sq,
+    DO_K: tl.constexpr,
+    DO_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """sums[0 (K) / 1 (V), c, h] = the sum of (fresh - reused) over chunk c's recomputed rows."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     ka, kb, va, vb = _deviation_sums(
-        k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, tl.load(seg_ptr + c),
-        tl.load(seg_ptr + c + 1), cache_ptr, cos_ptr, sin_ptr, h, stride_kt, stride_kh,
-        stride_vt, stride_vh, stride_c2, stride_cb, stride_co, stride_ch, block_size, half,
-        head_dim, inv_scale_sq, DO_K, DO_V, BLOCK_R, BLOCK_HALF,
-    )  # fmt: skip
+        k_ptr,
+        v_ptr,
+        rows_ptr,
+        slots_ptr,
+        pos_ptr,
+        tl.load(seg_ptr + c),
+        tl.load(seg_ptr + c + 1),
+        cache_ptr,
+        cos_ptr,
+        sin_ptr,
+        h,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_c2,
+        stride_cb,
+        stride_co,
+        stride_ch,
+        block_size,
+        half,
+        head_dim,
+        inv_scale_sq,
+        DO_K,
+        DO_V,
+        BLOCK_R,
+        BLOCK_HALF,
+    )
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < half
     out = sums_ptr + (c * num_heads + h) * head_dim
@@ -133,12 +205,41 @@ def _pooled(sums_ptr, sa, sb, h, num_chunks, num_heads, head_dim, half, total, s
 
 
 @triton.jit
-def _shift_kernel(k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, seg_ptr, kept_slots_ptr,
-                  kept_pos_ptr, kept_seg_ptr, cache_ptr, cos_ptr, sin_ptr, sums_ptr, stride_kt,
-                  stride_kh, stride_vt, stride_vh, stride_c2, stride_cb, stride_co, stride_ch,
-                  block_size, num_chunks, num_heads, half, head_dim, inv_scale_sq, shrink,
-                  DO_K: tl.constexpr, DO_V: tl.constexpr, POOLED: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+def _shift_kernel(
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    slots_ptr,
+    pos_ptr,
+    seg_ptr,
+    kept_slots_ptr,
+    kept_pos_ptr,
+    kept_seg_ptr,
+    cache_ptr,
+    cos_ptr,
+    sin_ptr,
+    sums_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c2,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    block_size,
+    num_chunks,
+    num_heads,
+    half,
+    head_dim,
+    inv_scale_sq,
+    shrink,
+    DO_K: tl.constexpr,
+    DO_V: tl.constexpr,
+    POOLED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     c = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(seg_ptr + c)
@@ -162,20 +263,63 @@ def _shift_kernel(k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, seg_ptr, kept_slot
             at = sums_ptr + (c * num_heads + h) * head_dim + d
             v_sums = sums_ptr + num_chunks * num_heads * head_dim
             n_all = total.to(tl.float32)
-            ska, skb = _pooled(sums_ptr, tl.load(at, mask=dmask, other=0.0),
-                               tl.load(at + half, mask=dmask, other=0.0), h, num_chunks,
-                               num_heads, head_dim, half, n_all, shrink, d)  # fmt: skip
+            ska, skb = _pooled(
+                sums_ptr,
+                tl.load(at, mask=dmask, other=0.0),
+                tl.load(at + half, mask=dmask, other=0.0),
+                h,
+                num_chunks,
+                num_heads,
+                head_dim,
+                half,
+                n_all,
+                shrink,
+                d,
+            )
             at = at + num_chunks * num_heads * head_dim
-            sva, svb = _pooled(v_sums, tl.load(at, mask=dmask, other=0.0),
-                               tl.load(at + half, mask=dmask, other=0.0), h, num_chunks,
-                               num_heads, head_dim, half, n_all, shrink, d)  # fmt: skip
+            sva, svb = _pooled(
+                v_sums,
+                tl.load(at, mask=dmask, other=0.0),
+                tl.load(at + half, mask=dmask, other=0.0),
+                h,
+                num_chunks,
+                num_heads,
+                head_dim,
+                half,
+                n_all,
+                shrink,
+                d,
+            )
         else:
             ska, skb, sva, svb = _deviation_sums(
-                k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, lo, hi, cache_ptr, cos_ptr, sin_ptr,
-                h, stride_kt, stride_kh, stride_vt, stride_vh, stride_c2, stride_cb, stride_co,
-                stride_ch, block_size, half, head_dim, inv_scale_sq, DO_K, DO_V, BLOCK_R,
+                k_ptr,
+                v_ptr,
+                rows_ptr,
+                slots_ptr,
+                pos_ptr,
+                lo,
+                hi,
+                cache_ptr,
+                cos_ptr,
+                sin_ptr,
+                h,
+                stride_kt,
+                stride_kh,
+                stride_vt,
+                stride_vh,
+                stride_c2,
+                stride_cb,
+                stride_co,
+                stride_ch,
+                block_size,
+                half,
+                head_dim,
+                inv_scale_sq,
+                DO_K,
+                DO_V,
+                BLOCK_R,
                 BLOCK_HALF,
-            )  # fmt: skip
+            )
         weight = 1.0 / tl.maximum((hi - lo).to(tl.float32) + shrink, 1e-12)
         ska, skb = (ska * weight)[None, :], (skb * weight)[None, :]
         sva, svb = (sva * weight)[None, :], (svb * weight)[None, :]
@@ -183,8 +327,17 @@ def _shift_kernel(k_ptr, v_ptr, rows_ptr, slots_ptr, pos_ptr, seg_ptr, kept_slot
         for start in range(kept_lo, kept_hi, BLOCK_R):
             r = start + tl.arange(0, BLOCK_R)[:, None]
             ok = (r < kept_hi) & amask
-            dst = _slot_head(cache_ptr, kept_slots_ptr, r, kept_hi, block_size, stride_cb,
-                             stride_co, h, stride_ch)  # fmt: skip
+            dst = _slot_head(
+                cache_ptr,
+                kept_slots_ptr,
+                r,
+                kept_hi,
+                block_size,
+                stride_cb,
+                stride_co,
+                h,
+                stride_ch,
+            )
             if DO_K:
                 pos = tl.load(kept_pos_ptr + r, mask=r < kept_hi, other=0).to(tl.int64)
                 cos_a, sin_a, cos_b, sin_b = _cos_sin(cos_ptr, sin_ptr, pos, head_dim, half, a, ok)
@@ -228,19 +381,45 @@ def shift_kept_rows(
     assert kv_cache.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert head_dim % 2 == 0 and kept.segments is not None
     half = head_dim // 2
-    common = dict(DO_K="k" in which, DO_V="v" in which, BLOCK_R=16,
-                  BLOCK_HALF=triton.next_power_of_2(half))  # fmt: skip
+    common = dict(
+        DO_K="k" in which, DO_V="v" in which, BLOCK_R=16, BLOCK_HALF=triton.next_power_of_2(half)
+    )
     fresh = (k, v, recomputed.rows, recomputed.slots, recomputed.positions, recomputed.segments)
     strides = (*k.stride()[:2], *v.stride()[:2], *kv_cache.stride()[:4])
     sums = kv_cache  # a stand-in, never read: only the pooled prior reads sums
     if pooled:
         sums = kv_cache.new_empty((2, num_chunks, num_kv_heads, head_dim), dtype=torch.float32)
         _sums_kernel[(num_chunks, num_kv_heads)](
-            *fresh, kv_cache, cos, sin, sums, *strides, block_size, num_kv_heads, half, head_dim,
-            1.0 / attention_scaling**2, **common,
-        )  # fmt: skip
+            *fresh,
+            kv_cache,
+            cos,
+            sin,
+            sums,
+            *strides,
+            block_size,
+            num_kv_heads,
+            half,
+            head_dim,
+            1.0 / attention_scaling**2,
+            **common,
+        )
     _shift_kernel[(num_chunks, num_kv_heads, kept.parts)](
-        *fresh, kept.slots, kept.positions, kept.segments, kv_cache, cos, sin, sums, *strides,
-        block_size, num_chunks, num_kv_heads, half, head_dim, 1.0 / attention_scaling**2,
-        float(shrink), POOLED=bool(pooled), **common,
-    )  # fmt: skip
+        *fresh,
+        kept.slots,
+        kept.positions,
+        kept.segments,
+        kv_cache,
+        cos,
+        sin,
+        sums,
+        *strides,
+        block_size,
+        num_chunks,
+        num_kv_heads,
+        half,
+        head_dim,
+        1.0 / attention_scaling**2,
+        float(shrink),
+        POOLED=bool(pooled),
+        **common,
+    )

@@ -277,6 +277,11 @@ def decode_attention_reference(
             out[row : row + 1] = masked_attention(q[row : row + 1], keys, values, position, scale)
         else:
             out[row : row + 1], _ = attention_with_mass(
-                q[row : row + 1], keys, values, position, scale=scale, window=window,
+                q[row : row + 1],
+                keys,
+                values,
+                position,
+                scale=scale,
+                window=window,
                 soft_cap=soft_cap,
-            )  # fmt: skip
+            )

@@ -89,9 +89,19 @@ def rms_norm(
 
 @triton.jit
 def _rotate(
-    src_ptr, dst_ptr, t, tmask, cos, sin, stride_t, stride_h, num_heads, half,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    src_ptr,
+    dst_ptr,
+    t,
+    tmask,
+    cos,
+    sin,
+    stride_t,
+    stride_h,
+    num_heads,
+    half,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Rows ``t`` ([ROWS, 1, 1], ``tmask`` the real ones) of ``src`` rotated into ``dst``
     (contiguous); -> the rotated values (``dst``'s dtype), their head and dim indices and mask."""
     h = tl.arange(0, BLOCK_H)[None, :, None]
@@ -153,10 +163,34 @@ def _rotary_qk_kernel(
     # The tables are float32; torch casts them to the activations' dtype first.
     cos = tl.load(cos_ptr + pos * 2 * half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(sin_ptr + pos * 2 * half + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
-    _rotate(q_ptr, q_out_ptr, t, tmask, cos, sin, stride_qt, stride_qh, num_heads, half, BLOCK_H,
-            BLOCK_D)  # fmt: skip
-    k, h, d, mask = _rotate(k_ptr, k_out_ptr, t, tmask, cos, sin, stride_kt, stride_kh,
-                            num_kv_heads, half, BLOCK_HKV, BLOCK_D)  # fmt: skip
+    _rotate(
+        q_ptr,
+        q_out_ptr,
+        t,
+        tmask,
+        cos,
+        sin,
+        stride_qt,
+        stride_qh,
+        num_heads,
+        half,
+        BLOCK_H,
+        BLOCK_D,
+    )
+    k, h, d, mask = _rotate(
+        k_ptr,
+        k_out_ptr,
+        t,
+        tmask,
+        cos,
+        sin,
+        stride_kt,
+        stride_kh,
+        num_kv_heads,
+        half,
+        BLOCK_HKV,
+        BLOCK_D,
+    )
     if WRITE_KV:  # the rotated K and V into the pool (kv_write's layout; slot < 0: padding)
         slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
         mask = mask & (slot >= 0)
@@ -235,7 +269,7 @@ def rotary_qk(
 @triton.jit(do_not_specialize=["rows"])
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr
-):  # fmt: skip
+):
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (row < rows) & (cols < n)
@@ -256,7 +290,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(n, block))
         _silu_and_mul_kernel[grid](
-            gate_up, out, gate_up.stride(0), out.stride(0), rows, n, BLOCK=block,
+            gate_up,
+            out,
+            gate_up.stride(0),
+            out.stride(0),
+            rows,
+            n,
+            BLOCK=block,
             ROWS=ROWS_PER_PROGRAM,
-        )  # fmt: skip
+        )
     return out

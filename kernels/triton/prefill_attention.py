@@ -370,6 +370,11 @@ def prefill_attention_reference(
             out[lo:hi] = masked_attention(q[lo:hi], keys, values, positions[lo:hi], scale)
         else:
             out[lo:hi], _ = attention_with_mass(
-                q[lo:hi], keys, values, positions[lo:hi], scale=scale, window=window,
+                q[lo:hi],
+                keys,
+                values,
+                positions[lo:hi],
+                scale=scale,
+                window=window,
                 soft_cap=soft_cap,
-            )  # fmt: skip
+            )

@@ -43,8 +43,9 @@ def _load_q(q_ptr, m, num_q, group, kvh, stride_qt, stride_qh, d, head_dim, rows
 
 
 @triton.jit
-def _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch, block_size,
-            d, head_dim):  # fmt: skip
+def _load_k(
+    cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch, block_size, d, head_dim
+):
     """Keys ``n`` of KV head ``kvh`` from the pool, transposed: [BLOCK_D, BLOCK_N]."""
     slot = tl.load(slots_ptr + n, mask=key_ok, other=0).to(tl.int64)
     ptrs = (
@@ -102,8 +103,19 @@ def _lse_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         key_ok = n < num_keys
-        k = _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch,
-                    block_size, d, head_dim)  # fmt: skip
+        k = _load_k(
+            cache_ptr,
+            slots_ptr,
+            n,
+            key_ok,
+            kvh,
+            stride_cb,
+            stride_co,
+            stride_ch,
+            block_size,
+            d,
+            head_dim,
+        )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         if USE_CAP:
             s = _soft_cap(s, cap_log2)
@@ -182,12 +194,24 @@ def _mass_kernel(
     acc = tl.zeros([BLOCK_N], tl.float32)
     heads = tl.where(start_n < num_keys, num_kv_heads, 0)  # a block past the keys: nothing
     for kvh in range(0, heads):
-        k = _load_k(cache_ptr, slots_ptr, n, key_ok, kvh, stride_cb, stride_co, stride_ch,
-                    block_size, d, head_dim)  # fmt: skip
+        k = _load_k(
+            cache_ptr,
+            slots_ptr,
+            n,
+            key_ok,
+            kvh,
+            stride_cb,
+            stride_co,
+            stride_ch,
+            block_size,
+            d,
+            head_dim,
+        )
         for start in range(0, rows, BLOCK_M):
             m = start + tl.arange(0, BLOCK_M)
-            q, i, row_ok = _load_q(q_ptr, m, num_q, group, kvh, stride_qt, stride_qh, d,
-                                   head_dim, rows)  # fmt: skip
+            q, i, row_ok = _load_q(
+                q_ptr, m, num_q, group, kvh, stride_qt, stride_qh, d, head_dim, rows
+            )
             qpos = tl.load(qpos_ptr + i, mask=row_ok, other=-1)
             if ROW_LSE:  # attention's: [query row, head]
                 head = kvh * group + m // num_q
@@ -249,28 +273,61 @@ def add_query_mass(
     scale_log2 = (head_dim**-0.5 if scale is None else scale) * LOG2E
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     common = (*q.stride()[:2], *k_cache.stride()[:3], block_size, group, head_dim)
-    layer = (0 if window is None else int(window),
-             1.0 if soft_cap is None else float(soft_cap) * LOG2E)  # fmt: skip
+    layer = (
+        0 if window is None else int(window),
+        1.0 if soft_cap is None else float(soft_cap) * LOG2E,
+    )
     flags = {"USE_WINDOW": window is not None, "USE_CAP": soft_cap is not None}
     splits = lse_stride = 0
     if lse is None:
         splits = prefill_num_splits(row_blocks, num_kv_heads, num_keys, target_programs)
         lse = torch.empty(splits * num_kv_heads * rows, dtype=torch.float32, device=q.device)
         _lse_kernel[(num_kv_heads, row_blocks, splits)](
-            q, q_positions, k_cache, slots, lse, scale_log2, *layer, num_q, num_keys, *common,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
-            SPLIT=splits > 1, **flags,
-        )  # fmt: skip
+            q,
+            q_positions,
+            k_cache,
+            slots,
+            lse,
+            scale_log2,
+            *layer,
+            num_q,
+            num_keys,
+            *common,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            DOT_PRECISION=precision,
+            SPLIT=splits > 1,
+            **flags,
+        )
     else:
         assert lse.dtype == torch.float32 and lse.shape == (num_q, num_heads)
         assert lse.stride(1) == 1
         lse_stride = lse.stride(0)
     _mass_kernel[(triton.cdiv(num_keys, block_n),)](
-        q, q_positions, k_cache, slots, lse, scores, scale_log2, *layer, num_q, num_keys,
-        slots if key_count is None else key_count, num_kv_heads, splits, lse_stride, *common,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
-        ROW_LSE=splits == 0, KEY_COUNT=key_count is not None, **flags,
-    )  # fmt: skip
+        q,
+        q_positions,
+        k_cache,
+        slots,
+        lse,
+        scores,
+        scale_log2,
+        *layer,
+        num_q,
+        num_keys,
+        slots if key_count is None else key_count,
+        num_kv_heads,
+        splits,
+        lse_stride,
+        *common,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=precision,
+        ROW_LSE=splits == 0,
+        KEY_COUNT=key_count is not None,
+        **flags,
+    )
 
 
 def query_mass_reference(scores, q, q_positions, kv_cache, slots) -> None:

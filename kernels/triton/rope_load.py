@@ -181,9 +181,25 @@ def rope_load_reference(
 
 # ---- dequantise at load-------------------------------------------------------------------
 @triton.jit
-def _decode_rows(q_ptr, s_ptr, z_ptr, layer, t, h, d, mask, num_tokens, num_kv_heads,
-                 head_dim, gt, gd, groups_t, groups_d, BITS: tl.constexpr,
-                 HAS_ZERO: tl.constexpr):  # fmt: skip
+def _decode_rows(
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    layer,
+    t,
+    h,
+    d,
+    mask,
+    num_tokens,
+    num_kv_heads,
+    head_dim,
+    gt,
+    gd,
+    groups_t,
+    groups_d,
+    BITS: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+):
     """float32 ``(q - zero) * scale`` of rows ``(layer, t, h)`` at channels ``d`` (contiguous
     codes and groups, :mod:`blendkv.store.codecs`' layout)."""
     row = (layer * num_tokens + t) * num_kv_heads + h
@@ -260,11 +276,44 @@ def _dequant_rope_load_kernel(
     partner = tl.where(first_half, d + half, d - half)
     dt = cache_ptr.dtype.element_ty
     # K and its rotate_half partner, decoded in float32, each cast once to the pool dtype.
-    x = _decode_rows(kq_ptr, ks_ptr, kz_ptr, layer, t, h, d, mask, num_tokens, num_kv_heads,
-                     head_dim, k_gt, k_gd, k_groups_t, k_groups_d, K_BITS, K_ZERO)  # fmt: skip
-    x_p = _decode_rows(kq_ptr, ks_ptr, kz_ptr, layer, t, h, partner, mask, num_tokens,
-                       num_kv_heads, head_dim, k_gt, k_gd, k_groups_t, k_groups_d, K_BITS,
-                       K_ZERO)  # fmt: skip
+    x = _decode_rows(
+        kq_ptr,
+        ks_ptr,
+        kz_ptr,
+        layer,
+        t,
+        h,
+        d,
+        mask,
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        k_gt,
+        k_gd,
+        k_groups_t,
+        k_groups_d,
+        K_BITS,
+        K_ZERO,
+    )
+    x_p = _decode_rows(
+        kq_ptr,
+        ks_ptr,
+        kz_ptr,
+        layer,
+        t,
+        h,
+        partner,
+        mask,
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        k_gt,
+        k_gd,
+        k_groups_t,
+        k_groups_d,
+        K_BITS,
+        K_ZERO,
+    )
     x = x.to(dt).to(tl.float32)
     x_p = x_p.to(dt).to(tl.float32)
     if OUTLIERS:  # heads kept in the pool dtype: [n, T, D] rows
@@ -283,8 +332,25 @@ def _dequant_rope_load_kernel(
     p1 = (x * cos).to(dt).to(tl.float32)
     p2 = (x_rot * sin).to(dt).to(tl.float32)
     k = (p1 + p2).to(dt)
-    v = _decode_rows(vq_ptr, vs_ptr, vz_ptr, layer, t, h, d, mask, num_tokens, num_kv_heads,
-                     head_dim, v_gt, v_gd, v_groups_t, v_groups_d, V_BITS, V_ZERO)  # fmt: skip
+    v = _decode_rows(
+        vq_ptr,
+        vs_ptr,
+        vz_ptr,
+        layer,
+        t,
+        h,
+        d,
+        mask,
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        v_gt,
+        v_gd,
+        v_groups_t,
+        v_groups_d,
+        V_BITS,
+        V_ZERO,
+    )
     dst = (
         cache_ptr
         + layer * stride_cl
@@ -331,28 +397,48 @@ def dequant_rope_load(
     kq, ks, kz, kg = part(enc.k)
     vq, vs, vz, vg = part(enc.v)
     stacked = stacked_layers(caches)
-    groups = [(stacked, 0, num_layers)] if stacked is not None else [
-        (c[None], i, i + 1) for i, c in enumerate(caches)
-    ]  # fmt: skip
+    groups = (
+        [(stacked, 0, num_layers)]
+        if stacked is not None
+        else [(c[None], i, i + 1) for i, c in enumerate(caches)]
+    )
     for cache, lo, hi in groups:
         # Layers lo..hi of the codes: offsets into contiguous [L, ...] tensors.
         def at(x, lo=lo):
             return x[lo:]
 
         _dequant_rope_load_kernel[(num_new, hi - lo)](
-            at(kq), at(ks), at(kz), at(vq), at(vs), at(vz),
+            at(kq),
+            at(ks),
+            at(kz),
+            at(vq),
+            at(vs),
+            at(vz),
             at(index) if index is not None else ks,
             outlier_k[int(enc.outlier_heads[:lo].sum()) :] if index is not None else ks,
-            positions, slots, cos, sin, cache,
-            num_tokens, chunk.token_lo, *kg, *vg,
-            *cache.stride(), cos.stride(0), cache.shape[3], num_kv_heads, head_dim,
-            K_BITS=enc.k.bits, V_BITS=enc.v.bits,
-            K_ZERO=enc.k.zero is not None, V_ZERO=enc.v.zero is not None,
+            positions,
+            slots,
+            cos,
+            sin,
+            cache,
+            num_tokens,
+            chunk.token_lo,
+            *kg,
+            *vg,
+            *cache.stride(),
+            cos.stride(0),
+            cache.shape[3],
+            num_kv_heads,
+            head_dim,
+            K_BITS=enc.k.bits,
+            V_BITS=enc.v.bits,
+            K_ZERO=enc.k.zero is not None,
+            V_ZERO=enc.v.zero is not None,
             OUTLIERS=index is not None,
             BLOCK_H=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(head_dim),
             enable_fp_fusion=False,
-        )  # fmt: skip
+        )
 
 
 def dequant_rope_load_reference(

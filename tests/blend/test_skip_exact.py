@@ -48,11 +48,16 @@ def test_budget_skips_the_exact_first_chunk(blend_llm, selection):
     out = _logits(blend_llm, PROMPT, config, start)
     stats = out.blend_stats
     assert stats.reused_tokens_recomputed == prompt.num_chunk_tokens - len(prompt.chunks[0])
-    torch.testing.assert_close(out.extra["prompt_logits"], full.extra["prompt_logits"],
-                               atol=1e-5, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        out.extra["prompt_logits"], full.extra["prompt_logits"], atol=1e-5, rtol=0
+    )
 
-    every = _logits(blend_llm, PROMPT, BlendConfig(recompute_ratio=ratio, selection=selection,
-                                                   skip_exact=False), start)  # fmt: skip
+    every = _logits(
+        blend_llm,
+        PROMPT,
+        BlendConfig(recompute_ratio=ratio, selection=selection, skip_exact=False),
+        start,
+    )
     assert every.blend_stats.reused_tokens_recomputed == round(ratio * prompt.num_chunk_tokens)
     diff = (every.extra["prompt_logits"] - full.extra["prompt_logits"]).abs().max()
     assert diff > 1e-4  # some of the budget went to rows that were exact already
@@ -70,8 +75,13 @@ def test_no_exact_chunk_behind_another_prefix(blend_llm):
 
 def test_lossy_codec_is_never_exact(tiny_llama_dir):
     """int8-stored K/V differs from what full prefill computes: its rows stay candidates."""
-    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4, enable_prefix_caching=False,
-              kv_codec="int8")  # fmt: skip
+    llm = QuietLLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        block_size=4,
+        enable_prefix_caching=False,
+        kv_codec="int8",
+    )
     try:
         state = llm.blend_manager().prepare(PROMPT, BlendConfig())
         ratio = _ratio_for_all_but_first(state)

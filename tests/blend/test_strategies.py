@@ -236,9 +236,12 @@ def test_prophet_scores_are_the_query_attention_over_reused_kv(llm, model_dir, p
     attention wrote the rows' K/V, and the last layer (no attention) before it."""
     if backend == "triton":
         llm = QuietLLM(
-            str(model_dir), dtype="float32", block_size=4, enable_prefix_caching=False,
+            str(model_dir),
+            dtype="float32",
+            block_size=4,
+            enable_prefix_caching=False,
             attention_backend="triton",
-        )  # fmt: skip
+        )
     config = BlendConfig(recompute_ratio=0.25, selection="prophet")
     # one token: the scores and the pick are the prefill's (decode steps add nothing here)
     out = llm.generate([PROMPT], ONE, blend=config)[0]
@@ -511,6 +514,7 @@ def test_rows_prophet_drops_skip_layer_0s_projections(llm, monkeypatch):
     assert seen[0][1] == kept - lead and seen[1][1] == kept - lead
     for i in seen:
         seen[i].clear()
-    out = llm.generate([PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=0.3,
-                                                           selection="v_deviation"))[0]  # fmt: skip
+    out = llm.generate(
+        [PROMPT], GREEDY, blend=BlendConfig(recompute_ratio=0.3, selection="v_deviation")
+    )[0]
     assert seen[0][0] == seen[1][0] == n  # layer 0 in full; every row's Q/K/V at layer 1

@@ -23,9 +23,12 @@ N = 3
 def boundary_llm(arch_dir):
     _, path = arch_dir
     llm = QuietLLM(
-        str(path), dtype="float32", block_size=4, enable_prefix_caching=False,
+        str(path),
+        dtype="float32",
+        block_size=4,
+        enable_prefix_caching=False,
         anchor_boundary_tokens=N,
-    )  # fmt: skip
+    )
     yield llm
     llm.close()
 

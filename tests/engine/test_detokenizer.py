@@ -210,9 +210,14 @@ def test_streamed_text_never_shows_a_stop_string_prefix():
     for n, delta in enumerate(deltas, start=1):
         text += delta
         result = check_stop(
-            new_token_id=7, num_output_tokens=n, output_text=text, new_text_len=len(delta),
-            params=params, eos_token_id=EOS, max_output_tokens=100,
-        )  # fmt: skip
+            new_token_id=7,
+            num_output_tokens=n,
+            output_text=text,
+            new_text_len=len(delta),
+            params=params,
+            eos_token_id=EOS,
+            max_output_tokens=100,
+        )
         if result.finish_reason:
             text = text[: result.truncate_text_to]
             break
@@ -243,9 +248,14 @@ def test_stop_string_found_with_real_detokenizer(byte_bpe):
     for n, t in enumerate(ids, start=1):
         delta = detok.add(t)
         result = check_stop(
-            new_token_id=t, num_output_tokens=n, output_text=detok.text, new_text_len=len(delta),
-            params=params, eos_token_id=byte_bpe.eos_token_id, max_output_tokens=100,
-        )  # fmt: skip
+            new_token_id=t,
+            num_output_tokens=n,
+            output_text=detok.text,
+            new_text_len=len(delta),
+            params=params,
+            eos_token_id=byte_bpe.eos_token_id,
+            max_output_tokens=100,
+        )
         if result.finish_reason:
             break
     assert result == StopResult("stop", "東京", len("the café "))
@@ -269,9 +279,14 @@ def test_ignore_eos_and_stop_token_ids():
     assert result == StopResult("stop", 42, 2) and text == "ab"
     # No EOS id known (e.g. a tokenizer without one): only the other rules apply.
     result = check_stop(
-        new_token_id=EOS, num_output_tokens=1, output_text="", new_text_len=0,
-        params=SamplingParams(), eos_token_id=None, max_output_tokens=10,
-    )  # fmt: skip
+        new_token_id=EOS,
+        num_output_tokens=1,
+        output_text="",
+        new_text_len=0,
+        params=SamplingParams(),
+        eos_token_id=None,
+        max_output_tokens=10,
+    )
     assert result == StopResult(None, None, None)
 
 

@@ -161,9 +161,13 @@ def test_greedy_samples_all_equal_transformers_greedy(llm, hf):
 def test_seeded_sample_i_equals_transformers_with_seed_plus_i(llm, hf, penalty):
     p = prompt(19, seed=4)
     params = SamplingParams(
-        temperature=0.8, seed=100, n=4, max_tokens=MAX_TOKENS, ignore_eos=True,
+        temperature=0.8,
+        seed=100,
+        n=4,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
         repetition_penalty=penalty,
-    )  # fmt: skip
+    )
     out = llm.generate([p], params)[0]
     refs = [
         hf_generate(
@@ -241,9 +245,12 @@ def test_preempted_samples_recompute_and_match_transformers(tiny_llama_dir, hf):
     # 12 blocks of 4 tokens: four samples of 10 + 12 tokens (2 shared blocks, 4 own each)
     # cannot all stay resident.
     small = QuietLLM(
-        str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=12,
+        str(tiny_llama_dir),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=12,
         enable_prefix_caching=False,
-    )  # fmt: skip
+    )
     p = prompt(10, seed=9)
     params = SamplingParams(temperature=0.0, n=4, max_tokens=MAX_TOKENS, ignore_eos=True)
     out = small.generate([p], params)[0]

@@ -96,11 +96,14 @@ def test_repetition_penalty_seeded_sampling_matches_transformers(llm, hf):
     ps = prompts(1)
     params = [
         SamplingParams(
-            temperature=0.8, seed=10 + i, repetition_penalty=1.5, max_tokens=MAX_TOKENS,
+            temperature=0.8,
+            seed=10 + i,
+            repetition_penalty=1.5,
+            max_tokens=MAX_TOKENS,
             ignore_eos=True,
         )
         for i in range(len(ps))
-    ]  # fmt: skip
+    ]
     refs = [
         hf_generate(hf, p, seed=10 + i, do_sample=True, temperature=0.8, repetition_penalty=1.5)
         for i, p in enumerate(ps)
@@ -117,11 +120,13 @@ def test_presence_frequency_greedy_match_dense_reference(llm, hf, presence, freq
     ps = prompts(2)
     refs = [
         hf_generate(
-            hf, p, do_sample=False,
+            hf,
+            p,
+            do_sample=False,
             logits_processor=[DensePresenceFrequency(len(p), presence, frequency)],
         )
         for p in ps
-    ]  # fmt: skip
+    ]
     assert refs != [hf_generate(hf, p, do_sample=False) for p in ps]
     params = greedy(presence_penalty=presence, frequency_penalty=frequency)
     assert token_ids(llm, ps, params) == refs
@@ -144,12 +149,15 @@ def test_all_together_match_transformers_plus_dense(llm, hf):
     bias = {9: 3.0, 11: 2.0}
     refs = [
         hf_generate(
-            hf, p, do_sample=False, repetition_penalty=1.2,
+            hf,
+            p,
+            do_sample=False,
+            repetition_penalty=1.2,
             sequence_bias={(t,): b for t, b in bias.items()},
             logits_processor=[DensePresenceFrequency(len(p), 0.4, 0.3)],
         )
         for p in ps
-    ]  # fmt: skip
+    ]
     params = greedy(
         logit_bias=bias, repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.3
     )
@@ -175,9 +183,12 @@ def test_penalties_survive_preemption(tiny_llama_dir):
     params = greedy(repetition_penalty=1.4, presence_penalty=0.5)
     roomy = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
     tight = QuietLLM(
-        str(tiny_llama_dir), dtype="float32", num_kv_blocks=24, block_size=4,
+        str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=24,
+        block_size=4,
         max_num_batched_tokens=64,
-    )  # fmt: skip
+    )
     outs = tight.generate(ps, params)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert [o.outputs[0].token_ids for o in outs] == token_ids(roomy, ps, params)
@@ -189,9 +200,13 @@ def test_logprobs_stay_those_of_the_model(llm):
     top = plain.outputs[0].logprobs[0]  # token id -> logprob: the argmax and the top 5
     forced_id = next(t for t in range(2, VOCAB) if t not in top)
     params = SamplingParams(
-        temperature=0, max_tokens=1, logprobs=5, logit_bias={forced_id: 100.0},
-        repetition_penalty=1.5, presence_penalty=1.0,
-    )  # fmt: skip
+        temperature=0,
+        max_tokens=1,
+        logprobs=5,
+        logit_bias={forced_id: 100.0},
+        repetition_penalty=1.5,
+        presence_penalty=1.0,
+    )
     biased = llm.generate([p], params)[0].outputs[0]
     assert biased.token_ids == [forced_id]
     # The top 5 are the model's, and the forced token reports its unbiased (small) logprob.
@@ -233,10 +248,14 @@ def test_apply_penalties_matches_dense_per_row():
         SamplingParams(frequency_penalty=2.0),
     ]
     seqs = [
-        make_seq(str(i), [rng.randrange(vocab) for _ in range(8)],
-                 [rng.randrange(vocab) for _ in range(12)], p)
+        make_seq(
+            str(i),
+            [rng.randrange(vocab) for _ in range(8)],
+            [rng.randrange(vocab) for _ in range(12)],
+            p,
+        )
         for i, p in enumerate(params)
-    ]  # fmt: skip
+    ]
     counts = TokenCounts(vocab, "cpu")
     inputs = counts.inputs(seqs)
     assert inputs.rows == [0, 2, 3]
@@ -245,9 +264,13 @@ def test_apply_penalties_matches_dense_per_row():
     apply_penalties(got, params, inputs)
     for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
         want = dense_penalties(
-            logits[i], seq.prompt_token_ids, seq.output_token_ids,
-            p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-        )  # fmt: skip
+            logits[i],
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+        )
         torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
 
 
@@ -316,10 +339,14 @@ def test_seen_token_penalties_equal_the_whole_vocabulary_form_bit_for_bit():
         SamplingParams(presence_penalty=2.0),
     ]
     seqs = [
-        make_seq(str(i), [rng.randrange(vocab) for _ in range(n)],
-                 [rng.randrange(vocab) for _ in range(m)], p)
+        make_seq(
+            str(i),
+            [rng.randrange(vocab) for _ in range(n)],
+            [rng.randrange(vocab) for _ in range(m)],
+            p,
+        )
         for i, (p, n, m) in enumerate(zip(params, (90, 7, 30), (40, 3, 60), strict=True))
-    ]  # fmt: skip
+    ]
     logits = torch.randn(3, vocab, generator=gen) * 4
     logits[0, seqs[0].prompt_token_ids[0]] = 0.0  # zero is divided (transformers' form)
     got = logits.clone()

@@ -60,9 +60,11 @@ def test_json_object_output_parses(llm):
     close = tok.encode("}", add_special_tokens=False)
     # A bias toward "}" lets the random model close the object within max_tokens.
     texts, _ = _gen(
-        llm, StructuredOutputsParams(json_object=True), temperature=0,
+        llm,
+        StructuredOutputsParams(json_object=True),
+        temperature=0,
         logit_bias={close[0]: 30.0},
-    )  # fmt: skip
+    )
     assert isinstance(json.loads(texts[0]), dict)
 
 

@@ -31,9 +31,16 @@ def test_masked_attention_rows(num_rows):
 
 @pytest.mark.parametrize(
     ("num_rows", "n_keys", "heads"),
-    [(5, 900, (6, 2)), (200, 900, (6, 2)), (700, 900, (6, 2)), (90, 3000, (9, 3)),
-     (64, 64, (2, 2)), (1, 500, (14, 2)), (300, 2000, (4, 1))],
-)  # fmt: skip
+    [
+        (5, 900, (6, 2)),
+        (200, 900, (6, 2)),
+        (700, 900, (6, 2)),
+        (90, 3000, (9, 3)),
+        (64, 64, (2, 2)),
+        (1, 500, (14, 2)),
+        (300, 2000, (4, 1)),
+    ],
+)
 def test_split_masked_attention(num_rows, n_keys, heads):
     """Prefix without a mask + masked band, merged by log-sum-exp, query heads folded per KV
     head: the same as the dense oracle, for groups with short and long prefixes."""
@@ -89,10 +96,14 @@ def _run_layout(layout, gen):
         "prefix_hit": [torch.arange(37, 700)],
         "from_zero": [torch.arange(0, 100), scattered(110, 700, 200)],
         "runs_and_gaps": [
-            scattered(0, 190, 30), torch.arange(200, 300), scattered(310, 490, 20),
-            torch.arange(500, 570), torch.arange(600, 610), scattered(650, 700, 5),
+            scattered(0, 190, 30),
+            torch.arange(200, 300),
+            scattered(310, 490, 20),
+            torch.arange(500, 570),
+            torch.arange(600, 610),
+            scattered(650, 700, 5),
         ],
-    }[layout]  # fmt: skip
+    }[layout]
     return torch.cat(parts)
 
 

@@ -47,9 +47,12 @@ def test_concurrent_greedy_completions_equal_sequential_only_when_deterministic(
 
         def complete(prompt: str) -> str:
             out = client.completions.create(
-                model=None, prompt=prompt, max_tokens=24, temperature=0,
+                model=None,
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0,
                 extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            )
             return out.choices[0].text
 
         with ThreadPoolExecutor(N_CLIENTS) as pool:

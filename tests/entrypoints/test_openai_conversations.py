@@ -110,9 +110,15 @@ def test_langchain_multi_turn_with_documents(server, client):
     from langchain_openai import ChatOpenAI
 
     chat = ChatOpenAI(
-        base_url=f"{server}/v1", api_key="none", model=MODEL, temperature=0, max_tokens=8,
-        max_retries=0, timeout=60, extra_body=EXTRA,
-    )  # fmt: skip
+        base_url=f"{server}/v1",
+        api_key="none",
+        model=MODEL,
+        temperature=0,
+        max_tokens=8,
+        max_retries=0,
+        timeout=60,
+        extra_body=EXTRA,
+    )
     history = [SystemMessage(SYSTEM), HumanMessage("Which city is the capital of France?")]
     raw = []
     for follow_up in ("And of Germany?", "Thanks."):

@@ -41,7 +41,7 @@ FIELDS = {
         "/v1/completions",
         {**COMPLETION, "logit_bias": {}},
         ["logit_bias", "*key"],
-    ),  # fmt: skip
+    ),
     "completions.unknown field": ("/v1/completions", {**COMPLETION, "zzz": "x"}, ["zzz"]),
     "chat.model": ("/v1/chat/completions", CHAT, ["model"]),
     "chat.role": ("/v1/chat/completions", CHAT, ["messages", 0, "role"]),
@@ -68,7 +68,7 @@ FIELDS = {
         "/v1/chat/completions",
         {**CHAT, "response_format": {"type": "x"}},
         ["response_format", "type"],
-    ),  # fmt: skip
+    ),
     "chat.tools": (
         "/v1/chat/completions",
         {**CHAT, "tools": [{"type": "x"}]},
@@ -82,18 +82,18 @@ FIELDS = {
         "/v1/chat/completions",
         {**DOCS, "blend": {"selection": "x"}},
         ["blend", "selection"],
-    ),  # fmt: skip
+    ),
     "chat.blend key": ("/v1/chat/completions", {**DOCS, "blend": {}}, ["blend", "*key"]),
     "chat.rag chunk_order": (
         "/v1/chat/completions",
         {**CHAT, "rag": {"chunk_order": "x"}},
         ["rag", "chunk_order"],
-    ),  # fmt: skip
+    ),
     "chat.rag filter": (
         "/v1/chat/completions",
         {**CHAT, "rag": {"filter": {"source": "x"}}},
         ["rag", "filter", "source"],
-    ),  # fmt: skip
+    ),
 }
 
 

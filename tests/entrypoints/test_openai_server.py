@@ -101,16 +101,25 @@ def test_penalties_and_logit_bias_match_offline(client, offline):
     plain = offline.generate(prompt, greedy(16, ignore_eos=True))[0]
     bias = {7: 4.0, 9: -100.0}
     params = greedy(
-        16, ignore_eos=True, presence_penalty=0.7, frequency_penalty=0.4,
-        repetition_penalty=1.3, logit_bias=bias,
-    )  # fmt: skip
+        16,
+        ignore_eos=True,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        repetition_penalty=1.3,
+        logit_bias=bias,
+    )
     ref = offline.generate(prompt, params)[0]
     assert ref.outputs[0].token_ids != plain.outputs[0].token_ids
     resp = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, presence_penalty=0.7,
-        frequency_penalty=0.4, logit_bias={str(t): b for t, b in bias.items()},
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        logit_bias={str(t): b for t, b in bias.items()},
         extra_body={**NO_EOS, "repetition_penalty": 1.3},
-    )  # fmt: skip
+    )
     assert resp.choices[0].text == ref.text
 
 
@@ -154,9 +163,13 @@ def test_streamed_chat_equals_non_streamed(client, offline):
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed: int) -> str:
         resp = client.completions.create(
-            model=MODEL, prompt="Paged attention", max_tokens=12, temperature=1.0, seed=seed,
+            model=MODEL,
+            prompt="Paged attention",
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,
             extra_body=NO_EOS,
-        )  # fmt: skip
+        )
         return resp.choices[0].text
 
     first = sample(7)
@@ -212,9 +225,13 @@ def test_sixteen_concurrent_streams_match_offline_and_share_steps(server, offlin
         client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         start.wait(timeout=30)
         stream = client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
             extra_body=NO_EOS,
-        )  # fmt: skip
+        )
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     with ThreadPoolExecutor(len(conversations)) as pool:
@@ -287,7 +304,7 @@ BAD_REQUESTS = {
         {"messages": HELLO, "repetition_penalty": 0},
         400,
         "repetition_penalty",
-    ),  # fmt: skip
+    ),
     "logit_bias key": (CHAT, {"messages": HELLO, "logit_bias": {"fox": 1}}, 400, "logit_bias"),
     "logit_bias 101": (CHAT, {"messages": HELLO, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     "logit_bias id outside the vocab": (
@@ -295,7 +312,7 @@ BAD_REQUESTS = {
         {"messages": HELLO, "logit_bias": {"100000": 1}},
         400,
         "logit_bias",
-    ),  # fmt: skip
+    ),
     "unknown model": (CHAT, {"messages": HELLO, "model": "gpt-4o"}, 404, "model"),
     "over-long prompt": ("/v1/completions", {"prompt": "fox " * 400}, 413, None),
     "malformed JSON": (CHAT, b'{"messages": [', 400, None),
@@ -305,32 +322,32 @@ BAD_REQUESTS = {
         {"messages": HELLO, "documents": [{"text": "x"}], "blend": {"recompute_ratio": 2}},
         400,
         "blend",
-    ),  # fmt: skip
+    ),
     "bad correction prior": (
         CHAT,
         {"messages": HELLO, "documents": [{"text": "x"}], "blend": {"correction_prior": "mean"}},
         400,
         "blend",
-    ),  # fmt: skip
+    ),
     "misspelt blend field": (
         CHAT,
         {"messages": HELLO, "documents": [{"text": "x"}], "blend": {"ratio": 0.1}},
         400,
         "blend",
-    ),  # fmt: skip
+    ),
     "rag without a store": (CHAT, {"messages": HELLO, "rag": {"top_k": 2}}, 400, "rag"),
     "documents to completions": (
         "/v1/completions",
         {"prompt": "x", "documents": [{"text": "y"}]},
         400,
         "documents",
-    ),  # fmt: skip
+    ),
     "20 MB body": (
         CHAT,
         {"messages": [{"role": "user", "content": "a" * 20_000_000}]},
         413,
         None,
-    ),  # fmt: skip
+    ),
     "wrong API key": (CHAT, {"messages": HELLO}, 401, None),
 }
 
@@ -385,9 +402,15 @@ def test_langchain_chat_openai_talks_to_the_server(server, client):
     docs = {"documents": [{"text": d} for d in DOCS]}
     for extra_body in (None, docs):  # plain chat, then documents blended through extra_body
         chat = ChatOpenAI(
-            base_url=f"{server}/v1", api_key=API_KEY, model=MODEL, temperature=0, max_tokens=8,
-            max_retries=0, timeout=60, extra_body=extra_body,
-        )  # fmt: skip
+            base_url=f"{server}/v1",
+            api_key=API_KEY,
+            model=MODEL,
+            temperature=0,
+            max_tokens=8,
+            max_retries=0,
+            timeout=60,
+            extra_body=extra_body,
+        )
         msg = chat.invoke("Which city is the capital of France?")
         ref = client.chat.completions.create(
             model=MODEL,

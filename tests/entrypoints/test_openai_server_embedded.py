@@ -20,10 +20,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ENGINE = dict(dtype="float32", enable_prefix_caching=False, num_kv_blocks=256)
 SYSTEM = "You answer in one short sentence."
 DOCS = [
-    {"title": "Honeybees", "text": "Worker bees tell each other where flowers are with a "
-     "waggle dance. The angle of the dance points to the flowers."},
+    {
+        "title": "Honeybees",
+        "text": "Worker bees tell each other where flowers are with a "
+        "waggle dance. The angle of the dance points to the flowers.",
+    },
     {"text": "Jupiter is the largest planet in the Solar System. It is a gas giant."},
-]  # fmt: skip
+]
 STORE_DOC = (
     "The Python programming language was created by Guido van Rossum. It was first released "
     "in 1991.\n\nPython emphasises readability and uses indentation to delimit blocks."

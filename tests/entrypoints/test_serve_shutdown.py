@@ -43,9 +43,15 @@ def test_sigterm_drains_then_aborts_with_a_final_error_event(tmp_path):
     model = make_tiny_model_dir(tmp_path / "long", max_position_embeddings=16384)
     port = free_port()
     proc = serve(
-        "--model", str(model), "--port", str(port), "--attention-backend", "torch",
-        "--shutdown-timeout", "2",
-    )  # fmt: skip
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--attention-backend",
+        "torch",
+        "--shutdown-timeout",
+        "2",
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_for(lambda: _healthy(proc, url), timeout=120, interval=0.2)

@@ -50,10 +50,24 @@ def test_every_engine_kernel_compiles_for_an_h100(tmp_path):
     of seconds, so the tiny shape's variants are left to ``blendkv bench compile``."""
     out = tmp_path / "variants.json"
     done = subprocess.run(
-        [sys.executable, "-c", CLI, "bench", "compile", "--arch", "90",
-         "--shapes", "llama8b", "--json", str(out)],
-        env=compile_env(tmp_path), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            CLI,
+            "bench",
+            "compile",
+            "--arch",
+            "90",
+            "--shapes",
+            "llama8b",
+            "--json",
+            str(out),
+        ],
+        env=compile_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["failed"] == []
@@ -99,15 +113,21 @@ def test_a_kernel_the_interpreter_runs_but_the_compiler_rejects_is_caught(tmp_pa
     script = tmp_path / "bad.py"
     script.write_text(BAD_KERNEL.format(interpret=True))
     interpreted = subprocess.run(
-        [sys.executable, str(script)], env={**compile_env(tmp_path), "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, str(script)],
+        env={**compile_env(tmp_path), "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert interpreted.returncode == 0 and "ran 3.0" in interpreted.stdout, interpreted.stderr
     script.write_text(BAD_KERNEL.format(interpret=False))
     compiled = subprocess.run(
-        [sys.executable, str(script)], env=compile_env(tmp_path), capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, str(script)],
+        env=compile_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert compiled.returncode != 0 and "CompilationError" in compiled.stderr
     assert "static_range" in compiled.stderr
 

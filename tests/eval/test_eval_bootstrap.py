@@ -92,8 +92,9 @@ def test_default_baseline_is_the_default_blend_whatever_its_name():
 
 def test_report_wording():
     values = _journal()
-    records = _records(values) + [{"id": f"ex{i}", "method": "full", "answer_kl": 0.0}
-                                  for i in range(30)]  # fmt: skip
+    records = _records(values) + [
+        {"id": f"ex{i}", "method": "full", "answer_kl": 0.0} for i in range(30)
+    ]
     rows = interval_rows([{**r, "em": 1.0} for r in records], None)
     assert [r.method for r in rows["answer_kl"]] == ["reuse", "blend@0.1", "blend@0.05"]
     text = format_intervals(rows)

@@ -17,15 +17,42 @@ METHODS = [
     "blend@1.0",
 ]
 SUMMARY_KEYS = {
-    "n", "f1", "em", "rouge_l", "first_token_agreement", "first_token_kl", "answer_kl",
-    "answer_agreement", "continuation_match", "ttft_median_s", "ttft_p90_s",
-    "recompute_fraction", "compute_fraction", "kv_bytes_loaded", "load_seconds", "ttft_speedup",
-}  # fmt: skip
+    "n",
+    "f1",
+    "em",
+    "rouge_l",
+    "first_token_agreement",
+    "first_token_kl",
+    "answer_kl",
+    "answer_agreement",
+    "continuation_match",
+    "ttft_median_s",
+    "ttft_p90_s",
+    "recompute_fraction",
+    "compute_fraction",
+    "kv_bytes_loaded",
+    "load_seconds",
+    "ttft_speedup",
+}
 RECORD_KEYS = {
-    "id", "method", "prediction", "answers", "f1", "em", "rouge_l", "first_token_agreement",
-    "first_token_kl", "answer_kl", "answer_agreement", "continuation_match", "ttft_s",
-    "recompute_fraction", "compute_fraction", "kv_bytes_loaded", "load_seconds",
-}  # fmt: skip
+    "id",
+    "method",
+    "prediction",
+    "answers",
+    "f1",
+    "em",
+    "rouge_l",
+    "first_token_agreement",
+    "first_token_kl",
+    "answer_kl",
+    "answer_agreement",
+    "continuation_match",
+    "ttft_s",
+    "recompute_fraction",
+    "compute_fraction",
+    "kv_bytes_loaded",
+    "load_seconds",
+}
 
 
 @pytest.fixture(scope="module")

@@ -48,5 +48,7 @@ def test_eval_runs_reuse_on_every_codec(tiny_llama_dir, tmp_path):
     kl = {r["method"]: r["answer_kl"] for r in records}
     assert kl["reuse[int8]"] != kl["reuse"] or kl["reuse[int4]"] != kl["reuse"]
     stats = {r["method"]: r["blend_stats"] for r in records}
-    assert all(stats[m]["chunks_hit"] > 0 and stats[m]["chunks_missed"] == 0
-               for m in ("reuse", "reuse[int8]", "reuse[int4]"))  # fmt: skip
+    assert all(
+        stats[m]["chunks_hit"] > 0 and stats[m]["chunks_missed"] == 0
+        for m in ("reuse", "reuse[int8]", "reuse[int4]")
+    )

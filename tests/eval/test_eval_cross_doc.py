@@ -69,8 +69,12 @@ def test_spec_through_load_dataset():
     assert [e.id for e in examples] == [f"cross_doc-7-{i}" for i in range(4)]
     assert load_dataset(spec, limit=2) == examples[:2]
     assert load_dataset("synthetic:cross_doc?n=2&tokens=1200", seed=7) == examples[:2]
-    for bad in ("synthetic:nope", "synthetic:cross_doc?n=x", "synthetic:cross_doc?size=3",
-                "synthetic:cross_doc?tokens=10"):  # fmt: skip
+    for bad in (
+        "synthetic:nope",
+        "synthetic:cross_doc?n=x",
+        "synthetic:cross_doc?size=3",
+        "synthetic:cross_doc?tokens=10",
+    ):
         with pytest.raises(DatasetError):
             load_dataset(bad)
 

@@ -29,8 +29,11 @@ def test_parse_blend_selection():
     # Same ratio, other strategies: distinct methods, compared side by side.
     names = "blend@0.15,blend@0.15:attention,blend@0.15:k_deviation,blend@0.15:random"
     assert [m.blend.selection for m in parse_methods(names)] == [
-        "prophet", "attention", "k_deviation", "random",
-    ]  # fmt: skip
+        "prophet",
+        "attention",
+        "k_deviation",
+        "random",
+    ]
 
 
 def test_parse_default_and_fidelity_target():
@@ -127,10 +130,16 @@ def test_summarize_within_target_and_greedy_differs_by_hand():
 
 def test_write_outputs_files_and_sweep_only_with_two_ratios(tmp_path):
     config = {
-        "data": "synthetic", "num_examples": 1, "model": None, "model_name": "m",
-        "dtype": "float32", "max_tokens": 4, "answer_tokens": 16, "selection": "v_deviation",
+        "data": "synthetic",
+        "num_examples": 1,
+        "model": None,
+        "model_name": "m",
+        "dtype": "float32",
+        "max_tokens": 4,
+        "answer_tokens": 16,
+        "selection": "v_deviation",
         "check_layer": 1,
-    }  # fmt: skip
+    }
     ttfts = [("full", 2.0), ("reuse", 1.0)]
     summary = {m: summarize_method([_record(m, t, 0.5)]) for m, t in ttfts}
     for s in summary.values():

@@ -16,16 +16,31 @@ def _write(path, rows):
 
 
 def test_pairs_only_examples_both_runs_finished(tmp_path, capsys):
-    _write(tmp_path / "base", [
-        ("a", "full", 0.0), ("a", "reuse", 0.4), ("b", "reuse", 0.2), ("c", "reuse", 9.0),
-    ])  # fmt: skip
+    _write(
+        tmp_path / "base",
+        [
+            ("a", "full", 0.0),
+            ("a", "reuse", 0.4),
+            ("b", "reuse", 0.2),
+            ("c", "reuse", 9.0),
+        ],
+    )
     _write(tmp_path / "run", [("a", "full", 0.0), ("a", "reuse", 0.1), ("b", "reuse", 0.3)])
     rows = compare(load_records(tmp_path / "base"), load_records(tmp_path / "run"), "answer_kl")
     assert rows == [
-        {"method": "reuse", "n": 2, "mean": pytest.approx(0.2), "base_mean": pytest.approx(0.3),
-         "lower": 1, "higher": 1, "p": 1.0, "diff_low": pytest.approx(-0.3),
-         "diff_high": pytest.approx(0.1), "called": "no difference"},
-    ]  # fmt: skip
+        {
+            "method": "reuse",
+            "n": 2,
+            "mean": pytest.approx(0.2),
+            "base_mean": pytest.approx(0.3),
+            "lower": 1,
+            "higher": 1,
+            "p": 1.0,
+            "diff_low": pytest.approx(-0.3),
+            "diff_high": pytest.approx(0.1),
+            "called": "no difference",
+        },
+    ]
     assert main([str(tmp_path / "base"), f"x={tmp_path / 'run'}"]) == 0
     out = capsys.readouterr().out
     assert (

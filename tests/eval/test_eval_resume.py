@@ -14,10 +14,18 @@ from blendkv.eval.runner import EvalConfig
 ARGS = ["eval", "--data", "synthetic", "--methods", "full,reuse", "--dtype", "float32"]
 ARGS += ["--max-tokens", "4", "--no-progress"]
 SETTINGS = dict(
-    data="synthetic", methods="full,reuse", model=None, dtype="float32", max_tokens=4, seed=0,
-    answer_tokens=16, max_model_len=None, anchor="prompt", anchor_boundary=0,
+    data="synthetic",
+    methods="full,reuse",
+    model=None,
+    dtype="float32",
+    max_tokens=4,
+    seed=0,
+    answer_tokens=16,
+    max_model_len=None,
+    anchor="prompt",
+    anchor_boundary=0,
     chunk_order="source",
-)  # fmt: skip
+)
 
 
 def _records(out):

@@ -266,9 +266,12 @@ def test_elementwise_and_blend_kernels_at_llama8b_shapes():
     close(ops.silu_and_mul(gu), torch.nn.functional.silu(gu[:, :14336]) * gu[:, 14336:])
 
     config = LlamaConfig(
-        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
         max_position_embeddings=8192,
-    )  # fmt: skip
+    )
     rope = RotaryEmbedding(config)
     qkv = torch.randn(3000, 48 * 128, device=dev, dtype=bf16, generator=g)
     q, k = qkv[:, : 32 * 128].view(-1, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(-1, 8, 128)
@@ -306,11 +309,32 @@ def test_elementwise_and_blend_kernels_at_llama8b_shapes():
 
     for pooled in (False, True):
         want, got = pool.clone(), pool.clone()
-        correct_kept_rows(TorchAttentionBackend(dev), rope, want, "kv", 32.0, pooled,
-                          rows_of(rec, rows), kk, vv, rows_of(kept), 10)  # fmt: skip
-        correct_kept_rows(TritonAttentionBackend(dev), rope, got, "kv", 32.0, pooled,
-                          rows_of(rec, rows, segments), kk, vv,
-                          rows_of(kept, None, kept_segments, 4), 10)  # fmt: skip
+        correct_kept_rows(
+            TorchAttentionBackend(dev),
+            rope,
+            want,
+            "kv",
+            32.0,
+            pooled,
+            rows_of(rec, rows),
+            kk,
+            vv,
+            rows_of(kept),
+            10,
+        )
+        correct_kept_rows(
+            TritonAttentionBackend(dev),
+            rope,
+            got,
+            "kv",
+            32.0,
+            pooled,
+            rows_of(rec, rows, segments),
+            kk,
+            vv,
+            rows_of(kept, None, kept_segments, 4),
+            10,
+        )
         close(got, want)
 
 

@@ -207,6 +207,7 @@ def test_predicted_row_layers_are_what_the_fused_prefill_counts(llm, config):
     other = stats.num_prompt_tokens - stats.tokens_reused
     lead = llm.blend_manager().prepare(PROMPT, config).prompt.chunk_starts[0]
     assert lead > 0  # the template's head: ProphetKV's pass settles it
-    predicted = blend_row_layers(config, layers, stats.tokens_reused, other, _qkv_share(model),
-                                 lead)  # fmt: skip
+    predicted = blend_row_layers(
+        config, layers, stats.tokens_reused, other, _qkv_share(model), lead
+    )
     assert predicted == pytest.approx(stats.row_layers, rel=1e-9)

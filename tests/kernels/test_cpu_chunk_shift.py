@@ -95,8 +95,9 @@ def test_cpp_correction_with_attention_scaling():
     rope, pool, rec, k, v, kept, cpp = _case(torch.float32, rope_scaling=scaling, seed=9)
     assert rope.attention_scaling != 1.0
     expected, actual = pool.clone(), pool.clone()
-    correct_kept_rows(TorchAttentionBackend("cpu"), rope, expected, "k", 2.0, True, rec, k, v,
-                      kept, 4)  # fmt: skip
+    correct_kept_rows(
+        TorchAttentionBackend("cpu"), rope, expected, "k", 2.0, True, rec, k, v, kept, 4
+    )
     rec = rec._replace(segments=torch.tensor([0, 4, 4, 7, 10], dtype=torch.int32))
     correct_kept_rows(cpp, rope, actual, "k", 2.0, True, rec, k, v, kept, 4)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
@@ -108,11 +109,41 @@ def test_cpp_correction_rejects_bad_rows():
     bad = kept._replace(slots=kept.slots + 10_000)
     with pytest.raises(RuntimeError, match="slot out of the pool"):
         cpp.ops.shift_kept_rows(
-            pool, 1, 8.0, False, k, v, rec.rows, rec.slots, rec.positions, rec.chunk_ids,
-            bad.slots, bad.positions, bad.chunk_ids, 4, cos, sin, 1.0,
-        )  # fmt: skip
+            pool,
+            1,
+            8.0,
+            False,
+            k,
+            v,
+            rec.rows,
+            rec.slots,
+            rec.positions,
+            rec.chunk_ids,
+            bad.slots,
+            bad.positions,
+            bad.chunk_ids,
+            4,
+            cos,
+            sin,
+            1.0,
+        )
     with pytest.raises(RuntimeError, match="chunk index"):
         cpp.ops.shift_kept_rows(
-            pool, 1, 8.0, False, k, v, rec.rows, rec.slots, rec.positions, rec.chunk_ids,
-            kept.slots, kept.positions, kept.chunk_ids, 2, cos, sin, 1.0,
-        )  # fmt: skip
+            pool,
+            1,
+            8.0,
+            False,
+            k,
+            v,
+            rec.rows,
+            rec.slots,
+            rec.positions,
+            rec.chunk_ids,
+            kept.slots,
+            kept.positions,
+            kept.chunk_ids,
+            2,
+            cos,
+            sin,
+            1.0,
+        )

@@ -38,10 +38,14 @@ def test_write_table_merges_and_reloads(tmp_path):
 
 @pytest.mark.parametrize(
     "text",
-    ['{"configs": {"k": {"block_m": 48, "block_n": 32, "num_warps": 4, "num_stages": 2}}}',
-     '{"configs": {"k": {"block_m": 64, "tile": 1}}}', "not json", '{"device": "x"}'],
+    [
+        '{"configs": {"k": {"block_m": 48, "block_n": 32, "num_warps": 4, "num_stages": 2}}}',
+        '{"configs": {"k": {"block_m": 64, "tile": 1}}}',
+        "not json",
+        '{"device": "x"}',
+    ],
     ids=["not-a-power-of-two", "unknown-field", "not-json", "no-configs"],
-)  # fmt: skip
+)
 def test_a_bad_table_is_ignored_with_a_warning(tmp_path, caplog, text):
     path = tmp_path / "sm90.json"
     path.write_text(text)

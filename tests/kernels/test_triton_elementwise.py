@@ -232,13 +232,30 @@ def test_chunk_shift_kernel_matches_the_torch_correction(device, dtype, which, p
 
     expected, actual = pool.clone(), pool.clone()
     args = (which, 8.0, pooled)
-    correct_kept_rows(TorchAttentionBackend(device), rope, expected, *args,
-                      rows_of(rec, rows), k, v, rows_of(kept), 3)  # fmt: skip
+    correct_kept_rows(
+        TorchAttentionBackend(device),
+        rope,
+        expected,
+        *args,
+        rows_of(rec, rows),
+        k,
+        v,
+        rows_of(kept),
+        3,
+    )
     segments = torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=device)
     kept_segments = torch.tensor([0, 4, 6, 10], dtype=torch.int32, device=device)
-    correct_kept_rows(TritonAttentionBackend(device), rope, actual, *args,
-                      rows_of(rec, rows, segments), k, v,
-                      rows_of(kept, None, kept_segments, parts), 3)  # fmt: skip
+    correct_kept_rows(
+        TritonAttentionBackend(device),
+        rope,
+        actual,
+        *args,
+        rows_of(rec, rows, segments),
+        k,
+        v,
+        rows_of(kept, None, kept_segments, parts),
+        3,
+    )
     assert not torch.equal(expected, pool)
     _close(actual, expected)
 

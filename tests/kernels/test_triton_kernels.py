@@ -110,8 +110,9 @@ def test_decode_attention_padding_row_is_zero(make_step):
 COMPUTED, QUERY_LENS = [0, 5, 20, 37], [9, 6, 1, 3]
 
 
-def run_prefill(step, block_m: int, num_splits: int = 1, window=None, soft_cap=None, config=None,
-                lse=None):  # fmt: skip
+def run_prefill(
+    step, block_m: int, num_splits: int = 1, window=None, soft_cap=None, config=None, lse=None
+):
     from blendkv.kernels.triton.prefill_tiles import PrefillTiles
 
     config = config or PrefillTiles(block_m=block_m)

@@ -163,10 +163,16 @@ def test_without_a_pool(device, backend_name, window, soft_cap):
         pos = torch.arange(hi - lo, device=device)
         expected, _ = oracle_rows(q[lo:hi], k[lo:hi], v[lo:hi], pos, SCALE, window, soft_cap)
         assert_close(out[lo:hi], expected, torch.float32)
-    single = backend.forward(q[:9], k[:9], v[:9], None, None, SCALE, window=window,
-                             soft_cap=soft_cap)  # fmt: skip
-    assert_close(single, oracle_rows(q[:9], k[:9], v[:9], torch.arange(9, device=device), SCALE,
-                                     window, soft_cap)[0], torch.float32)  # fmt: skip
+    single = backend.forward(
+        q[:9], k[:9], v[:9], None, None, SCALE, window=window, soft_cap=soft_cap
+    )
+    assert_close(
+        single,
+        oracle_rows(q[:9], k[:9], v[:9], torch.arange(9, device=device), SCALE, window, soft_cap)[
+            0
+        ],
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
@@ -202,15 +208,32 @@ def test_add_query_mass(make_step, device, backend_name, window, soft_cap):
     if backend_name.endswith("-lse"):
         assert backend.attention_lse
         step.md.lse_out = torch.full(step.q.shape[:2], float("nan"), device=device)
-        out = backend.forward(step.q, step.k, step.v, pool, step.md, SCALE, window=window,
-                              soft_cap=soft_cap, kv_written=True)  # fmt: skip
+        out = backend.forward(
+            step.q,
+            step.k,
+            step.v,
+            pool,
+            step.md,
+            SCALE,
+            window=window,
+            soft_cap=soft_cap,
+            kv_written=True,
+        )
         assert_close(out, oracle_step(step, pool, SCALE, window, soft_cap), torch.float32)
         lse = step.md.lse_out[12:]
         assert not lse.isnan().any()
     backend.add_query_mass(
-        scores, step.q[12:], q_pos, pool, step.md.slot_mapping, 13, scale=SCALE, window=window,
-        soft_cap=soft_cap, lse=lse,
-    )  # fmt: skip
+        scores,
+        step.q[12:],
+        q_pos,
+        pool,
+        step.md.slot_mapping,
+        13,
+        scale=SCALE,
+        window=window,
+        soft_cap=soft_cap,
+        lse=lse,
+    )
     keys, values = gather_kv(pool, step.md.block_table[0], 19)
     _, probs = oracle_rows(step.q[12:], keys, values, q_pos, SCALE, window, soft_cap)
     torch.testing.assert_close(scores.double(), probs.sum((0, 1)), atol=1e-5, rtol=1e-5)

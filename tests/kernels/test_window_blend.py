@@ -107,14 +107,25 @@ def test_triton_decode_graphs_match_the_torch_backend(mistral_dir, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        llm = QuietLLM(str(mistral_dir), dtype="float32", block_size=4, device=device,
-                  attention_backend=backend, kv_store_dir=str(tmp_path / backend))  # fmt: skip
+        llm = QuietLLM(
+            str(mistral_dir),
+            dtype="float32",
+            block_size=4,
+            device=device,
+            attention_backend=backend,
+            kv_store_dir=str(tmp_path / backend),
+        )
         if backend == "triton":
             engine = llm.engine
             engine.runner.decode_graphs = DecodeGraphs(
-                engine.model, engine.attn_backend, engine.runner.kv_caches, 4, max_num_seqs=2,
-                max_model_len=64, capture=EagerCapture(),
-            )  # fmt: skip
+                engine.model,
+                engine.attn_backend,
+                engine.runner.kv_caches,
+                4,
+                max_num_seqs=2,
+                max_model_len=64,
+                capture=EagerCapture(),
+            )
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         if backend == "triton":
             graphs = engine.runner.decode_graphs

@@ -56,8 +56,9 @@ def test_int8_store_at_ratio_one_equals_full_prefill(tiny_llama_dir, tmp_path, l
         out = llm.generate([PROMPT], GREEDY, blend=blend, logits_from=start)[0]
     assert out.blend_stats.chunks_hit == len(DOCS)
     full = llm.generate([state.prompt.token_ids], GREEDY, logits_from=start)[0]
-    torch.testing.assert_close(out.extra["prompt_logits"], full.extra["prompt_logits"], atol=1e-5,
-                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        out.extra["prompt_logits"], full.extra["prompt_logits"], atol=1e-5, rtol=0
+    )
     assert out.outputs[0].token_ids == full.outputs[0].token_ids
     stores.close()
     llm.close()

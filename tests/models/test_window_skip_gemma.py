@@ -36,8 +36,13 @@ def gemma(request, tmp_path_factory):
     randomize(hf)
     hf.save_pretrained(path, safe_serialization=True)
     make_tokenizer(config.vocab_size).save_pretrained(path)
-    llm = QuietLLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=False,
-              kv_store_dir=str(tmp_path_factory.mktemp("store")))  # fmt: skip
+    llm = QuietLLM(
+        str(path),
+        dtype="float32",
+        block_size=4,
+        enable_prefix_caching=False,
+        kv_store_dir=str(tmp_path_factory.mktemp("store")),
+    )
     yield llm, hf
     llm.close()
 

@@ -103,10 +103,22 @@ def test_convert_equals_ingesting_with_the_codec(tiny_llama_dir, tmp_path):
     assert _answer(tiny_llama_dir, converted) == _answer(tiny_llama_dir, direct)
     # the CLI: converting back, with verify at the end
     done = subprocess.run(
-        [sys.executable, "-m", "blendkv.cli", "store", "convert", str(converted),
-         str(tmp_path / "back"), "--codec", "none", "--no-progress"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "blendkv.cli",
+            "store",
+            "convert",
+            str(converted),
+            str(tmp_path / "back"),
+            "--codec",
+            "none",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(int8," in done.stdout and "(none," in done.stdout
     with KVStore(converted, stored_fingerprint(converted), readonly=True) as b:

@@ -137,9 +137,15 @@ def _v1_value(kv: torch.Tensor) -> bytearray:
     payload = fmt.tensor_bytes(kv)
     dims = tuple(kv.shape) + (0,) * (5 - kv.ndim)
     head = struct.pack(
-        "<4sHBBQQ5Q", b"BKVC", 1, fmt.DTYPE_TO_CODE[kv.dtype], kv.ndim,
-        fmt.checksum(payload), len(payload), *dims,
-    )  # fmt: skip
+        "<4sHBBQQ5Q",
+        b"BKVC",
+        1,
+        fmt.DTYPE_TO_CODE[kv.dtype],
+        kv.ndim,
+        fmt.checksum(payload),
+        len(payload),
+        *dims,
+    )
     return bytearray(head) + bytearray(payload)
 
 

@@ -57,9 +57,15 @@ from blendkv.store.capacity import default_request_cache_bytes
 logger = logging.getLogger(__name__)
 
 ROUTES = {
-    "/health", "/v1/models", "/version", "/v1/completions", "/v1/chat/completions", "/metrics",
-    PAGE, *EXTENSION_ROUTES,
-}  # fmt: skip
+    "/health",
+    "/v1/models",
+    "/version",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/metrics",
+    PAGE,
+    *EXTENSION_ROUTES,
+}
 
 
 class ServerState:

@@ -50,47 +50,62 @@ class ServerMetrics:
         self.audit_watch = None
         self.health = HealthLog()  # the recent window, for /v1/blendkv/health and /ui
         self.audit_kl = Histogram(
-            "blendkv_blend_audit_kl", "Audited blends: first-token KL(full prefill || blend), nats",
-            buckets=_KL_BUCKETS, registry=r,
-        )  # fmt: skip
+            "blendkv_blend_audit_kl",
+            "Audited blends: first-token KL(full prefill || blend), nats",
+            buckets=_KL_BUCKETS,
+            registry=r,
+        )
         self.audit_top1 = Histogram(
             "blendkv_blend_audit_top1_agreement",
             "Audited blends: 1 when the first token's argmax equals full prefill's, else 0",
-            buckets=(0.5,), registry=r,
-        )  # fmt: skip
+            buckets=(0.5,),
+            registry=r,
+        )
         self.target_ratio = Gauge(
             "blendkv_fidelity_target_recompute_ratio",
             "Per fidelity target (nats): the recompute ratio its requests run at now",
-            ["target"], registry=r,
-        )  # fmt: skip
+            ["target"],
+            registry=r,
+        )
         self.target_p90 = Gauge(
             "blendkv_fidelity_target_audit_p90",
             "Per fidelity target (nats): p90 of the audited divergence at that ratio, nats",
-            ["target"], registry=r,
-        )  # fmt: skip
-        self.http_requests = Counter(
-            "blendkv_http_requests", "HTTP requests by route and status", ["route", "status"],
+            ["target"],
             registry=r,
-        )  # fmt: skip
+        )
+        self.http_requests = Counter(
+            "blendkv_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
         self.ttft = Histogram(
-            "blendkv_time_to_first_token_seconds", "Arrival to first token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "blendkv_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
-            "blendkv_e2e_request_latency_seconds", "Arrival to last token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "blendkv_e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "blendkv_prompt_tokens", "Prompt tokens of requests that got a first token", registry=r
         )
         self.finished = Counter(
-            "blendkv_requests_finished", "Finished requests by finish reason", ["finish_reason"],
+            "blendkv_requests_finished",
+            "Finished requests by finish reason",
+            ["finish_reason"],
             registry=r,
-        )  # fmt: skip
+        )
         self.step_requests = Histogram(
-            "blendkv_step_requests", "Requests that received a token in one engine step",
-            buckets=_BATCH_BUCKETS, registry=r,
-        )  # fmt: skip
+            "blendkv_step_requests",
+            "Requests that received a token in one engine step",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
         self.blend_requests = Counter(
             "blendkv_blend_requests", "Blended requests that got a first token", registry=r
         )

@@ -127,8 +127,10 @@ class SamplingRequest(OpenAIModel):
     use_beam_search: Any = None
     guided_grammar: Any = None
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "truncate_prompt_tokens", "use_beam_search", "guided_grammar",
-    )  # fmt: skip
+        "truncate_prompt_tokens",
+        "use_beam_search",
+        "guided_grammar",
+    )
 
 
 class CompletionRequest(SamplingRequest):
@@ -218,8 +220,11 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: Any = None
     chat_template: Any = None
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        *SamplingRequest.UNSUPPORTED, "echo", "continue_final_message", "chat_template",
-    )  # fmt: skip
+        *SamplingRequest.UNSUPPORTED,
+        "echo",
+        "continue_final_message",
+        "chat_template",
+    )
 
 
 # -------------------------------------------------------------------------- responses

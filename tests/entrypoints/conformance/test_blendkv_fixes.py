@@ -69,9 +69,12 @@ def test_logprobs_report_each_byte_tokens_real_bytes(client, emoji_ids):
     bias = {str(t): 100 for t in emoji_ids}  # only the emoji's byte tokens can be sampled
     kw = dict(model=MODEL, max_tokens=6, temperature=0, logit_bias=bias)
     resp = client.chat.completions.create(
-        **kw, messages=HELLO, logprobs=True, top_logprobs=4,
+        **kw,
+        messages=HELLO,
+        logprobs=True,
+        top_logprobs=4,
         extra_body={"return_tokens_as_token_ids": True},
-    )  # fmt: skip
+    )
     for item in resp.choices[0].logprobs.content:
         tid = int(item.token.removeprefix("token_id:"))
         assert item.bytes == [emoji_ids[tid]]  # not U+FFFD's [239, 191, 189]
