@@ -57,6 +57,9 @@ class AuditSample:
     kl: float  # first-token KL(full prefill || blend), nats
     top1_agree: bool
     num_prompt_tokens: int
+    max_kl: float = 0.0  # the largest over the answer's first tokens: what a target bounds
+    fidelity_target: float | None = None  # nats; None: the request set no target
+    recompute_ratio: float | None = None  # with a target, the ratio it ran at
 
 
 def percentile(sorted_values: list[float], p: float) -> float | None:
@@ -93,7 +96,15 @@ class HealthLog:
 
     def on_audit(self, record) -> None:
         """Engine thread: a blend audit (:class:`~blendkv.guards.audit.AuditRecord`) landed."""
-        sample = AuditSample(time.time(), record.kl, record.top1_agree, record.num_prompt_tokens)
+        sample = AuditSample(
+            time.time(),
+            record.kl,
+            record.top1_agree,
+            record.num_prompt_tokens,
+            record.max_kl,
+            record.fidelity_target,
+            record.recompute_ratio,
+        )
         with self._lock:
             self._audits.append(sample)
 
@@ -140,8 +151,29 @@ def _audits(audits: list[AuditSample]) -> dict:
         "count": len(audits),
         "mean_kl": sum(kls) / len(kls) if kls else None,
         "top1_agreement": sum(a.top1_agree for a in audits) / len(audits) if audits else None,
+        "fidelity": _fidelity(audits),
         "samples": [
             {"time": a.time, "kl": a.kl, "top1_agree": a.top1_agree, "tokens": a.num_prompt_tokens}
             for a in audits
         ],
     }
+
+
+def _fidelity(audits: list[AuditSample]) -> list[dict]:
+    """Per fidelity target among the window's audits: how many, the 90th percentile of their
+    divergence (what the target bounds), whether it is within the target, and the ratio the
+    last of them ran at (the one the engine holds the target at now)."""
+    out = []
+    for target in sorted({a.fidelity_target for a in audits if a.fidelity_target is not None}):
+        mine = [a for a in audits if a.fidelity_target == target]
+        p90 = percentile(sorted(a.max_kl for a in mine), 90)
+        out.append(
+            {
+                "target": target,
+                "audits": len(mine),
+                "p90_max_kl": p90,
+                "within": p90 <= target,
+                "recompute_ratio": mine[-1].recompute_ratio,
+            }
+        )
+    return out

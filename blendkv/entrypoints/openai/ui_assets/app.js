@@ -757,6 +757,12 @@ async function loadHealth() {
       "start the server with --blend-audit-rate 0.05 to compare a sample of blends with full " +
       "prefill"));
   }
+  for (const f of a.fidelity || []) {
+    cards.append(card(`Fidelity target ${f.target} nats`,
+      `p90 ${f.p90_max_kl.toFixed(4)} nats`,
+      `${f.within ? "within" : "over"} the target over ${f.audits} audits (largest KL over ` +
+      `the answer's first tokens); now at recompute ratio ${f.recompute_ratio}`));
+  }
   const e = h.engine;
   cards.append(card("Engine now", `${e.running} running, ${e.waiting} waiting`,
     `KV blocks ${e.kv_blocks_used} / ${e.kv_blocks_total}`));
