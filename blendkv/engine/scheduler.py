@@ -3,8 +3,10 @@
 Every step it fills one token budget (``max_num_batched_tokens``) and, while requests decode,
 a time budget (``max_step_latency`` seconds of predicted prefill and precompute, from the
 engine's :class:`~blendkv.engine.step_cost.StepCostModel`: a long prompt is split finer and a
-request's new documents spread over more steps, so the decodes' tokens keep coming; an idle
-engine takes full-size steps; each step still makes some progress on the oldest prefill) with,
+request's new documents spread over more steps, so the decodes' tokens keep coming; a piece
+at most doubles from one step to the next, so each size is measured before a larger one runs;
+an idle engine takes full-size steps; each step still makes some progress on the oldest
+prefill) with,
 in order:
 
 1. running sequences — a decode token each, or the next piece of a chunked prefill (while
@@ -143,12 +145,13 @@ class Scheduler:
             assert num_left > 0, f"running sequence with nothing to compute: {seq}"
             num_new = min(num_left, budget if num_left == 1 else min(prefill_room, budget))
             if num_left > 1:  # a prefill piece: what fits the step's time too
-                num_new = self._time.rows(seq.num_computed_tokens, num_new)
+                num_new = self._time.rows(seq.num_computed_tokens, num_new, seq.last_piece_rows)
             if num_new == 0:  # a prefill piece, and the prefills' share is spent
                 i += 1
                 continue
             if num_left > 1:
                 prefill_room -= num_new
+                seq.last_piece_rows = num_new
                 self._time.take(prefill_work(seq.num_computed_tokens, num_new))
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # lowest priority: admitted last, not yet scheduled
@@ -238,8 +241,9 @@ class Scheduler:
             start = num_cached + num_external
             work = prefill_work(start, num_new)
             if self.enable_chunked_prefill:
-                num_new = cost = self._time.rows(start, num_new)
+                num_new = cost = self._time.rows(start, num_new, seq.last_piece_rows)
                 work = prefill_work(start, num_new)
+                seq.last_piece_rows = num_new
             elif not self._time.fits_whole(work, prefills_scheduled):
                 return None
             if num_new == 0:
@@ -331,6 +335,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.last_piece_rows = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -368,11 +373,15 @@ class _TimeBudget:
         never fit a step's budget and goes first among the step's prefills (no starving)."""
         return self.fits(work) or not (self.progressed or prefills_scheduled)
 
-    def rows(self, num_computed: int, most: int) -> int:
-        """The most prefill rows (up to ``most``) after ``num_computed`` that fit, and at
-        least :data:`MIN_PIECE_ROWS` (the steps then vary enough for the cost model to tell
-        a row's cost from a forward's)."""
-        if math.isinf(self.left) or self.fits(prefill_work(num_computed, most)):
+    def rows(self, num_computed: int, most: int, last_piece: int) -> int:
+        """The most prefill rows (up to ``most``) after ``num_computed`` that fit, at least
+        :data:`MIN_PIECE_ROWS` and, under a time bound, at most twice ``last_piece`` (the
+        sequence's previous piece): a size is measured before one twice as large runs, so a
+        cost model that under-predicts large pieces costs one step, not a stall."""
+        if math.isinf(self.left):
+            return most
+        most = min(most, max(MIN_PIECE_ROWS, 2 * last_piece))
+        if self.fits(prefill_work(num_computed, most)):
             return most
         lo, hi = 0, most  # lo fits, hi does not
         while hi - lo > 1:

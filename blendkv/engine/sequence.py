@@ -68,6 +68,8 @@ class Sequence:
         self.max_output_tokens = max_output_tokens
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # rows of its last prefill piece: a piece beside decodes at most doubles (Scheduler)
+        self.last_piece_rows = 0
         # The block manager owns this list; the runner reads it to build block tables.
         self.block_table: list[int] = []
         self.metrics = SequenceMetrics()
