@@ -53,7 +53,7 @@ ANCHORS = ("prompt", "template", "generic")
 GENERIC_INSTRUCTION = "Use the following documents to answer the user's question.\n"
 # The fidelity target (nats) the report holds a method without its own (every method but
 # ``target@T``) to, unless ``--fidelity-target`` gives one: the guide's example target, which
-# the measured SmolLM2 curve meets at ratio 0.3-0.5 (docs/guide/blending.md).
+# the measured SmolLM2 curve meets at ratio 0.3-0.5 (docs/guide/fidelity.md).
 REPORT_TARGET = 0.5
 
 

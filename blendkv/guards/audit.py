@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 MAX_PENDING = 64  # audits waiting for an idle step; older ones are dropped beyond it
 MAX_RECORDS = 1024  # records kept for readers (the oldest go first)
 # `blendkv serve --blend-audit-warn-kl`: mean first-token KL(full || blend), nats, over the last
-# WARN_WINDOW audits above which the server warns (docs/guide/blending.md, "The blend audit").
+# WARN_WINDOW audits above which the server warns (docs/guide/fidelity.md, "The blend audit").
 DEFAULT_WARN_KL = 0.25
 WARN_WINDOW = 50
 

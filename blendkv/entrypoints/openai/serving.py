@@ -113,7 +113,7 @@ def sampling_params(
 
 
 def refuse_unsupported(req: SamplingRequest) -> None:
-    """A 400 naming the first field of a feature blendkv does not have (docs/guide/serving.md
+    """A 400 naming the first field of a feature blendkv does not have (docs/guide/requests.md
     lists them)."""
     for name in req.UNSUPPORTED:
         if getattr(req, name) not in (None, False):

@@ -1,7 +1,7 @@
 """vLLM's OpenAI-server tests (``tests/entrypoints/openai/``: completion, chat, prompt
 validation), adapted to blendkv's tiny model: the behaviour each checks, written here. Tests of
 features blendkv does not build are kept as skips naming the reason (the parameter table in
-docs/guide/serving.md), or check the clean 400 that replaces the feature."""
+docs/guide/requests.md), or check the clean 400 that replaces the feature."""
 
 from __future__ import annotations
 
