@@ -7,7 +7,7 @@ Facts found at run time (how many KV blocks fit, the eos id, the model's shapes)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from blendkv.errors import ConfigError
 
@@ -294,7 +294,7 @@ def resolve_kv_cache_memory_bytes(config: EngineConfig, device: str) -> int:
     import torch
 
     free, total = torch.cuda.mem_get_info(device)
-    held = getattr(config.kv_connector_config, "kv_device_cache_bytes", 0) or 0
+    held = _device_cache_bytes(config.kv_connector_config)
     left = int(util * total) - (total - free) - held
     if left <= 0:
         also = f" and {held / 2**30:.1f} GiB for the device tier" if held else ""
@@ -304,6 +304,22 @@ def resolve_kv_cache_memory_bytes(config: EngineConfig, device: str) -> int:
             f"{(total - free) / 2**30:.1f} GiB are in use with the model loaded{also}; raise it"
         )
     return left
+
+
+@runtime_checkable
+class HoldsDeviceCache(Protocol):
+    """A KV connector's config that keeps chunk K/V in device memory (the blend connector's
+    ``BlendConnectorConfig``); the engine sees connector configs only through this."""
+
+    kv_device_cache_bytes: int
+
+
+def _device_cache_bytes(connector_config: object) -> int:
+    """The device memory the connector's config says it may hold; 0 for a config without
+    ``kv_device_cache_bytes`` (or None)."""
+    if isinstance(connector_config, HoldsDeviceCache):
+        return connector_config.kv_device_cache_bytes or 0
+    return 0
 
 
 def resolve_attention_backend(name: str, device: str) -> str:

@@ -25,6 +25,14 @@ def register_eval(sub) -> None:
     p = sub.add_parser(
         "eval", help="quality and TTFT of full prefill, prefix caching, reuse and blending"
     )
+    _add_run_args(p)
+    _add_prompt_args(p)
+    _add_report_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_run_args(p) -> None:
+    """The data, the methods, the model and the answers compared."""
     p.add_argument("--data", required=True, help="'synthetic', a CacheBlend .json or a .jsonl")
     p.add_argument(
         "--methods",
@@ -61,6 +69,10 @@ def register_eval(sub) -> None:
         "0.5 for the others; fewer tokens with a smaller --answer-tokens)",
     )
     add_config_args(p, EngineConfig, ("max_model_len",))
+
+
+def _add_prompt_args(p) -> None:
+    """How the prompts are laid out and their chunks stored."""
     p.add_argument(
         "--anchor",
         default="prompt",
@@ -89,6 +101,10 @@ def register_eval(sub) -> None:
         help="stored-K/V codecs, comma-separated (none, int8, int4): reuse and blend methods "
         "run once per codec, from a store of that codec, as METHOD[codec]",
     )
+
+
+def _add_report_args(p) -> None:
+    """The report's baseline, the reference cache, progress and resuming."""
     p.add_argument(
         "--baseline",
         default=None,
@@ -110,7 +126,6 @@ def register_eval(sub) -> None:
         action="store_true",
         help="continue the run journaled in --out (same settings; --limit may grow)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -91,66 +91,105 @@ def main(args) -> int:
         attention_backend=getattr(args, "attention_backend", "auto"),
         prune_last_layer=getattr(args, "prune_last_layer", True),
     )
-    manager = llm.blend_manager()
-    one = SamplingParams(temperature=0.0, max_tokens=1)
-    answer_params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
     methods = {
         "blend": _blend_config(args),
         "reuse": BlendConfig(recompute_ratio=0.0),
     }
     prompts = [_blended(ex, spec) for ex in examples]
-
-    # Warm the store (precompute every chunk) and check correctness before timing.
+    agree = _warm_and_check(llm, prompts, methods["blend"])
+    rows = []
     for p in prompts:
-        state = manager.prepare(p, methods["blend"])
+        row = _example_row(llm, p, methods, args, index=len(rows))
+        rows.append(row)
+        print(json.dumps(row))
+    summary = _summary(llm, args, rows, methods["blend"], agree)
+    _print_summary(summary)
+    print(json.dumps({"blend_bench": summary}))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+    llm.close()
+    return 0
+
+
+def _one() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _answer_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+
+
+def _warm_and_check(llm, prompts: list[dict], blend: BlendConfig) -> bool:
+    """Warm the store (precompute every chunk) and check correctness before timing: whether
+    blend@1.0's greedy answer is full prefill's on the first prompt."""
+    manager, one, answer_params = llm.blend_manager(), _one(), _answer_params()
+    for p in prompts:
+        state = manager.prepare(p, blend)
         llm.precompute_chunks(state.prompt.chunks)
-        llm.generate([p], one, blend=methods["blend"])  # first read: checksums, page cache
+        llm.generate([p], one, blend=blend)  # first read: checksums, page cache
     first = prompts[0]
-    ids0 = manager.prepare(first, methods["blend"]).prompt.token_ids
+    ids0 = manager.prepare(first, blend).prompt.token_ids
     exact = llm.generate([first], answer_params, blend=BlendConfig(recompute_ratio=1.0))[0]
     full0 = llm.generate([ids0], answer_params)[0]
     agree = exact.outputs[0].token_ids == full0.outputs[0].token_ids
     print(f"check: blend@1.0 greedy == full prefill greedy on example 0: {agree}")
+    return agree
 
-    rows = []
-    for p in prompts:
-        ids = manager.prepare(p, methods["blend"]).prompt.token_ids
-        row = {"prompt_tokens": len(ids)}
-        ttfts: dict[str, list[float]] = {"full": [], **{name: [] for name in methods}}
-        for _ in range(max(1, getattr(args, "repeats", 1))):  # interleaved, medians kept
-            ttfts["full"].append(_ttft_full(llm, ids, one)[0])
-            for name, cfg in methods.items():
-                out = llm.generate([p], one, blend=cfg)[0]
-                s = out.blend_stats
-                ttfts[name].append(out.metrics.ttft)
-                row[f"load_s_{name}"] = s.load_seconds
-                row[f"recompute_{name}"] = s.recompute_fraction
-                row[f"hit_{name}"] = s.chunks_hit == s.num_chunks
-                row[f"kv_bytes_{name}"] = s.kv_bytes_loaded
-        for name, values in ttfts.items():
-            row[f"ttft_{name}"] = statistics.median(values)
-        answer = llm.generate([ids], answer_params)[0].outputs[0].token_ids
-        ref = _teacher_forced(llm, ids, answer, None, one)
+
+def _example_row(llm, p: dict, methods: dict[str, BlendConfig], args, index: int) -> dict:
+    """One example: each method's median TTFT and stats, its answer KL, and (``--profile``)
+    where the blend's time goes."""
+    one = _one()
+    ids = llm.blend_manager().prepare(p, methods["blend"]).prompt.token_ids
+    row = {"prompt_tokens": len(ids)}
+    _time_methods(llm, p, ids, methods, max(1, getattr(args, "repeats", 1)), row)
+    answer = llm.generate([ids], _answer_params())[0].outputs[0].token_ids
+    ref = _teacher_forced(llm, ids, answer, None, one)
+    for name, cfg in methods.items():
+        test = _teacher_forced(llm, p, answer, cfg, one)
+        row[f"kl_{name}"] = teacher_forced_fidelity(ref, test, ANSWER_TOKENS).mean_kl
+    if getattr(args, "profile", False):
+        _profile_row(llm, p, ids, methods["blend"], index, row)
+    return row
+
+
+def _time_methods(llm, p: dict, ids, methods: dict[str, BlendConfig], repeats: int, row: dict):
+    """Full prefill and each method ``repeats`` times, interleaved: the median TTFTs, and the
+    last run's load seconds, recompute fraction, hits and bytes into ``row``."""
+    one = _one()
+    ttfts: dict[str, list[float]] = {"full": [], **{name: [] for name in methods}}
+    for _ in range(repeats):  # interleaved, medians kept
+        ttfts["full"].append(_ttft_full(llm, ids, one)[0])
         for name, cfg in methods.items():
-            test = _teacher_forced(llm, p, answer, cfg, one)
-            row[f"kl_{name}"] = teacher_forced_fidelity(ref, test, ANSWER_TOKENS).mean_kl
-        if getattr(args, "profile", False):
-            from blendkv.eval.bench.profile_blend import (
-                attention_share,
-                print_profile,
-                profile_request,
-            )
+            out = llm.generate([p], one, blend=cfg)[0]
+            s = out.blend_stats
+            ttfts[name].append(out.metrics.ttft)
+            row[f"load_s_{name}"] = s.load_seconds
+            row[f"recompute_{name}"] = s.recompute_fraction
+            row[f"hit_{name}"] = s.chunks_hit == s.num_chunks
+            row[f"kv_bytes_{name}"] = s.kv_bytes_loaded
+    for name, values in ttfts.items():
+        row[f"ttft_{name}"] = statistics.median(values)
 
-            share = attention_share(llm, ids, one)
-            prof = profile_request(llm, p, methods["blend"], one, row["ttft_full"], share)
-            print(f"profile, example {len(rows)} ({row['prompt_tokens']} tokens):")
-            print_profile(prof)
-            row["profile"] = prof
-            row["floor_fraction"] = prof["floor_fraction"]
-            row["key_floor_fraction"] = prof["key_floor_fraction"]
-        rows.append(row)
-        print(json.dumps(row))
 
+def _profile_row(llm, p: dict, ids, blend: BlendConfig, index: int, row: dict) -> None:
+    from blendkv.eval.bench.profile_blend import (
+        attention_share,
+        print_profile,
+        profile_request,
+    )
+
+    one = _one()
+    share = attention_share(llm, ids, one)
+    prof = profile_request(llm, p, blend, one, row["ttft_full"], share)
+    print(f"profile, example {index} ({row['prompt_tokens']} tokens):")
+    print_profile(prof)
+    row["profile"] = prof
+    row["floor_fraction"] = prof["floor_fraction"]
+    row["key_floor_fraction"] = prof["key_floor_fraction"]
+
+
+def _summary(llm, args, rows: list[dict], blend: BlendConfig, agree: bool) -> dict:
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
     summary = {
@@ -167,14 +206,18 @@ def main(args) -> int:
         "recompute_fraction_blend": mean("recompute_blend"),
         "answer_kl_blend": mean("kl_blend"),
         "answer_kl_reuse": mean("kl_reuse"),
-        "ratio": methods["blend"].recompute_ratio,
-        "selection": methods["blend"].selection,
+        "ratio": blend.recompute_ratio,
+        "selection": blend.selection,
         "blend1_matches_full": agree,
         "all_chunks_hit": all(r["hit_blend"] and r["hit_reuse"] for r in rows),
     }
     if rows and "floor_fraction" in rows[0]:
         summary["floor_fraction_blend"] = med("floor_fraction")
         summary["key_floor_fraction_blend"] = med("key_floor_fraction")
+    return summary
+
+
+def _print_summary(summary: dict) -> None:
     print(
         f"\n{'method':10} {'TTFT median s':>14} {'speedup':>8} {'answer KL':>10}\n"
         f"{'full':10} {summary['ttft_full_s']:>14.3f} {1.0:>7.2f}x {0.0:>10.4f}\n"
@@ -189,8 +232,3 @@ def main(args) -> int:
         print(
             f"blend TTFT reaches {100 * summary['floor_fraction_blend']:.0f}% of its compute floor"
         )
-    print(json.dumps({"blend_bench": summary}))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
-    llm.close()
-    return 0

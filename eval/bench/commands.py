@@ -22,109 +22,13 @@ def register_bench(sub) -> None:
     """Add the ``bench`` command and its kinds to the CLI's subparsers ``sub``."""
     p = sub.add_parser("bench", help="run a benchmark")
     bench = p.add_subparsers(dest="bench", required=True)
-    e = bench.add_parser("engine", help="batched throughput and prefill vs transformers")
-    e.add_argument("--model", default=None)
-    e.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    e.add_argument("--num-requests", type=int, default=32)
-    e.add_argument("--output-tokens", type=int, default=64)
-    e.add_argument("--prefill-tokens", type=int, default=2048)
-    e.add_argument("--repeats", type=int, default=3, help="prefill timings (best of N)")
-    e.add_argument("--json", default=None, help="also write the results to this file")
-    e.set_defaults(func=_run("engine"))
-    dm = bench.add_parser("deterministic", help="the cost of --deterministic: decode, prefill")
-    add_config_args(dm, EngineConfig, ("model", "dtype"), defaults={"dtype": "bfloat16"})
-    dm.add_argument("--num-requests", type=int, default=8)
-    dm.add_argument("--output-tokens", type=int, default=32)
-    dm.add_argument("--prefill-tokens", type=int, default=512)
-    dm.add_argument("--repeats", type=int, default=3, help="timings (best of N, interleaved)")
-    dm.add_argument("--json", default=None, help="also write the results to this file")
-    dm.set_defaults(func=_run("deterministic"))
-    th = bench.add_parser(
-        "threads",
-        help="CPU prefill and decode per OpenMP wait setting, alone and beside a busy process",
-    )
-    add_config_args(th, EngineConfig, ("model", "dtype"))
-    th.add_argument("--prefill-tokens", type=int, default=1024)
-    th.add_argument("--num-requests", type=int, default=8)
-    th.add_argument("--output-tokens", type=int, default=32)
-    th.add_argument("--repeats", type=int, default=1, help="rounds of every setting and load")
-    th.add_argument("--json", default=None, help="also write the results to this file")
-    th.set_defaults(func=_run("threads"))
-    d = bench.add_parser("decode", help="batched decode vs transformers and llama.cpp (one stream)")
-    add_config_args(d, EngineConfig, ("model", "dtype"), defaults={"dtype": "float32"})
-    d.add_argument("--num-requests", type=int, default=32)
-    d.add_argument("--output-tokens", type=int, default=64)
-    d.add_argument(
-        "--llama-requests",
-        type=int,
-        default=4,
-        help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
-    )
-    add_config_args(d, EngineConfig, ("attention_backend", "cpu_gemm"))
-    d.add_argument("--json", default=None)
-    d.set_defaults(func=_run("decode"))
-    sm = bench.add_parser("sampler", help="a sampler step with penalties vs plain greedy")
-    sm.add_argument("--batch", type=int, default=64)
-    sm.add_argument("--vocab", type=int, default=49152)
-    sm.add_argument("--prompt-tokens", type=int, default=512)
-    sm.add_argument("--steps", type=int, default=30)
-    sm.add_argument("--num-threads", type=int, default=None)
-    sm.set_defaults(func=_run("sampler"))
-    b = bench.add_parser("blend", help="TTFT of full prefill vs blend vs reuse on MuSiQue")
-    add_config_args(b, EngineConfig, ("model",))
-    b.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
-    b.add_argument("--limit", type=int, default=5)
-    b.add_argument(
-        "--repeats", type=int, default=1, help="TTFTs per method and example, interleaved: median"
-    )
-    add_config_args(b, EngineConfig, ("dtype",), defaults={"dtype": "bfloat16"})
-    b.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
-    b.add_argument("--selection", default=None, help="default: BlendConfig's")
-    b.add_argument(
-        "--profile", action="store_true", help="per request: where the time goes, the floor"
-    )
-    add_config_args(
-        b,
-        BlendConnectorConfig,
-        ("pipeline_kv_load",),
-        aliases={"pipeline_kv_load": ("--pipeline",)},
-    )
-    add_config_args(b, EngineConfig, ("attention_backend", "prune_last_layer"))
-    b.add_argument("--json", default=None)
-    b.set_defaults(func=_run("blend"))
-    g = bench.add_parser(
-        "gpu", help="random-weight real shapes: prefill, blend and decode vs transformers"
-    )
-    g.add_argument("--shapes", default="llama8b,qwen05", help="llama8b, qwen05, tiny")
-    add_config_args(
-        g, EngineConfig, ("device", "attention_backend", "dtype"), defaults={"dtype": "bfloat16"}
-    )
-    g.add_argument("--prefill-tokens", type=int, default=6144)
-    g.add_argument(
-        "--blend-prompts",
-        default="3000:10,6144:10,16384:24",
-        help="blended prompt sizes, TOKENS:DOCS,... ('' skips the blend part)",
-    )
-    g.add_argument(
-        "--ratio", type=float, default=0.15, help="CacheBlend's V-deviation pick at this ratio"
-    )
-    g.add_argument("--decode-tokens", type=int, default=64, help="0 skips the decode part")
-    g.add_argument("--concurrency", type=int, default=32)
-    g.add_argument("--repeats", type=int, default=5, help="blend TTFTs: median of N")
-    g.add_argument("--kv-cache-gb", type=int, default=8)
-    g.add_argument("--kv-store-gb", type=int, default=8, help="the chunk store's memory tier")
-    g.add_argument(
-        "--device-tier-gb",
-        type=int,
-        default=4,
-        help="also time blend and reuse with the chunks kept in device memory "
-        "(kv_device_cache_bytes); 0 skips them",
-    )
-    g.add_argument("--json", default=None)
-    g.add_argument(
-        "--profile", default=None, metavar="DIR", help="write host/device profiles of the requests"
-    )
-    g.set_defaults(func=_run("gpu"))
+    _add_engine(bench)
+    _add_deterministic(bench)
+    _add_threads(bench)
+    _add_decode(bench)
+    _add_sampler(bench)
+    _add_blend(bench)
+    _add_gpu(bench)
     _add_gemm(bench)
     _add_attention(bench)
     _add_gpu_attention(bench)
@@ -136,6 +40,130 @@ def register_bench(sub) -> None:
     _add_plot(bench)
     _add_replicas(bench)
     _add_route_sim(bench)
+
+
+def _add_engine(bench) -> None:
+    p = bench.add_parser("engine", help="batched throughput and prefill vs transformers")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3, help="prefill timings (best of N)")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.set_defaults(func=_run("engine"))
+
+
+def _add_deterministic(bench) -> None:
+    p = bench.add_parser("deterministic", help="the cost of --deterministic: decode, prefill")
+    add_config_args(p, EngineConfig, ("model", "dtype"), defaults={"dtype": "bfloat16"})
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3, help="timings (best of N, interleaved)")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.set_defaults(func=_run("deterministic"))
+
+
+def _add_threads(bench) -> None:
+    p = bench.add_parser(
+        "threads",
+        help="CPU prefill and decode per OpenMP wait setting, alone and beside a busy process",
+    )
+    add_config_args(p, EngineConfig, ("model", "dtype"))
+    p.add_argument("--prefill-tokens", type=int, default=1024)
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every setting and load")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.set_defaults(func=_run("threads"))
+
+
+def _add_decode(bench) -> None:
+    p = bench.add_parser("decode", help="batched decode vs transformers and llama.cpp (one stream)")
+    add_config_args(p, EngineConfig, ("model", "dtype"), defaults={"dtype": "float32"})
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument(
+        "--llama-requests",
+        type=int,
+        default=4,
+        help="prompts run through llama.cpp, one stream each (0: skip llama.cpp)",
+    )
+    add_config_args(p, EngineConfig, ("attention_backend", "cpu_gemm"))
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("decode"))
+
+
+def _add_sampler(bench) -> None:
+    p = bench.add_parser("sampler", help="a sampler step with penalties vs plain greedy")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.set_defaults(func=_run("sampler"))
+
+
+def _add_blend(bench) -> None:
+    p = bench.add_parser("blend", help="TTFT of full prefill vs blend vs reuse on MuSiQue")
+    add_config_args(p, EngineConfig, ("model",))
+    p.add_argument("--data", default=None, help="CacheBlend-format JSON (default: MuSiQue dev)")
+    p.add_argument("--limit", type=int, default=5)
+    p.add_argument(
+        "--repeats", type=int, default=1, help="TTFTs per method and example, interleaved: median"
+    )
+    add_config_args(p, EngineConfig, ("dtype",), defaults={"dtype": "bfloat16"})
+    p.add_argument("--ratio", type=float, default=None, help="default: BlendConfig's")
+    p.add_argument("--selection", default=None, help="default: BlendConfig's")
+    p.add_argument(
+        "--profile", action="store_true", help="per request: where the time goes, the floor"
+    )
+    add_config_args(
+        p,
+        BlendConnectorConfig,
+        ("pipeline_kv_load",),
+        aliases={"pipeline_kv_load": ("--pipeline",)},
+    )
+    add_config_args(p, EngineConfig, ("attention_backend", "prune_last_layer"))
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_run("blend"))
+
+
+def _add_gpu(bench) -> None:
+    p = bench.add_parser(
+        "gpu", help="random-weight real shapes: prefill, blend and decode vs transformers"
+    )
+    p.add_argument("--shapes", default="llama8b,qwen05", help="llama8b, qwen05, tiny")
+    add_config_args(
+        p, EngineConfig, ("device", "attention_backend", "dtype"), defaults={"dtype": "bfloat16"}
+    )
+    p.add_argument("--prefill-tokens", type=int, default=6144)
+    p.add_argument(
+        "--blend-prompts",
+        default="3000:10,6144:10,16384:24",
+        help="blended prompt sizes, TOKENS:DOCS,... ('' skips the blend part)",
+    )
+    p.add_argument(
+        "--ratio", type=float, default=0.15, help="CacheBlend's V-deviation pick at this ratio"
+    )
+    p.add_argument("--decode-tokens", type=int, default=64, help="0 skips the decode part")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5, help="blend TTFTs: median of N")
+    p.add_argument("--kv-cache-gb", type=int, default=8)
+    p.add_argument("--kv-store-gb", type=int, default=8, help="the chunk store's memory tier")
+    p.add_argument(
+        "--device-tier-gb",
+        type=int,
+        default=4,
+        help="also time blend and reuse with the chunks kept in device memory "
+        "(kv_device_cache_bytes); 0 skips them",
+    )
+    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--profile", default=None, metavar="DIR", help="write host/device profiles of the requests"
+    )
+    p.set_defaults(func=_run("gpu"))
 
 
 def _add_gemm(bench) -> None:

@@ -123,88 +123,106 @@ def _graphs_vs_eager(llm, prompts, greedy) -> dict:
 
 
 def bench_shape(shape: str, args, device: str) -> dict:
-    dtype = getattr(torch, args.dtype)
     row: dict = {"shape": shape, "dtype": args.dtype, "device": device}
     with tempfile.TemporaryDirectory(prefix=f"blendkv-{shape}-") as tmp:
         t0 = time.perf_counter()
-        hf = save_random_model(Path(tmp), shape, dtype, device)
-        vocab = hf.config.vocab_size
+        hf = save_random_model(Path(tmp), shape, getattr(torch, args.dtype), device)
         sizes = parse_prompts(args.blend_prompts) if args.blend_prompts else []
-        # a blended prompt overshoots its size by up to 1/8, plus the chat template and query
-        # (a fixed ~200 tokens with the tiny shape's tokenizer: it decides at small sizes)
-        longest = max([args.prefill_tokens] + [t + t // 8 + 256 for t, _ in sizes])
-        max_len = longest + 2 * args.decode_tokens + 128
-        llm = LLM(
-            tmp,
-            dtype=args.dtype,
-            device=device,
-            attention_backend=args.attention_backend,
-            enable_prefix_caching=False,
-            max_model_len=max_len,
-            max_num_batched_tokens=max(longest + 256, 2048),
-            max_num_seqs=max(args.concurrency, 1),
-            kv_cache_memory_bytes=args.kv_cache_gb << 30,
-            kv_store_memory_bytes=args.kv_store_gb << 30,
-            blend_cost_check=True,  # its choice is measured beside blend and full prefill
-        )
+        llm = _load(tmp, args, device, sizes)
         row["setup_s"] = round(time.perf_counter() - t0, 1)
         row["attention_backend"] = llm.engine.attn_backend.name
-        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        one = SamplingParams(temperature=0.0, max_tokens=1)
-
-        # 1. agreement (61 tokens: the piecewise graphs' prefill pieces run padded to 64)
-        check = _random_ids(4, 61, vocab, seed=1)
-        ours = [o.outputs[0].token_ids for o in llm.generate(check, greedy)]
-        _, theirs = _hf_generate(hf, check, 8, device)
-        row["greedy_match"] = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
-        row.update(_graphs_vs_eager(llm, check, greedy))
+        vocab = hf.config.vocab_size
+        _check_agreement(llm, hf, vocab, device, row)
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
-
-        # 2. prefill
-        ids = _random_ids(1, args.prefill_tokens, vocab, seed=2)[0]
-        llm.generate([ids], one)  # warm-up (allocator, kernels)
-        _hf_ttft(hf, ids, device)
-        ttft_ours, ttft_hf = [], []
-        for _ in range(args.repeats):
-            ttft_ours.append(llm.generate([ids], one)[0].metrics.ttft)
-            ttft_hf.append(_hf_ttft(hf, ids, device))
-        row["prefill_tokens"] = args.prefill_tokens
-        row["prefill_s"] = min(ttft_ours)
-        row["prefill_hf_s"] = min(ttft_hf)
-        row["prefill_vs_hf"] = row["prefill_s"] / row["prefill_hf_s"]
+        _bench_prefill(llm, hf, vocab, args, device, row)
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
-
-        # 3. blend with a warm store, at each prompt size
-        row["blend"] = []
-        for i, (tokens, docs) in enumerate(sizes):
-            size, runs = bench_blend_size(llm, tokens, docs, args, seed=100 + 1000 * i)
-            row["blend"].append(size)
-            print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
-            if args.profile and i == 0:
-                from blendkv.eval.bench.profile_gpu import profile_requests
-
-                path = Path(args.profile) / f"profile_{shape}.txt"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                title = f"{shape} {args.dtype} {device} {size['tokens']} tokens"
-                row["profile"] = profile_requests(runs, str(path), title)
-        if sizes:
-            row.update(_copy_times(row["blend"][-1]["kv_bytes"], device))
-
-        # 4. decode (--decode-tokens 0: none)
-        for n in sorted({1, args.concurrency}) if args.decode_tokens > 0 else ():
-            decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-            prompts = _random_ids(n, 128, vocab, seed=3 + n)
-            llm.generate(prompts[:1], one)
-            t0 = time.perf_counter()
-            llm.generate(prompts, decode)
-            row[f"decode_tok_s_{n}"] = n * args.decode_tokens / (time.perf_counter() - t0)
-            row[f"decode_hf_tok_s_{n}"], _ = _hf_generate(hf, prompts, args.decode_tokens, device)
-            row[f"decode_vs_hf_{n}"] = row[f"decode_tok_s_{n}"] / row[f"decode_hf_tok_s_{n}"]
+        _bench_blend(llm, sizes, shape, args, device, row)
+        _bench_decode(llm, hf, vocab, args, device, row)
         llm.close()
         del hf, llm
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return row
+
+
+def _load(model_dir: str, args, device: str, sizes: list[tuple[int, int]]) -> LLM:
+    """blendkv on the saved random model, sized for the longest prompt of the run."""
+    # a blended prompt overshoots its size by up to 1/8, plus the chat template and query
+    # (a fixed ~200 tokens with the tiny shape's tokenizer: it decides at small sizes)
+    longest = max([args.prefill_tokens] + [t + t // 8 + 256 for t, _ in sizes])
+    max_len = longest + 2 * args.decode_tokens + 128
+    return LLM(
+        model_dir,
+        dtype=args.dtype,
+        device=device,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=False,
+        max_model_len=max_len,
+        max_num_batched_tokens=max(longest + 256, 2048),
+        max_num_seqs=max(args.concurrency, 1),
+        kv_cache_memory_bytes=args.kv_cache_gb << 30,
+        kv_store_memory_bytes=args.kv_store_gb << 30,
+        blend_cost_check=True,  # its choice is measured beside blend and full prefill
+    )
+
+
+def _check_agreement(llm, hf, vocab: int, device: str, row: dict) -> None:
+    """1. blendkv's greedy tokens against transformers' (61 tokens: the piecewise graphs'
+    prefill pieces run padded to 64), and graphs against eager."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    check = _random_ids(4, 61, vocab, seed=1)
+    ours = [o.outputs[0].token_ids for o in llm.generate(check, greedy)]
+    _, theirs = _hf_generate(hf, check, 8, device)
+    row["greedy_match"] = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+    row.update(_graphs_vs_eager(llm, check, greedy))
+
+
+def _bench_prefill(llm, hf, vocab: int, args, device: str, row: dict) -> None:
+    """2. TTFT of one ``--prefill-tokens`` prompt, best of ``--repeats``, interleaved."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    ids = _random_ids(1, args.prefill_tokens, vocab, seed=2)[0]
+    llm.generate([ids], one)  # warm-up (allocator, kernels)
+    _hf_ttft(hf, ids, device)
+    ttft_ours, ttft_hf = [], []
+    for _ in range(args.repeats):
+        ttft_ours.append(llm.generate([ids], one)[0].metrics.ttft)
+        ttft_hf.append(_hf_ttft(hf, ids, device))
+    row["prefill_tokens"] = args.prefill_tokens
+    row["prefill_s"] = min(ttft_ours)
+    row["prefill_hf_s"] = min(ttft_hf)
+    row["prefill_vs_hf"] = row["prefill_s"] / row["prefill_hf_s"]
+
+
+def _bench_blend(llm, sizes, shape: str, args, device: str, row: dict) -> None:
+    """3. blend with a warm store, at each prompt size (``--profile``: the first)."""
+    row["blend"] = []
+    for i, (tokens, docs) in enumerate(sizes):
+        size, runs = bench_blend_size(llm, tokens, docs, args, seed=100 + 1000 * i)
+        row["blend"].append(size)
+        print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
+        if args.profile and i == 0:
+            from blendkv.eval.bench.profile_gpu import profile_requests
+
+            path = Path(args.profile) / f"profile_{shape}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            title = f"{shape} {args.dtype} {device} {size['tokens']} tokens"
+            row["profile"] = profile_requests(runs, str(path), title)
+    if sizes:
+        row.update(_copy_times(row["blend"][-1]["kv_bytes"], device))
+
+
+def _bench_decode(llm, hf, vocab: int, args, device: str, row: dict) -> None:
+    """4. decode tokens/s of 1 and ``--concurrency`` requests (``--decode-tokens 0``: none)."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    for n in sorted({1, args.concurrency}) if args.decode_tokens > 0 else ():
+        decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+        prompts = _random_ids(n, 128, vocab, seed=3 + n)
+        llm.generate(prompts[:1], one)
+        t0 = time.perf_counter()
+        llm.generate(prompts, decode)
+        row[f"decode_tok_s_{n}"] = n * args.decode_tokens / (time.perf_counter() - t0)
+        row[f"decode_hf_tok_s_{n}"], _ = _hf_generate(hf, prompts, args.decode_tokens, device)
+        row[f"decode_vs_hf_{n}"] = row[f"decode_tok_s_{n}"] / row[f"decode_hf_tok_s_{n}"]
 
 
 def _print(row: dict) -> None:

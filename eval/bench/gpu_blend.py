@@ -58,108 +58,134 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     profiles; the full / blend / reuse requests as callables, for ``--profile``)."""
     from blendkv.eval.bench.profile_gpu import profile_once
 
-    one = SamplingParams(temperature=0.0, max_tokens=1)
     manager = llm.blend_manager()
     prompt = blend_prompt(manager, tokens, docs, seed)
-    default, ratio = BlendConfig(), BlendConfig(selection="v_deviation", recompute_ratio=args.ratio)
-    reuse = BlendConfig(recompute_ratio=0.0)
-    state = manager.prepare(prompt, default)
+    state = manager.prepare(prompt, BlendConfig())
     llm.precompute_chunks(state.prompt.chunks)
     full_ids = state.prompt.token_ids
-    connector = llm.engine.kv_connector
-    assert connector.cost_check, "the engine's choice is measured: blend_cost_check=True"
+    assert llm.engine.kv_connector.cost_check, (
+        "the engine's choice is measured: blend_cost_check=True"
+    )
+    runs = _runs(llm, prompt, full_ids, args)
+    for run in runs.values():  # warm: kernels, checksums, memory tier, the cost check's rates
+        run()
+    times, last, choices = _time_runs(runs, args.repeats)
+    row: dict = {"tokens": len(full_ids), "docs": docs, "engine_choices": dict(choices)}
+    _add_times(row, times, last, args.ratio)
+    for name in ("full", "blend", "reuse", "blend_eager"):
+        if name in runs:
+            row[f"profile_{name}"] = profile_once(runs[name])
+    return row, {name: runs[name] for name in ("blend", "reuse", "full")}
+
+
+def _runs(llm, prompt: dict, full_ids: list[int], args) -> dict:
+    """The requests timed at one size, by name: each a callable returning (TTFT, output)."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    default, ratio = BlendConfig(), BlendConfig(selection="v_deviation", recompute_ratio=args.ratio)
+    reuse = BlendConfig(recompute_ratio=0.0)
+    connector, backend, runner = llm.engine.kv_connector, llm.engine.attn_backend, llm.engine.runner
+    loader, device_tier = connector._loader, MemoryTier(args.device_tier_gb << 30)
 
     def ttft(blend=None, ids=None):
         out = llm.generate([ids or prompt], one, blend=blend)[0]
         return out.metrics.ttft, out
-
-    def serial():
-        connector.pipelined = False  # the same request with every layer loaded first
-        try:
-            return ttft(default)
-        finally:
-            connector.pipelined = True
-
-    backend = llm.engine.attn_backend
-
-    def unsplit(config):
-        backend.split_keys = False  # the Triton prefill kernels without key splits
-        try:
-            return ttft(config)
-        finally:
-            backend.split_keys = True
-
-    def untuned(config):
-        backend.tuned_tiles = False  # the prefill kernel's default tiles, not this GPU's table
-        try:
-            return ttft(config)
-        finally:
-            backend.tuned_tiles = True
-
-    runner = llm.engine.runner
-
-    def eager(fn):
-        # no piecewise graphs, no query pass graph
-        graphs, runner.piece_graphs = runner.piece_graphs, None
-        query, runner.query_graphs = runner.query_graphs, None
-        try:
-            return fn()
-        finally:
-            runner.piece_graphs, runner.query_graphs = graphs, query
-
-    def eager_pass(fn):
-        query, runner.query_graphs = runner.query_graphs, None  # ProphetKV's pass eagerly
-        try:
-            return fn()
-        finally:
-            runner.query_graphs = query
-
-    loader, device_tier = connector._loader, MemoryTier(args.device_tier_gb << 30)
-
-    def on_device(config):
-        kept, loader.device_tier = loader.device_tier, device_tier  # chunks in device memory
-        try:
-            return ttft(config)
-        finally:
-            loader.device_tier = kept
 
     runs = {
         "full": lambda: ttft(ids=full_ids),
         "blend": lambda: ttft(default),
         f"blend_v{args.ratio}": lambda: ttft(ratio),
         "reuse": lambda: ttft(reuse),
-        "serial_load": serial,
+        "serial_load": lambda: _serial(connector, lambda: ttft(default)),
         "engine_choice": lambda: ttft(),
     }
     if hasattr(backend, "split_keys"):
-        runs["blend_unsplit"] = lambda: unsplit(default)
-        runs["reuse_unsplit"] = lambda: unsplit(reuse)
-        runs["blend_untuned"] = lambda: untuned(default)
-        runs["reuse_untuned"] = lambda: untuned(reuse)
+        runs["blend_unsplit"] = lambda: _unsplit(backend, lambda: ttft(default))
+        runs["reuse_unsplit"] = lambda: _unsplit(backend, lambda: ttft(reuse))
+        runs["blend_untuned"] = lambda: _untuned(backend, lambda: ttft(default))
+        runs["reuse_untuned"] = lambda: _untuned(backend, lambda: ttft(reuse))
     if runner.piece_graphs is not None:
-        runs["full_eager"] = lambda: eager(runs["full"])
-        runs["blend_eager"] = lambda: eager(runs["blend"])
-        runs["reuse_eager"] = lambda: eager(runs["reuse"])
+        runs["full_eager"] = lambda: _eager(runner, runs["full"])
+        runs["blend_eager"] = lambda: _eager(runner, runs["blend"])
+        runs["reuse_eager"] = lambda: _eager(runner, runs["reuse"])
     if runner.query_graphs is not None:
-        runs["blend_eager_pass"] = lambda: eager_pass(runs["blend"])
+        runs["blend_eager_pass"] = lambda: _eager_pass(runner, runs["blend"])
     if args.device_tier_gb > 0:
-        runs["blend_device"] = lambda: on_device(default)
-        runs["reuse_device"] = lambda: on_device(reuse)
-    for run in runs.values():  # warm: kernels, checksums, memory tier, the cost check's rates
-        run()
+        runs["blend_device"] = lambda: _on_device(loader, device_tier, lambda: ttft(default))
+        runs["reuse_device"] = lambda: _on_device(loader, device_tier, lambda: ttft(reuse))
+    return runs
+
+
+def _serial(connector, run):
+    connector.pipelined = False  # the same request with every layer loaded first
+    try:
+        return run()
+    finally:
+        connector.pipelined = True
+
+
+def _unsplit(backend, run):
+    backend.split_keys = False  # the Triton prefill kernels without key splits
+    try:
+        return run()
+    finally:
+        backend.split_keys = True
+
+
+def _untuned(backend, run):
+    backend.tuned_tiles = False  # the prefill kernel's default tiles, not this GPU's table
+    try:
+        return run()
+    finally:
+        backend.tuned_tiles = True
+
+
+def _eager(runner, run):
+    # no piecewise graphs, no query pass graph
+    graphs, runner.piece_graphs = runner.piece_graphs, None
+    query, runner.query_graphs = runner.query_graphs, None
+    try:
+        return run()
+    finally:
+        runner.piece_graphs, runner.query_graphs = graphs, query
+
+
+def _eager_pass(runner, run):
+    query, runner.query_graphs = runner.query_graphs, None  # ProphetKV's pass eagerly
+    try:
+        return run()
+    finally:
+        runner.query_graphs = query
+
+
+def _on_device(loader, device_tier: MemoryTier, run):
+    kept, loader.device_tier = loader.device_tier, device_tier  # chunks in device memory
+    try:
+        return run()
+    finally:
+        loader.device_tier = kept
+
+
+def _time_runs(runs: dict, repeats: int):
+    """Every run ``repeats`` times, interleaved: (seconds by name, the last output by name,
+    what the cost check ran over the repeats)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     last = {}
     choices: Counter[str] = Counter()  # what the cost check ran, over the timed repeats
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name, run in runs.items():
             seconds, last[name] = run()
             times[name].append(seconds)
         choices[last["engine_choice"].blend_stats.cost_choice or "as configured"] += 1
-    row: dict = {"tokens": len(full_ids), "docs": docs, "engine_choices": dict(choices)}
+    return times, last, choices
+
+
+def _add_times(row: dict, times: dict, last: dict, ratio: float) -> None:
+    """Into ``row``: the median seconds and speedups, the engine's choice, the tier and the
+    blend's load and write stats."""
     for name, values in times.items():
         row[f"{name}_s"] = statistics.median(values)
-    for name in ("blend", f"blend_v{args.ratio}", "reuse", "engine_choice", "blend_device"):
-        if name in runs:
+    for name in ("blend", f"blend_v{ratio}", "reuse", "engine_choice", "blend_device"):
+        if name in times:
             row[f"{name}_speedup"] = row["full_s"] / row[f"{name}_s"]
     row["blend_vs_reuse"] = row["blend_s"] / row["reuse_s"]
     stats = last["engine_choice"].blend_stats
@@ -172,10 +198,6 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     row["kv_bytes"] = blend_stats.kv_bytes_loaded
     row["write_s"] = blend_stats.write_seconds
     row["write_hidden_s"] = blend_stats.load_hidden_seconds
-    for name in ("full", "blend", "reuse", "blend_eager"):
-        if name in runs:
-            row[f"profile_{name}"] = profile_once(runs[name])
-    return row, {name: runs[name] for name in ("blend", "reuse", "full")}
 
 
 def print_size(row: dict, ratio: float) -> None:

@@ -374,26 +374,13 @@ def count(run, device=(), capture: CountedCapture | None = None) -> dict:
 
 def main(args: argparse.Namespace) -> int:
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from blendkv import LLM, SamplingParams
-    from blendkv.blend.config import BlendConfig
-    from blendkv.engine.piecewise_graphs import PiecewiseGraphs
-    from blendkv.engine.query_pass_graphs import QueryPassGraphs
-    from blendkv.eval.random_model import make_tokenizer, random_text
+    from blendkv import LLM
+    from blendkv.eval.random_model import make_tokenizer
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
+    config = _llama_config(args.layers)
     with tempfile.TemporaryDirectory(prefix="blendkv-launches-") as tmp:
         LlamaForCausalLM(config).save_pretrained(tmp)
         make_tokenizer(config.vocab_size).save_pretrained(tmp)
@@ -405,52 +392,89 @@ def main(args: argparse.Namespace) -> int:
             enable_prefix_caching=False,
             kv_store_dir=str(Path(tmp) / "store"),
         )
-        capture = None
-        if not args.eager:  # what the engine does on CUDA
-            capture = CountedCapture()
-            runner = llm.engine.runner
-            runner.piece_graphs = PiecewiseGraphs("cpu", capture=capture)
-            runner.query_graphs = QueryPassGraphs(
-                runner.model,
-                runner.attn_backend,
-                runner.kv_caches,
-                runner.block_size,
-                llm.engine.info.max_model_len,
-                capture=capture,
-            )
-        prompt = {
-            "documents": [random_text(args.doc_words, seed=100 + d) for d in range(args.docs)],
-            "query": "Which city is the capital of France?",
-        }
-        one = SamplingParams(temperature=0.0, max_tokens=1)
-        blend = BlendConfig(recompute_ratio=args.ratio)
-        reuse = BlendConfig(recompute_ratio=0.0)
-        full_ids = llm.blend_manager().prepare(prompt, blend).prompt.token_ids
-        runs = {
-            "blend": lambda: llm.generate([prompt], one, blend=blend),
-            "reuse": lambda: llm.generate([prompt], one, blend=reuse),
-            "full": lambda: llm.generate([full_ids], one),
-        }
-        rows = {
-            "layers": args.layers,
-            "prompt_tokens": len(full_ids),
-            "ratio": args.ratio,
-            "graphs": not args.eager,
-        }
-        for name, run in runs.items():
-            run()  # warm: chunks stored, kernels interpreted once, pieces captured
-            rows[name] = count(run, device_tensors(llm), capture)
-            r = rows[name]
-            print(
-                f"{name:>5}: {r['launches']:6d} launches ({r['aten_kernels']} aten + "
-                f"{r['triton_launches']} Triton), {r['host_syncs']} host syncs; "
-                f"{r['launches'] / args.layers:.1f} a layer",
-                flush=True,
-            )
-            for where, n in r["syncs_at"].items():
-                print(f"       {n:3d} sync(s) at {where}", flush=True)
+        capture = None if args.eager else _capture_graphs(llm)  # what the engine does on CUDA
+        rows = _count_requests(llm, args, capture)
         llm.close()
     print(json.dumps(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _llama_config(layers: int):
+    """A tiny Llama of ``layers`` decoder layers (random weights)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+def _capture_graphs(llm) -> CountedCapture:
+    """Give the runner piecewise and query-pass graphs (as on CUDA) whose capture is counted."""
+    from blendkv.engine.piecewise_graphs import PiecewiseGraphs
+    from blendkv.engine.query_pass_graphs import QueryPassGraphs
+
+    capture = CountedCapture()
+    runner = llm.engine.runner
+    runner.piece_graphs = PiecewiseGraphs("cpu", capture=capture)
+    runner.query_graphs = QueryPassGraphs(
+        runner.model,
+        runner.attn_backend,
+        runner.kv_caches,
+        runner.block_size,
+        llm.engine.info.max_model_len,
+        capture=capture,
+    )
+    return capture
+
+
+def _count_requests(llm, args, capture: CountedCapture | None) -> dict:
+    """A blend, a reuse and a full prefill of one prompt, each counted once warm."""
+    from blendkv import SamplingParams
+    from blendkv.blend.config import BlendConfig
+    from blendkv.eval.random_model import random_text
+
+    prompt = {
+        "documents": [random_text(args.doc_words, seed=100 + d) for d in range(args.docs)],
+        "query": "Which city is the capital of France?",
+    }
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    blend = BlendConfig(recompute_ratio=args.ratio)
+    reuse = BlendConfig(recompute_ratio=0.0)
+    full_ids = llm.blend_manager().prepare(prompt, blend).prompt.token_ids
+    runs = {
+        "blend": lambda: llm.generate([prompt], one, blend=blend),
+        "reuse": lambda: llm.generate([prompt], one, blend=reuse),
+        "full": lambda: llm.generate([full_ids], one),
+    }
+    rows = {
+        "layers": args.layers,
+        "prompt_tokens": len(full_ids),
+        "ratio": args.ratio,
+        "graphs": not args.eager,
+    }
+    for name, run in runs.items():
+        run()  # warm: chunks stored, kernels interpreted once, pieces captured
+        rows[name] = count(run, device_tensors(llm), capture)
+        _print_counts(name, rows[name], args.layers)
+    return rows
+
+
+def _print_counts(name: str, r: dict, layers: int) -> None:
+    print(
+        f"{name:>5}: {r['launches']:6d} launches ({r['aten_kernels']} aten + "
+        f"{r['triton_launches']} Triton), {r['host_syncs']} host syncs; "
+        f"{r['launches'] / layers:.1f} a layer",
+        flush=True,
+    )
+    for where, n in r["syncs_at"].items():
+        print(f"       {n:3d} sync(s) at {where}", flush=True)

@@ -242,6 +242,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
+    _add_info_routes(app, state)
+    _add_completion_route(app, state)
+    _add_chat_route(app, state)
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """Health, version, models, the vLLM routes blendkv lacks, and Prometheus metrics."""
+
     @app.get("/health")
     async def health() -> Response:
         state.require()
@@ -283,6 +291,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_completion_route(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         served = state.require()
@@ -304,6 +314,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = responses.completion_response(served, out, opts)
         return JSONResponse(body.model_dump(), headers=headers)
 
+
+def _add_chat_route(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         served = state.require()

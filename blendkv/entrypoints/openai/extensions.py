@@ -30,7 +30,12 @@ ROUTES = {f"{PREFIX}/info", f"{PREFIX}/documents", f"{PREFIX}/health"}  # counte
 
 def add_extension_routes(app: FastAPI, state) -> None:
     """``state``: the server's :class:`~.api_server.ServerState`."""
+    _add_info_route(app, state)
+    _add_document_routes(app, state)
+    _add_health_route(app, state)
 
+
+def _add_info_route(app: FastAPI, state) -> None:
     @app.get(f"{PREFIX}/info")
     async def info() -> JSONResponse:
         from blendkv import __version__
@@ -54,6 +59,10 @@ def add_extension_routes(app: FastAPI, state) -> None:
             }
         )
 
+
+def _add_document_routes(app: FastAPI, state) -> None:
+    """List, show and delete the store's documents."""
+
     @app.get(f"{PREFIX}/documents")
     async def documents(
         offset: int = Query(0, ge=0),
@@ -75,11 +84,7 @@ def add_extension_routes(app: FastAPI, state) -> None:
 
     @app.get(f"{PREFIX}/documents/{{ref:path}}")
     async def document(ref: str) -> JSONResponse:
-        rag = _store(state)
-        try:
-            docs = await asyncio.to_thread(rag.document_details, ref)
-        except UnknownDocumentError as exc:
-            raise APIError(404, str(exc), "not_found_error", param="ref") from exc
+        docs = await _details(_store(state), ref)
         return JSONResponse({"object": "list", "data": docs})
 
     @app.delete(f"{PREFIX}/documents/{{ref:path}}")
@@ -93,10 +98,7 @@ def add_extension_routes(app: FastAPI, state) -> None:
                 code="api_key_required",
             )
         rag = _store(state)
-        try:
-            docs = await asyncio.to_thread(rag.document_details, ref)
-        except UnknownDocumentError as exc:
-            raise APIError(404, str(exc), "not_found_error", param="ref") from exc
+        docs = await _details(rag, ref)
         removed = await asyncio.to_thread(rag.delete_document, ref)
         return JSONResponse(
             {
@@ -106,6 +108,8 @@ def add_extension_routes(app: FastAPI, state) -> None:
             }
         )
 
+
+def _add_health_route(app: FastAPI, state) -> None:
     @app.get(f"{PREFIX}/health")
     async def health() -> JSONResponse:
         served = state.require()
@@ -120,6 +124,14 @@ def add_extension_routes(app: FastAPI, state) -> None:
         snapshot["audit"]["rate"] = served.engine.llm.engine.config.guards.blend_audit_rate
         snapshot["audit"]["warn_kl"] = state.config.blend_audit_warn_kl
         return JSONResponse({"object": "blendkv.health", **snapshot})
+
+
+async def _details(rag, ref: str) -> list[dict]:
+    """The document ``ref`` and its chunks (404 if the store has no such document)."""
+    try:
+        return await asyncio.to_thread(rag.document_details, ref)
+    except UnknownDocumentError as exc:
+        raise APIError(404, str(exc), "not_found_error", param="ref") from exc
 
 
 def _store(state):
