@@ -114,6 +114,9 @@ class LLMEngine:
         self.runner = self._make_runner()
         self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
         self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
+        # Requests an abort is on its way for (request_abort, from any thread): the running
+        # step computes no more of their precompute.
+        self._aborting: set[str] = set()
         self._ids = itertools.count()
         self.processor = InputProcessor(
             self.tokenizer,
@@ -292,8 +295,15 @@ class LLMEngine:
             self.prepare_request(prompt, sampling_params, request_id, **kwargs)
         )
 
+    def request_abort(self, request_id: str) -> None:
+        """Announce an abort from another thread while a step may be running: that step
+        computes no more of the request's chunk precompute (chunks already computed stay
+        stored). The caller then calls :meth:`abort_request` on the engine's thread."""
+        self._aborting.add(request_id)
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples); False if it is unknown or already finished."""
+        self._aborting.discard(request_id)
         parent = self.parents.pop(request_id, None)
         if parent is not None:
             return self._abort_samples(parent)
@@ -327,7 +337,7 @@ class LLMEngine:
         """Schedule and run one batch; return outputs of requests that produced a token."""
         out = self.scheduler.schedule()
         self._last_step_num_scheduled = len(out.scheduled)
-        for work, seconds in self.runner.run_precompute(out):
+        for work, seconds in self.runner.run_precompute(out, skip=self._aborting):
             self.step_costs.record(chunk_forward_work(work.num_tokens), seconds)
         for audit in out.audits:
             record = self.auditor.record(audit.request_id, self.runner.full_prefill_logits(audit))

@@ -17,6 +17,7 @@ K/V into it before the forward and gives the forward its row plan and layer hook
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -156,15 +157,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------ precompute
     @torch.inference_mode()
-    def run_precompute(self, out: SchedulerOutput) -> list[tuple[PrecomputeWork, float]]:
+    def run_precompute(
+        self, out: SchedulerOutput, skip: Container[str] = ()
+    ) -> list[tuple[PrecomputeWork, float]]:
         """The step's chunk precompute, before the batch: each chunk's K/V to the connector.
-        Returns each item with the seconds its forward took (a packed forward's time shared
-        by the items' tokens)."""
+        Returns each item run with the seconds its forward took (a packed forward's time
+        shared by the items' tokens). ``skip``: request ids whose items are dropped, read
+        before each forward (an abort announced while the step runs)."""
         done = []
-        works = list(out.precompute)
+        works = [w for w in out.precompute if w.request_id not in skip]
         sizes = [len(w.context_ids) + len(w.chunk_ids) for w in works]
         packed = _pack(sizes, PACK_ROWS) if self.pack_chunks else [[i] for i in range(len(works))]
         for group in ([works[i] for i in g] for g in packed):
+            group = [w for w in group if w.request_id not in skip]
+            if not group:
+                continue
             t0 = time.perf_counter()
             contexts = [list(w.context_ids) for w in group]
             kvs = self.compute_chunk_kv(contexts, [list(w.chunk_ids) for w in group])

@@ -285,6 +285,7 @@ class AsyncLLM:
             if self.llm.engine.abort_request(request_id):
                 self._num_aborted += 1
 
+        self.llm.engine.request_abort(request_id)  # the running step stops its precompute
         self._commands.put(_Command(abort))
 
     def shutdown(self) -> None:
