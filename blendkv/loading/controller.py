@@ -42,6 +42,8 @@ class LoadingController:
     compute: RateEstimate | None = None  # row-layers per second of fused prefills
     # row-layers per second of plain prefill steps (blendkv.guards.cost_check's full prefill)
     full_compute: RateEstimate | None = None
+    # tier -> chunk loads per second (one per write; what a replica reports to its router)
+    chunk_loads: dict[str, RateEstimate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.compute is None:
@@ -55,8 +57,9 @@ class LoadingController:
     ) -> None:
         """``num_bytes`` from ``tier`` took ``seconds`` in all, of which ``layerwise_seconds``
         (default: all of them; 0: none, a serial step) were spent layer by layer behind the
-        forward."""
+        forward. One call is one chunk's load."""
         self.bandwidth.setdefault(tier, RateEstimate(self.alpha)).update(num_bytes, seconds)
+        self.chunk_loads.setdefault(tier, RateEstimate(self.alpha)).update(1, seconds)
         if layerwise_seconds is None:
             layerwise_seconds = seconds
         estimate = self.layerwise.setdefault(tier, RateEstimate(self.alpha))
@@ -68,6 +71,12 @@ class LoadingController:
     def record_full_compute(self, row_layers: int, seconds: float) -> None:
         """A step of plain prefill rows only (no fused prefill, no decode) took ``seconds``."""
         self.full_compute.update(row_layers, seconds)
+
+    def chunk_seconds(self, tier: str) -> float | None:
+        """Seconds one chunk's load from ``tier`` takes (read and write, moving average);
+        None until one was measured."""
+        est = self.chunk_loads.get(tier)
+        return None if est is None or est.value is None else 1.0 / est.value
 
     # ---- decisions ----------------------------------------------------------------------
     def choose_tier(self, tiers: list[str]) -> str:
