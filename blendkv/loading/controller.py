@@ -34,6 +34,21 @@ class RateEstimate:
 
 
 @dataclass
+class MeanEstimate:
+    """Exponential moving average of a quantity (seconds a chunk load takes, ...)."""
+
+    alpha: float = 0.3
+    value: float | None = None
+
+    def update(self, sample: float) -> None:
+        if sample < 0:
+            return
+        self.value = (
+            sample if self.value is None else self.value + self.alpha * (sample - self.value)
+        )
+
+
+@dataclass
 class LoadingController:
     alpha: float = 0.3
     bandwidth: dict[str, RateEstimate] = field(default_factory=dict)  # tier -> bytes/s
@@ -42,8 +57,8 @@ class LoadingController:
     compute: RateEstimate | None = None  # row-layers per second of fused prefills
     # row-layers per second of plain prefill steps (blendkv.guards.cost_check's full prefill)
     full_compute: RateEstimate | None = None
-    # tier -> chunk loads per second (one per write; what a replica reports to its router)
-    chunk_loads: dict[str, RateEstimate] = field(default_factory=dict)
+    # tier -> seconds per chunk load (one per write; what a replica reports to its router)
+    chunk_loads: dict[str, MeanEstimate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.compute is None:
@@ -59,7 +74,7 @@ class LoadingController:
         (default: all of them; 0: none, a serial step) were spent layer by layer behind the
         forward. One call is one chunk's load."""
         self.bandwidth.setdefault(tier, RateEstimate(self.alpha)).update(num_bytes, seconds)
-        self.chunk_loads.setdefault(tier, RateEstimate(self.alpha)).update(1, seconds)
+        self.chunk_loads.setdefault(tier, MeanEstimate(self.alpha)).update(seconds)
         if layerwise_seconds is None:
             layerwise_seconds = seconds
         estimate = self.layerwise.setdefault(tier, RateEstimate(self.alpha))
@@ -76,7 +91,7 @@ class LoadingController:
         """Seconds one chunk's load from ``tier`` takes (read and write, moving average);
         None until one was measured."""
         est = self.chunk_loads.get(tier)
-        return None if est is None or est.value is None else 1.0 / est.value
+        return None if est is None else est.value
 
     # ---- decisions ----------------------------------------------------------------------
     def choose_tier(self, tiers: list[str]) -> str:
