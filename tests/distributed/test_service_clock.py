@@ -1,13 +1,15 @@
 """A replica's service time (busy seconds per finished request) and the store-load seconds it
-reports, from injected times and loads (no clock is read, no engine runs)."""
+reports, from injected times and loads (no engine runs, no Ray)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
 from blendkv.connector.blend_connector import BlendConnector
+from blendkv.entrypoints.ray_serve.replica import BlendKVReplica, ForwardedRequest
 from blendkv.entrypoints.ray_serve.service_clock import ServiceClock, ServiceClockError
 from blendkv.loading.controller import LoadingController
 
@@ -60,3 +62,21 @@ def test_store_chunk_seconds_is_the_store_loads_excess_over_the_memory_tiers():
     assert saving(connector) == pytest.approx(0.031)
     controller.record_load("memory", 1 << 20, 0.050)  # slower than the store: no saving
     assert saving(connector) == 0.0
+
+
+def test_a_replica_times_its_post_requests_only():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    replica = object.__new__(BlendKVReplica)  # no Ray, no engine: the app above
+    replica.app, replica._running, replica._clock = app, set(), ServiceClock()
+
+    async def serve(method: str) -> list:
+        request = ForwardedRequest(method, "/v1/chat/completions", b"", (), b"{}")
+        return [item async for item in replica.forward(request)]
+
+    assert asyncio.run(serve("GET"))[-1] == b"ok"
+    assert replica._clock.service_s is None
+    asyncio.run(serve("POST"))
+    assert replica._clock.service_s is not None and replica._clock.active == 0

@@ -13,8 +13,8 @@ replica's :class:`~.routing.TierSummary` (the digests of the chunk keys in its m
 device tiers), rebuilt only when the tiers' generation moved, and its
 :class:`~.routing.ReplicaCosts`: the seconds a chunk's load costs more from the store than from
 its memory tier (the engine's loading controller measures every load) and its busy seconds per
-finished request (:mod:`.service_clock`, timed around :meth:`BlendKVReplica.forward`). The
-router reads the last ones reported; it never asks a replica per request.
+finished request (:mod:`.service_clock`, timed around :meth:`BlendKVReplica.forward` for
+POST requests). The router reads the last ones reported; it never asks a replica per request.
 """
 
 from __future__ import annotations
@@ -102,14 +102,18 @@ class BlendKVReplica:
             raise RuntimeError(f"replica {self.name}: the engine loop has stopped")
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """Serve ``request`` through the app: its ResponseStart, then its body's pieces (timed
-        by the service clock)."""
-        self._clock.started(time.monotonic())
+        """Serve ``request`` through the app: its ResponseStart, then its body's pieces. A POST
+        (a generation, a document upload) is timed by the service clock; a GET (models,
+        metrics) would only pull its mean towards zero."""
+        timed = request.method == "POST"
+        if timed:
+            self._clock.started(time.monotonic())
         try:
             async for item in run_asgi(self.app, request, self._running):
                 yield item
         finally:
-            self._clock.finished(time.monotonic())
+            if timed:
+                self._clock.finished(time.monotonic())
 
     def __del__(self) -> None:
         state = getattr(self, "state", None)
