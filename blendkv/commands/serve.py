@@ -105,17 +105,19 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
         "--router",
         default="chunk-affinity",
         choices=POLICIES,
-        help="how a request picks its replica: the one whose memory and device tiers hold most "
-        "of its chunks (chunk-affinity, bounded by --imbalance), or round-robin, or "
-        "least-loaded (default: %(default)s)",
+        help="how a request picks its replica: the least expected wait, queue x service time "
+        "+ chunks not held x store-load seconds, as the replicas measured them (cost-aware); "
+        "the one whose memory and device tiers hold most of its chunks (chunk-affinity, "
+        "bounded by --imbalance); round-robin; or least-loaded (default: %(default)s)",
     )
     ray.add_argument(
         "--imbalance",
         type=int,
         default=DEFAULT_IMBALANCE,
         metavar="REQUESTS",
-        help="chunk-affinity: how many more requests than the least loaded replica the "
-        "replica holding the chunks may hold (default: %(default)s)",
+        help="chunk-affinity (and cost-aware until the replicas measured their costs): how "
+        "many more requests than the least loaded replica the replica holding the chunks may "
+        "hold (default: %(default)s)",
     )
     ray.add_argument(
         "--ray-address",

@@ -164,6 +164,16 @@ class BlendConnector(KVConnectorBase):
         on_device, device = tier.keys_at() if tier is not None else (0, [])
         return gen + on_device, memory, device
 
+    def store_chunk_seconds(self) -> float | None:
+        """Seconds a chunk's load costs more from the store than from the host-memory tier
+        (this engine's moving averages; at least 0), None until both were measured: what a
+        replica reports to its router with :meth:`held_chunks`."""
+        store = self.controller.chunk_seconds(self.manager.store.tier)
+        memory = self.controller.chunk_seconds("memory")
+        if store is None or memory is None:
+            return None
+        return max(0.0, store - memory)
+
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: dict, options, token_map: bool = False) -> ConnectorPrompt:
         state = self.manager.prepare(prompt, options)

@@ -34,6 +34,21 @@ class RateEstimate:
 
 
 @dataclass
+class MeanEstimate:
+    """Exponential moving average of a quantity (seconds a chunk load takes, ...)."""
+
+    alpha: float = 0.3
+    value: float | None = None
+
+    def update(self, sample: float) -> None:
+        if sample < 0:
+            return
+        self.value = (
+            sample if self.value is None else self.value + self.alpha * (sample - self.value)
+        )
+
+
+@dataclass
 class LoadingController:
     alpha: float = 0.3
     bandwidth: dict[str, RateEstimate] = field(default_factory=dict)  # tier -> bytes/s
@@ -42,6 +57,8 @@ class LoadingController:
     compute: RateEstimate | None = None  # row-layers per second of fused prefills
     # row-layers per second of plain prefill steps (blendkv.guards.cost_check's full prefill)
     full_compute: RateEstimate | None = None
+    # tier -> seconds per chunk load (one per write; what a replica reports to its router)
+    chunk_loads: dict[str, MeanEstimate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.compute is None:
@@ -55,8 +72,9 @@ class LoadingController:
     ) -> None:
         """``num_bytes`` from ``tier`` took ``seconds`` in all, of which ``layerwise_seconds``
         (default: all of them; 0: none, a serial step) were spent layer by layer behind the
-        forward."""
+        forward. One call is one chunk's load."""
         self.bandwidth.setdefault(tier, RateEstimate(self.alpha)).update(num_bytes, seconds)
+        self.chunk_loads.setdefault(tier, MeanEstimate(self.alpha)).update(seconds)
         if layerwise_seconds is None:
             layerwise_seconds = seconds
         estimate = self.layerwise.setdefault(tier, RateEstimate(self.alpha))
@@ -68,6 +86,12 @@ class LoadingController:
     def record_full_compute(self, row_layers: int, seconds: float) -> None:
         """A step of plain prefill rows only (no fused prefill, no decode) took ``seconds``."""
         self.full_compute.update(row_layers, seconds)
+
+    def chunk_seconds(self, tier: str) -> float | None:
+        """Seconds one chunk's load from ``tier`` takes (read and write, moving average);
+        None until one was measured."""
+        est = self.chunk_loads.get(tier)
+        return None if est is None else est.value
 
     # ---- decisions ----------------------------------------------------------------------
     def choose_tier(self, tiers: list[str]) -> str:

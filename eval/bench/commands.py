@@ -359,7 +359,7 @@ _POLICIES = ("round-robin", "least-loaded", "chunk-affinity")
 
 
 def _add_route_sim(bench) -> None:
-    from blendkv.entrypoints.ray_serve.routing import DEFAULT_IMBALANCE
+    from blendkv.entrypoints.ray_serve.routing import DEFAULT_IMBALANCE, POLICIES
 
     from .route_sim import ints_arg, policies_arg
 
@@ -369,7 +369,7 @@ def _add_route_sim(bench) -> None:
     )
     p.add_argument("--costs", default=None, help="a `bench replicas --json` file")
     p.add_argument("--replicas", type=ints_arg, default=[2, 4, 8, 16, 32, 64])
-    p.add_argument("--policies", type=policies_arg, default=list(_POLICIES))
+    p.add_argument("--policies", type=policies_arg, default=list(POLICIES))
     p.add_argument("--imbalance", type=int, default=DEFAULT_IMBALANCE)
     p.add_argument("--documents-per-replica", type=int, default=48)
     p.add_argument("--requests-per-replica", type=int, default=200)

@@ -12,7 +12,10 @@ objects, :class:`TierSummary` reports, queue depths); what is modelled is each r
   this model does not): time to first token = the wait + ``base_s`` + ``store_chunk_s`` per
   chunk read from the store; then ``decode_s`` before the next request starts;
 * its report, a :class:`TierSummary` of the requests finished by the last report tick (every
-  ``--stats-period`` seconds, as Ray Serve polls ``record_routing_stats``), never fresher.
+  ``--stats-period`` seconds, as Ray Serve polls ``record_routing_stats``), never fresher, and
+  its :class:`ReplicaCosts` as a live replica measures them: busy seconds per finished request
+  from the same :class:`ServiceClock`, and ``store_chunk_s`` (a memory-tier read costs nothing
+  here) once it has finished a request with a store read and one with a memory-tier hit.
 
 The corpus grows with the cluster (``--documents-per-replica``), requests follow the Zipf
 popularity of :mod:`blendkv.eval.zipf_workload` and arrive as a Poisson process at ``--load``
@@ -33,11 +36,13 @@ from pathlib import Path
 
 from blendkv.entrypoints.ray_serve.routing import (
     POLICIES,
+    ReplicaCosts,
     ReplicaState,
     TierSummary,
     key_digest,
     make_policy,
 )
+from blendkv.entrypoints.ray_serve.service_clock import ServiceClock
 from blendkv.eval.zipf_workload import ZipfWorkload
 
 # Measured by `blendkv bench replicas` (docs/benchmarks.md: SmolLM2-135M float32, one core per
@@ -58,15 +63,26 @@ class _Replica:
     lru: OrderedDict = field(default_factory=OrderedDict)  # as of its last assigned request
     finishing: deque = field(default_factory=deque)  # finish times of the requests it holds
     free_at: float = 0.0
-    pending: deque = field(default_factory=deque)  # (finish, chunks) not yet reported
+    pending: deque = field(default_factory=deque)  # (finish, chunks, misses) not yet reported
     reported: OrderedDict = field(default_factory=OrderedDict)  # the LRU as last reported
     summary: TierSummary = field(default_factory=TierSummary)
     generation: int = 0
+    clock: ServiceClock = field(default_factory=ServiceClock)
+    loads: set = field(default_factory=set)  # the tiers it has finished a load from, by a tick
+    costs: ReplicaCosts = field(default_factory=ReplicaCosts)  # as last reported
 
     def depth(self, now: float) -> int:
+        """Requests held at ``now`` (call with times that never go back)."""
         while self.finishing and self.finishing[0] <= now:
-            self.finishing.popleft()
+            self.clock.finished(self.finishing.popleft())
         return len(self.finishing)
+
+    def start(self, now: float, finish: float, chunks, misses: int) -> None:
+        """A request arriving at ``now`` that will finish at ``finish``."""
+        self.clock.started(now)
+        self.free_at = finish
+        self.finishing.append(finish)
+        self.pending.append((finish, chunks, misses))
 
     def touch(self, lru: OrderedDict, chunks) -> int:
         """Read ``chunks`` through ``lru`` (an LRU of ``capacity``); returns the misses."""
@@ -81,12 +97,18 @@ class _Replica:
                     lru.popitem(last=False)
         return misses
 
-    def report(self, tick: float) -> None:
-        """The summary Ray Serve would hold after the poll at ``tick``."""
+    def report(self, tick: float, store_chunk_s: float) -> None:
+        """The summary and costs Ray Serve would hold after the poll at ``tick``."""
         changed = False
+        self.depth(tick)
         while self.pending and self.pending[0][0] <= tick:
-            self.touch(self.reported, self.pending.popleft()[1])
+            _, chunks, misses = self.pending.popleft()
+            self.touch(self.reported, chunks)
+            self.loads.update(("store",) if misses else ())
+            self.loads.update(("memory",) if misses < len(chunks) else ())
             changed = True
+        measured = store_chunk_s if len(self.loads) == 2 else None
+        self.costs = ReplicaCosts(measured, self.clock.service_s)
         if changed:
             self.generation += 1
             keys = [_key(c) for c in self.reported]
@@ -119,10 +141,10 @@ def simulate(
         t = r.arrival_s
         while next_tick <= t:
             for rep in pool:
-                rep.report(next_tick)
+                rep.report(next_tick, costs["store_chunk_s"])
             next_tick += stats_period
         want = [[digests.setdefault(d, key_digest(_key(d)))] for d in r.documents]
-        states = [ReplicaState(rep.rid, rep.depth(t), rep.summary) for rep in pool]
+        states = [ReplicaState(rep.rid, rep.depth(t), rep.summary, rep.costs) for rep in pool]
         chosen = pool[int(policy.choose(want, states).replica_id[1:])]
         misses = chosen.touch(chosen.lru, r.documents)
         hits += len(r.documents) - misses
@@ -130,9 +152,7 @@ def simulate(
         start = max(t, chosen.free_at)
         first_token = start + costs["base_s"] + misses * costs["store_chunk_s"]
         finish = first_token + costs["decode_s"]
-        chosen.free_at = finish
-        chosen.finishing.append(finish)
-        chosen.pending.append((finish, r.documents))
+        chosen.start(t, finish, r.documents, misses)
         ttfts.append(first_token - t)
         last_finish = max(last_finish, finish)
     ttfts.sort()

@@ -1,6 +1,7 @@
-"""The routing policies on injected replica summaries and queue depths (pure Python, no Ray):
-chunk affinity picks the replica holding most of a request's chunks, within the queue-depth
-imbalance bound, else the least loaded; the baselines do what their names say."""
+"""The routing policies on injected replica summaries, costs and queue depths (pure Python, no
+Ray): cost-aware picks the least expected wait (queue depth × service time + chunks not held ×
+store-load seconds); chunk affinity the replica holding most of a request's chunks, within the
+queue-depth imbalance bound, else the least loaded; the baselines do what their names say."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 from blendkv.entrypoints.ray_serve.routing import (
     ChunkAffinity,
+    CostAware,
     LeastLoaded,
+    ReplicaCosts,
     ReplicaState,
     RoundRobin,
     TierSummary,
@@ -28,8 +31,67 @@ def chunks(*ids: int) -> list[list[str]]:
     return [[key_digest(key(i))] for i in ids]
 
 
-def replica(name: str, depth: int, memory=(), device=()) -> ReplicaState:
-    return ReplicaState(name, depth, TierSummary.of(map(key, memory), map(key, device)))
+def replica(name: str, depth: int, memory=(), device=(), costs=None) -> ReplicaState:
+    summary = TierSummary.of(map(key, memory), map(key, device))
+    return ReplicaState(name, depth, summary, costs)
+
+
+STORE_CHUNK_S = 0.031  # measured: a chunk from the store instead of the memory tier
+SLOW = ReplicaCosts(store_chunk_s=STORE_CHUNK_S, service_s=2.5)  # a request takes 2.5 s
+
+
+def test_cost_aware_follows_the_chunks_when_queues_are_equal():
+    # The holder listed second: a policy blind to the chunks would take the first in turn.
+    for depth in (0, 3):
+        replicas = [replica("a", depth, costs=SLOW), replica("b", depth, [1, 2, 3], costs=SLOW)]
+        decision = CostAware().choose(chunks(1, 2, 3), replicas)
+        assert (decision.replica_id, decision.reason, decision.chunks_held) == ("b", "cost", 3)
+
+
+def test_cost_aware_leaves_the_holder_when_its_queue_costs_more_than_the_loads():
+    # b holds all 3 chunks but has one request ahead: 2.5 s of queue against 3 × 0.031 s of
+    # store loads on the idle a.
+    replicas = [replica("a", 0, costs=SLOW), replica("b", 1, [1, 2, 3], costs=SLOW)]
+    assert CostAware().choose(chunks(1, 2, 3), replicas).replica_id == "a"
+    # The same queue on replicas that serve a request in 0.05 s: 0.05 s < 0.093 s of loads.
+    fast = ReplicaCosts(store_chunk_s=STORE_CHUNK_S, service_s=0.05)
+    replicas = [replica("a", 0, costs=fast), replica("b", 1, [1, 2, 3], costs=fast)]
+    assert CostAware().choose(chunks(1, 2, 3), replicas).replica_id == "b"
+
+
+def test_cost_aware_breaks_equal_waits_by_queue_then_in_turn():
+    # a: one request of 0.1 s ahead, every chunk held; b: idle, one chunk of 0.1 s to load.
+    costs = ReplicaCosts(store_chunk_s=0.1, service_s=0.1)
+    replicas = [replica("a", 1, [1], costs=costs), replica("b", 0, costs=costs)]
+    assert CostAware().choose(chunks(1), replicas).replica_id == "b"
+    # Equal waits and queues: each in turn.
+    replicas = [replica("a", 0, costs=costs), replica("b", 0, costs=costs)]
+    policy = CostAware()
+    assert [policy.choose(chunks(1), replicas).replica_id for _ in range(4)] == list("abab")
+
+
+def test_cost_aware_without_measurements():
+    # Nobody measured: chunk affinity decides (b holds the chunks, within the bound of 2),
+    # where the costs, once measured, send the request to the idle a.
+    unmeasured = [replica("a", 0), replica("b", 1, [1, 2, 3])]
+    decision = CostAware(imbalance=2).choose(chunks(1, 2, 3), unmeasured)
+    assert (decision.replica_id, decision.reason) == ("b", "affinity")
+    half = [replica("a", 0), replica("b", 1, [1, 2, 3], costs=ReplicaCosts(service_s=2.5))]
+    assert CostAware().choose(chunks(1, 2, 3), half).reason == "affinity"
+    # b has not measured yet: it is given a's costs. a: idle, 3 chunks × 1 s to load = 3 s.
+    for service_s, expected in ((2.0, "b"), (4.0, "a")):
+        a = ReplicaCosts(store_chunk_s=1.0, service_s=service_s)
+        replicas = [replica("a", 0, costs=a), replica("b", 1, [1, 2, 3])]
+        decision = CostAware().choose(chunks(1, 2, 3), replicas)
+        assert (decision.replica_id, decision.reason) == (expected, "cost")
+
+
+def test_replica_costs_round_trip_and_reject_bad_numbers():
+    costs = ReplicaCosts(store_chunk_s=0.031, service_s=1.8)
+    assert ReplicaCosts.from_dict(costs.to_dict()) == costs
+    assert ReplicaCosts.from_dict(None) == ReplicaCosts()
+    bad = {"store_chunk_s": -1.0, "service_s": float("nan")}
+    assert ReplicaCosts.from_dict(bad) == ReplicaCosts()
 
 
 def test_affinity_picks_the_replica_holding_most_chunks():
@@ -89,6 +151,7 @@ def test_policies_by_name_and_bad_options():
     assert isinstance(make_policy("chunk-affinity", 4), ChunkAffinity)
     assert make_policy("chunk-affinity", 4).imbalance == 4
     assert isinstance(make_policy("round-robin"), RoundRobin)
+    assert make_policy("cost-aware", 4).unmeasured.imbalance == 4
     with pytest.raises(ValueError, match="routing policy"):
         make_policy("random")
     with pytest.raises(ValueError, match="imbalance"):

@@ -91,3 +91,14 @@ def test_load_that_does_not_overlap_compute_leaves_the_floor():
     serial.record_compute(10**6, 1.0)
     assert ratio(serial, "lmdb") == 0.15  # nothing measured layer by layer yet
     assert serial.choose_tier(["lmdb"]) == "lmdb"
+
+
+def test_seconds_per_chunk_load_by_tier():
+    c = LoadingController()
+    assert c.chunk_seconds("redis") is None  # nothing loaded yet
+    c.record_load("redis", 4 * MB, 0.04)
+    c.record_load("memory", 4 * MB, 0.01)
+    assert c.chunk_seconds("redis") == pytest.approx(0.04)
+    assert c.chunk_seconds("memory") == pytest.approx(0.01)
+    c.record_load("redis", 4 * MB, 0.02)  # a moving average: partway to the new load's time
+    assert 0.02 < c.chunk_seconds("redis") < 0.04

@@ -10,18 +10,23 @@ replica id): responses carry ``x-blendkv-replica`` and blend stats a ``replica``
 
 Ray Serve calls :meth:`BlendKVReplica.record_routing_stats` every few seconds; it returns the
 replica's :class:`~.routing.TierSummary` (the digests of the chunk keys in its memory and
-device tiers), rebuilt only when the tiers' generation moved. The router reads the last one
-reported; it never asks a replica per request.
+device tiers), rebuilt only when the tiers' generation moved, and its
+:class:`~.routing.ReplicaCosts`: the seconds a chunk's load costs more from the store than from
+its memory tier (the engine's loading controller measures every load) and its busy seconds per
+finished request (:mod:`.service_clock`, timed around :meth:`BlendKVReplica.forward` for
+POST requests). The router reads the last ones reported; it never asks a replica per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from blendkv.entrypoints.ray_serve.routing import TierSummary
+from blendkv.entrypoints.ray_serve.routing import ReplicaCosts, TierSummary
+from blendkv.entrypoints.ray_serve.service_clock import ServiceClock
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,7 @@ class BlendKVReplica:
                 self.state.load_error
             )
         self._summary = (None, TierSummary())
+        self._clock = ServiceClock()
         self._running: set[asyncio.Task] = set()  # apps still finishing after a disconnect
 
     @property
@@ -82,11 +88,13 @@ class BlendKVReplica:
         return KeyRecipe.of(self.state.served.engine.llm.blend_manager())
 
     def record_routing_stats(self) -> dict:
-        """This replica's tier summary (Ray Serve's routing stats), as a dict."""
-        generation, memory, device = self._connector.held_chunks()
+        """This replica's tier summary and costs (Ray Serve's routing stats), as a dict."""
+        connector = self._connector
+        generation, memory, device = connector.held_chunks()
         if self._summary[0] != generation:
             self._summary = (generation, TierSummary.of(memory, device, generation))
-        return {"tiers": self._summary[1].to_dict()}
+        costs = ReplicaCosts(connector.store_chunk_seconds(), self._clock.service_s)
+        return {"tiers": self._summary[1].to_dict(), "costs": costs.to_dict()}
 
     def check_health(self) -> None:
         served = self.state.served
@@ -94,9 +102,18 @@ class BlendKVReplica:
             raise RuntimeError(f"replica {self.name}: the engine loop has stopped")
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """Serve ``request`` through the app: its ResponseStart, then its body's pieces."""
-        async for item in run_asgi(self.app, request, self._running):
-            yield item
+        """Serve ``request`` through the app: its ResponseStart, then its body's pieces. A POST
+        (a generation, a document upload) is timed by the service clock; a GET (models,
+        metrics) would only pull its mean towards zero."""
+        timed = request.method == "POST"
+        if timed:
+            self._clock.started(time.monotonic())
+        try:
+            async for item in run_asgi(self.app, request, self._running):
+                yield item
+        finally:
+            if timed:
+                self._clock.finished(time.monotonic())
 
     def __del__(self) -> None:
         state = getattr(self, "state", None)

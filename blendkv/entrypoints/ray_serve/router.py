@@ -4,14 +4,17 @@ what Ray Serve already knows of each replica.
 Ray Serve gives a custom router the candidate replicas, each with the routing stats it last
 reported (:meth:`BlendKVReplica.record_routing_stats
 <blendkv.entrypoints.ray_serve.replica.BlendKVReplica.record_routing_stats>`: its tier
-summary), and keeps their queue depths (ongoing requests) in a cache it updates as requests are
-sent and finish, probing a replica it has no fresh number for. This router reads the request's
-chunks from the :class:`~.replica.ForwardedRequest`, asks the policy, and ranks the chosen
-replica first and the others by queue depth after it: Ray Serve sends to the first rank that
-has room (``max_ongoing_requests``), so a full replica never blocks a request.
+summary and measured costs), and keeps their queue depths (ongoing requests) in a cache it
+updates as requests are sent and finish, probing a replica it has no fresh number for. This
+router reads the request's chunks from the :class:`~.replica.ForwardedRequest`, asks the
+policy, and ranks the chosen replica first and the others by queue depth after it: Ray Serve
+sends to the first rank that has room (``max_ongoing_requests``), so a full replica never
+blocks a request.
 
-The policy is set per deployment (``request_router_kwargs``): ``chunk-affinity`` with its
-``imbalance`` bound, or the baselines ``round-robin`` and ``least-loaded``.
+The policy is set per deployment (``request_router_kwargs``): ``cost-aware`` (least expected
+wait; chunk affinity with the ``imbalance`` bound until the replicas measured their costs),
+``chunk-affinity`` with its ``imbalance`` bound, or the baselines ``round-robin`` and
+``least-loaded``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from blendkv.entrypoints.ray_serve.routing import (
     DEFAULT_IMBALANCE,
+    ReplicaCosts,
     ReplicaState,
     TierSummary,
     make_policy,
@@ -48,7 +52,7 @@ class BlendKVRouter(RequestRouter):
             return []
         depths = await self._queue_depths(candidate_replicas)
         states = [
-            ReplicaState(r.replica_id.unique_id, depths[r.replica_id], self._summary(r))
+            ReplicaState(r.replica_id.unique_id, depths[r.replica_id], self._summary(r), _costs(r))
             for r in candidate_replicas
         ]
         decision = self.policy.choose(_request_chunks(pending_request), states)
@@ -80,6 +84,12 @@ class BlendKVRouter(RequestRouter):
         if cached is None or cached[0] != raw["generation"]:
             cached = self._summaries[rid] = (raw["generation"], TierSummary.from_dict(raw))
         return cached[1]
+
+
+def _costs(replica: RunningReplica) -> ReplicaCosts | None:
+    """The replica's last reported costs (None: none reported yet)."""
+    raw = (replica.routing_stats or {}).get("costs")
+    return None if raw is None else ReplicaCosts.from_dict(raw)
 
 
 def _request_chunks(pending: PendingRequest | None) -> list:

@@ -1,22 +1,34 @@
-"""Which replica serves a request: the one whose memory and device tiers hold most of its chunks.
+"""Which replica serves a request: the one where it is expected to wait least for its first
+token, counting both the queue ahead of it and the chunks it would load from the shared store.
 
     a request's chunks ─▶ chunk keys ─▶ digests ─────────┐
-    each replica's report: TierSummary (its tiers' keys)  ├─▶ policy.choose ─▶ RoutingDecision
+    each replica's report: TierSummary (its tiers' keys)  │
+                    and ReplicaCosts (what it measured)    ├─▶ policy.choose ─▶ RoutingDecision
     each replica's queue depth (requests it holds) ───────┘
 
 Every router in the field scores replicas by the *prefix* a request shares with what they
 cached. A blend engine reuses chunks wherever they sit in the prompt, so what decides whether a
 request loads its chunks from host (or device) memory or from the shared store is the overlap
-of its *chunk set* with what a replica's tiers hold. :class:`ChunkAffinity` sends a request to
-the replica holding most of its chunks, among the replicas whose queue depth is within
-``imbalance`` of the least loaded one; when none of those holds any of them, to the least
-loaded. :class:`RoundRobin` and :class:`LeastLoaded` are the baselines (Ray Serve's default,
-power of two choices, is least loaded among two at random).
+of its *chunk set* with what a replica's tiers hold. How much that overlap is worth is measured,
+not assumed: :class:`CostAware` sends a request to the replica minimising
+
+    expected wait = queue depth × service_s + chunks its tiers do not hold × store_chunk_s
+
+where ``service_s`` is the replica's busy seconds per finished request and ``store_chunk_s``
+the seconds a chunk costs more loaded from the store than from its memory tier, both moving
+averages the replica measured (:class:`ReplicaCosts`). Equal waits go to the shorter queue,
+then in turn. A replica that has not measured one of them yet is given the mean of the
+replicas that have (same model, same store); while no replica has, :class:`ChunkAffinity`
+decides. :class:`ChunkAffinity` sends a request to the replica holding most of its chunks,
+among the replicas whose queue depth is within ``imbalance`` of the least loaded one; when none
+of those holds any, to the least loaded. :class:`RoundRobin` and :class:`LeastLoaded` are the
+baselines (Ray Serve's default, power of two choices, is least loaded among two at random).
 
 Pure Python, no Ray: the Ray Serve request router (:mod:`.router`) and the simulation to 64
 replicas (``blendkv bench route-sim``) run this same code. A replica reports a
 :class:`TierSummary` (the digests of the keys its tiers hold, rebuilt only when the tiers'
-generation moved), so the router never asks a replica anything per request.
+generation moved) and its :class:`ReplicaCosts`, so the router never asks a replica anything
+per request.
 
 A chunk may have more than one key a replica could hold it under (a document sent in a request
 is found under the store's anchor when it was ingested, else under the query-time anchor), so a
@@ -26,6 +38,7 @@ request's chunks are given as, per chunk, the digests of its candidate keys.
 from __future__ import annotations
 
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -85,20 +98,40 @@ class TierSummary:
 
 
 @dataclass(frozen=True)
+class ReplicaCosts:
+    """What one replica measured (moving averages; None: not measured yet): ``store_chunk_s``,
+    the seconds a chunk costs more loaded from the shared store than from its memory tier, and
+    ``service_s``, its busy seconds per finished request."""
+
+    store_chunk_s: float | None = None
+    service_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"store_chunk_s": self.store_chunk_s, "service_s": self.service_s}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> ReplicaCosts:
+        if not d:
+            return cls()
+        return cls(_seconds(d.get("store_chunk_s")), _seconds(d.get("service_s")))
+
+
+@dataclass(frozen=True)
 class ReplicaState:
     """What the router knows of one replica: its id, how many requests it holds now (running
-    and queued) and its last reported summary (None: none reported yet)."""
+    and queued), its last reported summary and costs (None: none reported yet)."""
 
     replica_id: str
     queue_depth: int
     summary: TierSummary | None = None
+    costs: ReplicaCosts | None = None
 
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """The replica chosen, why (``"affinity"``: most chunks held within the bound;
-    ``"least_loaded"``: none of the replicas in the bound holds any; ``"round_robin"``), and
-    how many of the request's chunks its tiers hold."""
+    """The replica chosen, why (``"cost"``: least expected wait; ``"affinity"``: most chunks
+    held within the bound; ``"least_loaded"``: none of the replicas in the bound holds any;
+    ``"round_robin"``), and how many of the request's chunks its tiers hold."""
 
     replica_id: str
     reason: str
@@ -184,11 +217,44 @@ class ChunkAffinity(LeastLoaded):
         return RoutingDecision(best.replica_id, "affinity", best_score[0])
 
 
-POLICIES = ("chunk-affinity", "round-robin", "least-loaded")
+class CostAware(LeastLoaded):
+    """Least expected wait (the formula in the module docstring); equal waits to the shorter
+    queue, then in turn. Until some replica has measured both costs, :class:`ChunkAffinity`
+    with ``imbalance`` decides."""
+
+    name = "cost-aware"
+
+    def __init__(self, imbalance: int = DEFAULT_IMBALANCE) -> None:
+        super().__init__()
+        self.unmeasured = ChunkAffinity(imbalance)
+
+    def choose(self, chunks, replicas) -> RoutingDecision:
+        _check(replicas)
+        costs = _filled_costs(replicas)
+        if costs is None:
+            return self.unmeasured.choose(chunks, replicas)
+        waits = [_expected_wait(r, c, chunks) for r, c in zip(replicas, costs, strict=True)]
+        best = min(waits)
+        tied = [r for r, w in zip(replicas, waits, strict=True) if w == best]
+        r = tied[next(self._turn) % len(tied)]
+        return RoutingDecision(r.replica_id, "cost", _held(r, chunks))
+
+
+def expected_wait(
+    queue_depth: int, service_s: float, missing_chunks: int, store_chunk_s: float
+) -> float:
+    """Seconds a request is expected to wait on a replica before its first token beyond the
+    fastest case: the queue ahead of it plus its chunks loaded from the store."""
+    return queue_depth * service_s + missing_chunks * store_chunk_s
+
+
+POLICIES = ("cost-aware", "chunk-affinity", "round-robin", "least-loaded")
 
 
 def make_policy(name: str, imbalance: int = DEFAULT_IMBALANCE) -> RoutingPolicy:
     """The policy called ``name`` (one of :data:`POLICIES`)."""
+    if name == "cost-aware":
+        return CostAware(imbalance)
     if name == "chunk-affinity":
         return ChunkAffinity(imbalance)
     if name == "round-robin":
@@ -205,3 +271,42 @@ def _check(replicas: Sequence[ReplicaState]) -> None:
 
 def _held(r: ReplicaState, chunks: Sequence[Sequence[str]]) -> int:
     return r.summary.held(chunks)[0] if r.summary is not None else 0
+
+
+def _expected_wait(
+    r: ReplicaState, costs: tuple[float, float], chunks: Sequence[Sequence[str]]
+) -> tuple[float, int]:
+    """``(expected wait, queue depth)`` of a request on ``r`` with ``costs`` (service_s,
+    store_chunk_s): what :class:`CostAware` minimises."""
+    missing = len(chunks) - _held(r, chunks)
+    return expected_wait(r.queue_depth, costs[0], missing, costs[1]), r.queue_depth
+
+
+def _filled_costs(replicas: Sequence[ReplicaState]) -> list[tuple[float, float]] | None:
+    """Per replica ``(service_s, store_chunk_s)``: its own measurement, else the mean of the
+    replicas that measured it; None while no replica has measured one of the two."""
+    reported = [r.costs or ReplicaCosts() for r in replicas]
+    service = _mean([c.service_s for c in reported])
+    store_chunk = _mean([c.store_chunk_s for c in reported])
+    if service is None or store_chunk is None:
+        return None
+    return [
+        (
+            service if c.service_s is None else c.service_s,
+            store_chunk if c.store_chunk_s is None else c.store_chunk_s,
+        )
+        for c in reported
+    ]
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    measured = [v for v in values if v is not None]
+    return sum(measured) / len(measured) if measured else None
+
+
+def _seconds(value) -> float | None:
+    """A reported measurement: a non-negative number of seconds, else None (not measured)."""
+    if value is None or isinstance(value, bool):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value >= 0 else None
