@@ -103,7 +103,7 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     )
     ray.add_argument(
         "--router",
-        default="chunk-affinity",
+        default="cost-aware",
         choices=POLICIES,
         help="how a request picks its replica: the least expected wait, queue x service time "
         "+ chunks not held x store-load seconds, as the replicas measured them (cost-aware); "

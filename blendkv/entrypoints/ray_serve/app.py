@@ -130,7 +130,7 @@ def build_app(
     model: str | None = None,
     *,
     replicas: int = 2,
-    policy: str = "chunk-affinity",
+    policy: str = "cost-aware",
     imbalance: int = DEFAULT_IMBALANCE,
     engine_options: dict | None = None,
     serve_options: dict | None = None,
@@ -168,14 +168,14 @@ def build_app(
 
 def app_builder(args: dict):
     """``serve run blendkv.entrypoints.ray_serve.app:app_builder model=... store=redis://...
-    replicas=2 policy=chunk-affinity imbalance=2 dtype=bfloat16 ...``: keys it does not
+    replicas=2 policy=cost-aware imbalance=2 dtype=bfloat16 ...``: keys it does not
     know are ``LLM`` keywords (their values as Serve passes them: strings)."""
     args = dict(args)
     store = args.pop("store", None)
     return build_app(
         args.pop("model", None),
         replicas=int(args.pop("replicas", 2)),
-        policy=args.pop("policy", "chunk-affinity"),
+        policy=args.pop("policy", "cost-aware"),
         imbalance=int(args.pop("imbalance", DEFAULT_IMBALANCE)),
         replica_cpus=float(args.pop("replica_cpus", 1.0)),
         replica_gpus=float(args.pop("replica_gpus", 0.0)),

@@ -38,7 +38,7 @@ class BlendKVRouter(RequestRouter):
     """See the module docstring."""
 
     def initialize_state(
-        self, policy: str = "chunk-affinity", imbalance: int = DEFAULT_IMBALANCE
+        self, policy: str = "cost-aware", imbalance: int = DEFAULT_IMBALANCE
     ) -> None:
         self.policy = make_policy(policy, imbalance)
         self._summaries: dict[str, tuple[int, TierSummary]] = {}  # replica -> parsed, by gen
