@@ -1,6 +1,6 @@
 """Does one big request starve the others? Streaming clients against ``blendkv serve``.
 
-    blendkv bench stall [--model PATH] [--dtype float32] [--clients 4] [--docs 1000]
+    blendkv bench stall [--model PATH] [--dtype float32] [--clients 4] [--docs 700]
         [--long-tokens 8191] [--seconds 20] [--max-step-latency S|none] [--json PATH]
 
 A real server (uvicorn on 127.0.0.1, the official ``openai`` client) serves ``--clients``
@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-DOC = "box {i} is {color}."  # ~7 tokens: 1,000 of them fill ~7K of an 8K context
+DOC = "box {i} is {color}."  # ~10 tokens with its template: 700 of them fill ~7K of an 8K context
 COLORS = ("red", "green", "blue", "white", "black")
 
 
