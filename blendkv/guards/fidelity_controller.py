@@ -21,8 +21,10 @@ along the **ladder** (the floor, the grid's larger ratios, then 1.0: full prefil
 After a step the window starts empty, and audits of requests still run at the ratio left are
 not counted (audits run when the engine is idle, so they lag): the next step waits for
 ``min_audits`` (up) or ``window`` (down) audits at the new ratio -- the hysteresis that keeps
-it from stepping on its own echo. At 1.0 a target runs as full prefill, which is never audited:
-it stays there until the engine restarts (or the calibration changes).
+it from stepping on its own echo. At 1.0 a target runs as full prefill, which is never audited
+(there is nothing to measure): after ``probe_after`` requests there it steps down one, and the
+audits at that ratio decide again (the drift may have passed). A drift that stays costs
+``min_audits`` audits at the lower ratio per probe.
 
 Pure Python, no tensors: the engine resolves targets through :meth:`ratio_for` and feeds it
 audit records; an explicit ``recompute_ratio`` never comes here. A lock guards it: the server
@@ -71,6 +73,7 @@ class _Track:
     window: deque[float]  # divergences audited at ladder[offset], newest last
     offset: int = 0
     p90: float | None = None
+    num_full: int = 0  # requests resolved to full prefill since the last step
 
     @property
     def ratio(self) -> float:
@@ -89,15 +92,26 @@ class FidelityController:
             audits of the drift at each ratio.
         headroom: a step down needs the window's 90th percentile below ``headroom`` x target
             (in [0, 1); 0 never steps down).
+        probe_after: requests a target runs as full prefill (unaudited) before it steps down
+            one to be audited again.
     """
 
-    def __init__(self, window: int = 32, min_audits: int = 8, headroom: float = 0.5) -> None:
+    def __init__(
+        self,
+        window: int = 32,
+        min_audits: int = 8,
+        headroom: float = 0.5,
+        probe_after: int = 512,
+    ) -> None:
         if window < 1:
             raise ConfigError(f"window must be >= 1 audit, got {window}")
         if not 1 <= min_audits <= window:
             raise ConfigError(f"min_audits must be in [1, window={window}], got {min_audits}")
         if not 0.0 <= headroom < 1.0:
             raise ConfigError(f"headroom must be in [0, 1), got {headroom}")
+        if probe_after < 1:
+            raise ConfigError(f"probe_after must be >= 1 request, got {probe_after}")
+        self.probe_after = probe_after
         self.window = window
         self.min_audits = min_audits
         self.headroom = headroom
@@ -115,6 +129,10 @@ class FidelityController:
             track = self._tracks.get(target)
             if track is None or track.ladder != ladder:
                 track = self._tracks[target] = _Track(ladder, deque(maxlen=self.window))
+            if track.ratio >= 1.0 and track.offset > 0:
+                track.num_full += 1
+                if track.num_full > self.probe_after:
+                    self._step(target, track, -1)
             return track.ratio
 
     def observe(self, record: AuditRecord) -> int:
@@ -134,19 +152,24 @@ class FidelityController:
         track.p90 = quantile(list(track.window), QUANTILE)
         step = self._decide(record.fidelity_target, track)
         if step:
-            before = track.ratio
-            track.offset += step
-            track.window.clear()
-            logger.info(
-                "fidelity target %g nats: audited p%.0f divergence %.3g nats: recompute ratio "
-                "%g -> %g",
-                record.fidelity_target,
-                QUANTILE * 100,
-                track.p90,
-                before,
-                track.ratio,
-            )
+            self._step(record.fidelity_target, track, step)
         return step
+
+    def _step(self, target: float, track: _Track, step: int) -> None:
+        """Move ``track`` one rung (``step`` is +1 or -1); its window starts over."""
+        before = track.ratio
+        track.offset += step
+        track.window.clear()
+        track.num_full = 0
+        p90 = "none" if track.p90 is None else f"{track.p90:.3g} nats"
+        logger.info(
+            "fidelity target %g nats: audited p%.0f divergence %s: recompute ratio %g -> %g",
+            target,
+            QUANTILE * 100,
+            p90,
+            before,
+            track.ratio,
+        )
 
     def _decide(self, target: float, track: _Track) -> int:
         n, p90 = len(track.window), track.p90

@@ -150,3 +150,17 @@ def test_the_engine_raises_a_drifting_targets_ratio_and_leaves_explicit_ratios(t
         assert llm.blend_audit_records()[-1].fidelity_target is None  # audited, not fed
         assert out.blend_stats.recompute_fraction == pytest.approx(0.1, abs=0.05)
         assert ctl.state() == before
+
+
+def test_full_prefill_is_probed_again_after_probe_after_requests():
+    """Full prefill is never audited: after ``probe_after`` requests there the target steps
+    down one to be measured again, and back up if the drift stayed."""
+    ctl = FidelityController(window=16, min_audits=4, probe_after=10)
+    ctl.ratio_for(TARGET, FLOOR, GRID)
+    _feed(ctl, DRIFT, 16)
+    ratios = [ctl.ratio_for(TARGET, FLOOR, GRID) for _ in range(11)]
+    assert ratios == [1.0] * 10 + [0.5]
+    assert _feed(ctl, DRIFT, 4) == [0, 0, 0, 1]  # the drift stayed: back to full prefill
+    assert ctl.ratio_for(TARGET, FLOOR, GRID) == 1.0
+    with pytest.raises(ConfigError, match="probe_after"):
+        FidelityController(probe_after=0)
