@@ -310,7 +310,12 @@ def _add_stall(bench) -> None:
     add_config_args(p, EngineConfig, ("model",))
     add_config_args(p, EngineConfig, ("dtype",), defaults={"dtype": "float32"})
     p.add_argument("--clients", type=int, default=4, help="streaming clients")
-    p.add_argument("--docs", type=int, default=700, help="new tiny documents in one request (700 make ~7K tokens)")
+    p.add_argument(
+        "--docs",
+        type=int,
+        default=700,
+        help="new tiny documents in one request (700 make ~7K tokens)",
+    )
     p.add_argument("--long-tokens", type=int, default=8191, help="tokens of the long prompt")
     p.add_argument("--seconds", type=float, default=20.0, help="length of the baseline")
     p.add_argument(
