@@ -80,9 +80,6 @@ class AttentionBackend(ABC):
     # Its forward writes the rows' log-sum-exp where ``AttentionMetadata.lse_out`` says, and
     # :meth:`add_query_mass` takes it (``lse``): the query pass scores without recomputing it.
     attention_lse: bool = False
-    # Its :meth:`shift_kept_rows` takes the correction (the row plan then builds the
-    # recomputed rows' chunk segments it needs); else the blend runs the torch code.
-    fused_chunk_shift: bool = False
     # Batch-invariant mode (EngineConfig.deterministic, set by get_attention_backend): every
     # query row attended as its own decode row (blendkv.kernels.batch_invariant).
     deterministic: bool = False
@@ -110,57 +107,6 @@ class AttentionBackend(ABC):
         # Single-view indexing, not unbind(): in-place writes into unbind's outputs are refused
         # outside inference mode.
         return [pool[i] for i in range(spec.num_layers)]
-
-    def load_rotated_kv(
-        self,
-        kv_caches: list[torch.Tensor],
-        first_layer: int,
-        kv: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> None:
-        """Write a stored chunk's K/V into the pool for layers ``first_layer..``.
-
-        Args:
-            kv: [L', 2, T, kv_heads, head_dim]; index 0 is K *before* RoPE (rotated here to
-                ``positions``), index 1 is V. ``L' = len(kv_caches) - first_layer``.
-            positions: [T] int64 absolute positions of the chunk's tokens in this prompt.
-            slots: [T] int64 KV slots they are written to.
-            cos, sin: [max_position, head_dim] float32 rotary tables (both halves stored,
-                HF ``rotate_half`` convention), from ``RotaryEmbedding.tables``.
-
-        This is the reference (RoPE in the K/V dtype, like ``RotaryEmbedding.rotate_k``, then
-        one ``write_kv`` per layer); backends may fuse it into one launch.
-        """
-        k = kv[:, 0]  # [L', T, H, D]
-        # index_select, not advanced indexing: the fast CPU gather of table rows
-        c = cos.index_select(0, positions)[:, None, :].to(k.dtype)  # [T, 1, D]
-        s = sin.index_select(0, positions)[:, None, :].to(k.dtype)
-        half = k.shape[-1] // 2
-        rotated = k * c + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * s
-        for i in range(kv.shape[0]):
-            self.write_kv(kv_caches[first_layer + i], rotated[i], kv[i, 1], slots)
-
-    def load_encoded_kv(
-        self,
-        kv_caches: list[torch.Tensor],
-        first_layer: int,
-        chunk: Any,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> None:
-        """:meth:`load_rotated_kv` of an encoded chunk (an ``int8`` / ``int4`` store's value,
-        :class:`blendkv.kernels.kv_dequant.EncodedChunk`), decoded as it is written. This is the
-        reference (decode, then :meth:`load_rotated_kv`'s reference); backends decode in their
-        load kernels instead, writing the same bits."""
-        kv = chunk.dequantize(kv_caches[first_layer].dtype)
-        AttentionBackend.load_rotated_kv(
-            self, kv_caches, first_layer, kv, positions, slots, cos, sin
-        )
 
     @abstractmethod
     def write_kv(
@@ -235,7 +181,7 @@ class AttentionBackend(ABC):
             [num_tokens, num_heads, head_dim] (``out`` when given).
         """
 
-    # ---- the blend's ops ----------------------------------------------------------------
+    # ---- the blend's scoring -------------------------------------------------------------
     def add_query_mass(
         self,
         scores: torch.Tensor,
@@ -277,24 +223,3 @@ class AttentionBackend(ABC):
             window=window,
             soft_cap=soft_cap,
         )
-
-    def shift_kept_rows(
-        self,
-        kv_cache: torch.Tensor,
-        which: str,
-        shrink: float,
-        pooled: bool,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        recomputed: Any,
-        kept: Any,
-        num_chunks: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention_scaling: float,
-    ) -> bool:
-        """A blended layer's K/V correction (``blendkv.blend.correction.correct_kept_rows``) in
-        this backend's kernels; returns whether it did it. Called only with
-        :attr:`fused_chunk_shift` (``segments`` set on both row sets). The reference is the blend's
-        torch code, which runs when this returns False: here, always."""
-        return False

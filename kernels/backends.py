@@ -1,4 +1,5 @@
-"""Choosing an attention backend by name (``EngineConfig.attention_backend``).
+"""Choosing an attention backend by name (``EngineConfig.attention_backend``), and the blend's
+kernels that go with it (:func:`get_blend_kernels`).
 
 Each backend's module is imported only when it is chosen: Triton is never imported on a
 machine that does not use it.
@@ -11,7 +12,9 @@ import os
 import torch
 
 from blendkv.kernels.attention import AttentionBackend
+from blendkv.kernels.blend_kernels import BlendKernels
 from blendkv.kernels.cpu_attention import CpuAttentionBackend
+from blendkv.kernels.cpu_blend import CpuBlendKernels
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -25,6 +28,20 @@ def get_attention_backend(
     backend = _backend(name, device)
     backend.deterministic = deterministic
     return backend
+
+
+def get_blend_kernels(backend: AttentionBackend) -> BlendKernels:
+    """The blend's kernels on ``backend``'s pool: Triton's with the ``triton`` backend, the C++
+    ones with the ``cpu`` backend when its C++ ops built, else the torch reference."""
+    if backend.name == "triton":  # (its module is imported only when it was chosen)
+        from blendkv.kernels.triton_attention import TritonAttentionBackend
+        from blendkv.kernels.triton_blend import TritonBlendKernels
+
+        assert isinstance(backend, TritonAttentionBackend)
+        return TritonBlendKernels(backend)
+    if isinstance(backend, CpuAttentionBackend) and backend.ops is not None:
+        return CpuBlendKernels(backend, backend.ops)
+    return BlendKernels(backend)
 
 
 def _compile_only() -> bool:

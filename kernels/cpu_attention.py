@@ -5,7 +5,8 @@ they apply (``EngineConfig.attention_backend="cpu"``, the default on the CPU).
 - prefill rows (fresh, chunked, scattered, ProphetKV's query rows with their mass): one
   :mod:`cpu_prefill` call per sequence and layer, on CPUs with AVX-512 (on others SDPA's
   flash kernel, the reference, measured faster: ``docs/benchmarks.md``);
-- a blend's loaded chunk rotated into the pool and its K/V correction: :mod:`cpu_blend`.
+- (a blend's loaded chunk rotated into the pool and its K/V correction are not attention: their
+  C++ kernels are :mod:`cpu_blend`'s, on this backend's ``ops``).
 
 The kernels take float32 and bfloat16 on contiguous tensors. Where one does not apply (another
 dtype, a layout it does not take, no compiler to build it with) that op runs the reference
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from blendkv.kernels import cpu_blend, cpu_extension
+from blendkv.kernels import cpu_extension
 from blendkv.kernels.attention import AttentionMetadata
 from blendkv.kernels.cpu_decode import DecodeKernel, DenseDecode, dense_decode_layout
 from blendkv.kernels.cpu_prefill import RowsKernel
@@ -65,7 +66,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 "beats the C++ prefill kernel",
                 torch.backends.cpu.get_cpu_capability(),
             )
-        self.fused_chunk_shift = ops is not None
 
     def _takes(self, kernel: Any, what: str, dtype: torch.dtype) -> bool:
         """Whether ``kernel`` (None: off) runs for ``dtype``; logs the first fallback."""
@@ -77,54 +77,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 "the C++ %s kernel takes float32 or bfloat16, not %s: torch runs", what, dtype
             )
         return False
-
-    # ---- the pool -----------------------------------------------------------------------
-    def load_rotated_kv(self, kv_caches, first_layer, kv, positions, slots, cos, sin) -> None:
-        args = (kv, kv_caches, first_layer, positions, slots, cos, sin)
-        if self.ops is not None and kv.dtype == kv_caches[0].dtype:
-            if cpu_blend.rope_write(self.ops, *args):
-                return
-        super().load_rotated_kv(kv_caches, first_layer, kv, positions, slots, cos, sin)
-
-    def load_encoded_kv(self, kv_caches, first_layer, chunk, positions, slots, cos, sin) -> None:
-        """Decoded while written, by ``dequant_rope_write_kv`` (``kernels/cpu/rope_write.cpp``)."""
-        from blendkv.kernels.kv_dequant import cpu_dequant_rope_write
-
-        args = (kv_caches, first_layer, chunk, positions, slots, cos, sin)
-        if self.ops is not None and cpu_dequant_rope_write(self.ops, *args):
-            return
-        super().load_encoded_kv(*args)
-
-    def shift_kept_rows(
-        self,
-        kv_cache,
-        which,
-        shrink,
-        pooled,
-        k,
-        v,
-        recomputed,
-        kept,
-        num_chunks,
-        cos,
-        sin,
-        attention_scaling,
-    ) -> bool:
-        return self.ops is not None and cpu_blend.shift_kept_rows(
-            self.ops,
-            kv_cache,
-            which,
-            shrink,
-            pooled,
-            k,
-            v,
-            recomputed,
-            kept,
-            num_chunks,
-            cos,
-            sin,
-            attention_scaling,
-        )
 
     # ---- attention ----------------------------------------------------------------------
     def _causal(self, q, k, v, scale, out, **wc) -> None:

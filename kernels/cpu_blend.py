@@ -1,12 +1,17 @@
-"""The blend's C++ element-wise ops on the CPU (the ``cpu`` backend's ``load_rotated_kv`` and
-``shift_kept_rows``): a loaded chunk's K/V rotated into the pool (``kernels/cpu/rope_write.cpp``)
-and a blended layer's K/V correction (``kernels/cpu/chunk_shift.cpp``). Each returns whether it
-took its arguments; if not, the backend runs the torch reference, which the tests hold them to.
+"""The blend's kernels in C++ on the CPU (:class:`CpuBlendKernels`, for the ``cpu`` attention
+backend with its C++ ops built): a loaded chunk's K/V rotated into the pool
+(``kernels/cpu/rope_write.cpp``; decoded as it is written: ``dequant_rope_write_kv``) and a
+blended layer's K/V correction (``kernels/cpu/chunk_shift.cpp``). Each function returns whether
+it took its arguments; if not, the torch reference (:class:`~.blend_kernels.BlendKernels`) runs,
+which the tests hold them to.
 """
 
 from __future__ import annotations
 
 import torch
+
+from blendkv.kernels.blend_kernels import BlendKernels
+from blendkv.kernels.kv_dequant import cpu_dequant_rope_write
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -29,7 +34,7 @@ def rope_write_applies(kv, kv_caches, first_layer, positions, slots, cos, sin) -
 
 def rope_write(ops, kv, kv_caches, first_layer, positions, slots, cos, sin) -> bool:
     """Layers ``first_layer ..`` of a chunk's K (rotated to ``positions``) and V into the pools
-    at ``slots``, as ``AttentionBackend.load_rotated_kv`` writes them (the same bits)."""
+    at ``slots``, as ``blend_kernels.load_rotated_reference`` writes them (the same bits)."""
     if not rope_write_applies(kv, kv_caches, first_layer, positions, slots, cos, sin):
         return False
     ops.rope_write_kv(kv, kv_caches, first_layer, positions, slots, cos, sin)
@@ -84,3 +89,61 @@ def shift_kept_rows(
         float(attention_scaling),
     )
     return True
+
+
+class CpuBlendKernels(BlendKernels):
+    """The C++ kernels (``ops``: :func:`blendkv.kernels.cpu_extension.load_ops`'s, the ``cpu``
+    attention backend's) where they take the arguments, else the torch reference."""
+
+    name = "cpu"
+    fused_chunk_shift = True
+
+    def __init__(self, backend, ops) -> None:
+        super().__init__(backend)
+        assert ops is not None, "the C++ blend kernels need the built ops"
+        self.ops = ops
+
+    def load_rotated_kv(self, kv_caches, first_layer, kv, positions, slots, cos, sin) -> None:
+        args = (kv, kv_caches, first_layer, positions, slots, cos, sin)
+        if kv.dtype == kv_caches[0].dtype and rope_write(self.ops, *args):
+            return
+        super().load_rotated_kv(kv_caches, first_layer, kv, positions, slots, cos, sin)
+
+    def load_encoded_kv(self, kv_caches, first_layer, chunk, positions, slots, cos, sin) -> None:
+        """Decoded while written, by ``dequant_rope_write_kv`` (``kernels/cpu/rope_write.cpp``)."""
+        args = (kv_caches, first_layer, chunk, positions, slots, cos, sin)
+        if cpu_dequant_rope_write(self.ops, *args):
+            return
+        super().load_encoded_kv(*args)
+
+    def shift_kept_rows(
+        self,
+        kv_cache,
+        which,
+        shrink,
+        pooled,
+        k,
+        v,
+        recomputed,
+        kept,
+        num_chunks,
+        cos,
+        sin,
+        attention_scaling,
+    ) -> bool:
+        """The module's :func:`shift_kept_rows` on these ops."""
+        return shift_kept_rows(
+            self.ops,
+            kv_cache,
+            which,
+            shrink,
+            pooled,
+            k,
+            v,
+            recomputed,
+            kept,
+            num_chunks,
+            cos,
+            sin,
+            attention_scaling,
+        )

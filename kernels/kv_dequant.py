@@ -12,7 +12,7 @@ exists outside the pool. Each of K and V is a group-wise affine code::
 
 computed in float32 and cast once to the pool dtype; outlier (layer, head) pairs keep their
 keys in the model dtype. :meth:`EncodedChunk.dequantize` is the torch reference the kernels equal
-bit for bit (after ``AttentionBackend.load_rotated_kv`` rotates it).
+bit for bit (after ``blend_kernels.load_rotated_reference`` rotates it).
 """
 
 from __future__ import annotations
@@ -159,11 +159,11 @@ def load_encoded_reference(
     backend, kv_caches, first_layer, chunk: EncodedChunk, positions, slots, cos, sin
 ) -> None:
     """The torch reference of a dequantising load: dequantise, then the reference rotation and write
-    (``AttentionBackend.load_rotated_kv``; what both kernels equal bit for bit)."""
-    from blendkv.kernels.attention import AttentionBackend
+    (``blend_kernels.load_rotated_reference``; what both kernels equal bit for bit)."""
+    from blendkv.kernels.blend_kernels import load_rotated_reference
 
-    args = (kv_caches, first_layer, chunk, positions, slots, cos, sin)
-    AttentionBackend.load_encoded_kv(backend, *args)
+    kv = chunk.dequantize(kv_caches[first_layer].dtype)
+    load_rotated_reference(backend, kv_caches, first_layer, kv, positions, slots, cos, sin)
 
 
 def cpu_dequant_rope_write(

@@ -138,33 +138,6 @@ class TorchAttentionBackend(AttentionBackend):
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
         write_kv_cache(kv_cache, k, v, slot_mapping)
 
-    def load_rotated_kv(self, kv_caches, first_layer, kv, positions, slots, cos, sin) -> None:
-        """On the CPU: K is rotated straight into the pool and V copied, run by run of
-        consecutive slots (no rotated copy of K and no ``index_copy_``). It writes the base
-        class's bits: each half of the rotation is its two products and one sum, rounded as it
-        rounds them."""
-        if self.device.type != "cpu" or kv.dtype != kv_caches[0].dtype:
-            return super().load_rotated_kv(kv_caches, first_layer, kv, positions, slots, cos, sin)
-        num_kv_heads, head_dim = kv.shape[-2:]
-        half = head_dim // 2
-        c = cos.index_select(0, positions)[:, None, :].to(kv.dtype)  # [T, 1, D]
-        s = sin.index_select(0, positions)[:, None, :].to(kv.dtype)
-        for lo, hi, slot in slot_runs(slots):
-            c1, c2, s1, s2 = (
-                c[lo:hi, :, :half],
-                c[lo:hi, :, half:],
-                s[lo:hi, :, :half],
-                s[lo:hi, :, half:],
-            )
-            for i in range(kv.shape[0]):
-                pool = kv_caches[first_layer + i].view(2, -1, num_kv_heads, head_dim)
-                dst = pool[:, slot : slot + hi - lo]
-                k1, k2 = kv[i, 0, lo:hi, :, :half], kv[i, 0, lo:hi, :, half:]
-                d1, d2 = dst[0, :, :, :half], dst[0, :, :, half:]
-                torch.mul(k1, c1, out=d1).sub_(k2 * s1)  # k1 c - k2 s
-                torch.mul(k2, c2, out=d2).add_(k1 * s2)  # k2 c + k1 s
-                dst[1].copy_(kv[i, 1, lo:hi])
-
     def read_kv(self, kv_cache, slot_mapping):
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         # index_select over 2-D rows: the fast CPU path (advanced indexing is several x slower).

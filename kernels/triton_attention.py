@@ -74,7 +74,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._ops = ops
         self._layouts = StepLayoutMemo()  # (metadata, num_heads / num_kv_heads) -> _StepLayout
         self._xformers_checked = False
-        self._kernel_ok: dict[str, bool] = {}  # blend kernels: ran on first use (else torch)
+        self._kernel_ok: dict[str, bool] = {}  # query_mass: ran on first use (else torch)
         self._xformers_attention = None
         self._programs: int | None = None  # prefill_num_splits' target (_target_programs)
         # Few prefill tiles over long keys split their keys; benchmarks switch it off to compare.
@@ -92,27 +92,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
     # ---- the pool -----------------------------------------------------------------------
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
         self._ops.write_kv(kv_cache, k, v, slot_mapping)
-
-    def load_rotated_kv(
-        self,
-        kv_caches: list[torch.Tensor],
-        first_layer: int,
-        kv: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> None:
-        """Write a stored chunk's K (RoPE'd to ``positions``) and V into layers ``first_layer..``
-        in one launch (see :func:`blendkv.kernels.triton.rope_load.rope_load`)."""
-        self._ops.rope_load(kv_caches, first_layer, kv, positions, slots, cos, sin)
-
-    def load_encoded_kv(self, kv_caches, first_layer, chunk, positions, slots, cos, sin) -> None:
-        """Decoded in the RoPE-at-load kernel, in one launch
-        (:func:`blendkv.kernels.triton.rope_load.dequant_rope_load`)."""
-        from blendkv.kernels.triton.rope_load import dequant_rope_load
-
-        dequant_rope_load(kv_caches, first_layer, chunk, positions, slots, cos, sin)
 
     def add_query_mass(
         self,
@@ -145,70 +124,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
         else:
             super().add_query_mass(*args, visible_prefix, **layer)
 
-    fused_chunk_shift = True
     scores_in_attention = False  # its forward scores nothing: the pass scores in kernels
     attention_lse = True  # (from the prefill kernel: every row of such a step goes there)
 
-    def shift_kept_rows(
-        self,
-        kv_cache,
-        which,
-        shrink,
-        pooled,
-        k,
-        v,
-        recomputed,
-        kept,
-        num_chunks,
-        cos,
-        sin,
-        attention_scaling,
-    ) -> bool:
-        """A blended layer's K/V correction in one launch, two with the pooled prior
-        (:mod:`blendkv.kernels.triton.chunk_shift`); False if the kernels cannot run here (the
-        caller then does it with torch ops)."""
-        from blendkv.kernels.triton.chunk_shift import shift_kept_rows
-
-        if kept.segments is None:
-            return False
-        args = (
-            kv_cache,
-            which,
-            shrink,
-            pooled,
-            k,
-            v,
-            recomputed,
-            kept,
-            num_chunks,
-            cos,
-            sin,
-            attention_scaling,
-        )
-        if self._first_use("chunk_shift", shift_kept_rows, *args):
-            return True
-        if self._kernel_ok["chunk_shift"]:
-            shift_kept_rows(*args)
-        return self._kernel_ok["chunk_shift"]
-
     def _first_use(self, name: str, kernel, *args) -> bool:
-        """Run ``kernel`` the first time it is needed, catching a failure to compile or launch
-        (logged; the torch code takes over for good). True if it ran now."""
-        if name in self._kernel_ok:
-            return False
-        try:
-            kernel(*args)
-        except Exception as e:
-            logger.warning(
-                "the Triton %s kernel failed (%s: %s); blending uses torch ops for it",
-                name,
-                type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
-            )
-            self._kernel_ok[name] = False
-            return False
-        self._kernel_ok[name] = True
-        return True
+        """:func:`first_use` of ``kernel`` in this backend's record."""
+        return first_use(self._kernel_ok, name, kernel, *args)
 
     # ---- attention ----------------------------------------------------------------------
     def forward(
@@ -405,6 +326,26 @@ class TritonAttentionBackend(TorchAttentionBackend):
             if self._xformers_attention is None:
                 logger.info("triton backend: dense prefill uses torch SDPA (%s)", reason)
         return self._xformers_attention
+
+
+def first_use(kernel_ok: dict[str, bool], name: str, kernel, *args) -> bool:
+    """Run ``kernel`` the first time it is needed, catching a failure to compile or launch
+    (logged; ``kernel_ok[name]`` False: the torch code takes over for good). True if it ran now."""
+    if name in kernel_ok:
+        return False
+    try:
+        kernel(*args)
+    except Exception as e:
+        logger.warning(
+            "the Triton %s kernel failed (%s: %s); blending uses torch ops for it",
+            name,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
+        kernel_ok[name] = False
+        return False
+    kernel_ok[name] = True
+    return True
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

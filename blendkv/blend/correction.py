@@ -81,7 +81,7 @@ class Rows(NamedTuple):
 
 
 def correct_kept_rows(
-    backend,
+    kernels,
     rotary,
     kv_cache: torch.Tensor,
     which: str,
@@ -99,14 +99,15 @@ def correct_kept_rows(
     ``k`` (pre-RoPE) / ``v`` [T, Hkv, D]: the layer's fresh rows; ``recomputed.rows`` are the
     recomputed ones among them, whose slots still hold the reused K/V (call this before the
     layer's attention writes them). With ``recomputed.segments`` (and ``kept.segments``, which
-    the Triton kernel needs) the backend does it all in its kernels
-    (:mod:`blendkv.kernels.triton.chunk_shift`: one launch; ``kernels/cpu/chunk_shift.cpp``).
+    the Triton kernel needs) ``kernels`` (:class:`~blendkv.kernels.blend_kernels.BlendKernels`)
+    do it all (:mod:`blendkv.kernels.triton.chunk_shift`: one launch;
+    ``kernels/cpu/chunk_shift.cpp``); the torch code here is their reference.
     """
     if len(recomputed.slots) == 0 or len(kept.slots) == 0:
         return
     if recomputed.segments is not None:
         cos, sin = rotary.tables(kv_cache.device)
-        if backend.shift_kept_rows(
+        if kernels.shift_kept_rows(
             kv_cache,
             which,
             shrink,

@@ -68,17 +68,20 @@ class BlendRowPlan(RowPlan):
         attn_metadata,
         blends: list[SeqBlend],
         attn_backend,
+        blend_kernels,
         num_layers: int,
         qkv_share: float = 0.0,
     ) -> None:
-        """``qkv_share``: the Q/K/V projections' share of a layer's cost; rows dropped at a
-        selection layer ran only those (for the stats' ``compute_fraction``)."""
+        """``blend_kernels``: the blend's kernels on ``attn_backend``'s pool (the K/V
+        correction's). ``qkv_share``: the Q/K/V projections' share of a layer's cost; rows
+        dropped at a selection layer ran only those (for the stats' ``compute_fraction``)."""
         md = attn_metadata
         n = md.num_tokens
         starts = md.query_start_loc_cpu
         assert not any(sb.config.auto_ratio for sb in blends), "the loader resolves 'auto'"
         self.blends = blends
         self.backend = attn_backend
+        self.kernels = blend_kernels
         self.num_layers = num_layers
         self.qkv_share = qkv_share
         self.rows = torch.arange(n)
@@ -249,7 +252,7 @@ class BlendRowPlan(RowPlan):
                 self._correction_rows[sb.index] = rows
         recomputed, kept = rows
         correct_kept_rows(
-            self.backend,
+            self.kernels,
             attn.rotary_emb,
             kv_cache,
             sb.config.correction,
@@ -282,7 +285,7 @@ class BlendRowPlan(RowPlan):
             _trace_corrected(sb, rec_chunks, kept - lo, kept_chunks)
         segments = kept_segments = None
         parts = 1
-        if self.backend.fused_chunk_shift and _ascending(rec_chunks) and _ascending(kept_chunks):
+        if self.kernels.fused_chunk_shift and _ascending(rec_chunks) and _ascending(kept_chunks):
             segments = _segments(rec_chunks, sb.num_chunks)
             kept_segments = _segments(kept_chunks, sb.num_chunks)
             parts = shift_parts(kept_segments.tolist())

@@ -350,7 +350,7 @@ class BlendConnector(KVConnectorBase):
 
             self._load_stream = torch.cuda.Stream(device=device)
         self._layer_load = LayerwiseLoad(
-            ctx.attn_backend,
+            ctx.blend_kernels,
             inputs.kv_caches,
             [
                 layer.self_attn.rotary_emb.tables(ctx.info.device)
@@ -387,6 +387,7 @@ class BlendConnector(KVConnectorBase):
             inputs.attn_metadata,
             self._step,
             ctx.attn_backend,
+            ctx.blend_kernels,
             len(inputs.kv_caches),
             qkv_share(ctx.model),
         )

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from blendkv.engine.sequence import Sequence
     from blendkv.guards.fidelity_controller import FidelityController
     from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+    from blendkv.kernels.blend_kernels import BlendKernels
     from blendkv.models.hooks import QueryPass, RowPlan
 
 
@@ -59,6 +60,7 @@ class KVConnectorContext:
     model: Any  # the causal LM (torch module)
     tokenizer: Any
     attn_backend: AttentionBackend
+    blend_kernels: BlendKernels  # the blend's kernels on attn_backend's pool
     info: Any  # RuntimeInfo
     resolved: Any  # the resolved model (paths, for fingerprints)
     # The engine's FidelityController (blendkv.guards.fidelity_controller): fidelity targets

@@ -42,7 +42,7 @@ from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.guards.audit import Auditor
 from blendkv.guards.fidelity_controller import FidelityController
 from blendkv.kernels.attention import KVCacheSpec
-from blendkv.kernels.backends import get_attention_backend
+from blendkv.kernels.backends import get_attention_backend, get_blend_kernels
 from blendkv.layers.batch_invariant import enable_batch_invariance
 from blendkv.layers.cpu_platform import apply_cpu_tuning, decide_cpu_tuning
 from blendkv.models.model_files import load_model, load_tokenizer, resolve_model
@@ -85,6 +85,7 @@ class LLMEngine:
                 self.model,
                 self.tokenizer,
                 self.attn_backend,
+                self.blend_kernels,
                 self.info,
                 self.resolved,
                 fidelity=self.fidelity,
@@ -129,7 +130,8 @@ class LLMEngine:
         self._num_generated_tokens = 0
 
     def _load_model(self) -> None:
-        """The model, its tokenizer and the attention backend, on the configured device."""
+        """The model, its tokenizer, the attention backend and the blend's kernels on its pool,
+        on the configured device."""
         config = self.config
         self.resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.tokenizer = load_tokenizer(self.resolved)
@@ -141,6 +143,7 @@ class LLMEngine:
             self.attn_backend = get_attention_backend(backend, self.device, config.deterministic)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        self.blend_kernels = get_blend_kernels(self.attn_backend)
         self.model = load_model(self.resolved, self.torch_dtype, self.attn_backend, self.device)
         # GEMM library, packed rows, MLP slices: platform decisions, made once here.
         self.cpu_tuning = decide_cpu_tuning(

@@ -7,13 +7,14 @@ Rotating K to the fused positions and writing K/V into the request's blocks, in 
 - **pipelined** on CUDA: the writes (and copies of pinned sources) on a side stream in stages of
   1, 2, 4, ... layers (:func:`load_stages`), one event per stage, waited for by the compute
   stream;
-- **serial**: everything before the forward, one backend call per chunk.
+- **serial**: everything before the forward, one load-kernel call per chunk.
 
 Deferred reads (``ChunkWrite.fetch``) are fetched by a thread behind the full layer; a chunk
 found evicted or corrupt is recomputed (``ChunkWrite.recover``). A chunk from an ``int8`` /
 ``int4`` store stays encoded (:class:`~blendkv.kernels.kv_dequant.EncodedChunk`) up to the
-backend's load kernel, which decodes it as it writes (``load_encoded_kv``). The written bits
-are the same in every mode. ``busy`` / ``waited``: seconds the writes took / the forward blocked.
+blend's load kernel, which decodes it as it writes (``BlendKernels.load_encoded_kv``). The
+written bits are the same in every mode. ``busy`` / ``waited``: seconds the writes took / the
+forward blocked.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from blendkv.engine.kv_connector import load_stages
+from blendkv.kernels.blend_kernels import BlendKernels
 from blendkv.kernels.kv_dequant import EncodedChunk, is_encoded
 from blendkv.loading.controller import LoadingController
 
@@ -105,17 +107,18 @@ class ChunkWrite:
 class LayerwiseLoad:
     def __init__(
         self,
-        backend,
+        kernels: BlendKernels,
         kv_caches: list[torch.Tensor],
         rotary_tables: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]],
         writes: list[ChunkWrite],
         pipelined: bool | None,
         stream=None,
     ) -> None:
-        """``stream``: the side CUDA stream to load on; pass the same one every step (the caching
+        """``kernels``: the blend's kernels that write the chunks into the attention backend's
+        pool. ``stream``: the side CUDA stream to load on; pass the same one every step (the caching
         allocator keeps memory per stream: on a new stream each step, the copies' device
         buffers would be allocated afresh every time)."""
-        self.backend = backend
+        self.kernels = kernels
         self.kv_caches = kv_caches
         # (cos, sin) of every layer, or one per layer (Gemma 3's sliding layers have their own).
         if not isinstance(rotary_tables, list):
@@ -123,7 +126,7 @@ class LayerwiseLoad:
         self.tables = rotary_tables
         self.writes = writes
         self.device = kv_caches[0].device
-        self.pipelined = resolve_pipelined(pipelined, self.device, backend) and bool(writes)
+        self.pipelined = resolve_pipelined(pipelined, self.device, kernels.backend) and bool(writes)
         self.num_layers = len(kv_caches)
         self.busy = 0.0
         self.waited = 0.0
@@ -172,7 +175,7 @@ class LayerwiseLoad:
         self._thread.start()
 
     def _write_serially(self, writes: list[ChunkWrite]) -> float:
-        """All layers of ``writes``, one backend call each; returns the seconds."""
+        """All layers of ``writes``, one load-kernel call each; returns the seconds."""
         t0 = time.perf_counter()
         for w in writes:
             t = time.perf_counter()
@@ -241,8 +244,8 @@ class LayerwiseLoad:
             kv = dst
         elif kv.device != self.device:  # pinned host source (CUDA): copy on this stream
             kv = kv.to(self.device, non_blocking=True)
-        load = self.backend.load_encoded_kv if is_encoded(kv) else self.backend.load_rotated_kv
-        # one backend call per run of layers sharing their RoPE tables and written tokens
+        load = self.kernels.load_encoded_kv if is_encoded(kv) else self.kernels.load_rotated_kv
+        # one load-kernel call per run of layers sharing their RoPE tables and written tokens
         start = layer
         for end in range(layer + 1, layer + count + 1):
             if (

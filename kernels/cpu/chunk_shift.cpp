@@ -1,6 +1,6 @@
 // A blended layer's K/V correction on the CPU (blendkv/blend/correction.py): the rows of each
 // chunk that are not recomputed get the mean move of the chunk's recomputed rows, in one call
-// per layer (TorchAttentionBackend.shift_kept_rows).
+// per layer (CpuBlendKernels.shift_kept_rows).
 //
 // Built with the other CPU kernels by blendkv/kernels/cpu_extension.py; its reference is the
 // torch code of correct_kept_rows, which the tests hold it to.

@@ -1,10 +1,10 @@
 // A stored chunk's K/V written into the KV pool on the CPU, K rotated to the chunk's positions in
 // this prompt on the way: one pass over the source, one call per chunk and layer range
-// (the blend's layer-wise loading; TorchAttentionBackend.load_rotated_kv).
+// (the blend's layer-wise loading; CpuBlendKernels.load_rotated_kv).
 //
 // Built with the attention kernels by blendkv/kernels/cpu_extension.py; the reference it must
-// match bit for bit is AttentionBackend.load_rotated_kv (RoPE in the K/V dtype, HF rotate_half,
-// then write_kv).
+// match bit for bit is blend_kernels.load_rotated_reference (RoPE in the K/V dtype, HF
+// rotate_half, then write_kv).
 //
 //   kv        [L', 2, T, H, D]  K before RoPE (index 0) and V (index 1), contiguous
 //   pools     L'' tensors [2, blocks, block_size, H, D] (the layers' KV pools), contiguous;

@@ -14,6 +14,7 @@ from blendkv.blend.prophet import needs_query_pass, plan_query_pass
 from blendkv.blend.row_plan import SeqBlend
 from blendkv.blend.selection import SelectionInputs, score_rows, top_rows
 from blendkv.blend.stats import BlendStats
+from blendkv.kernels.blend_kernels import BlendKernels
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 from blendkv.layers.rotary import RotaryEmbedding
 
@@ -85,7 +86,8 @@ def test_kept_rows_move_by_their_chunks_shift_in_the_pool():
     k, v = torch.randn(3, H, D, generator=gen), torch.randn(3, H, D, generator=gen)
     recomputed = Rows(rec_pos, rec_slots, rec_chunks, rows=torch.arange(3))
     kept = Rows(kept_pos, kept_slots, kept_chunks)
-    correct_kept_rows(backend, rope, pool, "kv", 0.0, False, recomputed, k, v, kept, 2)
+    kernels = BlendKernels(backend)
+    correct_kept_rows(kernels, rope, pool, "kv", 0.0, False, recomputed, k, v, kept, 2)
 
     flat = before.view(2, 16, H, D)
     old_k = rope.unrotate_k(rec_pos, flat[0, rec_slots])

@@ -350,9 +350,9 @@ def test_decode_rows_in_runs_of_consecutive_blocks_attend_in_place(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotated_load_in_place_writes_the_reference_bits(dtype):
     """The CPU load_rotated_kv (rotation straight into the pool, run by run of consecutive
-    slots) writes exactly the base class's bits (rotate, then write_kv), with slots in several
+    slots) writes exactly the reference's bits (rotate, then write_kv), with slots in several
     runs: a whole block run, a run crossing into a non-adjacent block, a lone slot."""
-    from blendkv.kernels.attention import AttentionBackend
+    from blendkv.kernels.blend_kernels import BlendKernels, load_rotated_reference
     from blendkv.kernels.torch_attention import slot_runs
 
     gen = torch.Generator().manual_seed(7)
@@ -367,8 +367,8 @@ def test_rotated_load_in_place_writes_the_reference_bits(dtype):
     cos, sin = (f(torch.cat((angles, angles), dim=-1)) for f in (torch.cos, torch.sin))
     backend = TorchAttentionBackend("cpu")
     expected, actual = list(pool.clone()), list(pool.clone())
-    AttentionBackend.load_rotated_kv(backend, expected, 1, kv, positions, slots, cos, sin)
-    backend.load_rotated_kv(actual, 1, kv, positions, slots, cos, sin)
+    load_rotated_reference(backend, expected, 1, kv, positions, slots, cos, sin)
+    BlendKernels(backend).load_rotated_kv(actual, 1, kv, positions, slots, cos, sin)
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
     assert actual[0].abs().sum() == 0 and actual[2].abs().sum() > 0  # layers 1.. only

@@ -242,10 +242,12 @@ def test_elementwise_and_blend_kernels_at_llama8b_shapes():
     from transformers import LlamaConfig
 
     from blendkv.blend.correction import Rows, correct_kept_rows
+    from blendkv.kernels.blend_kernels import BlendKernels
     from blendkv.kernels.torch_attention import TorchAttentionBackend
     from blendkv.kernels.triton import elementwise as ops
     from blendkv.kernels.triton.query_mass import add_query_mass, query_mass_reference
     from blendkv.kernels.triton_attention import TritonAttentionBackend
+    from blendkv.kernels.triton_blend import TritonBlendKernels
     from blendkv.layers.norm import RMSNorm
     from blendkv.layers.rotary import RotaryEmbedding
 
@@ -310,7 +312,7 @@ def test_elementwise_and_blend_kernels_at_llama8b_shapes():
     for pooled in (False, True):
         want, got = pool.clone(), pool.clone()
         correct_kept_rows(
-            TorchAttentionBackend(dev),
+            BlendKernels(TorchAttentionBackend(dev)),
             rope,
             want,
             "kv",
@@ -323,7 +325,7 @@ def test_elementwise_and_blend_kernels_at_llama8b_shapes():
             10,
         )
         correct_kept_rows(
-            TritonAttentionBackend(dev),
+            TritonBlendKernels(TritonAttentionBackend(dev)),
             rope,
             got,
             "kv",

@@ -1,5 +1,5 @@
-"""The C++ K/V correction (``torch.ops.blendkv_cpu.shift_kept_rows``, the CPU backend's
-``shift_kept_rows``) against the torch code of
+"""The C++ K/V correction (``torch.ops.blendkv_cpu.shift_kept_rows``,
+``CpuBlendKernels.shift_kept_rows``) against the torch code of
 ``correct_kept_rows``, which it replaces."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import torch
 from helpers import needs_cpp_compiler
 
 from blendkv.blend.correction import Rows, correct_kept_rows
+from blendkv.kernels.backends import get_blend_kernels
+from blendkv.kernels.blend_kernels import BlendKernels
 from blendkv.kernels.cpu_attention import CpuAttentionBackend
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 from blendkv.layers.rotary import RotaryEmbedding
@@ -40,7 +42,7 @@ def _case(dtype, rope_scaling=None, seed=4):
     fused = torch.randn(25, 3 * kv_heads, dim, generator=g).to(dtype)
     k, v = fused[:, :kv_heads], fused[:, kv_heads : 2 * kv_heads]
     rows = torch.tensor([0, 2, 3, 6, 8, 11, 12, 15, 20, 24])
-    cpp = CpuAttentionBackend("cpu")
+    cpp = get_blend_kernels(CpuAttentionBackend("cpu"))
     return (
         rope,
         pool,
@@ -59,7 +61,8 @@ def test_cpp_correction_matches_the_torch_code(dtype, which, pooled):
     rope, pool, rec, k, v, kept, cpp = _case(dtype)
     expected, actual = pool.clone(), pool.clone()
     args = (which, 8.0, pooled)
-    correct_kept_rows(TorchAttentionBackend("cpu"), rope, expected, *args, rec, k, v, kept, 4)
+    reference = BlendKernels(TorchAttentionBackend("cpu"))
+    correct_kept_rows(reference, rope, expected, *args, rec, k, v, kept, 4)
     assert cpp.fused_chunk_shift
     segments = torch.tensor([0, 4, 4, 7, 10], dtype=torch.int32)  # what the row plan passes
     rec = rec._replace(segments=segments)
@@ -95,9 +98,8 @@ def test_cpp_correction_with_attention_scaling():
     rope, pool, rec, k, v, kept, cpp = _case(torch.float32, rope_scaling=scaling, seed=9)
     assert rope.attention_scaling != 1.0
     expected, actual = pool.clone(), pool.clone()
-    correct_kept_rows(
-        TorchAttentionBackend("cpu"), rope, expected, "k", 2.0, True, rec, k, v, kept, 4
-    )
+    reference = BlendKernels(TorchAttentionBackend("cpu"))
+    correct_kept_rows(reference, rope, expected, "k", 2.0, True, rec, k, v, kept, 4)
     rec = rec._replace(segments=torch.tensor([0, 4, 4, 7, 10], dtype=torch.int32))
     correct_kept_rows(cpp, rope, actual, "k", 2.0, True, rec, k, v, kept, 4)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

@@ -181,6 +181,7 @@ def test_the_build_is_cached_and_a_broken_cache_is_built_again(tmp_path):
 
 def test_the_cpu_backend_runs_the_reference_when_the_kernels_cannot_be_built(monkeypatch, caplog):
     """A warning says why; every op then runs the torch reference."""
+    from blendkv.kernels.backends import get_blend_kernels
     from blendkv.kernels.cpu_attention import CpuAttentionBackend
 
     def fail():
@@ -190,7 +191,7 @@ def test_the_cpu_backend_runs_the_reference_when_the_kernels_cannot_be_built(mon
     with caplog.at_level(logging.INFO, logger="blendkv.kernels.cpu_attention"):
         backend = CpuAttentionBackend(prefill_kernel=True)
     assert backend.ops is None and backend.decode_kernel is None and backend.rows_kernel is None
-    assert not backend.fused_chunk_shift
+    assert not get_blend_kernels(backend).fused_chunk_shift
     (record,) = caplog.records
     assert record.levelno == logging.WARNING
     assert "attention runs torch: no C++ compiler found" in record.getMessage()

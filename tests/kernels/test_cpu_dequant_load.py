@@ -1,6 +1,6 @@
 """Dequantise at load on the CPU (``torch.ops.blendkv_cpu.dequant_rope_write_kv``): an int8 / int4
 chunk decoded, K rotated and written into the pool equals the torch reference (decode with
-``store.codecs.decode_reference``, then ``AttentionBackend.load_rotated_kv``) bit for bit."""
+``store.codecs.decode_reference``, then ``blend_kernels.load_rotated_reference``) bit for bit."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The C++ K/V load (``torch.ops.blendkv_cpu.rope_write_kv``: a stored chunk's K rotated to its
 positions in the prompt and written into the pool with its V) against its reference,
-``AttentionBackend.load_rotated_kv`` (torch RoPE, then ``write_kv``): the same bits."""
+``blend_kernels.load_rotated_reference`` (torch RoPE, then ``write_kv``): the same bits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import needs_cpp_compiler
 
-from blendkv.kernels.attention import AttentionBackend
+from blendkv.kernels.blend_kernels import BlendKernels, load_rotated_reference
 from blendkv.kernels.cpu_blend import rope_write_applies
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 
@@ -46,7 +46,7 @@ def test_rope_write_kv_writes_the_reference_bits(ops, dtype, heads, head_dim):
     assert rope_write_applies(kv, pool, 1, positions, slots, cos, sin)
     backend = TorchAttentionBackend("cpu")
     expected, actual = [p.clone() for p in pool], [p.clone() for p in pool]
-    AttentionBackend.load_rotated_kv(backend, expected, 1, kv, positions, slots, cos, sin)
+    load_rotated_reference(backend, expected, 1, kv, positions, slots, cos, sin)
     ops.rope_write_kv(kv, actual, 1, positions, slots, cos, sin)
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a.view(torch.int8), e.view(torch.int8))  # bits, NaN-safe
@@ -54,16 +54,18 @@ def test_rope_write_kv_writes_the_reference_bits(ops, dtype, heads, head_dim):
 
 
 def test_the_cpu_backend_loads_through_the_kernel(ops, monkeypatch):
-    """The cpu backend's ``load_rotated_kv`` takes the kernel (and writes the same bits as the
-    torch reference); arguments the kernel does not take (a float16 pool) still load."""
+    """The cpu backend's blend kernels' ``load_rotated_kv`` takes the kernel (and writes the same
+    bits as the torch reference); arguments the kernel does not take (a float16 pool) still
+    load."""
     import blendkv.kernels.cpu_blend as cpu_blend
+    from blendkv.kernels.backends import get_blend_kernels
     from blendkv.kernels.cpu_attention import CpuAttentionBackend
 
     pool, kv, positions, slots, (cos, sin) = _case(torch.float32, seed=3)
-    backend = TorchAttentionBackend("cpu")
+    backend = BlendKernels(TorchAttentionBackend("cpu"))
     reference = [p.clone() for p in pool]
     backend.load_rotated_kv(reference, 1, kv, positions, slots, cos, sin)
-    backend = CpuAttentionBackend("cpu")
+    backend = get_blend_kernels(CpuAttentionBackend("cpu"))
     calls = []
     monkeypatch.setattr(
         cpu_blend, "rope_write_applies", lambda *a: calls.append(a) or rope_write_applies(*a)

@@ -10,9 +10,11 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
 
+from blendkv.kernels.blend_kernels import BlendKernels  # noqa: E402
 from blendkv.kernels.torch_attention import TorchAttentionBackend  # noqa: E402
 from blendkv.kernels.triton.rope_load import rope_load_reference  # noqa: E402
 from blendkv.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
+from blendkv.kernels.triton_blend import TritonBlendKernels  # noqa: E402
 
 SCALE = 0.35
 
@@ -103,8 +105,10 @@ def test_load_rotated_kv_writes_every_layer(device):
     rope_load_reference(expected, 0, kv, positions, slots, cos, sin)
     # The base class's load_rotated_kv is the engine's reference: same result as ours.
     by_base = [c.clone() for c in pool]
-    TorchAttentionBackend(device).load_rotated_kv(by_base, 0, kv, positions, slots, cos, sin)
-    TritonAttentionBackend(device).load_rotated_kv(caches, 0, kv, positions, slots, cos, sin)
+    torch_kernels = BlendKernels(TorchAttentionBackend(device))
+    torch_kernels.load_rotated_kv(by_base, 0, kv, positions, slots, cos, sin)
+    triton_kernels = TritonBlendKernels(TritonAttentionBackend(device))
+    triton_kernels.load_rotated_kv(caches, 0, kv, positions, slots, cos, sin)
     for actual, ref, base in zip(caches, expected, by_base, strict=True):
         assert torch.equal(base, ref)
         assert_close(actual, ref)

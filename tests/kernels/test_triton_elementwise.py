@@ -209,8 +209,10 @@ def test_chunk_shift_kernel_matches_the_torch_correction(device, dtype, which, p
     from transformers import LlamaConfig
 
     from blendkv.blend.correction import Rows, correct_kept_rows
+    from blendkv.kernels.blend_kernels import BlendKernels
     from blendkv.kernels.torch_attention import TorchAttentionBackend
     from blendkv.kernels.triton_attention import TritonAttentionBackend
+    from blendkv.kernels.triton_blend import TritonBlendKernels
 
     config = LlamaConfig(hidden_size=32, num_attention_heads=2, max_position_embeddings=128)
     rope = RotaryEmbedding(config)
@@ -233,7 +235,7 @@ def test_chunk_shift_kernel_matches_the_torch_correction(device, dtype, which, p
     expected, actual = pool.clone(), pool.clone()
     args = (which, 8.0, pooled)
     correct_kept_rows(
-        TorchAttentionBackend(device),
+        BlendKernels(TorchAttentionBackend(device)),
         rope,
         expected,
         *args,
@@ -246,7 +248,7 @@ def test_chunk_shift_kernel_matches_the_torch_correction(device, dtype, which, p
     segments = torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=device)
     kept_segments = torch.tensor([0, 4, 6, 10], dtype=torch.int32, device=device)
     correct_kept_rows(
-        TritonAttentionBackend(device),
+        TritonBlendKernels(TritonAttentionBackend(device)),
         rope,
         actual,
         *args,

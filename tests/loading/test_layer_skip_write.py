@@ -1,5 +1,5 @@
 """The layer-wise writer with per-layer skips (a sliding-window layer's unread prefix): each
-layer writes exactly its own token range, in one backend call per run of layers sharing (RoPE
+layer writes exactly its own token range, in one load-kernel call per run of layers sharing (RoPE
 table, skip), in every CPU mode, for a plain and an int8-encoded chunk."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blendkv.kernels.blend_kernels import BlendKernels
 from blendkv.kernels.kv_dequant import as_chunk
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 from blendkv.loading.layer_load import ChunkWrite, LayerwiseLoad
@@ -15,11 +16,11 @@ from blendkv.store.codecs import encode
 LAYERS, TOKENS, HEADS, DIM = 4, 6, 1, 8
 
 
-class CountingBackend(TorchAttentionBackend):
-    """The real torch backend, recording each load call's (first layer, layers, tokens)."""
+class CountingKernels(BlendKernels):
+    """The real torch blend kernels, recording each load call's (first layer, layers, tokens)."""
 
     def __init__(self) -> None:
-        super().__init__("cpu")
+        super().__init__(TorchAttentionBackend("cpu"))
         self.calls: list[tuple[int, int, int]] = []
 
     def load_rotated_kv(self, kv_caches, first_layer, kv, positions, slots, cos, sin) -> None:
@@ -39,14 +40,14 @@ def _write(kv, skips, pipelined):
     pool = [torch.zeros(2, 3, 4, HEADS, DIM) for _ in range(LAYERS)]  # 3 blocks of 4
     positions = torch.arange(5, 5 + TOKENS)
     slots = torch.tensor([1, 2, 3, 8, 9, 10])
-    backend = CountingBackend()
+    kernels = CountingKernels()
     write = ChunkWrite(kv, 0, positions, slots, layer_skips=skips)
-    load = LayerwiseLoad(backend, pool, tables, [write], pipelined)
+    load = LayerwiseLoad(kernels, pool, tables, [write], pipelined)
     load.start()
     for layer in range(LAYERS):
         load.wait(layer)
     load.finish()
-    return pool, backend.calls, slots
+    return pool, kernels.calls, slots
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])

@@ -77,18 +77,18 @@ def test_a_failing_layer_write_fails_the_step_and_the_engine_recovers(tiny_llama
     llm = blend_llm(tiny_llama_dir, tmp_path, pipelined=True)
     blend = BlendConfig(recompute_ratio=0.3)
     expected = llm.generate([PROMPT], ONE, blend=blend)[0].outputs[0].token_ids
-    backend = llm.engine.attn_backend
-    original = backend.load_rotated_kv
+    kernels = llm.engine.blend_kernels
+    original = kernels.load_rotated_kv
 
     def broken(kv_caches, first_layer, *args):
         if first_layer == 2:
             raise RuntimeError("disk on fire")
         return original(kv_caches, first_layer, *args)
 
-    backend.load_rotated_kv = broken
+    kernels.load_rotated_kv = broken
     with pytest.raises(RuntimeError, match="disk on fire"):
         llm.generate([PROMPT], ONE, blend=blend)
-    backend.load_rotated_kv = original
+    kernels.load_rotated_kv = original
     again = llm.generate([PROMPT], ONE, blend=blend)[0].outputs[0].token_ids
     assert again == expected
     llm.close()
@@ -146,6 +146,7 @@ def test_default_pipelines_on_the_cpu_only_with_a_spare_core(monkeypatch):
     """``pipeline_kv_load=None``: the loading thread runs only when torch's threads leave a
     core free; True and False are kept as given; anything else is refused."""
     from blendkv.connector.config import BlendConnectorConfig
+    from blendkv.kernels.blend_kernels import BlendKernels
     from blendkv.kernels.torch_attention import TorchAttentionBackend
     from blendkv.loading import layer_load
 
@@ -156,8 +157,8 @@ def test_default_pipelines_on_the_cpu_only_with_a_spare_core(monkeypatch):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         monkeypatch.setattr(layer_load.os, "sched_getaffinity", lambda pid: set(range(cores)))
         tables = (torch.ones(8, 8), torch.zeros(8, 8))
-        backend = TorchAttentionBackend("cpu")
-        return layer_load.LayerwiseLoad(backend, pool, tables, [write], setting).pipelined
+        kernels = BlendKernels(TorchAttentionBackend("cpu"))
+        return layer_load.LayerwiseLoad(kernels, pool, tables, [write], setting).pipelined
 
     assert resolved(None, threads=2, cores=2) is False
     assert resolved(None, threads=2, cores=4) is True

@@ -14,6 +14,7 @@ from fake_cuda import fake_cuda
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from blendkv.kernels.attention import KVCacheSpec
+from blendkv.kernels.blend_kernels import BlendKernels
 from blendkv.kernels.torch_attention import TorchAttentionBackend
 from blendkv.models.llama import LlamaForCausalLM
 from blendkv.models.qwen2 import Qwen2ForCausalLM
@@ -96,7 +97,7 @@ def test_rope_at_load_stays_on_cuda():
         cos, sin = model.model.rotary_emb.tables("cuda")
         kv = torch.empty(1, 2, 3, 2, 8, device="cuda")  # layer 1 of a 3-token chunk
         positions = torch.tensor([4, 5, 6], device="cuda")
-        backend.load_rotated_kv(caches, 1, kv, positions, positions + 8, cos, sin)
+        BlendKernels(backend).load_rotated_kv(caches, 1, kv, positions, positions + 8, cos, sin)
     assert cos.device.type == "cuda"
 
 
