@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM
+from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM, make_tiny_model_dir
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
 
@@ -22,7 +22,7 @@ from blendkv.engine.cuda_graphs import EagerCapture  # noqa: E402
 from blendkv.engine.model_runner import ModelRunner  # noqa: E402
 from blendkv.engine.query_pass_graphs import QueryPassGraphs, pass_sizes  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # a decode after the pass
 # One sentence a document: the interpreter's time grows with the rows and keys (the pass's
 # padded sizes come from the template and the query).
 DOCS = [doc.split(".")[0] + "." for doc in BLEND_DOCS]
@@ -82,11 +82,18 @@ def run_all(llm, monkeypatch, prompts=PROMPTS):
     return out
 
 
-def test_replayed_pass_equals_the_eager_pass(tiny_llama_dir, tmp_path, monkeypatch):
-    eager = make_llm(tiny_llama_dir, tmp_path / "eager")
+@pytest.fixture(scope="module")
+def two_layers_dir(tmp_path_factory):
+    """The tiny Llama with two layers: two loading stages still (two segments a pass), each
+    interpreted pass a third shorter."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("two-layers"), "llama", num_hidden_layers=2)
+
+
+def test_replayed_pass_equals_the_eager_pass(two_layers_dir, tmp_path, monkeypatch):
+    eager = make_llm(two_layers_dir, tmp_path / "eager")
     expected = run_all(eager, monkeypatch)
     eager.close()
-    llm = make_llm(tiny_llama_dir, tmp_path / "graphs")
+    llm = make_llm(two_layers_dir, tmp_path / "graphs")
     graphs = with_query_graphs(llm, EagerCapture())
     actual = run_all(llm, monkeypatch)
     for (scores, recomputed, tokens), (want, want_recomputed, want_tokens) in zip(
