@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM, make_tiny_model_dir
+from helpers import BLEND_DOCS, BLEND_QUERY, QuietLLM
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
 
@@ -82,18 +82,11 @@ def run_all(llm, monkeypatch, prompts=PROMPTS):
     return out
 
 
-@pytest.fixture(scope="module")
-def two_layers_dir(tmp_path_factory):
-    """The tiny Llama with two layers: two loading stages still (two segments a pass), each
-    interpreted pass a third shorter."""
-    return make_tiny_model_dir(tmp_path_factory.mktemp("two-layers"), "llama", num_hidden_layers=2)
-
-
-def test_replayed_pass_equals_the_eager_pass(two_layers_dir, tmp_path, monkeypatch):
-    eager = make_llm(two_layers_dir, tmp_path / "eager")
+def test_replayed_pass_equals_the_eager_pass(tiny_llama_2l_dir, tmp_path, monkeypatch):
+    eager = make_llm(tiny_llama_2l_dir, tmp_path / "eager")
     expected = run_all(eager, monkeypatch)
     eager.close()
-    llm = make_llm(two_layers_dir, tmp_path / "graphs")
+    llm = make_llm(tiny_llama_2l_dir, tmp_path / "graphs")
     graphs = with_query_graphs(llm, EagerCapture())
     actual = run_all(llm, monkeypatch)
     for (scores, recomputed, tokens), (want, want_recomputed, want_tokens) in zip(
