@@ -48,15 +48,13 @@ def test_chat_stops_at_im_end(llm):
     assert "<|im_end|>" not in out.text and out.text.strip()
 
 
-# Chat questions SmolLM2 answers in fewer than MIN_TOKENS tokens (greedy EOS at 2, 7 and 11
-# tokens), mixed with ones it does not.
+# Chat questions SmolLM2 answers in fewer than MIN_TOKENS tokens (greedy EOS at 2, 11 and 7
+# tokens), and one it does not.
 SHORT_ANSWERS = [
     "Say hello.",
     "Reply with one word: yes or no. Is water wet?",
     "What is 2+2?",
     "What is the capital of France?",
-    "Write a haiku about rain.",
-    "Translate 'chat' to English.",
 ]
 MIN_TOKENS = 12  # above the last early EOS (11)
 
