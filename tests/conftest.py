@@ -40,6 +40,15 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_2l_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with two layers (still two loading stages): for the tests that interpret
+    the Triton kernels, a third less to interpret."""
+    return make_tiny_model_dir(
+        tmp_path_factory.mktemp("tiny-llama-2l"), "llama", num_hidden_layers=2
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 

@@ -216,6 +216,13 @@ def _add_launches(bench) -> None:
     p.add_argument(
         "--eager", action="store_true", help="no piecewise graphs (the engine's on CUDA)"
     )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="the engine's (the query pass's graphs run over its key blocks: fewer interpret "
+        "faster; the counts are the same)",
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(func=_run("launches"))
 

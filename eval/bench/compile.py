@@ -173,10 +173,11 @@ def run_workload(
     variants: list[Variant],
     shape: str,
 ) -> None:
-    """The engine's launches, compiled: batched prefill and decode, a chunked prefill, and three
-    blends whose chunks come from the store (``codec``). The store is filled first by the CPU
-    backend: no compiled kernel writes an output, so chunks computed here would hold unwritten
-    memory (without it, the 8B shape's int8 loads were never launched)."""
+    """The engine's launches, compiled: batched prefill and decode, a chunked prefill (without
+    ``codec`` only), and three blends whose chunks come from the store (``codec``). The store
+    is filled first by the CPU backend: no compiled kernel writes an output, so chunks computed
+    here would hold unwritten memory (without it, the 8B shape's int8 loads were never
+    launched)."""
     from blendkv import LLM, SamplingParams
     from blendkv.blend.config import BlendConfig
     from blendkv.eval.random_model import random_text
@@ -209,17 +210,20 @@ def run_workload(
     llm.blend_manager().flush()  # the chunks' writes
     llm.close()
     with compile_only(arch, variants, shape):
-        _compiled_workload(engine, prompt, greedy)
+        _compiled_workload(engine, prompt, greedy, prefills=codec is None)
 
 
-def _compiled_workload(engine, prompt, greedy) -> None:
+def _compiled_workload(engine, prompt, greedy, prefills: bool = True) -> None:
+    """``prefills``: the plain prefills too (they read no stored chunk: a second codec's run
+    leaves them out, its blends are what its loads change)."""
     from blendkv.blend.config import BlendConfig
     from blendkv.eval.random_model import random_text
 
     llm = engine()
-    llm.generate([random_text(30, 1), random_text(60, 2)], greedy)
-    # ~900 tokens in steps of 256: the third and fourth steps split their keys over programs
-    llm.generate([random_text(900, 3)], greedy)
+    if prefills:
+        llm.generate([random_text(30, 1), random_text(60, 2)], greedy)
+        # ~900 tokens in steps of 256: the third and fourth steps split their keys over programs
+        llm.generate([random_text(900, 3)], greedy)
     for blend in (
         BlendConfig(),
         BlendConfig(selection="v_deviation", recompute_ratio=0.15, correction="none"),

@@ -1,6 +1,7 @@
 """Device kernels a request launches, counted without a GPU.
 
     blendkv bench launches [--layers 32] [--docs 10] [--ratio 0.15] [--eager]
+        [--max-model-len 4096]
 
 On a GPU a blended prefill computes few rows per layer, so its time is the host's: one launch
 per kernel, a few microseconds each. This counts those launches for one blended request, one
@@ -391,6 +392,7 @@ def main(args: argparse.Namespace) -> int:
             attention_backend="triton",
             enable_prefix_caching=False,
             kv_store_dir=str(Path(tmp) / "store"),
+            max_model_len=args.max_model_len,
         )
         capture = None if args.eager else _capture_graphs(llm)  # what the engine does on CUDA
         rows = _count_requests(llm, args, capture)

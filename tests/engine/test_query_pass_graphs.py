@@ -22,7 +22,7 @@ from blendkv.engine.cuda_graphs import EagerCapture  # noqa: E402
 from blendkv.engine.model_runner import ModelRunner  # noqa: E402
 from blendkv.engine.query_pass_graphs import QueryPassGraphs, pass_sizes  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # a decode after the pass
 # One sentence a document: the interpreter's time grows with the rows and keys (the pass's
 # padded sizes come from the template and the query).
 DOCS = [doc.split(".")[0] + "." for doc in BLEND_DOCS]
@@ -82,11 +82,11 @@ def run_all(llm, monkeypatch, prompts=PROMPTS):
     return out
 
 
-def test_replayed_pass_equals_the_eager_pass(tiny_llama_dir, tmp_path, monkeypatch):
-    eager = make_llm(tiny_llama_dir, tmp_path / "eager")
+def test_replayed_pass_equals_the_eager_pass(tiny_llama_2l_dir, tmp_path, monkeypatch):
+    eager = make_llm(tiny_llama_2l_dir, tmp_path / "eager")
     expected = run_all(eager, monkeypatch)
     eager.close()
-    llm = make_llm(tiny_llama_dir, tmp_path / "graphs")
+    llm = make_llm(tiny_llama_2l_dir, tmp_path / "graphs")
     graphs = with_query_graphs(llm, EagerCapture())
     actual = run_all(llm, monkeypatch)
     for (scores, recomputed, tokens), (want, want_recomputed, want_tokens) in zip(
@@ -101,12 +101,12 @@ def test_replayed_pass_equals_the_eager_pass(tiny_llama_dir, tmp_path, monkeypat
     llm.close()
 
 
-def test_the_captured_pass_never_waits_for_the_device(tiny_llama_dir, tmp_path):
+def test_the_captured_pass_never_waits_for_the_device(tiny_llama_2l_dir, tmp_path):
     """A replay reads nothing back to the host (a CUDA capture would fail on it; the eager
     stand-in would hide it): every op of the pass counted, as on a GPU."""
     from blendkv.eval.bench.launches import count, device_tensors
 
-    llm = make_llm(tiny_llama_dir, tmp_path / "syncs")
+    llm = make_llm(tiny_llama_2l_dir, tmp_path / "syncs")
     graphs = with_query_graphs(llm, EagerCapture())
     llm.generate([PROMPTS[0]], GREEDY, blend=BlendConfig(recompute_ratio=0.3))
     (replay,) = graphs._graphs.values()
@@ -157,7 +157,7 @@ def test_each_segment_replays_once_its_layers_are_loaded(tiny_llama_dir, tmp_pat
     llm.close()
 
 
-def test_what_the_graph_reads_outlives_the_capture(tiny_llama_dir, tmp_path, monkeypatch):
+def test_what_the_graph_reads_outlives_the_capture(tiny_llama_2l_dir, tmp_path, monkeypatch):
     """A CUDA graph holds its memory pool, not the Python objects its kernels read: the
     metadata a size was captured over must stay alive after the capture (its freed memory,
     reused, made an H200 replay read garbage and crash)."""
@@ -178,7 +178,7 @@ def test_what_the_graph_reads_outlives_the_capture(tiny_llama_dir, tmp_path, mon
             return lambda before: None
 
     monkeypatch.setattr(QueryPassGraphs, "_metadata", recorded)
-    llm = make_llm(tiny_llama_dir, tmp_path / "alive")
+    llm = make_llm(tiny_llama_2l_dir, tmp_path / "alive")
     graphs = with_query_graphs(llm, ForgetfulCapture())
     llm.generate([PROMPTS[0]], GREEDY, blend=BlendConfig(recompute_ratio=0.3))
     for n in (5, 9, 13, 17):  # steps enough to push it out of the backend's memo of layouts
@@ -192,12 +192,12 @@ def test_what_the_graph_reads_outlives_the_capture(tiny_llama_dir, tmp_path, mon
     llm.close()
 
 
-def test_a_failed_capture_runs_the_pass_eagerly(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+def test_a_failed_capture_runs_the_pass_eagerly(tiny_llama_2l_dir, tmp_path, monkeypatch, caplog):
     class BrokenCapture:
         def segments(self, fn):
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    llm = make_llm(tiny_llama_dir, tmp_path / "broken")
+    llm = make_llm(tiny_llama_2l_dir, tmp_path / "broken")
     graphs = with_query_graphs(llm, BrokenCapture())
     with caplog.at_level("WARNING"):  # the second request does not try again
         first, _ = run_all(llm, monkeypatch, PROMPTS[:1] * 2)

@@ -62,7 +62,8 @@ def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
     With piecewise graphs (the engine's default on CUDA) the norms and the MLP's activation run
     inside the replays, one launch per dense piece: fewer launches in all."""
     out = tmp_path / "launches.json"
-    args = ["--layers", "2", "--docs", "2", "--doc-words", "8", "--json", str(out)]
+    args = ["--layers", "2", "--docs", "2", "--doc-words", "8", "--max-model-len", "256"]
+    args += ["--json", str(out)]
     assert main(["bench", "launches", *args]) == 0
     graphs = json.loads(out.read_text())
     assert main(["bench", "launches", *args, "--eager"]) == 0

@@ -22,7 +22,7 @@ from blendkv.engine.cuda_graphs import EagerCapture  # noqa: E402
 from blendkv.engine.piecewise_graphs import PiecewiseGraphs, piece_sizes  # noqa: E402
 from blendkv.layers.cpu_platform import small_batch_gemms  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 BLEND = {"documents": BLEND_DOCS, "query": BLEND_QUERY}
 
 
@@ -47,9 +47,10 @@ def with_pieces(llm, max_rows: int, capture) -> PiecewiseGraphs:
 
 def run_all(llm) -> list:
     """Tokens and prompt logits of a short prompt, a chunked one (three steps of at most 96
-    rows) and a blend with the default config (ProphetKV: two passes) and another selection."""
+    rows, the first shared with the short one) and a blend with the default config (ProphetKV:
+    two passes) and another selection."""
     short = [5 + (i * 7) % 300 for i in range(37)]
-    long = [11 + i % 150 for i in range(250)]
+    long = [11 + i % 150 for i in range(170)]
     outs = llm.generate([short, long], GREEDY, logits_from=30)
     n = len(llm.blend_manager().prepare(BLEND, BlendConfig()).prompt.token_ids)
     outs += llm.generate([BLEND], GREEDY, blend=BlendConfig(), logits_from=n - 3)
@@ -57,11 +58,11 @@ def run_all(llm) -> list:
     return [(o.outputs[0].token_ids, o.extra.get("prompt_logits")) for o in outs]
 
 
-def test_replayed_pieces_equal_eager_bit_for_bit(tiny_llama_dir, tmp_path):
-    eager = make_llm(tiny_llama_dir, tmp_path / "eager")
+def test_replayed_pieces_equal_eager_bit_for_bit(tiny_llama_2l_dir, tmp_path):
+    eager = make_llm(tiny_llama_2l_dir, tmp_path / "eager")
     expected = run_all(eager)
     eager.close()
-    llm = make_llm(tiny_llama_dir, tmp_path / "pieces")
+    llm = make_llm(tiny_llama_2l_dir, tmp_path / "pieces")
     graphs = with_pieces(llm, 256, EagerCapture())
     sizes, in_place = [], []
     run = graphs.run
