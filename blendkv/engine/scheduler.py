@@ -1,7 +1,7 @@
 """Continuous-batching scheduler. Pure Python: decides *which* tokens run, touches no tensors.
 
-Every step it fills one token budget (``max_num_batched_tokens``) and, while requests decode,
-a time budget (``max_step_latency`` seconds of predicted prefill and precompute, from the
+Every step it fills one token budget (``max_num_batched_tokens``) and, while requests decode
+or more than one request is in the engine, a time budget (``max_step_latency`` seconds of predicted prefill and precompute, from the
 engine's :class:`~blendkv.engine.step_cost.StepCostModel`: a long prompt is split finer and a
 request's new documents spread over more steps, so the decodes' tokens keep coming; a piece
 at most doubles from one step to the next, so each size is measured before a larger one runs;
@@ -291,12 +291,15 @@ class Scheduler:
     # -------------------------------------------------------------- helpers
     def _seconds_for_prefills(self) -> float:
         """The step's time budget for prefill and precompute: ``max_step_latency`` while some
-        request decodes and the cost model predicts; unbounded otherwise."""
+        request decodes or more than one is running, waiting or precomputing (a stream between
+        two of its requests decodes nothing for a moment, and its next prompt waits), when the
+        cost model predicts; unbounded for a lone request (batch work keeps full-size steps)."""
         costs = self.step_costs
         if self.max_step_latency is None or costs is None or costs.coefficients is None:
             return math.inf
         decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        return self.max_step_latency if decoding else math.inf
+        shared = decoding or len(self.running) + len(self.waiting) + len(self.precomputing) > 1
+        return self.max_step_latency if shared else math.inf
 
     @staticmethod
     def _decode_work(out: SchedulerOutput) -> tuple[int, int]:

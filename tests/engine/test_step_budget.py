@@ -206,3 +206,29 @@ def test_the_fit_follows_a_real_trace():
     ratios.sort()
     assert len(ratios) > 400
     assert ratios[int(0.95 * len(ratios))] < 2.0 and ratios[-1] < 4.0
+
+
+def test_a_long_prompt_beside_a_waiting_request_is_split_within_the_latency():
+    """Between two of a client's requests nothing decodes, but its next prompt waits: the
+    long prompt still takes a bounded piece, and the waiting prompt gets in."""
+    sched = scheduler()
+    big = make("big", 8000, start=10_000)
+    sched.add(big)
+    step(sched)  # alone: a full-size piece
+    assert big.num_computed_tokens == 2048
+    sched.add(make("short", 8))
+    out, _ = step(sched)
+    pieces = dict((s.request_id, n) for s, n in out.scheduled)
+    assert pieces["short"] == 8 and pieces["big"] < 2048
+    assert sched.step_costs.predict(prefill_work(2048, pieces["big"])) <= LATENCY + 1e-9
+
+
+def test_new_documents_beside_a_waiting_request_spread_over_steps():
+    conn = Documents()
+    sched = scheduler(connector=conn)
+    docs = make("docs", 50, start=10_000)
+    sched.add(docs)
+    sched.add(make("short", 8))
+    out, seconds = step(sched)
+    assert [s.request_id for s, _ in out.scheduled] == ["short"]
+    assert 0 < len(out.precompute) < 40 and seconds <= LATENCY + 1e-9
