@@ -1,13 +1,13 @@
 """Continuous-batching scheduler. Pure Python: decides *which* tokens run, touches no tensors.
 
 Every step it fills one token budget (``max_num_batched_tokens``) and, while requests decode
-or more than one request is in the engine, a time budget (``max_step_latency`` seconds of predicted prefill and precompute, from the
-engine's :class:`~blendkv.engine.step_cost.StepCostModel`: a long prompt is split finer and a
-request's new documents spread over more steps, so the decodes' tokens keep coming; a piece
-at most doubles from one step to the next, so each size is measured before a larger one runs;
-an idle engine takes full-size steps; each step still makes some progress on the oldest
-prefill) with,
-in order:
+or more than one request is in the engine, a time budget (``max_step_latency`` seconds of
+predicted prefill and precompute, from the engine's
+:class:`~blendkv.engine.step_cost.StepCostModel`: a long prompt is split finer and a request's
+new documents spread over more steps, so the decodes' tokens keep coming; a piece at most
+doubles from one step to the next, so each size is measured before a larger one runs; a lone
+request takes full-size steps; each step still makes some progress on the oldest prefill)
+with, in order:
 
 1. running sequences — a decode token each, or the next piece of a chunked prefill (while
    other requests wait, running prefills take at most half the budget, so a long prompt
