@@ -59,11 +59,12 @@ class SchedulerConfig:
         max_num_seqs: the most requests in one batch.
         max_num_batched_tokens: the most tokens one step computes.
         enable_chunked_prefill: split long prompts over several steps.
-        max_step_latency: seconds: while requests decode, a step takes at most this much
-            predicted prefill and chunk precompute beside them (a long prompt is split, a
-            request's new documents are spread over steps), so their tokens keep coming; the
-            prediction is fitted from this engine's own steps. An idle engine takes full-size
-            steps. None: budget by tokens only.
+        max_step_latency: seconds: while other requests are in the engine (decoding,
+            waiting or precomputing), a step takes at most this much predicted prefill and
+            chunk precompute (a long prompt is split, a request's new documents are spread
+            over steps), so their tokens keep coming; the prediction is fitted from this
+            engine's own steps. A lone request takes full-size steps. None: budget by tokens
+            only.
     """
 
     max_num_seqs: int = 64
