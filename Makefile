@@ -22,7 +22,7 @@ demo: $(VENV)/.installed
 # Two pytest-xdist workers, a test file each at a time (module fixtures are shared within a
 # file), one torch thread each: on 2 cores the waits (Ray, servers, subprocesses) overlap.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 # On a CUDA machine: the GPU tests, then the kernels compiled (not interpreted) at small shapes.
 test-gpu: $(VENV)/.installed

@@ -115,6 +115,37 @@ def _keep_num_threads():
         torch.set_num_threads(threads)
 
 
+# The files that take longest (``--durations``), run first: ``make test`` hands xdist's two
+# workers whole files in collection order (``--no-loadscope-reorder``), so a long file started
+# last would leave one worker alone at the end.
+LONG_FILES = (
+    "distributed/test_ray_ingest.py",
+    "eval/test_bench_compile.py",
+    "engine/test_query_pass_graphs.py",
+    "kernels/test_triton_engine.py",
+    "blend/test_blend_quality.py",
+    "kernels/test_piecewise_graphs.py",
+    "kernels/test_batch_invariant_attention.py",
+    "blend/test_blend_syncs.py",
+    "rag/test_interrupted_ingest.py",
+    "rag/test_shared_store.py",
+    "entrypoints/test_openai_server_embedded.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The long files first, the rest in collection order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+
+    tests = Path(__file__).parent
+
+    def key(item) -> int:
+        path = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)
+
+
 def pytest_collection_finish(session):
     """What importing torch, transformers and the test modules made (hundreds of thousands of
     objects) lives for the session: frozen, the collections below walk only what tests made,

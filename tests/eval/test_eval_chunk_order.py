@@ -71,9 +71,10 @@ def test_journal_before_the_option_resumes_in_source_order(tmp_path):
         Journal(tmp_path, {**SETTINGS, "chunk_order": "relevance_last"}, ["full"], resume=True)
 
 
-def test_cli_runs_in_the_order_asked_for(tmp_path):
+def test_cli_runs_in_the_order_asked_for(tmp_path, eval_model_dir):
     out = tmp_path / "run"
-    argv = ["eval", "--data", "synthetic", "--limit", "1", "--methods", "full"]
+    argv = ["eval", "--model", str(eval_model_dir), "--data", "synthetic", "--limit", "1"]
+    argv += ["--methods", "full"]
     argv += ["--dtype", "float32", "--max-tokens", "2", "--no-progress", "--out", str(out)]
     assert main([*argv, "--chunk-order", "relevance_last"]) == 0
     results = json.loads((out / "results.json").read_text())
