@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+_NOT_IN_DICT = ("config", "token_map")
+
 
 @dataclass
 class BlendStats:
@@ -71,6 +73,9 @@ class BlendStats:
             that left its config to the engine: "blend", "cheaper_selection" or
             "full_prefill" ("": no choice made).
         cost_reason: the predicted costs behind that choice, or why none was made.
+        config: the :class:`~blendkv.blend.config.BlendConfig` the request blended with, as
+            the engine resolved it: a fidelity target's ratio, the cost check's cheaper
+            selection (None: nothing blended yet, or full prefill ran).
         token_map: asked for per request (``token_map=True``): how each prompt token was
             computed, a ``blendkv.blend.token_map.TokenMap`` once the prompt is done; not in
             :meth:`to_dict`.
@@ -106,6 +111,7 @@ class BlendStats:
     full_row_layers: int = 0
     cost_choice: str = ""
     cost_reason: str = ""
+    config: Any = field(default=None, repr=False, compare=False)
     token_map: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -141,8 +147,8 @@ class BlendStats:
 
     def to_dict(self) -> dict:
         """The fields and the derived fractions and counts, as a JSON-ready dict (no
-        ``token_map``)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "token_map"}
+        ``config`` nor ``token_map``)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_IN_DICT}
         d["recompute_fraction"] = self.recompute_fraction
         d["compute_fraction"] = self.compute_fraction
         d["reused_tokens_kept"] = self.reused_tokens_kept

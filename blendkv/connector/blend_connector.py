@@ -189,6 +189,7 @@ class BlendConnector(KVConnectorBase):
             state = self._choose(state)
             if state.stats.cost_choice == "full_prefill":
                 return refused_prompt(state, state.stats.cost_reason)
+        state.stats.config = state.config
         return ConnectorPrompt(
             state.prompt.token_ids,
             cache_salt=state.salt,

@@ -79,7 +79,9 @@ def verify(
     answer_tokens: int = DEFAULT_ANSWER_TOKENS,
 ) -> Verification:
     """Verify ``output`` (the RequestOutput of the blended ``prompt`` with ``blend``: its
-    BlendConfig, None for the engine's default) against full prefill of its prompt tokens."""
+    BlendConfig, None for the engine's default) against full prefill of its prompt tokens.
+    The blend checked is the one that ran (``blend_stats.config``: a fidelity target's ratio,
+    the cost check's cheaper selection), run again with the same greedy sampling."""
     from blendkv.blend.config import BlendConfig  # the blend package loads on use
     from blendkv.guards.fidelity import kl_divergence, teacher_forced_logits
 
@@ -89,7 +91,7 @@ def verify(
         return Verification(True, output.text, output.text, 0.0, 0.0, 0.0, 1.0, 0, True)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     full = llm.generate([ids], greedy)[0]
-    config = blend or BlendConfig()
+    config = stats.config or blend or BlendConfig()
     mine = llm.generate([prompt], greedy, blend=config)[0]
     answer = list(full.outputs[0].token_ids)[:answer_tokens]
     # row t: the distribution of answer token t (after the prompt and answer[:t])

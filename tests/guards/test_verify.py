@@ -42,3 +42,19 @@ def test_full_reuse_differs_measurably(llm):
 def test_plain_prompts_are_not_verified(llm):
     out = llm.generate(["The capital of France is"], PARAMS, verify=True)[0]
     assert out.blend_stats is None
+
+
+def test_the_blend_that_ran_is_the_one_checked(llm):
+    """``blend_stats.config`` is the config the request blended with (here its own; else a
+    fidelity target's ratio or the cost check's cheaper selection): the check re-runs that one,
+    not the engine's default, whatever the caller says it asked for."""
+    from blendkv.guards.verify import verify
+
+    reuse = BlendConfig(recompute_ratio=0.0)
+    out = llm.generate([PROMPT], PARAMS, blend=reuse)[0]
+    assert out.blend_stats.config == reuse and "config" not in out.blend_stats.to_dict()
+    asked = out.blend_stats.verification = verify(llm, PROMPT, out, reuse, 6)
+    unsaid = verify(llm, PROMPT, out, None, 6)  # as a caller that left the config to the engine
+    default = llm.generate([PROMPT], PARAMS, blend=BlendConfig(recompute_ratio=0.5))[0]
+    assert unsaid.max_kl == asked.max_kl and unsaid.blend_answer == asked.blend_answer
+    assert verify(llm, PROMPT, default, None, 6).max_kl < asked.max_kl
