@@ -367,7 +367,7 @@ def _add_replicas(bench) -> None:
     p.set_defaults(func=_run("replicas"))
 
 
-_POLICIES = ("round-robin", "least-loaded", "chunk-affinity")
+_POLICIES = ("round-robin", "least-loaded", "chunk-affinity", "cost-aware")
 
 
 def _add_route_sim(bench) -> None:
