@@ -136,7 +136,6 @@ LONG_FILES = (
 def pytest_collection_modifyitems(session, config, items):
     """The long files first, the rest in collection order (a stable sort)."""
     rank = {name: i for i, name in enumerate(LONG_FILES)}
-
     tests = Path(__file__).parent
 
     def key(item) -> int:
