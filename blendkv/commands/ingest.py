@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from blendkv.cli import add_model_args, engine_kwargs
+from blendkv.errors import InvalidRequestError
 from blendkv.sizes import size_arg
 
 
@@ -99,6 +100,16 @@ def register(sub) -> None:
         action="store_true",
         help="keep the stored version of a file whose content changed (default: replace it)",
     )
+    p.add_argument(
+        "--calibrate",
+        nargs="?",
+        type=float,
+        const=600.0,
+        default=None,
+        metavar="SECONDS",
+        help="then calibrate the store for fidelity targets, as `blendkv calibrate` with its "
+        "defaults, for at most SECONDS (default 600; at least 2 prompts)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_worker_args(p)
     add_model_args(p)
@@ -133,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from blendkv.rag.documents import load_inputs
     from blendkv.rag.ingest import IngestInterrupted
 
+    _check_calibrate(args)
     if args.workers is not None:
         return _run_on_ray(args)
     # Read and validate every file before loading the model; the pipeline ingests what was read.
@@ -165,10 +177,27 @@ def run(args: argparse.Namespace) -> int:
             f"store {args.store}: {len(pipeline.store.kv)} chunks, "
             f"{len(pipeline.documents())} documents"
         )
+        if args.calibrate is not None:
+            from blendkv.commands.calibrate import calibrate_store
+
+            calibrate_store(pipeline, seconds=args.calibrate, progress=not args.no_progress)
     finally:
         pipeline.close()
         pipeline.llm.close()
     return 0
+
+
+def _check_calibrate(args: argparse.Namespace) -> None:
+    """``--calibrate`` needs an LMDB store (the curve is kept beside it): refused before any
+    document is read."""
+    if args.calibrate is None:
+        return
+    if args.calibrate < 0:
+        raise InvalidRequestError(f"--calibrate takes seconds >= 0, got {args.calibrate}")
+    if args.workers is not None or str(args.store).startswith("redis"):
+        raise InvalidRequestError(
+            "--calibrate keeps the curve beside an LMDB store: not with --workers or redis://"
+        )
 
 
 @contextmanager

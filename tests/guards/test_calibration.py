@@ -112,3 +112,17 @@ def test_the_command(tiny_llama_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 prompts" in out and (store / "calibration.json").exists()
     assert main(["calibrate", "--prompts", "2", "--ratios", "0.5,0", *args]) == 2
+
+
+def test_ingest_calibrates_when_asked(tiny_llama_dir, tmp_path, capsys):
+    """``ingest --calibrate SECONDS``: the documents, then the curve beside the store (at
+    least 2 prompts, however short the time); an LMDB store only, refused before reading."""
+    store = tmp_path / "store"
+    args = ["--store", str(store), "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    args += [*QUIET_FLAGS, "--chunk-tokens", "64", "--no-progress"]
+    assert main(["ingest", str(DEMO_DOCS), *args, "--calibrate", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts" in out and (store / "calibration.json").exists()
+    for bad in (["--calibrate", "-1"], ["--calibrate", "--workers", "2"]):
+        assert main(["ingest", str(DEMO_DOCS), *args, *bad]) == 2
+        assert "--calibrate" in capsys.readouterr().err
