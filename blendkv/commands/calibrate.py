@@ -9,7 +9,6 @@ import argparse
 from blendkv.cli import add_model_args
 from blendkv.commands.ingest import add_store_arg
 from blendkv.errors import InvalidRequestError
-from blendkv.guards.calibration import DEFAULT_RATIOS
 
 
 def register(sub) -> None:
@@ -39,6 +38,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blendkv.commands.ingest import open_pipeline
+    from blendkv.guards.calibration import calibrate_store
 
     try:
         ratios = tuple(float(r) for r in args.ratios.split(","))
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--prompts must be >= 2, got {args.prompts}")
     pipeline = open_pipeline(args, create=False, enable_prefix_caching=True)
     try:
-        calibrate_store(
+        report = calibrate_store(
             pipeline,
             ratios=ratios,
             prompts=args.prompts,
@@ -57,43 +57,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.no_progress,
         )
+        print(report)
     finally:
         pipeline.close()
         pipeline.llm.close()
     return 0
-
-
-def calibrate_store(
-    pipeline,
-    *,
-    ratios: tuple[float, ...] = DEFAULT_RATIOS,
-    prompts: int = 24,
-    chunks_per_prompt: int = 6,
-    seconds: float | None = None,
-    seed: int = 0,
-    progress: bool = True,
-) -> None:
-    """Calibrate ``pipeline``'s store on its own chunks, save the curve beside it and print it
-    (``blendkv calibrate``; ``blendkv ingest --calibrate``)."""
-    from tqdm import tqdm
-
-    from blendkv.guards.calibration import CalibrationError, calibrate
-
-    if str(pipeline.store_dir).startswith("redis"):
-        raise CalibrationError("calibrations are kept beside an LMDB store, not in Redis")
-    ids = [m.chunk_id for m in pipeline.store.kv.iter_meta() if m.doc_id]
-    with tqdm(total=prompts, desc="calibrating", disable=not progress) as bar:
-        calibration = calibrate(
-            pipeline.llm,
-            ids,
-            pipeline.instruction,
-            ratios=ratios,
-            num_prompts=prompts,
-            chunks_per_prompt=chunks_per_prompt,
-            seconds=seconds,
-            seed=seed,
-            progress=bar.update,
-        )
-    path = calibration.save(pipeline.store_dir)
-    print(calibration.table())
-    print(f"{calibration.num_prompts} prompts in {calibration.seconds:.0f} s; saved to {path}")

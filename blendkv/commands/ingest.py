@@ -178,9 +178,9 @@ def run(args: argparse.Namespace) -> int:
             f"{len(pipeline.documents())} documents"
         )
         if args.calibrate is not None:
-            from blendkv.commands.calibrate import calibrate_store
+            from blendkv.guards.calibration import calibrate_store
 
-            calibrate_store(pipeline, seconds=args.calibrate, progress=not args.no_progress)
+            print(calibrate_store(pipeline, seconds=args.calibrate, progress=not args.no_progress))
     finally:
         pipeline.close()
         pipeline.llm.close()

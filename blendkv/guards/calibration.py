@@ -175,3 +175,38 @@ def _curve(llm, ratios, rows: list[list[float]], rng: random.Random, seconds: fl
     return Calibration(
         fingerprint, tuple(ratios), tuple(point), tuple(low), tuple(high), len(rows), seconds
     )
+
+
+def calibrate_store(
+    pipeline,
+    *,
+    ratios: tuple[float, ...] = DEFAULT_RATIOS,
+    prompts: int = 24,
+    chunks_per_prompt: int = 6,
+    seconds: float | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> str:
+    """Calibrate a :class:`~blendkv.rag.RAGPipeline`'s LMDB store on its own chunks (a
+    progress bar) and save the curve beside it; returns what ``blendkv calibrate`` and
+    ``blendkv ingest --calibrate`` print: the curve and where it went."""
+    from tqdm import tqdm
+
+    if str(pipeline.store_dir).startswith("redis"):
+        raise CalibrationError("calibrations are kept beside an LMDB store, not in Redis")
+    ids = [m.chunk_id for m in pipeline.store.kv.iter_meta() if m.doc_id]
+    with tqdm(total=prompts, desc="calibrating", disable=not progress) as bar:
+        calibration = calibrate(
+            pipeline.llm,
+            ids,
+            pipeline.instruction,
+            ratios=ratios,
+            num_prompts=prompts,
+            chunks_per_prompt=chunks_per_prompt,
+            seconds=seconds,
+            seed=seed,
+            progress=bar.update,
+        )
+    path = calibration.save(pipeline.store_dir)
+    done = f"{calibration.num_prompts} prompts in {calibration.seconds:.0f} s; saved to {path}"
+    return f"{calibration.table()}\n{done}"
