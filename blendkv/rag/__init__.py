@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from blendkv.rag.chunk_order import ChunkOrderError
 from blendkv.rag.errors import (
     DocumentError,
@@ -15,9 +17,11 @@ from blendkv.rag.errors import (
     UnknownDocumentError,
     UnreadableDocumentError,
 )
-from blendkv.rag.ingest import IngestInterrupted
-from blendkv.rag.pipeline import RAGPipeline
 from blendkv.rag.types import IngestReport, RAGAnswer, RetrievedChunk
+
+if TYPE_CHECKING:
+    from blendkv.rag.ingest import IngestInterrupted
+    from blendkv.rag.pipeline import RAGPipeline
 
 __all__ = [
     "ChunkOrderError",
@@ -34,3 +38,17 @@ __all__ = [
     "UnknownDocumentError",
     "UnreadableDocumentError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The pipeline loads torch and transformers (seconds): a module of this package that needs
+    # neither (documents, chunking: a Ray worker reading files) does not wait for them.
+    if name == "RAGPipeline":
+        from blendkv.rag.pipeline import RAGPipeline
+
+        return RAGPipeline
+    if name == "IngestInterrupted":
+        from blendkv.rag.ingest import IngestInterrupted
+
+        return IngestInterrupted
+    raise AttributeError(f"module 'blendkv.rag' has no attribute {name!r}")

@@ -57,8 +57,9 @@ from blendkv.rag.documents import (
 )
 from blendkv.rag.errors import DocumentError, EmptyDocumentError, UnreadableDocumentError
 from blendkv.rag.types import IngestReport
-from blendkv.store.errors import FingerprintMismatchError
-from blendkv.store.redis_store import is_redis_url
+
+# The workers that read files import this module: the store's modules (which load torch) are
+# imported where they are used, by the driver and the ingest workers.
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ def ingest_on_ray(
     ``worker_gpus`` are each worker's Ray resources. Uses the Ray cluster this process is
     connected to, else ``ray_address`` (``"auto"``: a running one), else starts a local one.
     """
+    from blendkv.store.redis_store import is_redis_url
+
     if not is_redis_url(store):
         raise ConfigError(
             f"a distributed ingest writes to a shared store: give --store redis://HOST:PORT/DB, "
@@ -300,6 +303,7 @@ class _IngestWorker:
         from blendkv import LLM
         from blendkv.rag.pipeline import DEFAULT_INSTRUCTION
         from blendkv.store import ModelFingerprint
+        from blendkv.store.errors import FingerprintMismatchError
         from blendkv.store.fingerprint import mismatch_message
 
         self.store, self.chunk_tokens, self.replace = store, chunk_tokens, replace
@@ -433,6 +437,8 @@ def _worker_names(rows: list[dict]) -> dict[str, str]:
 
 def _unwrapped(exc: Exception) -> Exception:
     """A fingerprint mismatch raised in a worker, as itself (Ray wraps what actors raise)."""
+    from blendkv.store.errors import FingerprintMismatchError
+
     text = str(exc)
     if "FingerprintMismatchError" in text:
         message = text.split("FingerprintMismatchError:", 1)[-1].strip()
