@@ -4,8 +4,9 @@ engine on the tiny random Llama, ingest a corpus into one Redis store.
 The store they leave equals the one a single-process ``RAGPipeline.ingest`` of the same files
 leaves: the same chunk keys, K/V bits, chunk texts and owners, catalog entries and search
 results. A worker killed mid-document (after storing chunks, before their embeddings and the
-document's catalog entry) loses nothing: Ray restarts it and a re-run completes the store. A
-model whose fingerprint differs from the store's is refused before anything is written.
+document's catalog entry) loses nothing: Ray restarts it and the run completes the store; a
+re-run finds nothing to do. A model whose fingerprint differs from the store's is refused
+before anything is written.
 """
 
 from __future__ import annotations
@@ -189,8 +190,15 @@ def test_a_worker_killed_mid_document_loses_nothing(
     # run computed fewer chunks than the store holds.
     assert first.repaired and first.reused_chunks > 0
     assert first.num_chunks < len(want["chunks"])
-    rerun = on_ray(url, tiny_llama_dir, corpus=corpus, workers=1)  # finds nothing to do
+
+
+def test_a_rerun_finds_nothing_to_do(cluster, reference, redis_server, tiny_llama_dir, corpus):
+    """Over the store one process left (the store the killed run completed is the same one)."""
+    url, _, want = reference
+    rerun = on_ray(url, tiny_llama_dir, corpus=corpus, workers=1)
     assert rerun.num_chunks == 0 and not rerun.added and not rerun.repaired
+    assert rerun.reused_chunks == 0 and set(rerun.skipped) == set(want["docs"])
+    assert_same(facts(url), want)
 
 
 def test_a_worker_with_another_fingerprint_writes_nothing(
