@@ -191,6 +191,7 @@ def run_workload(
             enable_prefix_caching=False,
             max_model_len=2048,
             max_num_batched_tokens=256,
+            kv_cache_memory_bytes=64 << 20,  # a few sequences of 2,048 tokens at the 8B shape
             kv_store_dir=str(store),
             kv_codec=codec,
             blend_start_gate=False,
