@@ -22,6 +22,9 @@ QUIET = {
     "blend_start_gate": False,
     "blend_cost_check": False,
     "max_step_latency": None,
+    # Half the default pool: 11K tokens of the embedded model in float32, more than one
+    # sequence of max_model_len; each engine zeroes its pool, and a worker holds several.
+    "kv_cache_memory_bytes": 512 << 20,
 }
 # The same for a command that loads a model (``blendkv.cli.main`` or a spawned ``blendkv``).
 QUIET_FLAGS = (

@@ -33,7 +33,10 @@ def shared_pipeline():
         from blendkv.rag import RAGPipeline
 
         tmp = tempfile.mkdtemp(prefix="blendkv-rag-tests-")
-        llm = QuietLLM(dtype="float32", enable_prefix_caching=False)
+        # A quarter of the default pool (5,800 tokens): it lives for the whole session.
+        llm = QuietLLM(
+            dtype="float32", enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20
+        )
         rag = RAGPipeline(Path(tmp) / "store", llm=llm, chunk_tokens=CHUNK_TOKENS)
         report = rag.ingest([DEMO_DOCS], progress=False)
 
