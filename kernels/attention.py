@@ -28,17 +28,18 @@ import torch
 from blendkv.kernels.attention_mass import query_attention_mass
 from blendkv.kernels.attention_metadata import (  # re-exported: their historical home
     AttentionMetadata,
-    QueryMassRequest,
     StepLayoutMemo,
     kept_rows,
     split_by_kind,
 )
+from blendkv.kernels.query_scoring import QueryMassRequest, QueryScoring, ScoringKind
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "KVCacheSpec",
     "QueryMassRequest",
+    "QueryScoring",
     "StepLayoutMemo",
     "kept_rows",
     "split_by_kind",
@@ -74,12 +75,11 @@ class AttentionBackend(ABC):
     # It reads a sequence's blocks faster when their ids are consecutive (slices of the pool,
     # no gather): the block manager then places new blocks in runs.
     prefers_block_runs: bool = False
-    # Its forward honours ``AttentionMetadata.query_mass`` (the query pass needs no separate
-    # scoring product per layer); else the pass calls :meth:`add_query_mass` before attention.
-    scores_in_attention: bool = False
-    # Its forward writes the rows' log-sum-exp where ``AttentionMetadata.lse_out`` says, and
-    # :meth:`add_query_mass` takes it (``lse``): the query pass scores without recomputing it.
-    attention_lse: bool = False
+    # How ProphetKV's query pass scores keys on it (blendkv.kernels.query_scoring): "apart"
+    # (add_query_mass after attention), "in_attention" (its forward adds the mass of
+    # ``scoring.requests``) or "from_lse" (its forward fills ``scoring.lse_out``, which
+    # add_query_mass takes).
+    query_scoring: ScoringKind = "apart"
     # Batch-invariant mode (EngineConfig.deterministic, set by get_attention_backend): every
     # query row attended as its own decode row (blendkv.kernels.batch_invariant).
     deterministic: bool = False
@@ -158,6 +158,7 @@ class AttentionBackend(ABC):
         soft_cap: float | None = None,
         out: torch.Tensor | None = None,
         kv_written: bool = False,
+        scoring: QueryScoring | None = None,
     ) -> torch.Tensor:
         """Write this layer's new K/V into the pool (unless ``kv_written``: the caller did,
         with RoPE: ``Attention.rotate_and_write``), then attend.
@@ -176,6 +177,8 @@ class AttentionBackend(ABC):
 
             out: [num_tokens, num_heads, head_dim] to write the result into (the graph
                 buffer the next dense piece reads); None: a new tensor.
+            scoring: ProphetKV's query pass, as :attr:`query_scoring` says this backend
+                takes it (None: not a query pass).
 
         Returns:
             [num_tokens, num_heads, head_dim] (``out`` when given).
@@ -203,12 +206,12 @@ class AttentionBackend(ABC):
         ``visible_prefix``: how many leading keys every row sees (spares their masking).
         ``scale`` (None: ``D ** -0.5``), ``window``, ``soft_cap``: the layer's, as in
         :meth:`forward`. ``lse`` [Q, H]: the rows' log-sum-exp as this layer's attention left
-        it (:attr:`attention_lse`); the reference here computes its own. ``key_count`` int32
-        [1]: the sequence's keys on the device, when ``slots`` run past them (a captured pass);
-        no query row sees those keys, so the reference needs no cut.
+        it (``query_scoring == "from_lse"``); the reference here computes its own.
+        ``key_count`` int32 [1]: the sequence's keys on the device, when ``slots`` run past them
+        (a captured pass); no query row sees those keys, so the reference needs no cut.
 
-        ProphetKV's query pass calls it before each layer's attention on backends without
-        :attr:`scores_in_attention`. This is the reference (dense torch)."""
+        ProphetKV's query pass calls it at each layer, once the rows' K/V are in the pool, on
+        backends that do not score ``"in_attention"``. This is the reference (dense torch)."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads * head_dim)
         keys = flat_k.index_select(0, slots).view(-1, num_kv_heads, head_dim)  # K only

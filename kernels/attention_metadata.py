@@ -16,18 +16,6 @@ import torch
 from blendkv.kernels.uploads import upload, upload_list
 
 
-@dataclass(frozen=True)
-class QueryMassRequest:
-    """A sequence's rows from ``first_row`` (an index into the step's rows) to its last are
-    query rows: every layer's attention adds the softmax weight they pay each key, summed over
-    rows and heads, to ``scores`` [seq_len] float32. ``visible_prefix``: how many leading keys
-    all of them see."""
-
-    first_row: int
-    scores: torch.Tensor
-    visible_prefix: int
-
-
 @dataclass
 class AttentionMetadata:
     """Per-step tensors shared by every layer. Built by :meth:`AttentionBackend.build_metadata`.
@@ -44,11 +32,6 @@ class AttentionMetadata:
         query_start_loc_cpu / seq_lens_cpu: Python lists mirroring the tensors (cheap loops).
         is_contiguous_prefill: per sequence, True when its query tokens are exactly positions
             ``seq_len - query_len .. seq_len - 1`` in order (ordinary prefill/decode).
-        query_mass: per sequence index, a :class:`QueryMassRequest` (ProphetKV's query pass,
-            backends with ``scores_in_attention``); not carried by :meth:`subset`.
-        lse_out: float32 [num_tokens, num_heads] where a backend with ``attention_lse`` also
-            writes each (row, head)'s base-2 log-sum-exp of its scaled logits (ProphetKV's query
-            pass reads it back instead of computing it again); not carried by :meth:`subset`.
         positions_cpu: ``positions`` on the CPU, the copy the metadata was built from (None
             where it was not kept): :meth:`host_positions` reads it without a host sync.
 
@@ -67,8 +50,6 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     is_contiguous_prefill: list[bool]
-    query_mass: dict[int, QueryMassRequest] | None = None
-    lse_out: torch.Tensor | None = None
     positions_cpu: torch.Tensor | None = None
 
     @property

@@ -37,7 +37,6 @@ def all_decode_rows(md: AttentionMetadata) -> bool:
 def per_row_metadata(md: AttentionMetadata) -> AttentionMetadata:
     """``md`` with each query row its own one-row sequence over its keys ``0..position`` (the
     same block table); ``md`` itself when that is already so (a pure decode step)."""
-    assert not md.query_mass, "the query pass scores in attention; it keeps its metadata"
     if all_decode_rows(md):
         return md
     seq_ids = md.row_seq_ids().to(md.block_table.device)

@@ -122,7 +122,7 @@ def masked_attention(
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    scores_in_attention = True
+    query_scoring = "in_attention"
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
@@ -221,8 +221,10 @@ class TorchAttentionBackend(AttentionBackend):
         soft_cap=None,
         out=None,
         kv_written=False,
+        scoring=None,
     ):
         md: AttentionMetadata | None = attn_metadata
+        requests = scoring.requests if scoring is not None else {}
         wc = {} if window is None and soft_cap is None else {"window": window, "soft_cap": soft_cap}
         out = torch.empty_like(q) if out is None else out
         if kv_cache is None:
@@ -235,10 +237,11 @@ class TorchAttentionBackend(AttentionBackend):
             return out
         if not kv_written:
             self.write_kv(kv_cache, k, v, md.slot_mapping)
-        if self.deterministic and not md.query_mass:
+        if self.deterministic and not requests:
             md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
+        # (a query pass's metadata is only ever attended with its requests: one layout)
         layout = self._step_layouts.get(
-            md, kv_cache.shape[1], lambda: self._build_layout(md, kv_cache.shape, q)
+            md, kv_cache.shape[1], lambda: self._build_layout(md, kv_cache.shape, q, requests)
         )
         starts = md.query_start_loc_cpu
         # the query rows' scale is D ** -0.5 unless the layer has its own
@@ -264,7 +267,7 @@ class TorchAttentionBackend(AttentionBackend):
                 positions = md.positions[lo:mid]
                 self._rows(q[lo:mid], keys, values, positions, scale, out[lo:mid], groups, **wc)
             if mid < hi:  # ProphetKV's query rows: their output and their score, one call
-                request = md.query_mass[i]
+                request = requests[i]
                 mass = self._query_rows(
                     q[mid:hi],
                     keys,
@@ -364,15 +367,14 @@ class TorchAttentionBackend(AttentionBackend):
                 soft_cap=soft_cap,
             )
 
-    def _build_layout(self, md: AttentionMetadata, cache_shape: torch.Size, q) -> _StepLayout:
+    def _build_layout(
+        self, md: AttentionMetadata, cache_shape: torch.Size, q, requests: dict
+    ) -> _StepLayout:
         fresh, decode, other = split_by_kind(md)
         group = q.shape[1] // cache_shape[3]
         starts = md.query_start_loc_cpu
-        # Rows from `scored_from` on are query rows scored in attention (query_mass).
-        scored_from = [
-            md.query_mass[i].first_row if md.query_mass and i in md.query_mass else starts[i + 1]
-            for i in other
-        ]
+        # Rows from `scored_from` on are query rows scored in attention (the requests).
+        scored_from = [requests[i].first_row if i in requests else starts[i + 1] for i in other]
         row_layouts = [
             self._rows_layout(md.positions[starts[i] : mid], group, q.dtype)
             if mid > starts[i]

@@ -124,8 +124,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         else:
             super().add_query_mass(*args, visible_prefix, **layer)
 
-    scores_in_attention = False  # its forward scores nothing: the pass scores in kernels
-    attention_lse = True  # (from the prefill kernel: every row of such a step goes there)
+    # Its forward leaves the rows' log-sum-exp (from the prefill kernel: every row of such a
+    # step goes there) and the pass scores in kernels.
+    query_scoring = "from_lse"
 
     def _first_use(self, name: str, kernel, *args) -> bool:
         """:func:`first_use` of ``kernel`` in this backend's record."""
@@ -145,6 +146,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         soft_cap=None,
         out=None,
         kv_written=False,
+        scoring=None,
     ):
         md: AttentionMetadata | None = attn_metadata
         windowed = window is not None or soft_cap is not None
@@ -161,8 +163,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
             return out
         if not kv_written:
             self.write_kv(kv_cache, k, v, md.slot_mapping)
-        lse = md.lse_out  # every row to the prefill kernel, which writes it
-        if self.deterministic and not md.query_mass and lse is None:
+        lse = scoring.lse_out if scoring is not None else None  # every row to the prefill kernel
+        if self.deterministic and lse is None:
             md = self._per_row.get(md)  # every row a decode row (kernels.batch_invariant)
         layout = self._layout(
             md,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from blendkv.blend.row_plan import SeqBlend
-from blendkv.kernels.attention import QueryMassRequest, kept_rows
+from blendkv.kernels.attention import QueryMassRequest, QueryScoring, kept_rows
 from blendkv.models.hooks import QueryPass, QueryPassPlan, QueryPassReplay
 
 
@@ -32,14 +32,14 @@ class QueryPassRowPlan(QueryPassPlan):
     built once here, and the scores add up on the device: a layer costs no host sync (on a GPU
     one per layer left it idle most of the pass). :meth:`finish` brings the scores to the CPU.
 
-    A backend with ``scores_in_attention`` (the torch one) scores inside its attention: the
-    plan leaves a :class:`QueryMassRequest` per sequence on the metadata and selects nothing,
-    so q and K are multiplied once per layer, not twice. Otherwise each layer is scored through
-    ``add_query_mass`` (the Triton kernels) reading the pool in place: after attention wrote the
-    rows' K/V (:meth:`after_attention`, with attention's RoPE'd queries and, from a backend
-    with ``attention_lse``, the log-sum-exp it left in ``lse_out``), and at
-    ``last_layer``, where the pass stops after the projections, by :meth:`select`, which rotates
-    and writes them itself.
+    A backend scoring ``"in_attention"`` (the torch one) scores inside its attention: the
+    plan's :meth:`scoring` holds a :class:`QueryMassRequest` per sequence and the plan selects
+    nothing, so q and K are multiplied once per layer, not twice. Otherwise each layer is scored
+    through ``add_query_mass`` (the Triton kernels) reading the pool in place: after attention
+    wrote the rows' K/V (:meth:`after_attention`, with attention's RoPE'd queries and, from a
+    backend scoring ``"from_lse"``, the log-sum-exp it left in the scoring's ``lse_out``), and
+    at ``last_layer``, where the pass stops after the projections, by :meth:`select`, which
+    rotates and writes them itself.
     """
 
     def __init__(
@@ -50,13 +50,17 @@ class QueryPassRowPlan(QueryPassPlan):
         self.rows = torch.arange(attn_metadata.num_tokens)
         self.backend = attn_backend
         self.blends = blends
-        self.in_attention = attn_backend.scores_in_attention
+        self.in_attention = attn_backend.query_scoring == "in_attention"
         self._seqs = []
+        self._scoring = QueryScoring()
+
+    def scoring(self) -> QueryScoring | None:
+        return self._scoring if self._scoring else None
 
     def begin(self) -> None:
         md, blends = self.md, self.blends
         dev = md.positions.device
-        requests = {}
+        requests = self._scoring.requests
         # (seq blend, its rows, their positions and slots, query rows, their positions, key
         # slots, keys every query row sees)
         self._seqs = []
@@ -96,8 +100,6 @@ class QueryPassRowPlan(QueryPassPlan):
                     visible,
                 )
             )
-        if requests:
-            md.query_mass = requests
 
     def selects_at(self, layer_idx: int) -> bool:
         return bool(self._seqs) and layer_idx == self.last_layer
@@ -115,12 +117,12 @@ class QueryPassRowPlan(QueryPassPlan):
     def before_attention(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata) -> None:
         # A backend whose attention leaves the rows' log-sum-exp: one buffer for every layer
         # (each layer's scores read it before the next layer's attention writes it).
-        md = attn_metadata
-        if self._seqs and self.backend.attention_lse and md.lse_out is None:
-            md.lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        scoring = self._scoring
+        if self._seqs and self.backend.query_scoring == "from_lse" and scoring.lse_out is None:
+            scoring.lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
 
     def after_attention(self, layer_idx, attn, q_rot, kv_cache, attn_metadata) -> None:
-        lse = attn_metadata.lse_out
+        lse = self._scoring.lse_out
         for sb, rows, _, _, query, query_positions, slots, visible in self._seqs:
             row_lse = None if lse is None else lse[rows][query]
             self._score(
@@ -167,7 +169,7 @@ def plan_query_pass(input_ids, attn_metadata, blends, attn_backend, num_layers: 
     positions_cpu = sub.positions_cpu = sub.host_positions()  # (read back once at most)
     # Scoring in attention needs the last layer's attention too (its MLP is wasted: ~1/30th of
     # the pass); scoring in kernels can stop after the last layer's projections.
-    kv_only = not attn_backend.scores_in_attention
+    kv_only = attn_backend.query_scoring != "in_attention"
     plan = QueryPassRowPlan(sub, prophets, attn_backend, num_layers - 1 if kv_only else None)
     for sb in prophets:
         lo, hi = sub.query_start_loc_cpu[sb.index], sub.query_start_loc_cpu[sb.index + 1]

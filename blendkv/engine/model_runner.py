@@ -340,7 +340,7 @@ class ModelRunner:
         None elsewhere."""
         from blendkv.engine.query_pass_graphs import QueryPassGraphs
 
-        if not self.attn_backend.attention_lse or max_rows < 1:
+        if self.attn_backend.query_scoring != "from_lse" or max_rows < 1:
             return None
         return QueryPassGraphs(
             self.model,

@@ -25,9 +25,9 @@ one launch. Capturable because nothing in it depends on the request except devic
   first, losing the overlap).
 
 It runs for a step with one ProphetKV sequence on a backend whose attention leaves the rows'
-log-sum-exp (``attention_lse``: the Triton one), else the pass runs eagerly. A capture that
-fails turns it off for the engine, logged once. ``capture`` is injectable (the tests pass the
-eager stand-in of :mod:`blendkv.engine.cuda_graphs` on the CPU).
+log-sum-exp (``query_scoring == "from_lse"``: the Triton one), else the pass runs eagerly. A
+capture that fails turns it off for the engine, logged once. ``capture`` is injectable (the
+tests pass the eager stand-in of :mod:`blendkv.engine.cuda_graphs` on the CPU).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 from blendkv.engine.cuda_graphs import CudaGraphCapture, SegmentsReplay
 from blendkv.engine.kv_connector import load_stages
-from blendkv.kernels.attention import AttentionMetadata
+from blendkv.kernels.attention import AttentionMetadata, QueryScoring
 from blendkv.models.hooks import LayerHooks, RowPlan
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,10 @@ class _StaticScores(RowPlan):
         self.last_layer = last_layer
         self.rows = torch.arange(size)
         self.key_slots: torch.Tensor | None = None  # set by each run (inside the capture)
+        self._scoring = QueryScoring(lse_out=graphs.lse[:size])
+
+    def scoring(self) -> QueryScoring:
+        return self._scoring
 
     def selects_at(self, layer_idx: int) -> bool:
         return layer_idx == self.last_layer
@@ -79,7 +83,7 @@ class _StaticScores(RowPlan):
         return None
 
     def after_attention(self, layer_idx, attn, q_rot, kv_cache, attn_metadata) -> None:
-        self._score(attn, q_rot, kv_cache, attn_metadata.lse_out)
+        self._score(attn, q_rot, kv_cache, self._scoring.lse_out)
 
     def _score(self, attn, q_rot, kv_cache, lse) -> None:
         g = self.graphs
@@ -171,9 +175,7 @@ class QueryPassGraphs:
         """Whether the query pass of one sequence (``num_rows`` rows, ``seq_len`` keys)
         replays here."""
         backend = self.attn_backend
-        if self.failed is not None or not backend.attention_lse:
-            return False
-        if backend.scores_in_attention:
+        if self.failed is not None or backend.query_scoring != "from_lse":
             return False
         cuda = backend.device.type == "cuda" and torch.cuda.is_available()
         if cuda and torch.cuda.is_current_stream_capturing():
@@ -245,7 +247,6 @@ class QueryPassGraphs:
             query_start_loc_cpu=[0, size],
             seq_lens_cpu=[self.num_keys],
             is_contiguous_prefill=[False],
-            lse_out=self.lse[:size],
         )
 
     @torch.inference_mode()

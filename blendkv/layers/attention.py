@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
+from blendkv.kernels.attention import AttentionBackend, AttentionMetadata, QueryScoring
 from blendkv.layers.fused import FusedLinear
 from blendkv.layers.linear import Linear
 from blendkv.layers.rotary import RotaryEmbedding, head_dim_of
@@ -110,17 +110,20 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata | None,
         out: torch.Tensor | None = None,
         kv_written: bool = False,
+        scoring: QueryScoring | None = None,
     ) -> torch.Tensor:
         """The backend's attention on rotated q/k (writing K/V to the cache unless
         ``kv_written``: :meth:`rotate_and_write` did), heads flattened: [T, num_heads *
         head_dim], before ``o_proj`` (which the decoder layer's dense tail applies:
         :meth:`LlamaDecoderLayer.leave`); ``out`` [T, num_heads * head_dim]: where to write
-        them (then returned)."""
+        them (then returned); ``scoring``: a query pass's (the backend's ``forward``)."""
         kwargs = self.attention_kwargs()
         if out is not None:
             kwargs["out"] = out.view(q.shape)
         if kv_written:
             kwargs["kv_written"] = True
+        if scoring is not None:
+            kwargs["scoring"] = scoring
         heads = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scaling, **kwargs)
         return heads.reshape(heads.shape[0], self.num_heads * self.head_dim)
 

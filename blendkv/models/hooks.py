@@ -11,7 +11,7 @@ a blended prefill and a chunk precompute plugs in here, never by attributes set 
       layer(...)                              (LlamaDecoderLayer.forward, through LayerSeam)
         row_plan.select(l, ...)               rows that stop being computed from layer l on
         row_plan.before_attention(l, ...)     last look at the pool before attention writes
-        RoPE (writes the fresh K/V), attention
+        RoPE (writes the fresh K/V), attention  with row_plan.scoring() (a query pass's)
         row_plan.after_attention(l, ...)      the rows' RoPE'd queries, their K/V in the pool
         hooks.save_kv_layer(l, k, v, ...)     K/V of layer l computed this step, to save
 
@@ -30,6 +30,7 @@ import torch
 
 if TYPE_CHECKING:
     from blendkv.kernels.attention import AttentionMetadata
+    from blendkv.kernels.query_scoring import QueryScoring
     from blendkv.layers.attention import Attention
 
 
@@ -79,6 +80,11 @@ class RowPlan(ABC):
         """Given the layer's fresh pre-RoPE q/k/v of the current rows, return a CPU bool keep-mask
         over them (None = keep all). Rows dropped keep the K/V already in the pool from here
         on. The plan updates :attr:`rows` itself."""
+
+    def scoring(self) -> QueryScoring | None:
+        """What attention scores for the plan at every layer (ProphetKV's query pass), passed
+        to the backend's forward; None (the default): nothing."""
+        return None
 
     def before_attention(  # noqa: B027  (optional hook: most plans repair nothing)
         self,
@@ -241,6 +247,10 @@ class LayerSeam:
         """:meth:`RowPlan.before_attention` of this layer."""
         if self.row_plan is not None:
             self.row_plan.before_attention(self.layer_idx, attn, q, k, v, kv_cache, attn_metadata)
+
+    def scoring(self) -> QueryScoring | None:
+        """:meth:`RowPlan.scoring`, None without a plan."""
+        return self.row_plan.scoring() if self.row_plan is not None else None
 
     def after_attention(self, attn, q_rot, kv_cache, attn_metadata) -> None:
         """:meth:`RowPlan.after_attention` of this layer."""

@@ -150,7 +150,9 @@ class LlamaDecoderLayer(nn.Module):
         q_rot, k_rot = attn.rotate_and_write(rows.positions, q, k, v, kv_cache, md)
         if pruned is None:
             out = pieces.output("heads", q.shape[0])
-            heads = attn.attend_heads(q_rot, k_rot, v, kv_cache, md, out=out, kv_written=True)
+            heads = attn.attend_heads(
+                q_rot, k_rot, v, kv_cache, md, out=out, kv_written=True, scoring=seam.scoring()
+            )
             seam.after_attention(attn, q_rot, kv_cache, md)
             seam.save_kv(k, v, kv_cache, md)
             return heads, residual, rows

@@ -7,7 +7,7 @@ import torch
 from helpers import dense_attention_reference as dense_reference
 from helpers import needs_cpp_compiler
 
-from blendkv.kernels.attention import AttentionMetadata, QueryMassRequest
+from blendkv.kernels.attention import AttentionMetadata, QueryMassRequest, QueryScoring
 from blendkv.kernels.attention_mass import attention_with_mass, query_attention_mass
 from blendkv.kernels.cpu_attention import CpuAttentionBackend
 from blendkv.kernels.cpu_decode import DenseDecode
@@ -207,14 +207,17 @@ def test_paged_backend_mixed_step(layout, scored, compiled):
         is_contiguous_prefill=[False, True, True, True],
     )
     scored_rows = {0: 70, 1: 2}  # seq -> its first query row (an offset in its rows)
+    scoring = None
     if scored:
-        md.query_mass = {
-            i: QueryMassRequest(starts[i] + r, torch.zeros(lens[i]), int(queries[i][r]) + 1)
-            for i, r in scored_rows.items()
-        }
+        scoring = QueryScoring(
+            {
+                i: QueryMassRequest(starts[i] + r, torch.zeros(lens[i]), int(queries[i][r]) + 1)
+                for i, r in scored_rows.items()
+            }
+        )
     backend = CpuAttentionBackend(prefill_kernel=True) if compiled else TorchAttentionBackend()
     d_scale = d**-0.5
-    out = backend.forward(q, k_new, v_new, cache, md, d_scale)
+    out = backend.forward(q, k_new, v_new, cache, md, d_scale, scoring=scoring)
     step = backend._step_layouts.get(md, cache.shape[1], None)
     sliced = [first is not None for first in step.other_slots]
     assert sliced == ([True, True] if layout == "runs" else [False, False])
@@ -226,7 +229,7 @@ def test_paged_backend_mixed_step(layout, scored, compiled):
     for i, r in scored_rows.items() if scored else ():
         rows = slice(starts[i] + r, starts[i + 1])
         want = query_attention_mass(q[rows], full[i][0], queries[i][r:], torch.arange(lens[i]))
-        torch.testing.assert_close(md.query_mass[i].scores, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scoring.requests[i].scores, want, atol=1e-5, rtol=1e-5)
         assert float(want.sum()) == pytest.approx(hq * len(queries[i][r:]), rel=1e-5)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blendkv.kernels.attention import QueryMassRequest
+from blendkv.kernels.attention import QueryMassRequest, QueryScoring
 from blendkv.kernels.torch_attention import TorchAttentionBackend, gather_kv
 
 SCALE = 0.35
@@ -184,9 +184,11 @@ def test_query_rows_scored_in_attention(make_step, device, backend_name, window,
     backend = make_backend(backend_name, device)
     md = step.md
     scores = torch.zeros(16, dtype=torch.float32, device=device)
-    md.query_mass = {0: QueryMassRequest(first_row=3, scores=scores, visible_prefix=14)}
+    scoring = QueryScoring({0: QueryMassRequest(first_row=3, scores=scores, visible_prefix=14)})
     pool = step.pool.clone()
-    out = backend.forward(step.q, step.k, step.v, pool, md, SCALE, window=window, soft_cap=soft_cap)
+    out = backend.forward(
+        step.q, step.k, step.v, pool, md, SCALE, window=window, soft_cap=soft_cap, scoring=scoring
+    )
     assert_close(out, oracle_step(step, pool, SCALE, window, soft_cap), torch.float32)
     keys, values = gather_kv(pool, md.block_table[0], 16)
     _, probs = oracle_rows(step.q[3:], keys, values, md.positions[3:], SCALE, window, soft_cap)
@@ -197,7 +199,7 @@ def test_query_rows_scored_in_attention(make_step, device, backend_name, window,
 @pytest.mark.parametrize(("window", "soft_cap"), CASES[:3], ids=CASE_IDS[:3])
 def test_add_query_mass(make_step, device, backend_name, window, soft_cap):
     """The query pass's separate scoring (backends without scores in attention); with
-    ``-lse``, from the log-sum-exp the layer's attention left (``md.lse_out``)."""
+    ``-lse``, from the log-sum-exp the layer's attention left (``QueryScoring.lse_out``)."""
     step = make_step([0], [19], block_size=4, num_kv_heads=1, group=2)
     backend = make_backend(backend_name.removesuffix("-lse"), device)
     pool = step.pool.clone()
@@ -206,8 +208,8 @@ def test_add_query_mass(make_step, device, backend_name, window, soft_cap):
     q_pos = step.md.positions[12:]
     lse = None
     if backend_name.endswith("-lse"):
-        assert backend.attention_lse
-        step.md.lse_out = torch.full(step.q.shape[:2], float("nan"), device=device)
+        assert backend.query_scoring == "from_lse"
+        scoring = QueryScoring(lse_out=torch.full(step.q.shape[:2], float("nan"), device=device))
         out = backend.forward(
             step.q,
             step.k,
@@ -218,9 +220,10 @@ def test_add_query_mass(make_step, device, backend_name, window, soft_cap):
             window=window,
             soft_cap=soft_cap,
             kv_written=True,
+            scoring=scoring,
         )
         assert_close(out, oracle_step(step, pool, SCALE, window, soft_cap), torch.float32)
-        lse = step.md.lse_out[12:]
+        lse = scoring.lse_out[12:]
         assert not lse.isnan().any()
     backend.add_query_mass(
         scores,
