@@ -69,7 +69,6 @@ class Family:
     make_config: Callable[[], transformers.PretrainedConfig]
     hf_class: type
     rename: Callable[[str], list[str]] | None = None
-    triton: bool = True  # whether the family's gate runs on the Triton backend (slow on a CPU)
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:

@@ -38,7 +38,6 @@ FAMILIES = {
             rope_scaling={"rope_type": "linear", "factor": 4.0},
         ),
         transformers.Gemma3ForCausalLM,
-        triton=False,  # Gemma 2's gate runs windows and soft-caps in the Triton kernels
     ),
 }
 
@@ -57,8 +56,6 @@ def test_engine(gate):
 
 
 def test_triton(gate):
-    if not gate.family.triton:
-        pytest.skip("interpreted Triton is slow: the smallest config (Gemma 2) runs it")
     gate.check_triton()
 
 

@@ -21,19 +21,16 @@ FAMILIES = {
         "llama3",
         lambda: transformers.LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE),
         transformers.LlamaForCausalLM,
-        triton=False,  # tests/kernels/test_triton_engine.py runs Llama and Qwen2 on Triton
     ),
     "mistral-window": Family(
         "mistral-window",
         lambda: transformers.MistralConfig(**TINY, sliding_window=WINDOW),
         transformers.MistralForCausalLM,
-        triton=False,  # the same windowed layers as Phi-3's Triton gate
     ),
     "qwen2": Family(
         "qwen2",
         lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
         transformers.Qwen2ForCausalLM,
-        triton=False,
     ),
 }
 
@@ -52,6 +49,4 @@ def test_engine(gate):
 
 
 def test_triton(gate):
-    if not gate.family.triton:
-        pytest.skip("the Triton backend runs this family's paths in the other gates")
     gate.check_triton()

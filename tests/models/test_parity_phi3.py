@@ -36,7 +36,6 @@ FAMILIES = {
         lambda: transformers.Phi3Config(**TINY, sliding_window=WINDOW),
         transformers.Phi3ForCausalLM,
         phi_rename,
-        triton=False,  # windows on Triton: qwen3-window's gate; split weights: phi4-mini's
     ),
     "phi4-mini": Family(
         "phi4-mini",
@@ -66,6 +65,4 @@ def test_engine(gate):
 
 
 def test_triton(gate):
-    if not gate.family.triton:
-        pytest.skip("the Triton backend runs this family's paths in the other gates")
     gate.check_triton()

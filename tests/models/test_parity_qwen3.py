@@ -16,7 +16,6 @@ FAMILIES = {
         "qwen3",
         lambda: transformers.Qwen3Config(**TINY),
         transformers.Qwen3ForCausalLM,
-        triton=False,  # its q/k norm runs in qwen3-window's Triton gate
     ),
     "qwen3-window": Family(
         "qwen3-window",
@@ -42,8 +41,6 @@ def test_engine(gate):
 
 
 def test_triton(gate):
-    if not gate.family.triton:
-        pytest.skip("the Triton backend runs this family's paths in the other gates")
     gate.check_triton()
 
 
