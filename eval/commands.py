@@ -68,6 +68,15 @@ def _add_run_args(p) -> None:
         "first 16 answer tokens is within NATS (default: a target@T method's own T, "
         "0.5 for the others; fewer tokens with a smaller --answer-tokens)",
     )
+    p.add_argument(
+        "--calibrate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="before the run, calibrate the store for target@T methods on N prompts of random "
+        "passages of the first N examples (with the calibration's own questions) and save it "
+        "beside the store; default 0: target@T runs uncalibrated (ratio 0.3)",
+    )
     add_config_args(p, EngineConfig, ("max_model_len",))
 
 
@@ -154,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         kv_codecs=args.kv_codec,
         reference_cache=args.reference_cache,
         fidelity_target=args.fidelity_target,
+        calibrate=args.calibrate,
     )  # validates the method names before the model loads
     names = [m.name for m, _ in config.variants]
     if args.baseline is not None and args.baseline not in names:

@@ -15,8 +15,8 @@ A method is how the prompt's K/V comes about:
   the request's own config, so the engine's cost check, which may run full prefill or a cheaper
   selection for a request that passes none, does not change it.
 - ``target@T``: ``BlendConfig(fidelity_target=T)``, T in nats (>= 0): the engine picks the
-  ratio per request from a calibration beside the run's chunk store (the private store has
-  none: the conservative 0.3); each record's ``recompute_ratio`` says which.
+  ratio per request from a calibration beside the run's chunk store (``--calibrate N`` makes
+  one first; without it the conservative 0.3); each record's ``recompute_ratio`` says which.
 - ``hf``: transformers ``generate`` on the same token ids (an engine-independent reference).
 
 Every timed request starts from an empty prefix cache (except the ``prefix`` warm-up), so TTFT

@@ -94,6 +94,8 @@ class EvalConfig:
     # Nats: the report's "within target" holds every method to it; None: target@T methods to
     # their own T, the others to REPORT_TARGET (see target_for).
     fidelity_target: float | None = None
+    # Calibrate the run's store for target@T methods first, on this many prompts (0: none).
+    calibrate: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "answer_tokens"):
@@ -104,6 +106,9 @@ class EvalConfig:
             raise ConfigError(f"limit must be >= 1, got {self.limit}")
         if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
             raise ConfigError(f"offset must be >= 0, got {self.offset!r}")
+        c = self.calibrate
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0 or c == 1:
+            raise ConfigError(f"calibrate must be 0 (none) or at least 2 prompts, got {c!r}")
         if self.anchor not in ANCHORS:
             raise ConfigError(f"anchor must be one of {', '.join(ANCHORS)}, got {self.anchor!r}")
         if isinstance(self.anchor_boundary, bool) or self.anchor_boundary < 0:
@@ -208,6 +213,8 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
             journal.start(result.config)
         if not examples:
             return result
+        if config.calibrate:  # before any target@T request reads the store's calibration
+            result.config["calibration"] = _calibrate(llm, stores, prompts, config, progress)
         _warm_up(llm, hf, methods, stores, prompts[0])
         keys, num_tokens = _store_chunks(llm, stores, prompts[0])
         result.config["store_bytes_per_token"] = {
@@ -244,6 +251,31 @@ def _store_chunks(llm, stores: CodecStores, prompt: ExamplePrompt) -> tuple[list
     llm.precompute_chunks(state.prompt.chunks, contexts=state.chunk_contexts)
     stores.fill(state.chunk_keys)
     return state.chunk_keys, sum(len(c) for c in state.prompt.chunks)
+
+
+def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: bool) -> dict:
+    """Calibrate the run's store (:mod:`blendkv.guards.calibration`) on ``config.calibrate``
+    random sets of the stored passages of the first as many examples, each followed by one of
+    the calibration's own questions (not the data set's), and save it beside the store: what
+    ``target@T`` methods pick their ratio from. Returns the curve, for results.json."""
+    from blendkv.guards.calibration import calibrate
+
+    keys: set[bytes] = set()
+    for prompt in prompts[: config.calibrate]:
+        keys.update(_store_chunks(llm, stores, prompt)[0])
+    manager = stores.manager
+    ids = [m.chunk_id for m in manager.document_store.iter_meta() if m.key in keys]
+    with tqdm(total=config.calibrate, desc="calibrating", disable=not progress) as bar:
+        curve = calibrate(
+            llm,
+            ids,
+            prompts[0].blended["instruction"],
+            num_prompts=config.calibrate,
+            seed=config.seed,
+            progress=bar.update,
+        )
+    curve.save(manager.document_store.path)
+    return {k: v for k, v in asdict(curve).items() if k != "fingerprint"}
 
 
 def _example_prompt(manager, rendered) -> ExamplePrompt:

@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from blendkv.cli import main
+from blendkv.errors import ConfigError
 from blendkv.eval.methods import parse_method
 from blendkv.eval.runner import REPORT_TARGET, EvalConfig
 from blendkv.guards.calibration import UNCALIBRATED_RATIO
@@ -101,3 +102,28 @@ def test_target_for():
     for bad in (-1.0, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="fidelity_target"):
             EvalConfig(data="synthetic", fidelity_target=bad)
+
+
+def test_calibrate_first_then_targets_run_at_the_calibrated_ratio(tmp_path, eval_model_dir):
+    """``--calibrate 2``: the run's store is calibrated before the methods run (the curve goes
+    in results.json and beside the store), and a target's records ran at the ratio the curve
+    picks, marked calibrated."""
+    out, store = tmp_path / "out", tmp_path / "store"
+    argv = ["eval", "--data", "synthetic", "--limit", "2", "--methods", "full,target@0.5"]
+    argv += ["--model", str(eval_model_dir), "--calibrate", "2", "--kv-store-dir", str(store)]
+    argv += ["--dtype", "float32", "--max-tokens", "4", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    curve = json.loads((out / "results.json").read_text())["config"]["calibration"]
+    assert curve["num_prompts"] == 2 and list(curve["ratios"]) == [0.0, 0.05, 0.1, 0.2, 0.3, 0.5]
+    assert (store / "calibration.json").exists()
+    high = dict(zip(curve["ratios"], curve["high"], strict=True))
+    picked = min((r for r, h in high.items() if h <= 0.5), default=1.0)
+    rows = [r for r in _records(out) if r["method"] == "target@0.5"]
+    assert rows and all(r["blend_stats"]["calibrated"] for r in rows)
+    assert all(r["blend_stats"]["predicted_recompute_ratio"] == picked for r in rows)
+
+
+def test_calibrate_takes_zero_or_at_least_two_prompts():
+    with pytest.raises(ConfigError, match="calibrate"):
+        EvalConfig(data="synthetic", calibrate=1)
+    assert EvalConfig(data="synthetic", calibrate=0).calibrate == 0
