@@ -3,8 +3,9 @@
     blendkv bench plot [--eval RUN_DIR ...] [--ttft BENCH_JSON ...] --out DIR
 
 ``--eval``: a ``blendkv eval --out`` folder (its ``results.json``): answer KL against the
-recompute ratio, one line per fusion strategy (``recompute_sweep``), and answer KL against TTFT
-(``pareto``), drawn by the evaluation report's own code (:mod:`blendkv.eval.report`).
+recompute ratio, one line per fusion strategy (``recompute_sweep``), answer KL against TTFT
+(``pareto``), and TTFT speedup against the share of examples within the fidelity target
+(``tradeoff``), drawn by the evaluation report's own code (:mod:`blendkv.eval.report`).
 ``--ttft``: a ``blendkv bench gpu --json`` file: time to first token against prompt length, full
 prefill, the default blend and reuse, one panel per model shape (``ttft_vs_length``). Each
 plot is written to ``DIR/<name>_<kind>.png``, ``<name>`` the run folder's or file's stem.
@@ -16,7 +17,13 @@ import argparse
 import json
 from pathlib import Path
 
-from blendkv.eval.report import _blend_sweeps, _plot_pareto, _plot_sweep, _pyplot
+from blendkv.eval.report import (
+    _blend_sweeps,
+    _plot_pareto,
+    _plot_sweep,
+    _plot_tradeoff,
+    _pyplot,
+)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -35,7 +42,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def plot_eval(run: Path, out: Path) -> list[Path]:
-    """The sweep and pareto plots of an eval run folder (where it has a sweep)."""
+    """The sweep and pareto plots of an eval run folder (where it has a sweep), and its
+    trade-off plot (where it measured the share within a target)."""
     methods = json.loads((run / "results.json").read_text())["methods"]
     sweeps = _blend_sweeps(methods)
     written = []
@@ -46,6 +54,10 @@ def plot_eval(run: Path, out: Path) -> list[Path]:
     if any(sum(n.startswith("blend@") for _, n in points) >= 2 for points in sweeps.values()):
         path = out / f"{run.name}_recompute_sweep.png"
         _plot_sweep(methods, sweeps, path)
+        written.append(path)
+    if any(s.get("within_target") is not None for s in methods.values()):
+        path = out / f"{run.name}_tradeoff.png"
+        _plot_tradeoff(methods, path)
         written.append(path)
     return written
 

@@ -40,3 +40,24 @@ def test_plots_from_an_eval_run_and_a_bench_file(tmp_path):
     assert all((out / n).read_bytes()[:4] == b"\x89PNG" for n in names)
     with pytest.raises(SystemExit, match="nothing to plot"):
         main(["bench", "plot", "--out", str(out)])
+
+
+def test_a_run_measured_against_a_target_gets_its_tradeoff_plot(tmp_path):
+    run = tmp_path / "targets"
+    run.mkdir()
+    point = lambda within, speedup, target: {  # noqa: E731
+        **_method(0.02, 1.0),
+        "within_target": within,
+        "ttft_speedup": speedup,
+        "fidelity_target": target,
+    }
+    methods = {
+        "full": point(1.0, 1.0, 0.5),
+        "blend@0.2": point(0.92, 3.1, 0.5),
+        "target@0.5": point(0.92, 3.2, 0.5),
+    }
+    (run / "results.json").write_text(json.dumps({"config": {}, "methods": methods}))
+    out = tmp_path / "plots"
+    assert main(["bench", "plot", "--eval", str(run), "--out", str(out)]) == 0
+    assert "targets_tradeoff.png" in {p.name for p in out.iterdir()}
+    assert (out / "targets_tradeoff.png").read_bytes()[:4] == b"\x89PNG"
