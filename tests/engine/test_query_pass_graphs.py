@@ -207,7 +207,7 @@ def test_a_failed_capture_runs_the_pass_eagerly(tiny_llama_2l_dir, tmp_path, mon
     llm.close()
 
 
-def test_backends_without_attention_lse_never_replay(tiny_llama_dir, tmp_path, monkeypatch):
+def test_backends_not_scoring_from_lse_never_replay(tiny_llama_dir, tmp_path, monkeypatch):
     llm = make_llm(tiny_llama_dir, tmp_path / "torch", backend="torch")
     runner = llm.engine.runner
     assert runner.make_query_graphs(512, 2048) is None
