@@ -6,6 +6,7 @@ Facts found at run time (how many KV blocks fit, the eos id, the model's shapes)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -121,15 +122,55 @@ class GuardConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """How the Triton attention backend runs its prefill kernel; the other backends ignore it.
+    Benchmarks set these to compare the kernels' choices; the defaults are the fast ones.
+
+    Attributes:
+        prefill_split_keys: when a step's prefill tiles are too few to fill the GPU (a few
+            recomputed rows over long keys, as in a blend), split each tile's keys over up to
+            32 programs and merge their partial results; False: one program per tile.
+        prefill_tiles: the prefill kernel's tile sizes: "tuned" (this GPU generation's table,
+            ``blendkv/kernels/triton/tuned/smXY.json``, else the defaults), "default" (the
+            kernel's defaults), or "smXY" (generation X.Y's table, e.g. "sm90": ``blendkv bench
+            compile`` builds another GPU's kernels).
+    """
+
+    prefill_split_keys: bool = True
+    prefill_tiles: str = "tuned"
+
+    def __post_init__(self) -> None:
+        if self.prefill_split_keys not in (True, False):
+            raise ConfigError(
+                f"prefill_split_keys must be True or False, got {self.prefill_split_keys!r}"
+            )
+        tiles = self.prefill_tiles
+        if not (tiles in ("tuned", "default") or re.fullmatch(r"sm\d{2,3}", str(tiles))):
+            raise ConfigError(
+                f"prefill_tiles must be 'tuned', 'default' or 'smXY' (a GPU generation, e.g. "
+                f"'sm90'), got {tiles!r}"
+            )
+
+    @property
+    def tiles_capability(self) -> tuple[int, int] | None:
+        """The GPU generation whose table "smXY" names ((X, Y)); None otherwise."""
+        if not self.prefill_tiles.startswith("sm"):
+            return None
+        digits = self.prefill_tiles[2:]
+        return int(digits[:-1]), int(digits[-1])
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the user chooses about the engine when creating an :class:`~blendkv.LLM`.
 
     Sizes are in tokens unless the name says blocks or bytes. The KV pool's settings are a
     :class:`CacheConfig` (``cache``), the step's a :class:`SchedulerConfig` (``scheduler``),
-    the guards' a :class:`GuardConfig` (``guards``). A KV
+    the guards' a :class:`GuardConfig` (``guards``), the prefill kernel's a
+    :class:`KernelConfig` (``kernels``). A KV
     connector's own settings (the blend connector's store, anchor and loading options) travel
     in ``kv_connector_config``, which the engine hands to the connector unread. ``LLM`` and
-    the command line take every field of all five flat (:mod:`blendkv.engine_args`).
+    the command line take every field of all six flat (:mod:`blendkv.engine_args`).
 
     Attributes:
         model: a local HF directory (config.json + safetensors) or a GGUF file; None: the
@@ -157,6 +198,7 @@ class EngineConfig:
         kv_connector_config: the connector's own config (for "blend" a
             blendkv.connector.config.BlendConnectorConfig); None: the connector's defaults.
         guards: the fidelity guards (GuardConfig).
+        kernels: the Triton prefill kernel's choices (KernelConfig).
         cache_dir: where downloaded and converted models are cached.
         seed: the engine's random seed.
         num_threads: torch intra-op threads; None leaves torch's default.
@@ -182,6 +224,7 @@ class EngineConfig:
     kv_connector: Any = "blend"
     kv_connector_config: Any = None
     guards: GuardConfig = field(default_factory=GuardConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     cache_dir: str | None = None
     seed: int = 0
     num_threads: int | None = None
@@ -205,6 +248,8 @@ class EngineConfig:
             raise ConfigError(f"cache must be a CacheConfig, got {self.cache!r}")
         if not isinstance(self.guards, GuardConfig):
             raise ConfigError(f"guards must be a GuardConfig, got {self.guards!r}")
+        if not isinstance(self.kernels, KernelConfig):
+            raise ConfigError(f"kernels must be a KernelConfig, got {self.kernels!r}")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError(f"scheduler must be a SchedulerConfig, got {self.scheduler!r}")
         if self.max_graph_rows < 0:

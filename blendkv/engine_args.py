@@ -1,7 +1,8 @@
 """Flat keyword options -> :class:`~blendkv.config.EngineConfig` (vLLM's ``EngineArgs`` idea).
 
 ``LLM(model, **kwargs)``, ``RAGPipeline(...)`` and the CLI take one flat set of names: the
-engine's own fields, its KV pool's (:class:`CacheConfig`), its guards' (:class:`GuardConfig`)
+engine's own fields, its KV pool's (:class:`CacheConfig`), its guards' (:class:`GuardConfig`),
+its prefill kernel's (:class:`KernelConfig`)
 and the blend connector's (:class:`BlendConnectorConfig`). This module routes each name to its
 layer, so the engine config never names a connector's settings and a user never has to build
 the nested configs by hand. The blend package is a plugin loaded by
@@ -21,15 +22,20 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
-from blendkv.config import CacheConfig, EngineConfig, GuardConfig, SchedulerConfig
+from blendkv.config import CacheConfig, EngineConfig, GuardConfig, KernelConfig, SchedulerConfig
 from blendkv.errors import ConfigError
 
 CACHE_OPTIONS = tuple(f.name for f in fields(CacheConfig))
 GUARD_OPTIONS = tuple(f.name for f in fields(GuardConfig))
 SCHEDULER_OPTIONS = tuple(f.name for f in fields(SchedulerConfig))
+KERNEL_OPTIONS = tuple(f.name for f in fields(KernelConfig))
 # The flat names of the engine's layers: EngineConfig's own fields and its nested configs'.
 ENGINE_OPTIONS = (
-    tuple(f.name for f in fields(EngineConfig)) + CACHE_OPTIONS + SCHEDULER_OPTIONS + GUARD_OPTIONS
+    tuple(f.name for f in fields(EngineConfig))
+    + CACHE_OPTIONS
+    + SCHEDULER_OPTIONS
+    + GUARD_OPTIONS
+    + KERNEL_OPTIONS
 )
 
 # vLLM name -> the engine's name for the same setting.
@@ -178,6 +184,7 @@ def create_engine_config(**options: Any) -> EngineConfig:
         ("cache", CacheConfig, CACHE_OPTIONS),
         ("scheduler", SchedulerConfig, SCHEDULER_OPTIONS),
         ("guards", GuardConfig, GUARD_OPTIONS),
+        ("kernels", KernelConfig, KERNEL_OPTIONS),
     )
     for name, cls, names in layers:
         flat = {k: engine.pop(k) for k in names if k in engine}

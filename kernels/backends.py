@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from blendkv.config import KernelConfig
 from blendkv.kernels.attention import AttentionBackend
 from blendkv.kernels.blend_kernels import BlendKernels
 from blendkv.kernels.cpu_attention import CpuAttentionBackend
@@ -21,11 +22,15 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def get_attention_backend(
-    name: str = "auto", device: str = "cpu", deterministic: bool = False
+    name: str = "auto",
+    device: str = "cpu",
+    deterministic: bool = False,
+    kernels: KernelConfig | None = None,
 ) -> AttentionBackend:
     """The backend ``name`` on ``device``; ``deterministic``: batch-invariant attention
-    (:mod:`blendkv.kernels.batch_invariant`)."""
-    backend = _backend(name, device)
+    (:mod:`blendkv.kernels.batch_invariant`); ``kernels``: the Triton prefill kernel's choices
+    (the defaults when None)."""
+    backend = _backend(name, device, kernels or KernelConfig())
     backend.deterministic = deterministic
     return backend
 
@@ -54,7 +59,7 @@ def _compile_only() -> bool:
         return False
 
 
-def _backend(name: str, device: str) -> AttentionBackend:
+def _backend(name: str, device: str, kernels: KernelConfig) -> AttentionBackend:
     """Pick an attention backend by name; ``auto`` is Triton on CUDA and ``cpu`` on the CPU.
 
     ``torch`` is the plain-torch reference (any device); ``cpu`` is it with the C++ kernels in
@@ -81,7 +86,7 @@ def _backend(name: str, device: str) -> AttentionBackend:
         try:
             from blendkv.kernels.triton_attention import TritonAttentionBackend
 
-            return TritonAttentionBackend(device)
+            return TritonAttentionBackend(device, kernels)
         except ImportError as exc:
             raise ValueError(
                 f"the triton attention backend needs triton ({exc}); pip install 'blendkv[gpu]'"

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blendkv.config import KernelConfig
 from blendkv.kernels.attention import AttentionMetadata, StepLayoutMemo, split_by_kind
 from blendkv.kernels.batch_invariant import FIXED_NUM_SPLITS
 from blendkv.kernels.torch_attention import TorchAttentionBackend, dense_causal_attention
@@ -62,7 +63,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
     # Triton's CPU interpreter keeps launch state in globals: one launching thread at a time.
     thread_safe = False
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(
+        self, device: torch.device | str = "cuda", kernels: KernelConfig | None = None
+    ) -> None:
         super().__init__(device)
         try:
             from blendkv.kernels import triton as ops
@@ -77,13 +80,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._kernel_ok: dict[str, bool] = {}  # query_mass: ran on first use (else torch)
         self._xformers_attention = None
         self._programs: int | None = None  # prefill_num_splits' target (_target_programs)
-        # Few prefill tiles over long keys split their keys; benchmarks switch it off to compare.
-        self.split_keys = True
-        # The prefill kernel's tiles from this GPU generation's tuned table (prefill_tiles);
-        # off: the kernel's defaults (benchmarks compare the two).
-        self.tuned_tiles = True
-        # Whose table: None, this device's generation; (major, minor) another's (bench compile).
-        self.tiles_capability: tuple[int, int] | None = None
+        # Key splits and the prefill kernel's tiles (tuned table, defaults, another GPU's).
+        self.kernels = kernels or KernelConfig()
         self._tiles: dict = {}  # (group, head_dim, dtype) -> PrefillTiles
 
     def step_layouts(self, md: AttentionMetadata) -> list:
@@ -240,13 +238,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
         at every layer."""
         from blendkv.kernels.triton.prefill_tiles import DEFAULT_TILES, tuned_tiles
 
-        if not self.tuned_tiles or dtype is None:
+        if self.kernels.prefill_tiles == "default" or dtype is None:
             return DEFAULT_TILES
         key = (group, head_dim, dtype)
         if key not in self._tiles:
-            self._tiles[key] = tuned_tiles(
-                self.device, group, head_dim, dtype, self.tiles_capability
-            )
+            capability = self.kernels.tiles_capability
+            self._tiles[key] = tuned_tiles(self.device, group, head_dim, dtype, capability)
         return self._tiles[key]
 
     def _build_layout(
@@ -300,8 +297,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def _target_programs(self) -> int:
         """Programs that fill the device about twice (the CPU interpreter: as an H100); 0 (no
-        split) with ``split_keys`` off."""
-        if not self.split_keys:
+        split) with ``KernelConfig.prefill_split_keys`` off."""
+        if not self.kernels.prefill_split_keys:
             return 0
         if self._programs is None:
             sms = 132

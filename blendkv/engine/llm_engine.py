@@ -140,7 +140,9 @@ class LLMEngine:
         self.torch_dtype = getattr(torch, self.dtype)
         backend = resolve_attention_backend(config.attention_backend, self.device)
         try:
-            self.attn_backend = get_attention_backend(backend, self.device, config.deterministic)
+            self.attn_backend = get_attention_backend(
+                backend, self.device, config.deterministic, config.kernels
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.blend_kernels = get_blend_kernels(self.attn_backend)

@@ -196,9 +196,8 @@ def run_workload(
             kv_codec=codec,
             blend_start_gate=False,
             blend_cost_check=False,
+            prefill_tiles=f"sm{arch}",  # the target GPU's tuned table (the Triton backend's)
         )
-        if backend == "triton":
-            llm.engine.attn_backend.tiles_capability = divmod(arch, 10)
         return llm
 
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -57,28 +57,30 @@ def _device_ms(fn, device: str) -> float:
 
 
 def bench_case(heads: tuple[int, int, int], rows: int, keys: int, repeats: int, device: str):
+    from blendkv.config import KernelConfig
     from blendkv.kernels.torch_attention import TorchAttentionBackend
     from blendkv.kernels.triton_attention import TritonAttentionBackend
 
     num_heads, num_kv_heads, head_dim = heads
-    ref, tri = TorchAttentionBackend(device), TritonAttentionBackend(device)
+    ref = TorchAttentionBackend(device)
+    tri = {  # the same kernel, with and without key splits
+        name: TritonAttentionBackend(device, KernelConfig(prefill_split_keys=split))
+        for name, split in (("split", True), ("whole", False))
+    }
     q, k, v, cache, md = _step(ref, *heads, keys - rows, rows, device)
     scale = head_dim**-0.5
     expected = ref.forward(q, k, v, cache.clone(), md(), scale).float()
-    outs, calls = {}, {}
-    for split in (True, False):
-        name = "split" if split else "whole"
+    calls = {}
+    for name, backend in tri.items():
 
-        def call(split=split):
-            tri.split_keys = split
-            return tri.forward(q, k, v, cache, md(), scale)
+        def call(backend=backend):
+            return backend.forward(q, k, v, cache, md(), scale)
 
-        outs[name] = call().float()  # compiles; checked before any timing
-        torch.testing.assert_close(outs[name], expected, atol=2e-2, rtol=2e-2)
+        out = call().float()  # compiles; checked before any timing
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
         calls[name] = call
     group = num_heads // num_kv_heads
-    tri.split_keys = True
-    splits = tri._build_layout(md(), group, False, num_kv_heads).prefill_splits
+    splits = tri["split"]._build_layout(md(), group, False, num_kv_heads).prefill_splits
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():

@@ -8,6 +8,8 @@ import logging
 import pytest
 import torch
 
+from blendkv.config import KernelConfig
+from blendkv.errors import ConfigError
 from blendkv.kernels.triton.prefill_tiles import (
     DEFAULT_TILES,
     PrefillTiles,
@@ -74,7 +76,20 @@ def test_the_cpu_and_the_switch_keep_the_defaults():
     from blendkv.kernels.triton_attention import TritonAttentionBackend
 
     assert tuned_tiles(torch.device("cpu"), 4, 128, torch.bfloat16) is DEFAULT_TILES
-    backend = TritonAttentionBackend("cpu")
-    assert backend._prefill_tiles(4, 128, torch.bfloat16) is DEFAULT_TILES
-    backend.tuned_tiles = False
-    assert backend._prefill_tiles(4, 128, torch.bfloat16) is DEFAULT_TILES
+    for tiles in ("tuned", "default"):
+        backend = TritonAttentionBackend("cpu", KernelConfig(prefill_tiles=tiles))
+        assert backend._prefill_tiles(4, 128, torch.bfloat16) is DEFAULT_TILES
+
+
+def test_another_generations_table_is_read_by_name():
+    """``prefill_tiles="sm90"`` (what ``bench compile --arch 90`` sets) reads the H100 table on
+    any device; a bad name is refused."""
+    from blendkv.kernels.triton_attention import TritonAttentionBackend
+
+    tiles = load_table(table_path((9, 0)))[table_key(4, 128, torch.bfloat16)]
+    assert tiles != DEFAULT_TILES
+    backend = TritonAttentionBackend("cpu", KernelConfig(prefill_tiles="sm90"))
+    assert backend._prefill_tiles(4, 128, torch.bfloat16) == tiles
+    assert KernelConfig(prefill_tiles="sm100").tiles_capability == (10, 0)
+    with pytest.raises(ConfigError, match="prefill_tiles"):
+        KernelConfig(prefill_tiles="h100")
