@@ -156,8 +156,14 @@ def _add_gpu(bench) -> None:
         "--device-tier-gb",
         type=int,
         default=4,
-        help="also time blend and reuse with the chunks kept in device memory "
-        "(kv_device_cache_bytes); 0 skips them",
+        help="the device-tier variant's kv_device_cache_bytes (blend and reuse with the chunks "
+        "kept in device memory); 0 skips it",
+    )
+    p.add_argument(
+        "--variants",
+        default="serial-load,device-tier,unsplit,untuned,eager",
+        help="engine settings also timed, each in an engine of its own ('' for none): "
+        "serial-load, device-tier, unsplit, untuned (Triton), eager (CUDA graphs)",
     )
     p.add_argument("--json", default=None)
     p.add_argument(

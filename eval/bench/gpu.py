@@ -10,7 +10,10 @@ For each shape (``--shapes llama8b,qwen05``; ``tiny`` for a CPU smoke run):
    reuse vs full prefill of the same tokens (TTFT, median of ``--repeats``);
 4. decode: tokens/s of 1 and ``--concurrency`` requests (128-token prompts,
    ``--decode-tokens`` new tokens each, EOS ignored), blendkv vs transformers ``generate`` with
-   the same batch.
+   the same batch;
+5. variants: the blend at each size in engines of their own, each with one setting changed
+   (``--variants``: layers loaded first, the device tier, the prefill kernel's key splits and
+   tiles, eager steps; :mod:`blendkv.eval.bench.gpu_variants`).
 
     blendkv bench gpu [--shapes llama8b,qwen05] [--dtype bfloat16] [--device auto] [--json F]
 
@@ -30,7 +33,8 @@ import torch
 from blendkv import LLM, SamplingParams
 from blendkv.config import resolve_device
 from blendkv.errors import ConfigError
-from blendkv.eval.bench.gpu_blend import bench_blend_size, parse_prompts, print_size
+from blendkv.eval.bench.gpu_blend import add_variant, bench_blend_size, parse_prompts, print_size
+from blendkv.eval.bench.gpu_variants import applies, make_variant, parse_variants, time_variant
 from blendkv.eval.random_model import SHAPES, save_random_model
 
 
@@ -92,23 +96,15 @@ def _random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
 
 
-def _graphs_vs_eager(llm, prompts, greedy) -> dict:
-    """The same prompts with the dense pieces run eagerly instead of replayed from piecewise
-    graphs: greedy match, and the largest difference of their prompt logits (with graphs on)."""
-    runner = llm.engine.runner
-    if runner.piece_graphs is None:
-        return {}
+def _graphs_vs_eager(llm, eager, prompts, greedy) -> dict:
+    """The same prompts on the eager engine (every dense piece run eagerly instead of replayed
+    from piecewise graphs): greedy match, and the largest difference of their prompt logits."""
 
-    def run():
-        outs = llm.generate(prompts, greedy, logits_from=0)
+    def run(engine):
+        outs = engine.generate(prompts, greedy, logits_from=0)
         return [o.outputs[0].token_ids for o in outs], [o.extra["prompt_logits"] for o in outs]
 
-    tokens, logits = run()
-    graphs, runner.piece_graphs = runner.piece_graphs, None
-    try:
-        eager_tokens, eager_logits = run()
-    finally:
-        runner.piece_graphs = graphs
+    (tokens, logits), (eager_tokens, eager_logits) = run(llm), run(eager)
     same = sum(a == b for a, b in zip(tokens, eager_tokens, strict=True)) / len(tokens)
     diff = max(float((a - b).abs().max()) for a, b in zip(logits, eager_logits, strict=True))
     top1 = [
@@ -136,17 +132,48 @@ def bench_shape(shape: str, args, device: str) -> dict:
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
         _bench_prefill(llm, hf, vocab, args, device, row)
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
-        _bench_blend(llm, sizes, shape, args, device, row)
+        prompts = _bench_blend(llm, sizes, shape, args, device, row)
         _bench_decode(llm, hf, vocab, args, device, row)
+        del hf
+        _bench_variants(llm, tmp, prompts, vocab, args, device, row)
         llm.close()
-        del hf, llm
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        del llm
+        _empty_cache(device)
     return row
 
 
-def _load(model_dir: str, args, device: str, sizes: list[tuple[int, int]]) -> LLM:
-    """blendkv on the saved random model, sized for the longest prompt of the run."""
+def _empty_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _bench_variants(llm, model_dir: str, prompts: list[dict], vocab: int, args, device: str, row):
+    """5. each ``--variants`` setting in an engine of its own beside ``llm``, at every blended
+    prompt size (:mod:`blendkv.eval.bench.gpu_variants`)."""
+    names = parse_variants(args.variants)
+    sizes = parse_prompts(args.blend_prompts) if args.blend_prompts else []
+    for name in names:
+        if not applies(name, llm, args.device_tier_gb):
+            print(f"variant {name}: changes nothing on this engine, skipped")
+            continue
+        variant = make_variant(name, args.device_tier_gb)
+        # (the default engine ran the start gate on the same weights)
+        other = _load(model_dir, args, device, sizes, blend_start_gate=False, **variant.options)
+        if name == "eager":
+            greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            check = _random_ids(4, 61, vocab, seed=1)
+            row.update(_graphs_vs_eager(llm, other, check, greedy))
+        for size, prompt in zip(row["blend"], prompts, strict=True):
+            add_variant(size, time_variant(variant, other, prompt, args.repeats))
+        print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
+        other.close()
+        del other
+        _empty_cache(device)
+
+
+def _load(model_dir: str, args, device: str, sizes: list[tuple[int, int]], **options) -> LLM:
+    """blendkv on the saved random model, sized for the longest prompt of the run, with
+    ``options`` (a variant's) over the bench's own."""
     # a blended prompt overshoots its size by up to 1/8, plus the chat template and query
     # (a fixed ~200 tokens with the tiny shape's tokenizer: it decides at small sizes)
     longest = max([args.prefill_tokens] + [t + t // 8 + 256 for t, _ in sizes])
@@ -163,18 +190,18 @@ def _load(model_dir: str, args, device: str, sizes: list[tuple[int, int]]) -> LL
         kv_cache_memory_bytes=args.kv_cache_gb << 30,
         kv_store_memory_bytes=args.kv_store_gb << 30,
         blend_cost_check=True,  # its choice is measured beside blend and full prefill
+        **options,
     )
 
 
 def _check_agreement(llm, hf, vocab: int, device: str, row: dict) -> None:
     """1. blendkv's greedy tokens against transformers' (61 tokens: the piecewise graphs'
-    prefill pieces run padded to 64), and graphs against eager."""
+    prefill pieces run padded to 64)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     check = _random_ids(4, 61, vocab, seed=1)
     ours = [o.outputs[0].token_ids for o in llm.generate(check, greedy)]
     _, theirs = _hf_generate(hf, check, 8, device)
     row["greedy_match"] = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
-    row.update(_graphs_vs_eager(llm, check, greedy))
 
 
 def _bench_prefill(llm, hf, vocab: int, args, device: str, row: dict) -> None:
@@ -195,10 +222,11 @@ def _bench_prefill(llm, hf, vocab: int, args, device: str, row: dict) -> None:
 
 def _bench_blend(llm, sizes, shape: str, args, device: str, row: dict) -> None:
     """3. blend with a warm store, at each prompt size (``--profile``: the first)."""
-    row["blend"] = []
+    row["blend"], prompts = [], []
     for i, (tokens, docs) in enumerate(sizes):
-        size, runs = bench_blend_size(llm, tokens, docs, args, seed=100 + 1000 * i)
+        size, runs, prompt = bench_blend_size(llm, tokens, docs, args, seed=100 + 1000 * i)
         row["blend"].append(size)
+        prompts.append(prompt)
         print(f"so far: {json.dumps(row)}", flush=True)  # kept if a later part fails
         if args.profile and i == 0:
             from blendkv.eval.bench.profile_gpu import profile_requests
@@ -209,6 +237,7 @@ def _bench_blend(llm, sizes, shape: str, args, device: str, row: dict) -> None:
             row["profile"] = profile_requests(runs, str(path), title)
     if sizes:
         row.update(_copy_times(row["blend"][-1]["kv_bytes"], device))
+    return prompts
 
 
 def _bench_decode(llm, hf, vocab: int, args, device: str, row: dict) -> None:
@@ -266,6 +295,7 @@ def main(args) -> int:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise ConfigError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    parse_variants(args.variants)  # refused before any model is built
     if device == "cpu" and any(s != "tiny" for s in shapes):
         print("note: no GPU; real shapes on the CPU take very long (use --shapes tiny)")
     rows = []

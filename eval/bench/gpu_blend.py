@@ -4,17 +4,12 @@ sizes users have (``--blend-prompts TOKENS:DOCS,...``; default 3,000 tokens of 1
 
 Per size, interleaved, median of ``--repeats``: full prefill of the same tokens; the default
 ``BlendConfig()``; blend@``--ratio`` (CacheBlend's one-pass V-deviation pick, its published
-setting); reuse (nothing recomputed); the same default blend with every layer loaded before the
-forward; the engine's own choice (no config passed: the cost check picks blend, the cheaper
-selection or full prefill, and says which); on the Triton backend, blend and reuse without
-the prefill kernels' key splits (``split_keys`` off), and with the prefill kernel's default
-tiles instead of this GPU's tuned table (``tuned_tiles`` off); full, blend and reuse with every
-dense piece run eagerly instead of replayed from piecewise CUDA graphs (and ProphetKV's query
-pass eagerly), and the blend with only its query pass eager; blend and reuse with the chunks
-kept in device memory (``--device-tier-gb``: the loader's device tier, filled by the warm-up
-run, so no host-to-device copy). Then one more run of
+setting); reuse (nothing recomputed); the engine's own choice (no config passed: the cost check
+picks blend, the cheaper selection or full prefill, and says which). Then one more run of
 full, default blend and reuse under ``torch.profiler``: host busy time, device kernel time,
-kernel launches and host syncs per request.
+kernel launches and host syncs per request. Other engine settings (layers loaded first, the
+device tier, the prefill kernel's key splits and tiles, eager steps) are compared by engines of
+their own (:mod:`blendkv.eval.bench.gpu_variants`).
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from collections import Counter
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.eval.random_model import random_text
-from blendkv.store.memory_tier import MemoryTier
 
 
 def parse_prompts(text: str) -> list[tuple[int, int]]:
@@ -55,7 +49,7 @@ def blend_prompt(manager, tokens: int, docs: int, seed: int) -> dict:
 
 def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     """One prompt size: (its row: TTFTs, median of ``args.repeats``, the engine's choice,
-    profiles; the full / blend / reuse requests as callables, for ``--profile``)."""
+    profiles; the full / blend / reuse requests as callables, for ``--profile``; the prompt)."""
     from blendkv.eval.bench.profile_gpu import profile_once
 
     manager = llm.blend_manager()
@@ -72,10 +66,9 @@ def bench_blend_size(llm, tokens: int, docs: int, args, seed: int):
     times, last, choices = _time_runs(runs, args.repeats)
     row: dict = {"tokens": len(full_ids), "docs": docs, "engine_choices": dict(choices)}
     _add_times(row, times, last, args.ratio)
-    for name in ("full", "blend", "reuse", "blend_eager"):
-        if name in runs:
-            row[f"profile_{name}"] = profile_once(runs[name])
-    return row, {name: runs[name] for name in ("blend", "reuse", "full")}
+    for name in ("full", "blend", "reuse"):
+        row[f"profile_{name}"] = profile_once(runs[name])
+    return row, {name: runs[name] for name in ("blend", "reuse", "full")}, prompt
 
 
 def _runs(llm, prompt: dict, full_ids: list[int], args) -> dict:
@@ -83,86 +76,26 @@ def _runs(llm, prompt: dict, full_ids: list[int], args) -> dict:
     one = SamplingParams(temperature=0.0, max_tokens=1)
     default, ratio = BlendConfig(), BlendConfig(selection="v_deviation", recompute_ratio=args.ratio)
     reuse = BlendConfig(recompute_ratio=0.0)
-    connector, backend, runner = llm.engine.kv_connector, llm.engine.attn_backend, llm.engine.runner
-    loader, device_tier = connector._loader, MemoryTier(args.device_tier_gb << 30)
 
     def ttft(blend=None, ids=None):
         out = llm.generate([ids or prompt], one, blend=blend)[0]
         return out.metrics.ttft, out
 
-    runs = {
+    return {
         "full": lambda: ttft(ids=full_ids),
         "blend": lambda: ttft(default),
         f"blend_v{args.ratio}": lambda: ttft(ratio),
         "reuse": lambda: ttft(reuse),
-        "serial_load": lambda: _serial(connector, lambda: ttft(default)),
         "engine_choice": lambda: ttft(),
     }
-    if hasattr(backend, "split_keys"):
-        runs["blend_unsplit"] = lambda: _unsplit(backend, lambda: ttft(default))
-        runs["reuse_unsplit"] = lambda: _unsplit(backend, lambda: ttft(reuse))
-        runs["blend_untuned"] = lambda: _untuned(backend, lambda: ttft(default))
-        runs["reuse_untuned"] = lambda: _untuned(backend, lambda: ttft(reuse))
-    if runner.piece_graphs is not None:
-        runs["full_eager"] = lambda: _eager(runner, runs["full"])
-        runs["blend_eager"] = lambda: _eager(runner, runs["blend"])
-        runs["reuse_eager"] = lambda: _eager(runner, runs["reuse"])
-    if runner.query_graphs is not None:
-        runs["blend_eager_pass"] = lambda: _eager_pass(runner, runs["blend"])
-    if args.device_tier_gb > 0:
-        runs["blend_device"] = lambda: _on_device(loader, device_tier, lambda: ttft(default))
-        runs["reuse_device"] = lambda: _on_device(loader, device_tier, lambda: ttft(reuse))
-    return runs
 
 
-def _serial(connector, run):
-    connector.pipelined = False  # the same request with every layer loaded first
-    try:
-        return run()
-    finally:
-        connector.pipelined = True
-
-
-def _unsplit(backend, run):
-    backend.split_keys = False  # the Triton prefill kernels without key splits
-    try:
-        return run()
-    finally:
-        backend.split_keys = True
-
-
-def _untuned(backend, run):
-    backend.tuned_tiles = False  # the prefill kernel's default tiles, not this GPU's table
-    try:
-        return run()
-    finally:
-        backend.tuned_tiles = True
-
-
-def _eager(runner, run):
-    # no piecewise graphs, no query pass graph
-    graphs, runner.piece_graphs = runner.piece_graphs, None
-    query, runner.query_graphs = runner.query_graphs, None
-    try:
-        return run()
-    finally:
-        runner.piece_graphs, runner.query_graphs = graphs, query
-
-
-def _eager_pass(runner, run):
-    query, runner.query_graphs = runner.query_graphs, None  # ProphetKV's pass eagerly
-    try:
-        return run()
-    finally:
-        runner.query_graphs = query
-
-
-def _on_device(loader, device_tier: MemoryTier, run):
-    kept, loader.device_tier = loader.device_tier, device_tier  # chunks in device memory
-    try:
-        return run()
-    finally:
-        loader.device_tier = kept
+def add_variant(row: dict, variant_row: dict) -> None:
+    """A variant's figures (:func:`~blendkv.eval.bench.gpu_variants.time_variant`) into a
+    size's ``row``, with the device tier's speedup over full prefill."""
+    row.update(variant_row)
+    if "blend_device_s" in row:
+        row["blend_device_speedup"] = row["full_s"] / row["blend_device_s"]
 
 
 def _time_runs(runs: dict, repeats: int):
@@ -184,16 +117,12 @@ def _add_times(row: dict, times: dict, last: dict, ratio: float) -> None:
     blend's load and write stats."""
     for name, values in times.items():
         row[f"{name}_s"] = statistics.median(values)
-    for name in ("blend", f"blend_v{ratio}", "reuse", "engine_choice", "blend_device"):
-        if name in times:
-            row[f"{name}_speedup"] = row["full_s"] / row[f"{name}_s"]
+    for name in ("blend", f"blend_v{ratio}", "reuse", "engine_choice"):
+        row[f"{name}_speedup"] = row["full_s"] / row[f"{name}_s"]
     row["blend_vs_reuse"] = row["blend_s"] / row["reuse_s"]
     stats = last["engine_choice"].blend_stats
     row["engine_choice"] = stats.cost_choice or "as configured"
     row["engine_choice_reason"] = stats.cost_reason
-    if "blend_device" in last:  # chunks the device tier served (all, once it holds them)
-        on_device = last["blend_device"].blend_stats
-        row["device_tier_chunks"] = f"{on_device.chunks_on_device}/{on_device.num_chunks}"
     blend_stats = last["blend"].blend_stats
     row["kv_bytes"] = blend_stats.kv_bytes_loaded
     row["write_s"] = blend_stats.write_seconds
@@ -207,11 +136,13 @@ def print_size(row: dict, ratio: float) -> None:
         f"blend {ms('blend_s')} ({row['blend_speedup']:.2f}x), blend_v{ratio} "
         f"{ms(f'blend_v{ratio}_s')} ({row[f'blend_v{ratio}_speedup']:.2f}x), reuse "
         f"{ms('reuse_s')} ({row['reuse_speedup']:.2f}x); blend / reuse "
-        f"{row['blend_vs_reuse']:.2f}; layers loaded first {ms('serial_load_s')}; engine's "
+        f"{row['blend_vs_reuse']:.2f}; engine's "
         f"choice {row['engine_choice']} {ms('engine_choice_s')} (over the repeats: "
         + ", ".join(f"{k} x{v}" for k, v in row["engine_choices"].items())
         + ")"
     )
+    if "serial_load_s" in row:
+        print(f"    every layer loaded before the forward: blend {ms('serial_load_s')}")
     if "blend_unsplit_s" in row:
         print(
             f"    without key splits: blend {ms('blend_unsplit_s')}, reuse {ms('reuse_unsplit_s')}"
@@ -225,11 +156,6 @@ def print_size(row: dict, ratio: float) -> None:
         print(
             f"    without piecewise graphs: full {ms('full_eager_s')}, blend "
             f"{ms('blend_eager_s')}, reuse {ms('reuse_eager_s')}"
-        )
-    if "blend_eager_pass_s" in row:
-        print(
-            f"    ProphetKV's query pass run eagerly (not replayed): blend "
-            f"{ms('blend_eager_pass_s')}"
         )
     if "blend_device_s" in row:
         print(

@@ -24,7 +24,8 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, capsys):
     for size in (small, large):
         for name in ("blend", "blend_v0.15", "reuse", "engine_choice", "blend_device"):
             assert size[f"{name}_s"] > 0 and size[f"{name}_speedup"] > 0
-        assert size["reuse_device_s"] > 0
+        assert size["reuse_device_s"] > 0 and size["serial_load_s"] > 0
+        assert size["device_tier_chunks"].endswith(f"/{size['docs']}")
         # the engine measured both rates in the warm-up, so the cost check made a choice
         assert size["engine_choice"] in ("blend", "cheaper_selection", "full_prefill")
         assert size["engine_choice_reason"].startswith("cost check:")
@@ -34,6 +35,10 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "greedy match 1.00" in printed and "engine's choice" in printed
     assert "chunks kept in device memory" in printed
+    assert "every layer loaded before the forward" in printed
+    # the Triton and CUDA-graph variants change nothing on the CPU backend: said, not timed
+    assert "variant unsplit: changes nothing on this engine, skipped" in printed
+    assert "blend_unsplit_s" not in small and "blend_eager_s" not in small
     # --profile: one report per shape, each request's host figures (no device on the CPU)
     report = (tmp_path / "prof" / "profile_tiny.txt").read_text()
     for name in ("blend", "reuse", "full"):
@@ -54,6 +59,8 @@ def test_bench_gpu_attention_checks_both_kernels_on_cpu(tmp_path, capsys):
 def test_bench_gpu_rejects_unknown_shapes(capsys):
     assert main(["bench", "gpu", "--shapes", "gpt5", "--device", "cpu"]) == 2
     assert "unknown shape" in capsys.readouterr().err
+    assert main(["bench", "gpu", "--shapes", "tiny", "--variants", "eager,turbo"]) == 2
+    assert "--variants: unknown ['turbo']" in capsys.readouterr().err
 
 
 def test_count_launches_counts_the_kernels_of_each_request(tmp_path):
@@ -156,3 +163,17 @@ def test_bench_gpu_decode_tokens_zero_skips_decode(tmp_path):
     assert main([*args, "--repeats", "1", "--kv-cache-gb", "1", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["prefill_s"] > 0 and not any(k.startswith("decode_") for k in row)
+
+
+def test_bench_gpu_kernel_variants_run_in_engines_of_their_own(tmp_path):
+    """On the Triton backend (interpreted here) the prefill kernel's variants apply: each is
+    timed in an engine built with its KernelConfig, none is switched on the default one."""
+    out = tmp_path / "gpu.json"
+    args = ["bench", "gpu", "--shapes", "tiny", "--device", "cpu", "--dtype", "float32"]
+    args += ["--attention-backend", "triton", "--prefill-tokens", "32", "--blend-prompts", "48:2"]
+    args += ["--decode-tokens", "0", "--repeats", "1", "--variants", "unsplit,untuned"]
+    assert main([*args, "--json", str(out)]) == 0
+    ((size,),) = [row["blend"] for row in json.loads(out.read_text())]
+    for key in ("blend_unsplit_s", "reuse_unsplit_s", "blend_untuned_s", "reuse_untuned_s"):
+        assert size[key] > 0
+    assert "serial_load_s" not in size and "blend_device_s" not in size
