@@ -49,9 +49,13 @@ class DecodeLayout:
 
 
 def decode_layout(
-    md: AttentionMetadata, seqs: list[int], cache_shape: torch.Size, in_place: bool
+    md: AttentionMetadata,
+    seqs: list[int],
+    cache_shape: torch.Size,
+    in_place: bool,
+    max_runs: int = MAX_RUNS,
 ) -> DecodeLayout:
-    """Decode rows whose blocks lie in at most ``MAX_RUNS`` runs of consecutive ids are
+    """Decode rows whose blocks lie in at most ``max_runs`` runs of consecutive ids are
     attended in place (``in_place``: the CPU flash op is there). The others go in groups of
     similar context length: one padded SDPA call per group keeps the gathered K/V close to the
     real context sizes, and one ``index_select`` per layer gathers every group's blocks."""
@@ -62,7 +66,7 @@ def decode_layout(
         gathered = []
         for i in seqs:
             runs = block_runs(md, i, block_size)
-            if len(runs) <= MAX_RUNS:
+            if len(runs) <= max_runs:
                 direct.append((md.query_start_loc_cpu[i], runs))
             else:
                 gathered.append(i)

@@ -82,9 +82,7 @@ def decode_case(runs: int) -> tuple[dict, torch.Tensor]:
         is_contiguous_prefill=[True] * rows,
     )
     q, seqs, kernel = torch.randn(rows, HQ, D), list(range(rows)), DecodeKernel()
-    saved, paged_decode.MAX_RUNS = paged_decode.MAX_RUNS, 1 << 30
-    in_place = paged_decode.decode_layout(md, seqs, kv.shape, True)
-    paged_decode.MAX_RUNS = saved
+    in_place = paged_decode.decode_layout(md, seqs, kv.shape, True, max_runs=1 << 30)
     gathered = paged_decode.decode_layout(md, seqs, kv.shape, False)
     dense = dense_decode_layout(md, seqs, BS)
     out = torch.empty_like(q)
