@@ -204,24 +204,41 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        # Frozen dataclass: normalised values are written with object.__setattr__.
-        def put(name: str, value: object) -> None:
-            object.__setattr__(self, name, value)
+        # In this order: with several bad values, the first one checked here is reported.
+        self._check_sampling()
+        self._check_penalties()
+        self._check_seed()
+        self._check_lengths()
+        self._check_stops()
+        self._check_outputs()
 
-        put(
+    def _put(self, name: str, value: object) -> None:
+        # Frozen dataclass: normalised values are written with object.__setattr__.
+        object.__setattr__(self, name, value)
+
+    def _check_sampling(self) -> None:
+        """temperature and the filters (top_p, top_k, min_p); top_k -1 becomes 0."""
+        self._put(
             "temperature",
             _check_float("temperature", self.temperature, "a finite float >= 0", lambda v: v >= 0),
         )
-        put("top_p", _check_float("top_p", self.top_p, "a float in (0, 1]", lambda v: 0 < v <= 1))
+        self._put(
+            "top_p", _check_float("top_p", self.top_p, "a float in (0, 1]", lambda v: 0 < v <= 1)
+        )
         allowed = "an int in [-1, 2**63) (0 or -1 disable)"
         top_k = _check_int("top_k", self.top_k, allowed, lambda v: -1 <= v <= _INT64_MAX)
-        put("top_k", max(top_k, 0))
-        put("min_p", _check_float("min_p", self.min_p, "a float in [0, 1]", lambda v: 0 <= v <= 1))
+        self._put("top_k", max(top_k, 0))
+        self._put(
+            "min_p", _check_float("min_p", self.min_p, "a float in [0, 1]", lambda v: 0 <= v <= 1)
+        )
+
+    def _check_penalties(self) -> None:
+        """The additive and the repetition penalties, and logit_bias."""
         for name in ("presence_penalty", "frequency_penalty"):
             allowed = f"a float in [-{_MAX_PENALTY:g}, {_MAX_PENALTY:g}]"
             value = _check_float(name, getattr(self, name), allowed, _within(_MAX_PENALTY))
-            put(name, value)
-        put(
+            self._put(name, value)
+        self._put(
             "repetition_penalty",
             _check_float(
                 "repetition_penalty",
@@ -230,9 +247,11 @@ class SamplingParams:
                 lambda v: v > 0,
             ),
         )
-        put("logit_bias", self._normalise_logit_bias(self.logit_bias))
+        self._put("logit_bias", self._normalise_logit_bias(self.logit_bias))
+
+    def _check_seed(self) -> None:
         if self.seed is not None:
-            put(
+            self._put(
                 "seed",
                 _check_int(
                     "seed",
@@ -241,28 +260,37 @@ class SamplingParams:
                     lambda v: _SEED_MIN <= v <= _SEED_MAX,
                 ),
             )
+
+    def _check_lengths(self) -> None:
+        """max_tokens and min_tokens, each alone and min_tokens <= max_tokens."""
         if self.max_tokens is not None:
-            put(
+            self._put(
                 "max_tokens",
                 _check_int("max_tokens", self.max_tokens, "None or an int >= 1", lambda v: v >= 1),
             )
-        put(
+        self._put(
             "min_tokens", _check_int("min_tokens", self.min_tokens, "an int >= 0", lambda v: v >= 0)
         )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        put("stop", self._normalise_stop(self.stop))
-        put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
-        put("n", _check_int("n", self.n, "an int >= 1", lambda v: v >= 1))
+
+    def _check_stops(self) -> None:
+        self._put("stop", self._normalise_stop(self.stop))
+        self._put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
+
+    def _check_outputs(self) -> None:
+        """What comes back: n samples, the bool flags, logprobs and the output constraint."""
+        self._put("n", _check_int("n", self.n, "an int >= 1", lambda v: v >= 1))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
+        logprobs_allowed = f"None or an int in [0, {MAX_LOGPROBS}]"
         if self.prompt_logprobs is not None:
-            put(
+            self._put(
                 "prompt_logprobs",
                 _check_int(
                     "prompt_logprobs",
                     self.prompt_logprobs,
-                    f"None or an int in [0, {MAX_LOGPROBS}]",
+                    logprobs_allowed,
                     lambda v: 0 <= v <= MAX_LOGPROBS,
                 ),
             )
@@ -271,13 +299,10 @@ class SamplingParams:
         ):
             raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         if self.logprobs is not None:
-            put(
+            self._put(
                 "logprobs",
                 _check_int(
-                    "logprobs",
-                    self.logprobs,
-                    f"None or an int in [0, {MAX_LOGPROBS}]",
-                    lambda v: 0 <= v <= MAX_LOGPROBS,
+                    "logprobs", self.logprobs, logprobs_allowed, lambda v: 0 <= v <= MAX_LOGPROBS
                 ),
             )
 

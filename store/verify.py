@@ -16,6 +16,19 @@ def verify_txn(txn, dbs: dict, report: VerifyReport, codec: str | None = None) -
     """Check everything visible in read transaction ``txn`` (values of another ``codec`` than
     the store's are problems); returns ``{chunk_id: key}``."""
     counters = Counters.read(txn, dbs["store"])
+    value_sizes = _check_values(txn, dbs, report, codec)
+    ids, lru_seqs = _check_chunks(txn, dbs, report, counters, value_sizes)
+    _check_orphans(txn, dbs, report, ids, value_sizes, lru_seqs)
+    total = sum(value_sizes.values())
+    if total != counters.total_bytes:
+        report.add("bytes_counter", "store", f"counter {counters.total_bytes} != sum {total}")
+    report.entries = len(ids)
+    report.bytes = total
+    return ids
+
+
+def _check_values(txn, dbs: dict, report: VerifyReport, codec: str | None) -> dict[bytes, int]:
+    """Decode every value (header, checksum, codec); returns ``{key: value size in bytes}``."""
     value_sizes: dict[bytes, int] = {}
     for key, value in txn.cursor(db=dbs["values"]):
         key = bytes(key)
@@ -25,7 +38,14 @@ def verify_txn(txn, dbs: dict, report: VerifyReport, codec: str | None = None) -
             fmt.decode_value(value, header)
         except CorruptValueError as e:
             report.add("corrupt_value", key.hex(), str(e))
+    return value_sizes
 
+
+def _check_chunks(
+    txn, dbs: dict, report: VerifyReport, counters: Counters, value_sizes: dict[bytes, int]
+) -> tuple[dict[int, bytes], dict[bytes, int]]:
+    """Check every chunk's metadata against its value, the id counter, the id map, its LRU
+    usage record and the document index; returns ``({chunk_id: key}, {key: LRU seq})``."""
     ids: dict[int, bytes] = {}
     lru_seqs: dict[bytes, int] = {}
     for key, raw in txn.cursor(db=dbs["chunks"]):
@@ -54,7 +74,19 @@ def verify_txn(txn, dbs: dict, report: VerifyReport, codec: str | None = None) -
         doc_id = meta.get("doc_id")
         if doc_id is not None and txn.get(doc_entry(doc_id, cid), db=dbs["docs"]) is None:
             report.add("missing_doc_entry", cid, f"document {doc_id!r} does not list it")
+    return ids, lru_seqs
 
+
+def _check_orphans(
+    txn,
+    dbs: dict,
+    report: VerifyReport,
+    ids: dict[int, bytes],
+    value_sizes: dict[bytes, int],
+    lru_seqs: dict[bytes, int],
+) -> None:
+    """Find values, ids, LRU entries and document entries that no chunk's metadata names, and
+    an LRU of another size than the chunks."""
     for key in value_sizes.keys() - set(ids.values()):
         report.add("orphan_value", key.hex(), "value without metadata")
     for raw_id, key in txn.cursor(db=dbs["ids"]):
@@ -72,10 +104,3 @@ def verify_txn(txn, dbs: dict, report: VerifyReport, codec: str | None = None) -
         cid = from_be64(bytes(entry)[-8:])
         if ids.get(cid) != bytes(key):
             report.add("orphan_doc_entry", cid, "document index names a missing chunk")
-
-    total = sum(value_sizes.values())
-    if total != counters.total_bytes:
-        report.add("bytes_counter", "store", f"counter {counters.total_bytes} != sum {total}")
-    report.entries = len(ids)
-    report.bytes = total
-    return ids

@@ -80,10 +80,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blendkv.rag import RAGAnswer
-    from blendkv.rag.chunk_order import check_chunk_order
-    from blendkv.rag.filters import parse_filter_args
-
     # Validate before loading the model.
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -91,65 +87,98 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         **penalty_kwargs(args),
     )
-    if args.top_k < 1:
-        raise InvalidRequestError(f"--top-k must be >= 1, got {args.top_k}")
-    filter = parse_filter_args(args.filter)
-    if args.chunk_order is not None:
-        check_chunk_order(args.chunk_order)
-    order = args.chunk_order
-    # No --ratio: the engine's default, which its cost check may turn into full prefill when
-    # blending would not pay (blend_stats says so). --compare-full compares the blend itself.
-    blend = None if args.ratio is None and not args.compare_full else BlendConfig()
-    if args.ratio is not None or args.fidelity_target is not None:
-        blend = BlendConfig(recompute_ratio=args.ratio, fidelity_target=args.fidelity_target)
+    filter = _check_retrieval_args(args)
+    blend = _blend_config(args)
     # The comparison's teacher-forced requests reuse each run's own prompt K/V through the
     # prefix cache (as `blendkv eval` does); every timed run starts from an empty cache.
     warm = args.compare_full or args.verify
     pipeline = open_pipeline(args, create=False, enable_prefix_caching=warm)
     try:
         if args.json:
-            answer = pipeline.query(
-                args.question,
-                args.top_k,
-                params,
-                blend,
-                args.system,
-                filter=filter,
-                chunk_order=order,
-                verify=args.verify,
-            )
-            record = answer.to_dict()
-            record.update(_explain(args, pipeline, answer, blend, as_json=True))
-            print(json.dumps(record))
-            return 0
-        answer = None
-        pieces = pipeline.stream_query(
-            args.question,
-            args.top_k,
-            params,
-            blend,
-            args.system,
-            filter=filter,
-            chunk_order=order,
-        )
-        for piece in pieces:
-            if isinstance(piece, RAGAnswer):
-                answer = piece
-            else:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        print("\n")
-        print_sources(answer)
-        if args.verify:
-            print()
-            print(_verified(pipeline, answer, blend, args.max_tokens).describe())
-        for text in _explain(args, pipeline, answer, blend, as_json=False).values():
-            print()
-            print(text)
+            _print_json(args, pipeline, params, blend, filter)
+        else:
+            _print_streamed(args, pipeline, params, blend, filter)
     finally:
         pipeline.close()
         pipeline.llm.close()
     return 0
+
+
+def _check_retrieval_args(args: argparse.Namespace):
+    """Check --top-k, --filter and --chunk-order; returns the parsed --filter."""
+    from blendkv.rag.chunk_order import check_chunk_order
+    from blendkv.rag.filters import parse_filter_args
+
+    if args.top_k < 1:
+        raise InvalidRequestError(f"--top-k must be >= 1, got {args.top_k}")
+    filter = parse_filter_args(args.filter)
+    if args.chunk_order is not None:
+        check_chunk_order(args.chunk_order)
+    return filter
+
+
+def _blend_config(args: argparse.Namespace) -> BlendConfig | None:
+    """The BlendConfig that --ratio, --fidelity-target and --compare-full ask for."""
+    # No --ratio: the engine's default, which its cost check may turn into full prefill when
+    # blending would not pay (blend_stats says so). --compare-full compares the blend itself.
+    blend = None if args.ratio is None and not args.compare_full else BlendConfig()
+    if args.ratio is not None or args.fidelity_target is not None:
+        blend = BlendConfig(recompute_ratio=args.ratio, fidelity_target=args.fidelity_target)
+    return blend
+
+
+def _print_json(args, pipeline, params: SamplingParams, blend, filter) -> None:
+    """The answer, and what --show-prompt and --compare-full add, as one JSON object."""
+    answer = pipeline.query(
+        args.question,
+        args.top_k,
+        params,
+        blend,
+        args.system,
+        filter=filter,
+        chunk_order=args.chunk_order,
+        verify=args.verify,
+    )
+    record = answer.to_dict()
+    record.update(_explain(args, pipeline, answer, blend, as_json=True))
+    print(json.dumps(record))
+
+
+def _print_streamed(args, pipeline, params: SamplingParams, blend, filter) -> None:
+    """The answer as it is generated, then its sources and what --verify, --show-prompt and
+    --compare-full add."""
+    pieces = pipeline.stream_query(
+        args.question,
+        args.top_k,
+        params,
+        blend,
+        args.system,
+        filter=filter,
+        chunk_order=args.chunk_order,
+    )
+    answer = _write_stream(pieces)
+    print("\n")
+    print_sources(answer)
+    if args.verify:
+        print()
+        print(_verified(pipeline, answer, blend, args.max_tokens).describe())
+    for text in _explain(args, pipeline, answer, blend, as_json=False).values():
+        print()
+        print(text)
+
+
+def _write_stream(pieces):
+    """Write the text pieces to stdout as they come; returns the RAGAnswer that ends them."""
+    from blendkv.rag import RAGAnswer
+
+    answer = None
+    for piece in pieces:
+        if isinstance(piece, RAGAnswer):
+            answer = piece
+        else:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    return answer
 
 
 def _verified(pipeline, answer, blend, max_tokens: int):

@@ -23,6 +23,34 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with document blending")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
+    _add_store_args(p)
+    _add_client_args(p)
+    _add_limit_args(p)
+    p.add_argument(
+        "--blend-audit-warn-kl",
+        type=float,
+        default=DEFAULT_WARN_KL,
+        metavar="NATS",
+        help="with --blend-audit-rate, warn when the mean first-token KL(full || blend) of the "
+        f"last {WARN_WINDOW} audited requests passes it (default {DEFAULT_WARN_KL})",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_replica_args(p)
+    add_model_args(
+        p,
+        (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "enable_prefix_caching",
+            "blend_audit_rate",
+        ),
+    )
+    p.set_defaults(func=run)
+
+
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    """Where the chunk K/V lives: --store, its bound, and the cache of documents sent in
+    requests."""
     p.add_argument("--store", default=None, metavar="DIR", help="chunk store for `rag` requests")
     add_store_max_bytes_arg(p)
     p.add_argument(
@@ -34,6 +62,10 @@ def register(sub) -> None:
         "within it, 1M at least; their K/V never goes into --store), e.g. 500M (default: "
         "min(2G, 10%% of the free temporary disk))",
     )
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    """What clients send: the API key and the model id."""
     p.add_argument(
         "--api-key",
         default=None,
@@ -41,6 +73,11 @@ def register(sub) -> None:
         "(default: $BLENDKV_API_KEY)",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send")
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Bounds on what the server accepts: queued requests, body size, documents per
+    request, and how long a shutdown waits."""
     p.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)"
     )
@@ -67,26 +104,6 @@ def register(sub) -> None:
         metavar="N",
         help="most tokens the documents of one request may take in all (default max_model_len)",
     )
-    p.add_argument(
-        "--blend-audit-warn-kl",
-        type=float,
-        default=DEFAULT_WARN_KL,
-        metavar="NATS",
-        help="with --blend-audit-rate, warn when the mean first-token KL(full || blend) of the "
-        f"last {WARN_WINDOW} audited requests passes it (default {DEFAULT_WARN_KL})",
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_replica_args(p)
-    add_model_args(
-        p,
-        (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "enable_prefix_caching",
-            "blend_audit_rate",
-        ),
-    )
-    p.set_defaults(func=run)
 
 
 def add_replica_args(p: argparse.ArgumentParser) -> None:

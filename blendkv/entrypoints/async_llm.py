@@ -217,11 +217,7 @@ class AsyncLLM:
         ``LLMEngine.prepare_request`` (``blend``, ``logits_from``, ``token_map``).
         """
         self._check_alive()
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise EngineOverloadedError(
-                f"{self.num_waiting} requests are already waiting for a place in the batch "
-                f"(max_waiting={self.max_waiting}); retry later"
-            )
+        self._check_capacity()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         stream = RequestStream(rid, self)
         engine = self.llm.engine
@@ -233,19 +229,26 @@ class AsyncLLM:
                 check(req)
             return req
 
-        def add(req: PreparedRequest) -> None:  # on the engine thread
-            try:
-                self._router.register(rid, stream._put)  # before any step can route to it
-                try:
-                    engine.add_prepared(req)
-                except BaseException:
-                    self._router.unregister(rid)
-                    raise
-                self._publish_stats()  # counted as waiting before the caller hears back
-            finally:
-                with self._lock:
-                    self._pending_adds -= 1
+        req = await self._prepare_counted(prepare)
+        try:
+            await self._submit(functools.partial(self._add_prepared, stream, req), counted=True)
+        except asyncio.CancelledError:
+            self.abort(rid)  # the add still runs after the caller gave up: undo it
+            raise
+        return stream
 
+    def _check_capacity(self) -> None:
+        """Raise EngineOverloadedError when ``max_waiting`` requests are already waiting."""
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise EngineOverloadedError(
+                f"{self.num_waiting} requests are already waiting for a place in the batch "
+                f"(max_waiting={self.max_waiting}); retry later"
+            )
+
+    async def _prepare_counted(self, prepare: Callable[[], PreparedRequest]) -> PreparedRequest:
+        """Run ``prepare`` on the prepare thread. The request counts as waiting from now on
+        (``max_waiting``) until the engine thread adds it (:meth:`_add_prepared`), or until
+        preparing it fails."""
         with self._lock:  # counted as waiting from now on (max_waiting), until it is added
             self._check_alive()
             self._pending_adds += 1
@@ -254,17 +257,11 @@ class AsyncLLM:
                 prepared = asyncio.get_running_loop().run_in_executor(self._prepare, prepare)
             except RuntimeError as exc:  # the prepare thread is shut down
                 raise EngineDeadError("the engine was shut down") from exc
-            req = await prepared
+            return await prepared
         except BaseException:
             with self._lock:
                 self._pending_adds -= 1
             raise
-        try:
-            await self._submit(functools.partial(add, req), counted=True)
-        except asyncio.CancelledError:
-            self.abort(rid)  # the add still runs after the caller gave up: undo it
-            raise
-        return stream
 
     async def generate(
         self, prompt: Any, sampling_params: SamplingParams | None = None, **kwargs: Any
@@ -311,6 +308,22 @@ class AsyncLLM:
                 raise
             self._commands.put(_Command(fn, fut))
         return await asyncio.wrap_future(fut)
+
+    def _add_prepared(self, stream: RequestStream, req: PreparedRequest) -> None:
+        """On the engine thread: add a prepared request, its outputs routed to ``stream``.
+        Added or not, it leaves ``_pending_adds``."""
+        rid = stream.request_id
+        try:
+            self._router.register(rid, stream._put)  # before any step can route to it
+            try:
+                self.llm.engine.add_prepared(req)
+            except BaseException:
+                self._router.unregister(rid)
+                raise
+            self._publish_stats()  # counted as waiting before the caller hears back
+        finally:
+            with self._lock:
+                self._pending_adds -= 1
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -136,6 +136,34 @@ def ingest_on_ray(
     ``worker_gpus`` are each worker's Ray resources. Uses the Ray cluster this process is
     connected to, else ``ray_address`` (``"auto"``: a running one), else starts a local one.
     """
+    _check_ingest_args(store, workers, metadata)
+    ray = import_ray("a distributed ingest (--workers)")
+    t0 = time.perf_counter()
+    rows = _input_rows(documents, paths, texts)  # before Ray starts: bad inputs fail fast
+    if not ray.is_initialized():
+        ray.init(address=ray_address, log_to_driver=False)
+    if worker_gpus == 0 and "num_threads" not in engine_options:
+        engine_options["num_threads"] = max(1, int(worker_cpus))
+    with _data_context(ray) as ctx:
+        read, keep, skipped_files = _read(ray, rows, strict)
+        worker_args = dict(
+            store=store,
+            model=model,
+            engine_options=engine_options,
+            chunk_tokens=chunk_tokens,
+            embedder=embedder,
+            gate=_fingerprint_gate(ray, store),
+            replace=replace,
+            metadata=json.dumps(metadata or {}),
+            keep=keep,
+        )
+        results = _ingest_dataset(ray, read, worker_args, workers, worker_cpus, worker_gpus)
+        done = _collect(results, len(keep), progress, ctx)
+    return _report(read, done, skipped_files, time.perf_counter() - t0)
+
+
+def _check_ingest_args(store: str, workers: object, metadata: object) -> None:
+    """Raise on a store that is not shared, a bad worker count or metadata not one dict."""
     from blendkv.store.redis_store import is_redis_url
 
     if not is_redis_url(store):
@@ -147,40 +175,30 @@ def ingest_on_ray(
         raise ConfigError(f"workers must be a positive integer, got {workers!r}")
     if metadata is not None and not isinstance(metadata, dict):
         raise DocumentError("metadata must be one dict (for every document)")
-    ray = import_ray("a distributed ingest (--workers)")
-    t0 = time.perf_counter()
-    rows = _input_rows(documents, paths, texts)  # before Ray starts: bad inputs fail fast
-    if not ray.is_initialized():
-        ray.init(address=ray_address, log_to_driver=False)
-    if worker_gpus == 0 and "num_threads" not in engine_options:
-        engine_options["num_threads"] = max(1, int(worker_cpus))
-    with _data_context(ray) as ctx:
-        read, keep, skipped_files = _read(ray, rows, strict)
-        gate = ray.remote(num_cpus=0)(_FingerprintGate).remote(_stored_fingerprint_json(store))
-        worker_args = dict(
-            store=store,
-            model=model,
-            engine_options=engine_options,
-            chunk_tokens=chunk_tokens,
-            embedder=embedder,
-            gate=gate,
-            replace=replace,
-            metadata=json.dumps(metadata or {}),
-            keep=keep,
-        )
-        # The workers drop the rows not kept themselves: a filter before them would be tasks
-        # needing CPUs that the workers hold.
-        results = read.map_batches(
-            _IngestWorker,
-            fn_constructor_kwargs=worker_args,
-            # Two documents in flight per worker: the next one waits while one is ingested.
-            compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2),
-            batch_size=1,
-            num_cpus=worker_cpus,
-            num_gpus=worker_gpus,
-        )
-        done = _collect(results, len(keep), progress, ctx)
-    return _report(read, done, skipped_files, time.perf_counter() - t0)
+
+
+def _fingerprint_gate(ray, store: str):
+    """The actor every worker checks its model fingerprint with (the store's, else the first
+    worker's)."""
+    return ray.remote(num_cpus=0)(_FingerprintGate).remote(_stored_fingerprint_json(store))
+
+
+def _ingest_dataset(
+    ray, read, worker_args: dict, workers: int, worker_cpus: float, worker_gpus: float
+):
+    """The read dataset mapped through ``workers`` ingest actors: one result row per
+    document kept (lazy; iterating it runs the ingest)."""
+    # The workers drop the rows not kept themselves: a filter before them would be tasks
+    # needing CPUs that the workers hold.
+    return read.map_batches(
+        _IngestWorker,
+        fn_constructor_kwargs=worker_args,
+        # Two documents in flight per worker: the next one waits while one is ingested.
+        compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2),
+        batch_size=1,
+        num_cpus=worker_cpus,
+        num_gpus=worker_gpus,
+    )
 
 
 # ----------------------------------------------------------------------------- reading

@@ -49,6 +49,14 @@ class ServerMetrics:
         self._audit_warn_kl = blend_audit_warn_kl
         self.audit_watch = None
         self.health = HealthLog()  # the recent window, for /v1/blendkv/health and /ui
+        # Declared in this order, /metrics' order.
+        self._declare_audit_metrics(r)
+        self._declare_request_metrics(r)
+        self._declare_blend_metrics(r)
+
+    def _declare_audit_metrics(self, r: CollectorRegistry) -> None:
+        """The blend audits (first-token KL, top-1 agreement) and, per fidelity target, the
+        ratio its requests run at and their audited p90."""
         self.audit_kl = Histogram(
             "blendkv_blend_audit_kl",
             "Audited blends: first-token KL(full prefill || blend), nats",
@@ -73,6 +81,10 @@ class ServerMetrics:
             ["target"],
             registry=r,
         )
+
+    def _declare_request_metrics(self, r: CollectorRegistry) -> None:
+        """HTTP requests, TTFT and end-to-end latency, prompt tokens, finish reasons, and the
+        requests served per step."""
         self.http_requests = Counter(
             "blendkv_http_requests",
             "HTTP requests by route and status",
@@ -106,6 +118,9 @@ class ServerMetrics:
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
+
+    def _declare_blend_metrics(self, r: CollectorRegistry) -> None:
+        """Blended requests and their blend stats (``_BLEND``), summed."""
         self.blend_requests = Counter(
             "blendkv_blend_requests", "Blended requests that got a first token", registry=r
         )
