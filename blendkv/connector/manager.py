@@ -86,14 +86,26 @@ class BlendManager:
         self.anchor_explicit = anchor_system is not None or anchor_instruction is not None
         self.store_anchor_ids = self.anchor_ids
         self.boundary_tokens = anchor_boundary_tokens
+        self.num_layers = model.config.num_hidden_layers
+        self.fingerprint = self._fingerprint(model, architecture, weights_hash, dtype, kv_codec)
+        self.request_cache_bytes = request_cache_bytes
+        self._calibration: tuple[object, Calibration | None] | None = None  # (store path, it)
+        self._tmpdirs: list[tempfile.TemporaryDirectory] = []
+        self._private = store_dir is None
+        self.store = self._open_store(store_dir, store_max_bytes, memory_tier_bytes)
+        self.writer = BackgroundWriter(self.store)
+
+    def _fingerprint(
+        self, model, architecture: str, weights_hash: str, dtype: str, kv_codec: str | None
+    ) -> ModelFingerprint:
+        """What the stored K/V depends on: the model, its tokenizer and the store's anchor."""
         cfg = model.config
         attn = model.model.layers[0].self_attn
-        self.num_layers = cfg.num_hidden_layers
-        self.fingerprint = ModelFingerprint(
+        return ModelFingerprint(
             architecture=architecture,
             weights_hash=weights_hash,
             dtype=dtype,
-            tokenizer_hash=tokenizer_hash(tokenizer),
+            tokenizer_hash=tokenizer_hash(self.tokenizer),
             rope=rope_parameters(cfg),
             anchor_token_ids=tuple(self.anchor_ids),
             num_layers=self.num_layers,
@@ -101,30 +113,22 @@ class BlendManager:
             head_dim=attn.head_dim,
             kv_codec=kv_codec or "none",  # unset: engine_args.follow_store_dtype filled it in
         )
-        self.request_cache_bytes = request_cache_bytes
-        self._calibration: tuple[object, Calibration | None] | None = None  # (store path, it)
-        self._tmpdirs: list[tempfile.TemporaryDirectory] = []
-        self._private = store_dir is None
+
+    def _open_store(
+        self, store_dir: str | None, max_bytes: int | None, memory_tier_bytes: int
+    ) -> ChunkKVStore:
+        """The document store at ``store_dir`` with the request cache in front of it, or with
+        no directory a private, bounded store."""
         if store_dir is None:  # no persistent store asked for: a private, bounded one
             store_dir = self._tmpdir()
-            if store_max_bytes is None:
-                store_max_bytes = request_cache_bytes or default_request_cache_bytes(store_dir)
-            self.store = open_kv_store(
-                store_dir,
-                self.fingerprint,
-                max_bytes=store_max_bytes,
-                memory_tier_bytes=memory_tier_bytes,
-            )
+            if max_bytes is None:
+                max_bytes = self.request_cache_bytes or default_request_cache_bytes(store_dir)
         else:
             self.anchor_for_store(store_dir)
-            main = open_kv_store(
-                store_dir,
-                self.fingerprint,
-                max_bytes=store_max_bytes,
-                memory_tier_bytes=memory_tier_bytes,
-            )
-            self.store = self._with_request_cache(main)
-        self.writer = BackgroundWriter(self.store)
+        store = open_kv_store(
+            store_dir, self.fingerprint, max_bytes=max_bytes, memory_tier_bytes=memory_tier_bytes
+        )
+        return store if self._private else self._with_request_cache(store)
 
     def _tmpdir(self) -> str:
         tmp = tempfile.TemporaryDirectory(prefix="blendkv-store-")

@@ -91,27 +91,7 @@ class LLMEngine:
                 fidelity=self.fidelity,
             ),
         )
-        self.block_manager = BlockManager(
-            self.info.num_kv_blocks,
-            config.cache.block_size,
-            config.cache.enable_prefix_caching,
-            place_in_runs=self.attn_backend.prefers_block_runs,
-        )
-        # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
-        self.auditor = Auditor(config.guards.blend_audit_rate, config.seed)
-        # What steps cost here, learned from the steps run (blendkv.engine.step_cost).
-        self.step_costs = StepCostModel()
-        sched = config.scheduler
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            enable_chunked_prefill=sched.enable_chunked_prefill,
-            connector=self.kv_connector,
-            auditor=self.auditor,
-            max_step_latency=sched.max_step_latency,
-            step_costs=self.step_costs,
-        )
+        self.scheduler = self._make_scheduler()
         self.runner = self._make_runner()
         self.requests: dict[str, RequestState] = {}  # by sequence (sample) id
         self.parents: dict[str, ParentRequest] = {}  # n > 1 requests, by request id
@@ -128,6 +108,31 @@ class LLMEngine:
         )
         self._last_step_num_scheduled = 0
         self._num_generated_tokens = 0
+
+    def _make_scheduler(self) -> Scheduler:
+        """The block manager, the auditor, the step cost model and the scheduler over them."""
+        config = self.config
+        self.block_manager = BlockManager(
+            self.info.num_kv_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            place_in_runs=self.attn_backend.prefers_block_runs,
+        )
+        # Full prefill of a sampled share of blended requests, when idle (blendkv.guards.audit).
+        self.auditor = Auditor(config.guards.blend_audit_rate, config.seed)
+        # What steps cost here, learned from the steps run (blendkv.engine.step_cost).
+        self.step_costs = StepCostModel()
+        sched = config.scheduler
+        return Scheduler(
+            self.block_manager,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            connector=self.kv_connector,
+            auditor=self.auditor,
+            max_step_latency=sched.max_step_latency,
+            step_costs=self.step_costs,
+        )
 
     def _load_model(self) -> None:
         """The model, its tokenizer, the attention backend and the blend's kernels on its pool,
