@@ -25,6 +25,7 @@ from blendkv.connector.request_state import BlendRequestState
 from blendkv.engine.kv_connector import (
     ConnectorPrompt,
     ForwardInputs,
+    FusedPrefillCost,
     KVConnectorBase,
     KVConnectorContext,
     KVConnectorMetadata,
@@ -280,18 +281,17 @@ class BlendConnector(KVConnectorBase):
         prefetcher = self._prefetcher
         return prefetcher is None or prefetcher.ready(seq.request_id)
 
-    def needs_query_pass(self, seq) -> bool:
-        cfg = self._states[seq.request_id].config
-        if cfg.selection != "prophet":
-            return False
-        # "auto": the loading controller picks the ratio at load; the pass is planned then
-        return cfg.auto_ratio or 0.0 < cfg.recompute_ratio < 1.0
-
     def fused_prefill_cost(self, seq, num_computed_tokens: int, num_new_tokens: int):
         state = self._states.get(seq.request_id)
         if state is None or not state.needs_fusion(num_computed_tokens):
             return None
-        return state.estimated_cost(num_new_tokens, self.context.info.num_layers)
+        cost = state.estimated_cost(num_new_tokens, self.context.info.num_layers)
+        cfg = state.config
+        # "auto": the loading controller picks the ratio at load; the pass is planned then
+        query_pass = cfg.selection == "prophet" and (
+            cfg.auto_ratio or 0.0 < cfg.recompute_ratio < 1.0
+        )
+        return FusedPrefillCost(cost, query_pass)
 
     def build_connector_meta(self, scheduler_output) -> BlendConnectorMetadata:
         meta = BlendConnectorMetadata()

@@ -11,9 +11,9 @@ dict-backed connector another. Configured with ``EngineConfig(kv_connector=...)`
     scheduler ──get_precompute_work────────▶ chunks whose K/V must be computed first
               ──kv_ready───────────────────▶ False: its K/V is still being read (it may wait)
               ──get_num_new_matched_tokens──▶ tokens whose K/V comes from outside (skipped)
-              ──fused_prefill_cost─────────▶ prefills that must run whole, and their cost
+              ──fused_prefill_cost─────────▶ prefills that must run whole: their cost, and
+                                             whether a query pass runs first
               ──update_state_after_alloc───▶ blocks are allocated: remember what to load
-              ──needs_query_pass───────────▶ the fused prefill runs a query pass first
               ──build_connector_meta───────▶ KVConnectorMetadata, carried on SchedulerOutput
     runner    ──(precompute forwards) save_chunk_kv(work, kv)
     runner    ──bind_connector_metadata, start_load_kv (K/V into the request's blocks)
@@ -31,7 +31,7 @@ import importlib
 from abc import ABC
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from blendkv.errors import ConfigError, InvalidRequestError
 from blendkv.models.hooks import LayerHooks
@@ -46,6 +46,14 @@ if TYPE_CHECKING:
     from blendkv.kernels.attention import AttentionBackend, AttentionMetadata
     from blendkv.kernels.blend_kernels import BlendKernels
     from blendkv.models.hooks import QueryPass, RowPlan
+
+
+class FusedPrefillCost(NamedTuple):
+    """A prefill that must run whole (a fused blended prefill): its cost in tokens of a step's
+    budget, and whether a query pass runs before it."""
+
+    tokens: int
+    query_pass: bool = False
 
 
 class KVConnectorMetadata:
@@ -155,18 +163,15 @@ class KVConnectorBase(LayerHooks, ABC):
 
     def fused_prefill_cost(
         self, seq: Sequence, num_computed_tokens: int, num_new_tokens: int
-    ) -> int | None:
-        """None for an ordinary (chunkable) prefill. An int: the ``num_new_tokens`` must be
-        scheduled in one step, and cost this many tokens of the step's budget."""
+    ) -> FusedPrefillCost | None:
+        """None for an ordinary (chunkable) prefill. Else the ``num_new_tokens`` must be
+        scheduled in one step: what they cost of the step's token budget, and whether the
+        prefill runs a query pass first (see :meth:`query_pass`; the scheduler lists it in
+        ``SchedulerOutput.query_passes``)."""
         return None
 
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
         """Blocks for ``seq`` are allocated; ``num_external_tokens`` of them are to be loaded."""
-
-    def needs_query_pass(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s fused prefill (just admitted) runs a query pass first (see
-        :meth:`query_pass`); the scheduler lists it in ``SchedulerOutput.query_passes``."""
-        return False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """The worker side's instructions for this step (called once, after scheduling)."""

@@ -29,8 +29,8 @@ with, in order:
 4. an audit's full prefill (``blendkv.guards.audit``), only in a step where no request runs,
    waits or precomputes.
 
-A fused prefill whose connector wants a query pass first (``needs_query_pass``: ProphetKV's
-first stage) is listed in ``SchedulerOutput.query_passes``; the runner runs both.
+A fused prefill whose connector wants a query pass first (``FusedPrefillCost.query_pass``:
+ProphetKV's first stage) is listed in ``SchedulerOutput.query_passes``; the runner runs both.
 
 A request with ``n > 1`` samples is one sequence until its prompt is computed: in the step that
 computes the prompt's last token, its other samples (``Sequence.pending_children``) are forked
@@ -220,17 +220,17 @@ class Scheduler:
             num_external = min(conn.get_num_new_matched_tokens(seq, num_cached), room)
         num_new = seq.num_tokens - num_cached - num_external
         cost = num_new
-        fused_cost = None
+        fused = None
         if conn is not None:
-            fused_cost = conn.fused_prefill_cost(seq, num_cached + num_external, num_new)
+            fused = conn.fused_prefill_cost(seq, num_cached + num_external, num_new)
         prefills_scheduled = any(n > 1 for _, n in out.scheduled)
-        if fused_cost is not None:
+        if fused is not None:
             # A fused prefill runs whole. It waits for budget unless it could never fit,
             # then it goes alone among this step's prefills so it cannot starve.
-            cost = fused_cost
+            cost = fused.tokens
             if cost > budget and (cost <= self.max_num_batched_tokens or prefills_scheduled):
                 return None
-            work = StepWork(1 if conn.needs_query_pass(seq) else 0, cost, cost * seq.num_tokens)
+            work = StepWork(int(fused.query_pass), cost, cost * seq.num_tokens)
             if not self._time.fits_whole(work, prefills_scheduled):
                 return None
         else:
@@ -258,7 +258,7 @@ class Scheduler:
             seq.metrics.num_cached_tokens = num_cached
         if conn is not None:
             conn.update_state_after_alloc(seq, num_external)
-            if fused_cost is not None and conn.needs_query_pass(seq):
+            if fused is not None and fused.query_pass:
                 out.query_passes.append(seq.request_id)
         self._time.take(work)
         self.running.append(seq)
