@@ -228,12 +228,7 @@ class TorchAttentionBackend(AttentionBackend):
         wc = {} if window is None and soft_cap is None else {"window": window, "soft_cap": soft_cap}
         out = torch.empty_like(q) if out is None else out
         if kv_cache is None:
-            if md is None or md.num_seqs == 1:
-                self._causal(q, k, v, scale, out, **wc)
-                return out
-            starts = md.query_start_loc_cpu
-            for lo, hi in zip(starts, starts[1:], strict=False):
-                self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi], **wc)
+            self._causal_per_seq(q, k, v, md, scale, out, wc)
             return out
         if not kv_written:
             self.write_kv(kv_cache, k, v, md.slot_mapping)
@@ -243,12 +238,35 @@ class TorchAttentionBackend(AttentionBackend):
         layout = self._step_layouts.get(
             md, kv_cache.shape[1], lambda: self._build_layout(md, kv_cache.shape, q, requests)
         )
-        starts = md.query_start_loc_cpu
-        # the query rows' scale is D ** -0.5 unless the layer has its own
-        mass_kw = {"scale": scale, **wc} if wc or scale != q.shape[-1] ** -0.5 else {}
         for lo, hi in layout.fresh_ranges:
             # Fresh prefill: the new tokens are the whole context, upper-left causal is exact.
             self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi], **wc)
+        self._attend_other_seqs(q, kv_cache, md, layout, requests, scale, out, wc)
+        if layout.decode is not None and not wc and not self.deterministic:
+            self._decode(q, kv_cache, layout.decode, out, scale)
+        elif layout.decode is not None:
+            self._decode_windowed(q, kv_cache, md, layout, out, scale, window, soft_cap)
+        return out
+
+    def _causal_per_seq(self, q, k, v, md: AttentionMetadata | None, scale, out, wc) -> None:
+        """The pool-less pass: ``out`` = each sequence's causal attention over its own rows
+        (``wc``: the layer's window / soft cap keywords, empty without)."""
+        if md is None or md.num_seqs == 1:
+            self._causal(q, k, v, scale, out, **wc)
+            return
+        starts = md.query_start_loc_cpu
+        for lo, hi in zip(starts, starts[1:], strict=False):
+            self._causal(q[lo:hi], k[lo:hi], v[lo:hi], scale, out[lo:hi], **wc)
+
+    def _attend_other_seqs(
+        self, q, kv_cache, md: AttentionMetadata, layout: _StepLayout, requests, scale, out, wc
+    ) -> None:
+        """``out`` at the rows of the sequences neither fresh nor decoding (chunked prefill,
+        prefix hit, blended rows) over their context in the pool; the rows of a query pass's
+        ``requests`` also add the mass they pay each key to their request's scores."""
+        starts = md.query_start_loc_cpu
+        # the query rows' scale is D ** -0.5 unless the layer has its own
+        mass_kw = {"scale": scale, **wc} if wc or scale != q.shape[-1] ** -0.5 else {}
         others = zip(
             layout.other_seqs,
             layout.row_groups,
@@ -278,11 +296,6 @@ class TorchAttentionBackend(AttentionBackend):
                     **mass_kw,
                 )
                 request.scores.add_(mass)
-        if layout.decode is not None and not wc and not self.deterministic:
-            self._decode(q, kv_cache, layout.decode, out, scale)
-        elif layout.decode is not None:
-            self._decode_windowed(q, kv_cache, md, layout, out, scale, window, soft_cap)
-        return out
 
     # ---- one method per kind of rows (the cpu backend overrides them) -------------------
     # A window or soft cap comes as the ``window``/``soft_cap`` keywords, only when one is set

@@ -148,17 +148,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
     ):
         md: AttentionMetadata | None = attn_metadata
         windowed = window is not None or soft_cap is not None
-        if kv_cache is None and windowed:  # the pool-less pass: the dense torch reference
-            return super().forward(
-                q, k, v, None, md, scale, window=window, soft_cap=soft_cap, out=out
-            )
         if kv_cache is None:
-            if md is None or md.num_seqs == 1:
-                return _into(out, dense_causal_attention(q, k, v, scale))
-            out = torch.empty_like(q) if out is None else out
-            starts = md.query_start_loc_cpu
-            self._dense_prefill(q, k, v, list(zip(starts, starts[1:], strict=False)), out, scale)
-            return out
+            return self._attend_without_pool(q, k, v, md, scale, window, soft_cap, out)
         if not kv_written:
             self.write_kv(kv_cache, k, v, md.slot_mapping)
         lse = scoring.lse_out if scoring is not None else None  # every row to the prefill kernel
@@ -179,6 +170,38 @@ class TritonAttentionBackend(TorchAttentionBackend):
         out = torch.empty_like(q) if out is None else out
         if layout.fresh_ranges:
             self._dense_prefill(q, k, v, layout.fresh_ranges, out, scale)
+        self._paged_attention(out, q, kv_cache, md, layout, scale, window, soft_cap, lse)
+        return out
+
+    def _attend_without_pool(self, q, k, v, md, scale, window, soft_cap, out):
+        """The pool-less pass (each sequence over its own rows): the dense torch reference
+        with a window or a soft cap, else dense causal attention per sequence."""
+        if window is not None or soft_cap is not None:
+            return super().forward(
+                q, k, v, None, md, scale, window=window, soft_cap=soft_cap, out=out
+            )
+        if md is None or md.num_seqs == 1:
+            return _into(out, dense_causal_attention(q, k, v, scale))
+        out = torch.empty_like(q) if out is None else out
+        starts = md.query_start_loc_cpu
+        self._dense_prefill(q, k, v, list(zip(starts, starts[1:], strict=False)), out, scale)
+        return out
+
+    def _paged_attention(
+        self,
+        out,
+        q,
+        kv_cache,
+        md: AttentionMetadata,
+        layout: _StepLayout,
+        scale,
+        window,
+        soft_cap,
+        lse,
+    ) -> None:
+        """``out`` at the rows that read the pool, as ``layout`` dispatches them: the decode
+        rows (flash-decoding), then every other row by tiles (``lse``, if given, gets their
+        log-sum-exp)."""
         self._ops.decode_attention(
             out,
             q,
@@ -210,7 +233,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
             layout.tiles,
             lse,
         )
-        return out
 
     # ---- per-step layout ------------------------------------------------------------------
     def _layout(

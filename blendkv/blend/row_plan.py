@@ -182,46 +182,17 @@ class BlendRowPlan(RowPlan):
         if count == 0:  # full reuse: no scores needed
             keep[cand] = False
             return
-        device = md.positions.device
-        cand_d = upload(cand, device)
-        positions = md.positions
+        cand_d = upload(cand, md.positions.device)
         local = self.rows[cand] - self.starts[sb.index]  # candidates' rows within the seq
         strategy = sb.config.score_at(layer_idx)
-        cached_k = cached_v = None
-        if strategy in ("v_deviation", "k_deviation", "attention"):
-            cached_k, cached_v = self.backend.read_kv(kv_cache, md.slot_mapping[cand_d])
-        fresh_k = fresh_v = None  # (no q/k/v when selecting before the projections)
-        if k is not None:
-            fresh_k = k[cand_d]
-            if strategy == "k_deviation":
-                fresh_k = attn.rotary_emb.rotate_k(positions[cand_d], fresh_k)
-            fresh_v = v[cand_d]
-        inputs = SelectionInputs(
-            cand=cand,
-            fresh_k=fresh_k,
-            fresh_v=fresh_v,
-            cached_k=cached_k,
-            cached_v=cached_v,
-        )
+        inputs = self._kv_inputs(attn, strategy, md, cand, cand_d, k, v, kv_cache)
         if strategy == "attention":
-            query_rows = seq_rows[self.positions[seq_rows] >= sb.query_start]
-            seq_d = seq_rows.to(device)
-            qr, kr = attn.rotary_emb.apply_rotary(positions[seq_d], q[seq_d], k[seq_d])
-            inputs.query_q = qr[torch.searchsorted(seq_rows, query_rows).to(device)]
-            inputs.seq_k = kr
-            inputs.seq_k_positions = positions[seq_d]
-            inputs.query_positions = positions[query_rows.to(device)]
-            inputs.cand_in_seq = torch.searchsorted(seq_rows, cand).to(device)
+            self._add_attention_inputs(inputs, attn, sb, seq_rows, cand, md.positions, q, k)
         elif strategy == "heads":
             inputs.chunk_offsets = sb.chunk_offsets[local]
         elif strategy == "prophet":
             inputs.query_scores = sb.query_scores[self.positions[cand]]
-        forced = None
-        if sb.config.chunk_head_tokens:
-            forced = sb.chunk_offsets[local] < sb.config.chunk_head_tokens
-        if sb.config.chunk_samples:
-            sampled = _spread_rows(sb, local, sb.config.chunk_samples)
-            forced = sampled if forced is None else forced | sampled
+        forced = _forced_rows(sb, local)
         scores = score_rows(strategy, inputs, sb.generator)
         chosen = top_rows(scores, count, forced).cpu()
         if sb.trace is not None:
@@ -229,12 +200,52 @@ class BlendRowPlan(RowPlan):
         keep[cand] = False
         keep[cand[chosen]] = True
         if sb.config.correction != "none" and layer_idx > 0:
-            # Dropped rows: their fresh K/V here is exact (at layer 0 the reused one already is).
-            dropped = cand[~keep[cand]]
-            dropped_d = dropped.to(device)
-            k_rot = attn.rotary_emb.rotate_k(positions[dropped_d], k[dropped_d])
-            self.backend.write_kv(kv_cache, k_rot, v[dropped_d], md.slot_mapping[dropped_d])
-            self._exact[sb.index] = self.rows[dropped]
+            self._write_dropped(attn, sb, cand[~keep[cand]], md, k, v, kv_cache)
+
+    def _kv_inputs(self, attn, strategy: str, md, cand, cand_d, k, v, kv_cache) -> SelectionInputs:
+        """The candidates' K/V to score: the reused one from the pool (for the strategies that
+        compare with it) and the fresh one (none when selecting before the projections)."""
+        cached_k = cached_v = None
+        if strategy in ("v_deviation", "k_deviation", "attention"):
+            cached_k, cached_v = self.backend.read_kv(kv_cache, md.slot_mapping[cand_d])
+        fresh_k = fresh_v = None  # (no q/k/v when selecting before the projections)
+        if k is not None:
+            fresh_k = k[cand_d]
+            if strategy == "k_deviation":
+                fresh_k = attn.rotary_emb.rotate_k(md.positions[cand_d], fresh_k)
+            fresh_v = v[cand_d]
+        return SelectionInputs(
+            cand=cand,
+            fresh_k=fresh_k,
+            fresh_v=fresh_v,
+            cached_k=cached_k,
+            cached_v=cached_v,
+        )
+
+    def _add_attention_inputs(
+        self, inputs: SelectionInputs, attn, sb: SeqBlend, seq_rows, cand, positions, q, k
+    ) -> None:
+        """The ``attention`` strategy's inputs: the fresh queries of ``sb``'s query rows and
+        the fresh keys of all its current rows (RoPE applied), their positions, and each
+        candidate's index among those keys."""
+        device = positions.device
+        query_rows = seq_rows[self.positions[seq_rows] >= sb.query_start]
+        seq_d = seq_rows.to(device)
+        qr, kr = attn.rotary_emb.apply_rotary(positions[seq_d], q[seq_d], k[seq_d])
+        inputs.query_q = qr[torch.searchsorted(seq_rows, query_rows).to(device)]
+        inputs.seq_k = kr
+        inputs.seq_k_positions = positions[seq_d]
+        inputs.query_positions = positions[query_rows.to(device)]
+        inputs.cand_in_seq = torch.searchsorted(seq_rows, cand).to(device)
+
+    def _write_dropped(self, attn, sb: SeqBlend, dropped, md, k, v, kv_cache) -> None:
+        """The correction's selection past layer 0: the ``dropped`` rows' fresh K/V here is
+        exact (at layer 0 the reused one already is), so it goes into the pool; the rows are
+        remembered as ``sb``'s exact ones of this layer."""
+        dropped_d = dropped.to(md.positions.device)
+        k_rot = attn.rotary_emb.rotate_k(md.positions[dropped_d], k[dropped_d])
+        self.backend.write_kv(kv_cache, k_rot, v[dropped_d], md.slot_mapping[dropped_d])
+        self._exact[sb.index] = self.rows[dropped]
 
     def before_attention(self, layer_idx, attn, q, k, v, kv_cache, attn_metadata) -> None:
         for sb, schedule in zip(self.blends, self.schedules, strict=True):
@@ -355,6 +366,18 @@ def _segments(chunk_ids: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """Ascending CPU chunk ids -> int32 [chunks + 1]: chunk c's rows are ``[c] .. [c + 1]``."""
     counts = torch.bincount(chunk_ids, minlength=num_chunks)
     return torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+
+
+def _forced_rows(sb: SeqBlend, local: torch.Tensor) -> torch.Tensor | None:
+    """bool [len(local)]: which of ``sb``'s candidate rows ``local`` are always recomputed
+    (a chunk's first ``chunk_head_tokens``, its ``chunk_samples`` spread rows), or None."""
+    forced = None
+    if sb.config.chunk_head_tokens:
+        forced = sb.chunk_offsets[local] < sb.config.chunk_head_tokens
+    if sb.config.chunk_samples:
+        sampled = _spread_rows(sb, local, sb.config.chunk_samples)
+        forced = sampled if forced is None else forced | sampled
+    return forced
 
 
 def _spread_rows(sb: SeqBlend, local: torch.Tensor, n: int) -> torch.Tensor:

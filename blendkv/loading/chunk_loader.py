@@ -97,26 +97,9 @@ class ChunkLoader:
         todo = [i for i, (_, e) in enumerate(spans) if e > start]
         computed = self._precomputed(state, todo, precompute)
         table = torch.tensor(block_table, dtype=torch.long)
-        rows = _ChunkRows(num_new)
-        writes: list[ChunkWrite] = []
-        layer_bytes: dict[str, int] = {}
-        skips = self._window_skips(state, todo, start, state.config.first_partial_layer)
-        tiers = [None] * len(spans) if state.token_map else None  # per chunk, for the map
-        # Last chunk first: a prefetch thread still reading this request's chunks goes from the
-        # first, so the two meet in the middle instead of queueing behind each other.
-        for i in reversed(todo):
-            lo = rows.mark(i, *spans[i], start)
-            write = self._chunk_write(state, i, lo, skips[i], computed, precompute)
-            if write is None:
-                continue
-            if tiers is not None:
-                tiers[i] = write.owner[1]
-            positions = write.positions
-            slots = table[positions // block_size] * block_size + positions % block_size
-            write.slots = slots.to(self.device, non_blocking=True)
-            write.positions = positions.to(self.device, non_blocking=True)
-            writes.append(write)
-            self._count_bytes(write, layer_bytes, state.config.first_partial_layer)
+        rows, writes, layer_bytes, tiers = self._chunk_writes(
+            state, todo, start, num_new, computed, precompute, table, block_size
+        )
         stats.tokens_reused = int(rows.reused.sum())
         config = self._ratio(state.config, stats, num_new, layer_bytes, overlapped)
         stats.store_errors += self.manager.store.connection_errors - errors_before
@@ -137,6 +120,48 @@ class ChunkLoader:
             trace=TokenTrace(num_new, tiers) if tiers is not None else None,
         )
         return blend, writes
+
+    def _chunk_writes(
+        self,
+        state: BlendRequestState,
+        todo: list[int],
+        start: int,
+        num_new: int,
+        computed: dict,
+        precompute: Precompute | None,
+        table: torch.Tensor,
+        block_size: int,
+    ) -> tuple[_ChunkRows, list[ChunkWrite], dict[str, int], list[str | None] | None]:
+        """The writes of the chunks of ``todo`` into the blocks of ``table``, and what they
+        tell: the rows they mark, per tier a mean layer's bytes (for the loading controller),
+        per chunk its tier (for the token map; None without one)."""
+        spans = state.prompt.chunk_spans
+        rows = _ChunkRows(num_new)
+        writes: list[ChunkWrite] = []
+        layer_bytes: dict[str, int] = {}
+        skips = self._window_skips(state, todo, start, state.config.first_partial_layer)
+        tiers = [None] * len(spans) if state.token_map else None  # per chunk, for the map
+        # Last chunk first: a prefetch thread still reading this request's chunks goes from the
+        # first, so the two meet in the middle instead of queueing behind each other.
+        for i in reversed(todo):
+            lo = rows.mark(i, *spans[i], start)
+            write = self._chunk_write(state, i, lo, skips[i], computed, precompute)
+            if write is None:
+                continue
+            if tiers is not None:
+                tiers[i] = write.owner[1]
+            self._set_slots(write, table, block_size)
+            writes.append(write)
+            self._count_bytes(write, layer_bytes, state.config.first_partial_layer)
+        return rows, writes, layer_bytes, tiers
+
+    def _set_slots(self, write: ChunkWrite, table: torch.Tensor, block_size: int) -> None:
+        """``write``'s slots in the blocks of ``table`` (from its positions); both on the
+        device."""
+        positions = write.positions
+        slots = table[positions // block_size] * block_size + positions % block_size
+        write.slots = slots.to(self.device, non_blocking=True)
+        write.positions = positions.to(self.device, non_blocking=True)
 
     def _precomputed(
         self, state: BlendRequestState, todo: list[int], precompute: Precompute | None

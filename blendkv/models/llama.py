@@ -229,10 +229,7 @@ class LlamaModel(nn.Module):
         last-layer outputs. The rows returned are then the output rows among the rows the
         forward computes (``row_plan.rows``, or all), in order.
         """
-        if kv_caches is not None and attn_metadata is None:
-            raise ValueError("kv_caches need attn_metadata")
-        if kv_caches is not None and len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} kv_caches, got {len(kv_caches)}")
+        _check_kv_caches(kv_caches, attn_metadata, len(self.layers))
         pieces = pieces or EAGER_PIECES
         rows = LayerRows(positions, attn_metadata)
         last = len(self.layers) - 1
@@ -248,18 +245,8 @@ class LlamaModel(nn.Module):
             # run through the tail of the layer before: its dense ops are row by row).
             keep = seam.select_unprojected(layer.self_attn, kv_cache, rows.attn_metadata)
             if keep is not None:
-                rows = rows.subset(keep)
-                kept = kept_rows(keep, input_ids.device)
-                if tail is None:
-                    input_ids = input_ids[kept]
-                else:
-                    tail = tuple(t[kept] for t in tail)
-            # One dense piece between attentions: the tail of the layer before (or the
-            # embeddings), then this layer's input norm and projections.
-            if tail is None:
-                q, k, v, residual = pieces.run(("first",), self._first, (input_ids,))
-            else:
-                q, k, v, residual = pieces.run(("link", i), functools.partial(self._link, i), tail)
+                rows, input_ids, tail = _drop_rows(keep, rows, input_ids, tail)
+            q, k, v, residual = self._dense_piece(i, pieces, input_ids, tail)
             out = layer(q, k, v, residual, rows, kv_cache, seam, pieces)
             if out is None:  # kv_only: the hooks have the last layer's K/V
                 return None
@@ -268,6 +255,13 @@ class LlamaModel(nn.Module):
             return tail[0].new_empty(0, self.embed_tokens.embedding_dim)
         (hidden_states,) = pieces.run(("last",), self._last, tuple(tail))
         return hidden_states
+
+    def _dense_piece(self, i: int, pieces: Pieces, input_ids: torch.Tensor, tail) -> tuple:
+        """One dense piece between attentions: the tail of the layer before (or, with no
+        ``tail``, the embeddings), then layer ``i``'s input norm and projections."""
+        if tail is None:
+            return pieces.run(("first",), self._first, (input_ids,))
+        return pieces.run(("link", i), functools.partial(self._link, i), tail)
 
     def _first(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Piece: embeddings, layer 0's head."""
@@ -283,6 +277,26 @@ class LlamaModel(nn.Module):
         hidden_states, residual = self.layers[-1].leave(heads, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states,)
+
+
+def _check_kv_caches(kv_caches, attn_metadata, num_layers: int) -> None:
+    """A pool needs metadata, and one cache per layer."""
+    if kv_caches is not None and attn_metadata is None:
+        raise ValueError("kv_caches need attn_metadata")
+    if kv_caches is not None and len(kv_caches) != num_layers:
+        raise ValueError(f"expected {num_layers} kv_caches, got {len(kv_caches)}")
+
+
+def _drop_rows(keep: torch.Tensor, rows: LayerRows, input_ids: torch.Tensor, tail) -> tuple:
+    """Only the rows ``keep`` flags, of the row set and of what the next dense piece reads
+    (the token ids before layer 0, else the layer before's ``tail``)."""
+    rows = rows.subset(keep)
+    kept = kept_rows(keep, input_ids.device)
+    if tail is None:
+        input_ids = input_ids[kept]
+    else:
+        tail = tuple(t[kept] for t in tail)
+    return rows, input_ids, tail
 
 
 class LlamaForCausalLM(nn.Module):
