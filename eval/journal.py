@@ -32,9 +32,10 @@ RESUME_KEYS = (
     "anchor",
     "anchor_boundary",
     "chunk_order",
+    "calibrate",
 )
 # What a journal written before a key existed ran with.
-_OLD_DEFAULTS = {"anchor": "prompt", "anchor_boundary": 0, "chunk_order": "source"}
+_OLD_DEFAULTS = {"anchor": "prompt", "anchor_boundary": 0, "chunk_order": "source", "calibrate": 0}
 
 
 class JournalError(ConfigError):

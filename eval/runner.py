@@ -14,6 +14,7 @@ in the journal (``blendkv eval --resume``) are not run again.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -165,7 +166,9 @@ def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None 
     done_ids = {r["id"] for r in done}
     todo = [ex for ex in examples if ex.id not in done_ids]
     if todo or journal is None or journal.run_config is None:
-        result = _run_examples(config, methods, todo, len(examples), progress, journal)
+        # calibrated on the first examples of the whole run, a resumed one included
+        calibration = examples[: config.calibrate]
+        result = _run_examples(config, methods, todo, calibration, len(examples), progress, journal)
     else:  # everything is in the journal: aggregate only, no model
         result = EvalResult(config={**journal.run_config, "num_examples": len(examples)})
     result.records[:0] = done
@@ -176,7 +179,9 @@ def run_eval(config: EvalConfig, progress: bool = True, journal: Journal | None 
     return result
 
 
-def _run_examples(config, methods, examples, num_examples: int, progress: bool, journal):
+def _run_examples(config, methods, examples, calibration, num_examples, progress, journal):
+    """``examples`` run (the run's, less those in the journal); ``calibration``: the examples
+    whose passages ``--calibrate`` measures (the run's first)."""
     spec = get_prompt_spec(dataset_kind(config.data))
     examples = order_examples(examples, config.chunk_order)
     llm = LLM(
@@ -194,27 +199,21 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         manager = llm.blend_manager()
         stores = CodecStores(manager, parse_codecs(config.kv_codecs))
         prompts = [_example_prompt(manager, render_prompt(ex, spec)) for ex in examples]
-        hf = None
-        if any(m.kind == "hf" for m in methods):
-            engine = llm.engine
-            hf = HFRunner(
-                engine.resolved.model_dir,
-                engine.dtype,
-                engine.tokenizer,
-                engine.info.eos_token_ids,
-                engine.info.device,
-            )
+        hf = _hf_runner(llm) if any(m.kind == "hf" for m in methods) else None
         result = EvalResult(config=_config_dict(config, llm, methods, num_examples))
         reference = None
         if config.reference_cache is not None:
             identity = reference_identity(llm, config.max_tokens, config.answer_tokens)
             reference = ReferenceCache(config.reference_cache, identity)
+        if examples and config.calibrate:  # before a target@T request reads the calibration
+            measured = [_example_prompt(manager, render_prompt(ex, spec)) for ex in calibration]
+            resumed = journal.run_config if journal is not None else None
+            curve = _calibrate(llm, stores, measured, config, progress, resumed)
+            result.config["calibration"] = curve
         if journal is not None:
             journal.start(result.config)
         if not examples:
             return result
-        if config.calibrate:  # before any target@T request reads the store's calibration
-            result.config["calibration"] = _calibrate(llm, stores, prompts, config, progress)
         _warm_up(llm, hf, methods, stores, prompts[0])
         keys, num_tokens = _store_chunks(llm, stores, prompts[0])
         result.config["store_bytes_per_token"] = {
@@ -244,6 +243,18 @@ def _run_examples(config, methods, examples, num_examples: int, progress: bool, 
         llm.close()
 
 
+def _hf_runner(llm) -> HFRunner:
+    """transformers on the engine's model, dtype and device (the ``hf`` methods)."""
+    engine = llm.engine
+    return HFRunner(
+        engine.resolved.model_dir,
+        engine.dtype,
+        engine.tokenizer,
+        engine.info.eos_token_ids,
+        engine.info.device,
+    )
+
+
 def _store_chunks(llm, stores: CodecStores, prompt: ExamplePrompt) -> tuple[list[bytes], int]:
     """Stores ``prompt``'s chunks not stored yet, in the engine's store and every codec's
     (each encodes them its way); returns their keys and token count."""
@@ -253,17 +264,24 @@ def _store_chunks(llm, stores: CodecStores, prompt: ExamplePrompt) -> tuple[list
     return state.chunk_keys, sum(len(c) for c in state.prompt.chunks)
 
 
-def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: bool) -> dict:
+def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: bool, resumed):
     """Calibrate the run's store (:mod:`blendkv.guards.calibration`) on ``config.calibrate``
-    random sets of the stored passages of the first as many examples, each followed by one of
-    the calibration's own questions (not the data set's), and save it beside the store: what
-    ``target@T`` methods pick their ratio from. Returns the curve, for results.json."""
-    from blendkv.guards.calibration import calibrate
+    random sets of the stored passages of ``prompts`` (the run's first examples), each followed
+    by one of the calibration's own questions (not the data set's), and save it beside the
+    store: what ``target@T`` methods pick their ratio from. Returns the curve, for
+    results.json. A resumed run (``resumed``: the journal's config) whose curve is still the
+    one beside the store keeps it: its earlier records ran with that curve."""
+    from blendkv.guards.calibration import Calibration, calibrate
 
-    keys: set[bytes] = set()
-    for prompt in prompts[: config.calibrate]:
-        keys.update(_store_chunks(llm, stores, prompt)[0])
     manager = stores.manager
+    path = manager.document_store.path
+    if resumed and resumed.get("calibration") is not None:
+        saved = Calibration.load(path, manager.fingerprint.digest())
+        if saved is not None and resumed["calibration"] == _curve_dict(saved):
+            return _curve_dict(saved)
+    keys: set[bytes] = set()
+    for prompt in prompts:
+        keys.update(_store_chunks(llm, stores, prompt)[0])
     ids = [m.chunk_id for m in manager.document_store.iter_meta() if m.key in keys]
     with tqdm(total=config.calibrate, desc="calibrating", disable=not progress) as bar:
         curve = calibrate(
@@ -274,8 +292,13 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
             seed=config.seed,
             progress=bar.update,
         )
-    curve.save(manager.document_store.path)
-    return {k: v for k, v in asdict(curve).items() if k != "fingerprint"}
+    curve.save(path)
+    return _curve_dict(curve)
+
+
+def _curve_dict(curve) -> dict:
+    """A calibration as results.json and the journal hold it (JSON types, no fingerprint)."""
+    return json.loads(json.dumps({k: v for k, v in asdict(curve).items() if k != "fingerprint"}))
 
 
 def _example_prompt(manager, rendered) -> ExamplePrompt:

@@ -123,6 +123,29 @@ def test_calibrate_first_then_targets_run_at_the_calibrated_ratio(tmp_path, eval
     assert all(r["blend_stats"]["predicted_recompute_ratio"] == picked for r in rows)
 
 
+def test_a_resumed_run_keeps_its_calibration(tmp_path, eval_model_dir, capsys):
+    """``--resume`` after a calibrated run: the curve beside the store is the one the first
+    examples ran with, so it is kept, not measured again on the examples still to run; the
+    journal has it. A resume with another ``--calibrate`` is refused."""
+    out, store = tmp_path / "out", tmp_path / "store"
+    argv = ["eval", "--data", "synthetic", "--methods", "full,target@0.5", "--calibrate", "2"]
+    argv += ["--model", str(eval_model_dir), "--kv-store-dir", str(store), "--dtype", "float32"]
+    argv += ["--max-tokens", "4", "--out", str(out), "--no-progress"]
+    assert main([*argv, "--limit", "1"]) == 0
+    saved = (store / "calibration.json").read_text()
+    first = json.loads((out / "run_config.json").read_text())["config"]["calibration"]
+    assert main([*argv, "--limit", "2", "--resume"]) == 0
+    assert (store / "calibration.json").read_text() == saved  # not measured again
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["calibration"] == first
+    assert results["config"]["num_examples"] == 2
+    rows = [r for r in _records(out) if r["method"] == "target@0.5"]
+    assert len(rows) == 2 and all(r["blend_stats"]["calibrated"] for r in rows)
+    other = [a if a != "2" else "3" for a in argv]
+    assert main([*other, "--limit", "2", "--resume"]) == 2
+    assert "calibrate: 2 there, 3 now" in capsys.readouterr().err
+
+
 def test_calibrate_takes_zero_or_at_least_two_prompts():
     with pytest.raises(ConfigError, match="calibrate"):
         EvalConfig(data="synthetic", calibrate=1)

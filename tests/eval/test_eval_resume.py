@@ -25,6 +25,7 @@ SETTINGS = dict(
     anchor="prompt",
     anchor_boundary=0,
     chunk_order="source",
+    calibrate=0,
 )
 
 
