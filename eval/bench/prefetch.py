@@ -63,49 +63,68 @@ def main(args: argparse.Namespace) -> int:
 
 def _run_mode(llm, prompts, page_out) -> dict:
     """One engine's runs: the burst, then per prompt beside a decode and alone."""
-    engine, manager = llm.engine, llm.blend_manager()
-    store = manager.store
-    cfg = BlendConfig()
-    one = SamplingParams(temperature=0.0, max_tokens=1)
-    states = [manager.prepare(prompt, cfg) for prompt in prompts]
-    lengths = [len(state.prompt.token_ids) for state in states]
-    for prompt in prompts:  # every chunk in the store, read once (checksums checked)
-        llm.generate([prompt], one, blend=cfg)
-    manager.flush()
-    keys = [k for state in states for k in state.chunk_keys]
+    runs = _ModeRuns(llm, prompts, page_out)
+    wall, outs = runs.burst()
+    run = {"burst": (wall, [o.metrics.ttft for o in outs]), "examples": [], "logits": []}
+    run["logits"] += [o.extra["prompt_logits"] for o in outs]
+    for i in range(len(prompts)):
+        out, gap = runs.beside_decode(i)
+        single = runs.alone(i)
+        stats = out.blend_stats
+        run["examples"].append(
+            (runs.lengths[i], out.metrics.ttft, gap, stats.chunks_prefetched, single.metrics.ttft)
+        )
+        run["logits"] += [out.extra["prompt_logits"], single.extra["prompt_logits"]]
+    run["model"], run["store"] = llm.engine.info.model_name, runs.store.tier
+    return run
 
-    def cold() -> None:
-        if store.tier == "lmdb":
-            page_out(store, keys)
-        store.memory_tier.clear()
 
-    def run_until(rid):
-        while True:
-            for out in engine.step():
-                if out.request_id == rid and out.finished:
-                    return out
+class _ModeRuns:
+    """The scenarios on one engine, every chunk read cold: its prompts' chunks are stored
+    (each prompt run once) when it is made."""
 
-    def burst():
-        cold()
+    def __init__(self, llm, prompts, page_out):
+        self.engine, manager = llm.engine, llm.blend_manager()
+        self.store, self.page_out, self.prompts = manager.store, page_out, prompts
+        self.cfg = BlendConfig()
+        self.one = SamplingParams(temperature=0.0, max_tokens=1)
+        states = [manager.prepare(prompt, self.cfg) for prompt in prompts]
+        self.lengths = [len(state.prompt.token_ids) for state in states]
+        for prompt in prompts:  # every chunk in the store, read once (checksums checked)
+            llm.generate([prompt], self.one, blend=self.cfg)
+        manager.flush()
+        self.keys = [k for state in states for k in state.chunk_keys]
+
+    def cold(self) -> None:
+        if self.store.tier == "lmdb":
+            self.page_out(self.store, self.keys)
+        self.store.memory_tier.clear()
+
+    def add(self, i: int) -> str:
+        """Prompt ``i``, blended, one token, its last row's logits kept."""
+        return self.engine.add_request(
+            self.prompts[i], self.one, blend=self.cfg, logits_from=self.lengths[i] - 1
+        )
+
+    def burst(self):
+        self.cold()
         t0 = time.perf_counter()
-        ids = [
-            engine.add_request(prompt, one, blend=cfg, logits_from=n - 1)
-            for prompt, n in zip(prompts, lengths, strict=True)
-        ]
+        ids = [self.add(i) for i in range(len(self.prompts))]
         outs = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
                 if out.finished:
                     outs[out.request_id] = out
         return time.perf_counter() - t0, [outs[i] for i in ids]
 
-    def beside_decode(i: int):
+    def beside_decode(self, i: int):
+        engine = self.engine
         params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
         decode_id = engine.add_request("Count from one to a thousand: one, two,", params)
         for _ in range(3):
             engine.step()
-        cold()
-        blend_id = engine.add_request(prompts[i], one, blend=cfg, logits_from=lengths[i] - 1)
+        self.cold()
+        blend_id = self.add(i)
         last, gap, blended = time.perf_counter(), 0.0, None
         while blended is None:
             for out in engine.step():
@@ -118,23 +137,13 @@ def _run_mode(llm, prompts, page_out) -> dict:
         engine.abort_request(decode_id)
         return blended, gap
 
-    def alone(i: int):
-        cold()
-        return run_until(engine.add_request(prompts[i], one, blend=cfg, logits_from=lengths[i] - 1))
-
-    wall, outs = burst()
-    run = {"burst": (wall, [o.metrics.ttft for o in outs]), "examples": [], "logits": []}
-    run["logits"] += [o.extra["prompt_logits"] for o in outs]
-    for i in range(len(prompts)):
-        out, gap = beside_decode(i)
-        single = alone(i)
-        stats = out.blend_stats
-        run["examples"].append(
-            (lengths[i], out.metrics.ttft, gap, stats.chunks_prefetched, single.metrics.ttft)
-        )
-        run["logits"] += [out.extra["prompt_logits"], single.extra["prompt_logits"]]
-    run["model"], run["store"] = engine.info.model_name, store.tier
-    return run
+    def alone(self, i: int):
+        self.cold()
+        rid = self.add(i)
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid and out.finished:
+                    return out
 
 
 def _report(args, runs: dict, num_prompts: int) -> int:

@@ -44,7 +44,6 @@ POLICIES = ("round-robin", "least-loaded", "chunk-affinity")
 
 def main(args: argparse.Namespace) -> int:
     import ray
-    from ray import serve
 
     from blendkv.eval.bench.redis_server import start_redis
     from blendkv.rag.distributed import ingest_on_ray
@@ -81,19 +80,7 @@ def main(args: argparse.Namespace) -> int:
                 "prefetch_kv": False,
                 "num_threads": 1,
             }
-            serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-            out["routers"] = {}
-            for policy in args.policies:
-                out["routers"][policy] = _run_policy(
-                    args, policy, options, url, corpus, requests, kill=False
-                )
-                _print_row(policy, out["routers"][policy])
-            if args.kill_replica:
-                out["kill"] = _run_policy(
-                    args, "chunk-affinity", options, url, corpus, requests, kill=True
-                )
-                print("kill:", json.dumps(out["kill"]["kill"]))
-            serve.shutdown()
+            out.update(_serve_routers(args, options, url, corpus, requests))
             out["tiers"] = _tier_costs(args, url, corpus, workload, memory_bytes)
             print("tiers:", json.dumps(out["tiers"]))
         finally:
@@ -173,6 +160,25 @@ async def _replay(args, base: str, corpus, requests) -> dict:
         "wall_s": round(wall, 2),
         "per_replica": dict(sorted(per_replica.items())),
     }
+
+
+def _serve_routers(args, options: dict, url: str, corpus, requests) -> dict:
+    """Each router policy on Ray Serve in turn, then (``--kill-replica``) chunk affinity with a
+    replica killed mid-stream: ``{"routers": {policy: row}, "kill": row}``."""
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    out: dict = {"routers": {}}
+    for policy in args.policies:
+        out["routers"][policy] = _run_policy(
+            args, policy, options, url, corpus, requests, kill=False
+        )
+        _print_row(policy, out["routers"][policy])
+    if args.kill_replica:
+        out["kill"] = _run_policy(args, "chunk-affinity", options, url, corpus, requests, kill=True)
+        print("kill:", json.dumps(out["kill"]["kill"]))
+    serve.shutdown()
+    return out
 
 
 def _body(args, corpus, r, max_tokens: int | None = None) -> dict:
