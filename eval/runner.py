@@ -280,7 +280,7 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
         if saved is not None and resumed["calibration"] == _curve_dict(saved):
             return _curve_dict(saved)
     keys: set[bytes] = set()
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="storing passages", unit="example", disable=not progress):
         keys.update(_store_chunks(llm, stores, prompt)[0])
     ids = [m.chunk_id for m in manager.document_store.iter_meta() if m.key in keys]
     with tqdm(total=config.calibrate, desc="calibrating", disable=not progress) as bar:

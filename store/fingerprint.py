@@ -9,6 +9,7 @@ defines the type, its canonical JSON form and its digest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -97,6 +98,10 @@ class ModelFingerprint:
     def digest(self) -> str:
         """Stable hex digest (blake2b-128 of the canonical JSON without ``kv_codec``); equal
         across processes and codecs."""
+        return self._digest
+
+    @functools.cached_property
+    def _digest(self) -> str:  # every chunk key hashes it: computed once (the fields are frozen)
         model = self.to_dict()
         model.pop("kv_codec", None)
         return hashlib.blake2b(canonical_json(model).encode(), digest_size=16).hexdigest()

@@ -38,9 +38,10 @@ class BlendedPrompt:
     chunk_starts: list[int]
     query_start: int  # first position after the last chunk
 
-    @property
-    def chunk_spans(self) -> list[tuple[int, int]]:
-        return [(s, s + len(c)) for s, c in zip(self.chunk_starts, self.chunks, strict=True)]
+    @functools.cached_property
+    def chunk_spans(self) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` of every chunk (computed once: loading reads it per chunk)."""
+        return tuple((s, s + len(c)) for s, c in zip(self.chunk_starts, self.chunks, strict=True))
 
     @property
     def num_chunk_tokens(self) -> int:
