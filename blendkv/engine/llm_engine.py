@@ -178,7 +178,7 @@ class LLMEngine:
             Sampler(info.eos_token_ids),
             connector=self.kv_connector,
             prune_last_layer=config.prune_last_layer,
-            pack_chunks=config.deterministic,
+            row_tiled=config.deterministic,
         )
         runner.structured_outputs = StructuredOutputs(self.tokenizer)
         graphs = self.device.startswith("cuda") and not config.enforce_eager

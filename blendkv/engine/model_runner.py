@@ -16,6 +16,7 @@ K/V into it before the forward and gives the forward its row plan and layer hook
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Container
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blendkv.engine.chunk_packing import PACK_ROWS, PROBED_PACK_ROWS, pack, packing_is_exact
 from blendkv.engine.kv_connector import ForwardInputs
 from blendkv.engine.penalties import TokenCounts
 from blendkv.errors import PromptTooLongError
@@ -36,9 +38,8 @@ if TYPE_CHECKING:
     from blendkv.engine.scheduler_output import AuditWork, PrecomputeWork, SchedulerOutput
     from blendkv.engine.sequence import Sequence
 
-# Rows of one packed chunk-precompute forward (``pack_chunks``): a step's worth of small chunks
-# in one forward, its activations a few MLP widths of that many rows.
-PACK_ROWS = 2048
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,16 +91,17 @@ class ModelRunner:
         sampler: Sampler,
         connector: KVConnectorBase,
         prune_last_layer: bool = True,
-        pack_chunks: bool = False,
+        row_tiled: bool = False,
     ) -> None:
         """``prune_last_layer``: the last layer attends and runs its MLP only for the rows the
-        step reads (``EngineConfig.prune_last_layer``). ``pack_chunks``: chunk precompute runs
-        many chunks in one forward; only for a model whose GEMMs are row-tiled
-        (``EngineConfig.deterministic``), where a chunk's bits do not depend on its
-        neighbours."""
+        step reads (``EngineConfig.prune_last_layer``). ``row_tiled``: the model's GEMMs are
+        row-tiled (``EngineConfig.deterministic``), so chunk precompute packs up to
+        ``PACK_ROWS`` rows of chunks per forward; otherwise a probe decides
+        (:mod:`blendkv.engine.chunk_packing`)."""
         self.model = model
         self.prune_last_layer = prune_last_layer
-        self.pack_chunks = pack_chunks
+        # rows per packed chunk forward; None: probed at the first precompute of several chunks
+        self.pack_rows: int | None = PACK_ROWS if row_tiled else None
         self.attn_backend = attn_backend
         self.spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
@@ -167,8 +169,7 @@ class ModelRunner:
         done = []
         works = [w for w in out.precompute if w.request_id not in skip]
         sizes = [len(w.context_ids) + len(w.chunk_ids) for w in works]
-        packed = _pack(sizes, PACK_ROWS) if self.pack_chunks else [[i] for i in range(len(works))]
-        for group in ([works[i] for i in g] for g in packed):
+        for group in ([works[i] for i in g] for g in pack(sizes, self._pack_rows(len(works)))):
             group = [w for w in group if w.request_id not in skip]
             if not group:
                 continue
@@ -192,11 +193,10 @@ class ModelRunner:
         ids): ``[num_layers, 2, len(chunk), kv_heads, head_dim]`` each, on the model's device.
 
         Stored K/V is addressed by content, so its bits must not depend on which chunks were
-        computed beside it. A forward of several chunks changes the GEMMs' row count, and with
-        it their rounding, unless the GEMMs are row-tiled: so one forward per chunk, or with
-        ``pack_chunks`` up to ``PACK_ROWS`` rows of chunks per forward, each its own sequence.
-        No KV pool (dense metadata); the last layer stops after its projections (``kv_only``):
-        its attention and MLP are never used.
+        computed beside it: several chunks share a forward (each its own sequence) only where
+        that gives each the bits it gets alone (:mod:`blendkv.engine.chunk_packing`). No KV
+        pool (dense metadata); the last layer stops after its projections (``kv_only``): its
+        attention and MLP are never used.
         """
         limit = self.model.model.rotary_emb.max_position
         for context, chunk in zip(contexts, chunks, strict=True):
@@ -207,9 +207,21 @@ class ModelRunner:
                     f"exceeds the model's {limit} positions; split it into smaller chunks"
                 )
         pairs = list(zip(contexts, chunks, strict=True))
-        sizes = [len(c) + len(k) for c, k in pairs]
-        packed = _pack(sizes, PACK_ROWS) if self.pack_chunks else [[i] for i in range(len(pairs))]
-        return [kv for g in packed for kv in self._chunk_forward([pairs[i] for i in g])]
+        groups = pack([len(c) + len(k) for c, k in pairs], self._pack_rows(len(pairs)))
+        return [kv for g in groups for kv in self._chunk_forward([pairs[i] for i in g])]
+
+    def _pack_rows(self, num_chunks: int) -> int:
+        """Rows per packed chunk forward (0: one chunk per forward); probed once, when several
+        chunks first come to be computed."""
+        if self.pack_rows is None and num_chunks > 1:
+            model = self.model.model
+            longest = min(256, model.rotary_emb.max_position)
+            exact = packing_is_exact(
+                self._chunk_forward, model.embed_tokens.num_embeddings, longest=longest
+            )
+            self.pack_rows = PROBED_PACK_ROWS if exact else 0
+            logger.info("chunk precompute packing: %s", "exact, on" if exact else "off")
+        return self.pack_rows or 0
 
     def _chunk_forward(self, pairs: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
         """One forward of ``(context, chunk)`` sequences; each chunk's K/V."""
@@ -413,17 +425,3 @@ class _ChunkKVSaver(LayerHooks):
         for out, (lo, hi) in zip(self.outs, self.spans, strict=True):
             out[layer_idx, 0] = k[lo:hi]
             out[layer_idx, 1] = v[lo:hi]
-
-
-def _pack(sizes: list[int], max_rows: int) -> list[list[int]]:
-    """Indices of items of ``sizes`` rows, in order, in groups of at most ``max_rows`` rows
-    (a longer item alone)."""
-    groups: list[list[int]] = []
-    rows = max_rows
-    for i, n in enumerate(sizes):
-        if rows + n > max_rows:
-            groups.append([])
-            rows = 0
-        groups[-1].append(i)
-        rows += n
-    return groups

@@ -41,20 +41,24 @@ def test_abort_stops_precompute_and_keeps_what_was_computed(tiny_llama_dir, tmp_
     llm.close()
 
 
-def test_an_abort_during_a_step_stops_its_precompute_at_the_next_chunk(tiny_llama_dir, tmp_path):
-    """An idle engine runs all twelve documents' precompute in one step; an abort arriving
-    from another thread after the first chunk stops it there, not after the step."""
+def test_an_abort_during_a_step_stops_its_precompute_at_the_next_forward(tiny_llama_dir, tmp_path):
+    """An idle engine runs all the documents' precompute in one step, in forwards of one chunk
+    or of several (where packing is exact, :mod:`blendkv.engine.chunk_packing`). An abort
+    arriving from another thread while the first forward's chunks are saved stops it there,
+    not after the step; the chunks that forward computed stay stored."""
     import asyncio
 
     from blendkv.entrypoints.async_llm import AsyncLLM
 
     llm = QuietLLM(str(tiny_llama_dir), dtype="float32", kv_store_dir=str(tmp_path / "store"))
     served = AsyncLLM.from_llm(llm)
-    engine, manager = llm.engine, llm.blend_manager()
-    prompt = {"documents": DOCS, "query": "Which answer is 35?"}
+    engine, manager, runner = llm.engine, llm.blend_manager(), llm.engine.runner
+    docs = DOCS * 2  # more rows than one packed forward holds
+    prompt = {"documents": [f"{d} ({i})" for i, d in enumerate(docs)], "query": "Which is 35?"}
     keys = manager.prepare(prompt, None).chunk_keys
-    connector, saved = engine.kv_connector, []
-    save = connector.save_chunk_kv
+    runner.compute_chunk_kv([[]] * 2, [[5, 6], [7, 8]])  # the packing probe, out of the way
+    connector, saved, forwards = engine.kv_connector, [], []
+    save, forward = connector.save_chunk_kv, runner._chunk_forward
 
     def save_then_abort(work, kv, seconds):  # on the engine thread, inside the step
         save(work, kv, seconds)
@@ -62,7 +66,11 @@ def test_an_abort_during_a_step_stops_its_precompute_at_the_next_chunk(tiny_llam
         if len(saved) == 1:
             served.abort("docs")  # as the event loop would, on a disconnect
 
-    connector.save_chunk_kv = save_then_abort
+    def counted_forward(pairs):
+        forwards.append(len(pairs))
+        return forward(pairs)
+
+    connector.save_chunk_kv, runner._chunk_forward = save_then_abort, counted_forward
 
     async def run() -> None:
         await served.add_request(prompt, SamplingParams(max_tokens=1), "docs")
@@ -71,7 +79,8 @@ def test_an_abort_during_a_step_stops_its_precompute_at_the_next_chunk(tiny_llam
 
     asyncio.run(run())
     served.shutdown()
-    assert len(saved) == 1 and not engine.has_unfinished_requests()
+    assert len(forwards) == 1 and forwards[0] < len(docs)  # no forward after the abort
+    assert len(saved) == forwards[0] and not engine.has_unfinished_requests()
     manager.flush()
-    assert sum(manager.has(key) for key in keys) == 1  # the computed chunk stays stored
+    assert sum(manager.has(key) for key in keys) == forwards[0]  # what it computed stays
     llm.close()
