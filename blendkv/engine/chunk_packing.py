@@ -8,9 +8,10 @@ same bits. So packing is on where it is known to be exact:
 
 - with ``deterministic=True`` the GEMMs are row-tiled (:mod:`blendkv.layers.batch_invariant`):
   up to :data:`PACK_ROWS` rows per forward;
-- otherwise :func:`packing_is_exact` probes the engine's own forward once, at its first
-  precompute of several chunks, and packing runs up to :data:`PROBED_PACK_ROWS` rows (the rows
-  the probe covered) if every probe chunk came out bit-identical, or not at all.
+- otherwise :func:`packing_is_exact` probes the engine's own forward once (in the warm-up at
+  load, or at its first precompute of several chunks), and packing runs up to
+  :data:`PROBED_PACK_ROWS` rows (the rows the probe covered) if every probe chunk came out
+  bit-identical, or not at all.
 
 Why it matters: a tiny document's forward on the CPU reads the model's weights for a dozen
 rows; a step of 75 of them read them 75 times.

@@ -212,8 +212,17 @@ class ModelRunner:
 
     def _pack_rows(self, num_chunks: int) -> int:
         """Rows per packed chunk forward (0: one chunk per forward); probed once, when several
-        chunks first come to be computed."""
-        if self.pack_rows is None and num_chunks > 1:
+        chunks first come to be computed (or at the warm-up)."""
+        if num_chunks > 1:
+            self.probe_chunk_packing()
+        return self.pack_rows or 0
+
+    @torch.inference_mode()
+    def probe_chunk_packing(self) -> None:
+        """Decide :attr:`pack_rows` once, from a probe of this model's forward
+        (:func:`~blendkv.engine.chunk_packing.packing_is_exact`): a few forwards of up to 512
+        rows."""
+        if self.pack_rows is None:
             model = self.model.model
             longest = min(256, model.rotary_emb.max_position)
             exact = packing_is_exact(
@@ -221,7 +230,6 @@ class ModelRunner:
             )
             self.pack_rows = PROBED_PACK_ROWS if exact else 0
             logger.info("chunk precompute packing: %s", "exact, on" if exact else "off")
-        return self.pack_rows or 0
 
     def _chunk_forward(self, pairs: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
         """One forward of ``(context, chunk)`` sequences; each chunk's K/V."""

@@ -6,7 +6,9 @@ library's and the C++ kernels' first calls (thread pool, packed weights, per-sha
 torch's first dispatch of each op, and on CUDA the Triton compiles and the decode CUDA-graph
 capture. One greedy request of a short plain prompt (a prefill step, then a decode step) runs
 the same layers and attention kernels as a blended one, and writes nothing to a chunk store;
-the blend connector's store is still opened on first use. Afterwards the block pool is
+the blend connector's store is still opened on first use. The runner also probes whether
+chunk precompute may pack chunks (:mod:`blendkv.engine.chunk_packing`), which a live step
+would otherwise pay for. Afterwards the block pool is
 replaced by a fresh one, so the warm-up leaves no cached prefix and no trace in block order.
 
 ``LLM(warmup=False)`` (``--no-warmup``) skips it (the test suite does: it builds many engines
@@ -49,6 +51,7 @@ def warm_up(engine, num_prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> float:
     engine.add_request(prompt, params, request_id=WARMUP_REQUEST_ID)
     while engine.has_unfinished_requests():
         engine.step()
+    engine.runner.probe_chunk_packing()  # not in a live step's time
     _fresh_block_pool(engine)
     return time.perf_counter() - start
 

@@ -1,5 +1,6 @@
-"""The warm-up request at load: it runs a prefill and a decode step, leaves
-no trace (block pool, prefix cache, request ids, outputs), and can be switched off."""
+"""The warm-up request at load: it runs a prefill and a decode step (and the chunk-packing
+probe), leaves no trace (block pool, prefix cache, request ids, outputs), and can be switched
+off."""
 
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ def _forward_rows(llm) -> list[int]:
 def test_warm_up_runs_a_prefill_and_a_decode_step(tiny_llama_dir):
     with QuietLLM(str(tiny_llama_dir), dtype="float32", warmup=False) as llm:
         rows = _forward_rows(llm)
+        assert llm.engine.runner.pack_rows is None
         assert warm_up(llm.engine) > 0
-        assert rows == [WARMUP_PROMPT_TOKENS, 1]
+        assert rows[:2] == [WARMUP_PROMPT_TOKENS, 1]
+        # then the chunk-packing probe's forwards: decided here, not in a live step
+        assert len(rows) > 2 and llm.engine.runner.pack_rows is not None
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks == 0
         assert list(bm.free_queue) == list(range(bm.num_blocks))  # as a fresh pool
