@@ -100,7 +100,8 @@ class ModelRunner:
         (:mod:`blendkv.engine.chunk_packing`)."""
         self.model = model
         self.prune_last_layer = prune_last_layer
-        # rows per packed chunk forward; None: probed at the first precompute of several chunks
+        # rows per packed chunk forward; None: not probed yet (the warm-up or the first
+        # precompute of several chunks probes)
         self.pack_rows: int | None = PACK_ROWS if row_tiled else None
         self.attn_backend = attn_backend
         self.spec = kv_cache_spec
