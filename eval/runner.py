@@ -283,12 +283,15 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
     for prompt in tqdm(prompts, desc="storing passages", unit="example", disable=not progress):
         keys.update(_store_chunks(llm, stores, prompt)[0])
     ids = [m.chunk_id for m in manager.document_store.iter_meta() if m.key in keys]
+    # prompts as long as the run's: drift grows with the passages a prompt holds
+    per_prompt = round(statistics.median(len(p.blended["documents"]) for p in prompts))
     with tqdm(total=config.calibrate, desc="calibrating", disable=not progress) as bar:
         curve = calibrate(
             llm,
             ids,
             prompts[0].blended["instruction"],
             num_prompts=config.calibrate,
+            chunks_per_prompt=max(1, per_prompt),
             seed=config.seed,
             progress=bar.update,
         )

@@ -58,6 +58,8 @@ class Calibration:
         high: per ratio, the upper end.
         num_prompts: the prompts measured.
         seconds: how long the calibration ran.
+        chunks_per_prompt: the stored chunks each prompt held (0: not recorded). Drift grows
+            with a prompt's passages, so a curve holds for prompts about this long.
     """
 
     fingerprint: str
@@ -67,6 +69,7 @@ class Calibration:
     high: tuple[float, ...]
     num_prompts: int
     seconds: float = 0.0
+    chunks_per_prompt: int = 0
 
     def ratio_for(self, target: float) -> float:
         """The smallest ratio whose interval's upper end is within ``target`` nats; 1.0 (full
@@ -138,7 +141,8 @@ def calibrate(
             progress(1)
         if seconds is not None and len(rows) >= 2 and time.perf_counter() - t0 > seconds:
             break
-    return _curve(llm, ratios, rows, rng, time.perf_counter() - t0)
+    per_prompt = min(chunks_per_prompt, len(chunk_ids))
+    return _curve(llm, ratios, rows, rng, time.perf_counter() - t0, per_prompt)
 
 
 def prompt_divergence(llm, prompt: dict, ratios: tuple[float, ...]) -> list[float]:
@@ -160,7 +164,9 @@ def prompt_divergence(llm, prompt: dict, ratios: tuple[float, ...]) -> list[floa
     return out
 
 
-def _curve(llm, ratios, rows: list[list[float]], rng: random.Random, seconds: float):
+def _curve(
+    llm, ratios, rows: list[list[float]], rng: random.Random, seconds: float, per_prompt: int
+):
     """The quantile per ratio with a bootstrap interval, made non-increasing in the ratio."""
     columns = list(zip(*rows, strict=True))
     point = [quantile(list(c)) for c in columns]
@@ -173,7 +179,14 @@ def _curve(llm, ratios, rows: list[list[float]], rng: random.Random, seconds: fl
             values[i] = max(values[i], values[i + 1])
     fingerprint = llm.blend_manager().fingerprint.digest()
     return Calibration(
-        fingerprint, tuple(ratios), tuple(point), tuple(low), tuple(high), len(rows), seconds
+        fingerprint,
+        tuple(ratios),
+        tuple(point),
+        tuple(low),
+        tuple(high),
+        len(rows),
+        seconds,
+        per_prompt,
     )
 
 
@@ -208,5 +221,8 @@ def calibrate_store(
             progress=bar.update,
         )
     path = calibration.save(pipeline.store_dir)
-    done = f"{calibration.num_prompts} prompts in {calibration.seconds:.0f} s; saved to {path}"
+    done = (
+        f"{calibration.num_prompts} prompts of {calibration.chunks_per_prompt} chunks in "
+        f"{calibration.seconds:.0f} s; saved to {path}"
+    )
     return f"{calibration.table()}\n{done}"

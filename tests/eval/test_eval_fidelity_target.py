@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 
 import pytest
 
 from blendkv.cli import main
 from blendkv.errors import ConfigError
+from blendkv.eval.datasets import load_dataset
 from blendkv.eval.methods import parse_method
 from blendkv.eval.runner import REPORT_TARGET, EvalConfig
 from blendkv.guards.calibration import UNCALIBRATED_RATIO
@@ -115,6 +117,8 @@ def test_calibrate_first_then_targets_run_at_the_calibrated_ratio(tmp_path, eval
     assert main(argv) == 0
     curve = json.loads((out / "results.json").read_text())["config"]["calibration"]
     assert curve["num_prompts"] == 2 and list(curve["ratios"]) == [0.0, 0.05, 0.1, 0.2, 0.3, 0.5]
+    passages = [len(ex.passages) for ex in load_dataset("synthetic", 2, 0, 0)]
+    assert curve["chunks_per_prompt"] == round(statistics.median(passages))  # prompts as long
     assert (store / "calibration.json").exists()
     high = dict(zip(curve["ratios"], curve["high"], strict=True))
     picked = min((r for r, h in high.items() if h <= 0.5), default=1.0)
