@@ -271,14 +271,12 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
     store: what ``target@T`` methods pick their ratio from. Returns the curve, for
     results.json. A resumed run (``resumed``: the journal's config) whose curve is still the
     one beside the store keeps it: its earlier records ran with that curve."""
-    from blendkv.guards.calibration import Calibration, calibrate
+    from blendkv.guards.calibration import calibrate
 
     manager = stores.manager
-    path = manager.document_store.path
-    if resumed and resumed.get("calibration") is not None:
-        saved = Calibration.load(path, manager.fingerprint.digest())
-        if saved is not None and resumed["calibration"] == _curve_dict(saved):
-            return _curve_dict(saved)
+    saved = manager.calibration()
+    if resumed and saved is not None and resumed.get("calibration") == _curve_dict(saved):
+        return _curve_dict(saved)
     keys: set[bytes] = set()
     for prompt in tqdm(prompts, desc="storing passages", unit="example", disable=not progress):
         keys.update(_store_chunks(llm, stores, prompt)[0])
@@ -295,7 +293,7 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
             seed=config.seed,
             progress=bar.update,
         )
-    curve.save(path)
+    curve.save(manager.document_store.path)
     return _curve_dict(curve)
 
 

@@ -89,7 +89,8 @@ class BlendManager:
         self.num_layers = model.config.num_hidden_layers
         self.fingerprint = self._fingerprint(model, architecture, weights_hash, dtype, kv_codec)
         self.request_cache_bytes = request_cache_bytes
-        self._calibration: tuple[object, Calibration | None] | None = None  # (store path, it)
+        # ((store path, its file's stamp), the calibration read)
+        self._calibration: tuple[object, Calibration | None] | None = None
         self._tmpdirs: list[tempfile.TemporaryDirectory] = []
         self._private = store_dir is None
         self.store = self._open_store(store_dir, store_max_bytes, memory_tier_bytes)
@@ -300,12 +301,14 @@ class BlendManager:
         return resolved, predicted, calibration is not None
 
     def calibration(self) -> Calibration | None:
-        """The calibration saved beside the document store for this model (read once)."""
+        """The calibration saved beside the document store for this model (read again only
+        when its file changed: one saved by this process, e.g. by ``calibrate``, is seen)."""
         path = self.document_store.path
-        if self._calibration is None or self._calibration[0] != path:
-            local = not str(path).startswith("redis")
+        local = not str(path).startswith("redis")
+        key = (path, Calibration.stamp(path) if local else None)
+        if self._calibration is None or self._calibration[0] != key:
             found = Calibration.load(path, self.fingerprint.digest()) if local else None
-            self._calibration = (path, found)
+            self._calibration = (key, found)
         return self._calibration[1]
 
     def reconfigure(self, state: BlendRequestState, config: BlendConfig) -> BlendRequestState:

@@ -85,6 +85,16 @@ class Calibration:
         path.write_text(json.dumps(asdict(self), indent=1) + "\n")
         return path
 
+    @staticmethod
+    def stamp(store_dir: str | Path) -> tuple[int, int] | None:
+        """The saved file's modification time and size (None: none saved): what tells a
+        reader that holds a calibration that a newer one was saved."""
+        try:
+            st = (Path(store_dir) / CALIBRATION_FILE).stat()
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
     @classmethod
     def load(cls, store_dir: str | Path, fingerprint: str) -> Calibration | None:
         """The calibration saved beside the store in ``store_dir``; None when there is none.
