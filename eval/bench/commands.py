@@ -358,7 +358,14 @@ def _add_replicas(bench) -> None:
     p.add_argument("--topic-size", type=int, default=8, help="documents per topic")
     p.add_argument("--requests", type=int, default=64, help="requests per router")
     p.add_argument("--zipf-s", type=float, default=1.0, help="popularity exponent")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (closed loop)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="open loop: Poisson arrivals at this many requests/s instead of --concurrency",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="runs of every router, in turn")
     p.add_argument(
         "--memory-tier-chunks", type=int, default=16, help="each replica's memory tier, in chunks"
     )

@@ -1,17 +1,23 @@
 """Replicas on a local Ray cluster: chunk-affinity routing against round-robin and least-loaded,
 one run, the same Zipf workload for each.
 
-``blendkv bench replicas [--replicas 2] [--requests 64] [--concurrency 4] [--kill-replica]``
+``blendkv bench replicas [--replicas 2] [--requests 64] [--concurrency 4 | --rate R]
+[--rounds N] [--kill-replica]``
 
 1. A private redis-server is the shared store. The workload's corpus (:mod:`blendkv.eval
    .zipf_workload`: one chunk per passage) is ingested on two Ray Data workers
    (:func:`~blendkv.rag.distributed.ingest_on_ray`); their rates are reported.
 2. For each router, fresh replicas (cold tiers) serve the same requests (documents sent in the
-   request, all of them ingested), ``--concurrency`` at a time, streamed: the client measures
-   time to first token; each response's blend stats say which replica served it and where its
-   chunks came from. Each replica's memory tier holds ``--memory-tier-chunks`` chunks: fewer
-   than the corpus, so where a request goes decides whether its chunks load from memory or from
-   Redis. Prefetch is off, so a chunk counted "in memory" was in the memory tier.
+   request, all of them ingested), streamed: ``--concurrency`` at a time (closed loop) or, with
+   ``--rate``, each at its Poisson arrival time (open loop). The client measures time to first
+   token; each response's blend stats say which replica served it and where its chunks came
+   from: the memory tier, the shared store, or nowhere (a repeated request found whole in the
+   engine's prefix cache). Each replica's memory tier holds ``--memory-tier-chunks`` chunks:
+   fewer than the corpus, so where a request goes decides whether its chunks load from memory
+   or from Redis. Prefetch is off, so a chunk counted "in memory" was in the memory tier.
+   ``--rounds N`` runs every router N times in turn; a router's row pools its rounds, and its
+   p50 TTFT is given over round-robin's with a paired 95 % bootstrap interval (the same
+   requests resampled for both).
 3. ``--kill-replica``: a replica is killed while it streams an answer: that stream must end
    with an error event (not hang), requests sent meanwhile must succeed, Ray Serve must replace
    the replica, and the store must verify with every chunk still there.
@@ -19,9 +25,9 @@ one run, the same Zipf workload for each.
    here: the time to first token of the same blended request with its chunks in Redis, then
    in the memory tier, and its decode time (``tiers`` in the JSON).
 
-Correctness first: every request must succeed and hit the store for every chunk (a miss would
-mean the routing keys and the stored ones differ). Then the table, with each router's ratio to
-round-robin. Absolute times drift on a shared machine; the routers run back to back.
+Correctness first: every request must succeed and compute no chunk (a chunk computed at query
+time would mean the routing keys and the stored ones differ). Then the table. Absolute times
+drift on a shared machine; the routers run back to back.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
         topic_size=args.topic_size,
         zipf_s=args.zipf_s,
         num_requests=args.requests,
+        rate=args.rate,
         seed=args.seed,
     )
     corpus, requests = workload.corpus(), workload.requests()
@@ -130,50 +137,98 @@ def _run_policy(args, policy, options, url, corpus, requests, kill: bool) -> dic
 
 
 async def _replay(args, base: str, corpus, requests) -> dict:
+    """The requests sent to the running app: closed loop (``--concurrency`` in flight) or, with
+    ``--rate``, open loop (each sent at its arrival time, whatever is in flight). One row per
+    request, in request order, and the wall time."""
     import httpx
 
-    limit = asyncio.Semaphore(args.concurrency)
-    rows: list[dict] = []
+    limit = asyncio.Semaphore(args.concurrency if args.rate is None else len(requests))
+    rows: list[dict] = [{} for _ in requests]
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
-
-        async def one(r) -> None:
-            async with limit:
-                rows.append(await _stream(client, _body(args, corpus, r)))
-
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(r) for r in requests))
+
+        async def one(i, r) -> None:
+            await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+            async with limit:
+                rows[i] = await _stream(client, _body(args, corpus, r))
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         wall = time.perf_counter() - t0
+    return {"rows": rows, "wall_s": wall}
+
+
+def _summary(runs: list[dict], base: list[dict] | None) -> dict:
+    """One router's row from its runs (one per round, each ``_replay``'s result), pooled; with
+    ``base`` (round-robin's runs), its p50 TTFT over round-robin's with a paired interval."""
+    rows = [r for run in runs for r in run["rows"]]
     ok = [r for r in rows if r["ok"]]
     ttfts = sorted(r["ttft"] for r in ok)
     chunks = sum(r["num_chunks"] for r in ok)
     per_replica: dict[str, int] = {}
     for r in ok:
         per_replica[r["replica"]] = per_replica.get(r["replica"], 0) + 1
-    return {
+    wall = sum(run["wall_s"] for run in runs)
+    out = {
         "requests": len(rows),
         "errors": len(rows) - len(ok),
         "memory_hit_rate": sum(r["in_memory"] for r in ok) / chunks if chunks else 0.0,
-        "store_misses": sum(r["num_chunks"] - r["hit"] for r in ok),
+        "store_reads": sum(r["hit"] - r["in_memory"] - r["on_device"] for r in ok),
+        "prefix_cached": sum(r["prefix_cached"] > 0 for r in ok),
+        "store_misses": sum(r["missed"] for r in ok),
         "ttft_p50_s": _pct(ttfts, 0.5),
         "ttft_p99_s": _pct(ttfts, 0.99),
         "throughput_rps": len(ok) / wall,
         "wall_s": round(wall, 2),
+        "rounds": len(runs),
         "per_replica": dict(sorted(per_replica.items())),
+        "ttfts": [r.get("ttft") for r in rows],
+    }
+    if base is not None:
+        out["p50_vs_round_robin"] = _paired_p50_ratio(runs, base)
+    return out
+
+
+def _paired_p50_ratio(runs: list[dict], base: list[dict]) -> dict | None:
+    """p50 TTFT over round-robin's, with a 95 % bootstrap interval: the same requests (round,
+    index) are resampled for both routers, since each round replays the same traffic."""
+    import numpy as np
+
+    pairs = [
+        (a["ttft"], b["ttft"])
+        for run, ref in zip(runs, base, strict=True)
+        for a, b in zip(run["rows"], ref["rows"], strict=True)
+        if a.get("ok") and b.get("ok")
+    ]
+    if len(pairs) < 2:
+        return None
+    x, y = np.array(pairs).T
+    idx = np.random.default_rng(0).integers(0, len(x), size=(10_000, len(x)))
+    ratios = np.median(x[idx], axis=1) / np.median(y[idx], axis=1)
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return {
+        "ratio": round(float(np.median(x) / np.median(y)), 3),
+        "low": round(float(lo), 3),
+        "high": round(float(hi), 3),
     }
 
 
 def _serve_routers(args, options: dict, url: str, corpus, requests) -> dict:
-    """Each router policy on Ray Serve in turn, then (``--kill-replica``) chunk affinity with a
-    replica killed mid-stream: ``{"routers": {policy: row}, "kill": row}``."""
+    """Each router policy on Ray Serve in turn, ``--rounds`` times, then (``--kill-replica``)
+    chunk affinity with a replica killed mid-stream: ``{"routers": {policy: row}, "kill":
+    row}``."""
     from ray import serve
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    out: dict = {"routers": {}}
-    for policy in args.policies:
-        out["routers"][policy] = _run_policy(
-            args, policy, options, url, corpus, requests, kill=False
-        )
-        _print_row(policy, out["routers"][policy])
+    runs: dict[str, list[dict]] = {p: [] for p in args.policies}
+    for _ in range(args.rounds):
+        for policy in args.policies:
+            run = _run_policy(args, policy, options, url, corpus, requests, kill=False)
+            runs[policy].append(run)
+            _print_row(policy, _summary([run], None))
+    base = runs.get("round-robin")
+    out: dict = {
+        "routers": {p: _summary(r, base if p != "round-robin" else None) for p, r in runs.items()}
+    }
     if args.kill_replica:
         out["kill"] = _run_policy(args, "chunk-affinity", options, url, corpus, requests, kill=True)
         print("kill:", json.dumps(out["kill"]["kill"]))
@@ -226,6 +281,9 @@ async def _stream(client, body: dict) -> dict:
         "num_chunks": stats.get("num_chunks", 0),
         "hit": stats.get("chunks_hit", 0),
         "in_memory": stats.get("chunks_in_memory", 0),
+        "on_device": stats.get("chunks_on_device", 0),
+        "missed": stats.get("chunks_missed", 0),
+        "prefix_cached": stats.get("prefix_cached_tokens", 0),
     }
 
 
@@ -419,19 +477,17 @@ def _print_row(policy: str, r: dict) -> None:
 
 def _print_table(out: dict) -> None:
     rows = out["routers"]
-    base = rows.get("round-robin")
-    print("\n| router | memory-tier hit rate | TTFT p50 (s) | TTFT p99 (s) | throughput (req/s) |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "\n| router | memory-tier hit rate | store reads | TTFT p50 (s) | p50 vs round-robin "
+        "(95 % CI) | TTFT p99 (s) | throughput (req/s) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for policy, r in rows.items():
-        ratio = ""
-        if base and policy != "round-robin" and base["ttft_p50_s"] and r["ttft_p50_s"]:
-            ratio = (
-                f" ({r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x p50, "
-                f"{r['throughput_rps'] / base['throughput_rps']:.2f}x req/s vs round-robin)"
-            )
+        vs = r.get("p50_vs_round_robin")
+        ratio = f"{vs['ratio']:.2f}x ({vs['low']:.2f}-{vs['high']:.2f})" if vs else ""
         print(
-            f"| {policy} | {r['memory_hit_rate']:.2f} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | "
-            f"{r['throughput_rps']:.3f} |{ratio}"
+            f"| {policy} | {r['memory_hit_rate']:.2f} | {r['store_reads']} | {r['ttft_p50_s']} | "
+            f"{ratio} | {r['ttft_p99_s']} | {r['throughput_rps']:.3f} |"
         )
     print(f"\n{out['commit']} on {out['machine']}")
 
