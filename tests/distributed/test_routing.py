@@ -1,7 +1,8 @@
 """The routing policies on injected replica summaries, costs and queue depths (pure Python, no
-Ray): cost-aware picks the least expected wait (queue depth × service time + chunks not held ×
-store-load seconds); chunk affinity the replica holding most of a request's chunks, within the
-queue-depth imbalance bound, else the least loaded; the baselines do what their names say."""
+Ray): cost-aware picks the least expected wait (the prefill ahead, or without a measured time to
+first token queue depth × service time, + chunks not held × store-load seconds); chunk
+affinity the replica holding most of a request's chunks, within the queue-depth imbalance
+bound, else the least loaded; the baselines do what their names say."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from blendkv.entrypoints.ray_serve.routing import (
     ReplicaCosts,
     ReplicaState,
     RoundRobin,
+    SendLog,
     TierSummary,
     key_digest,
     make_policy,
+    prefill_ahead,
 )
 from blendkv.store.memory_tier import MemoryTier
 
@@ -31,9 +34,9 @@ def chunks(*ids: int) -> list[list[str]]:
     return [[key_digest(key(i))] for i in ids]
 
 
-def replica(name: str, depth: int, memory=(), device=(), costs=None) -> ReplicaState:
+def replica(name: str, depth: int, memory=(), device=(), costs=None, ages=None) -> ReplicaState:
     summary = TierSummary.of(map(key, memory), map(key, device))
-    return ReplicaState(name, depth, summary, costs)
+    return ReplicaState(name, depth, summary, costs, ages)
 
 
 STORE_CHUNK_S = 0.031  # measured: a chunk from the store instead of the memory tier
@@ -68,6 +71,51 @@ def test_cost_aware_breaks_equal_waits_by_queue_then_in_turn():
     replicas = [replica("a", 0, costs=costs), replica("b", 0, costs=costs)]
     policy = CostAware()
     assert [policy.choose(chunks(1), replicas).replica_id for _ in range(4)] == list("abab")
+
+
+def test_cost_aware_counts_only_the_prefill_ahead_when_the_requests_ages_are_known():
+    # Both replicas hold 2 requests. a's were sent just now (still prefilling: 0.2 s each
+    # left); b's 1 s ago (decoding beside a new one: nothing ahead). Queue depth alone ties.
+    costs = ReplicaCosts(store_chunk_s=0.01, service_s=0.4, prefill_s=0.2)
+    replicas = [
+        replica("a", 2, costs=costs, ages=(0.0, 0.0)),
+        replica("b", 2, costs=costs, ages=(1.0, 1.0)),
+    ]
+    assert CostAware().choose(chunks(1), replicas).replica_id == "b"
+    # Requests arriving together no longer go together: after two ended on b, the first goes
+    # to the idle b, the second to a, whose two requests are decoding, not to b again.
+    log, policy, now = SendLog(), CostAware(), 10.0
+    log.sent("a", 9.0)
+    log.sent("a", 9.0)
+    depth = {"a": 2, "b": 0}
+    picked = []
+    for _ in range(2):
+        states = [replica(r, depth[r], costs=costs, ages=log.ages(r, depth[r], now)) for r in "ab"]
+        choice = policy.choose(chunks(1), states).replica_id
+        log.sent(choice, now)
+        depth[choice] += 1
+        picked.append(choice)
+    assert picked == ["b", "a"]
+    # Without ages (the simulation) queue depth × service time stands in: both to b.
+    depth = {"a": 2, "b": 0}
+    picked = []
+    for _ in range(2):
+        states = [replica(r, depth[r], costs=costs) for r in "ab"]
+        choice = policy.choose(chunks(1), states).replica_id
+        depth[choice] += 1
+        picked.append(choice)
+    assert picked == ["b", "b"]
+
+
+def test_the_send_log_keeps_the_newest_sends_a_replica_still_holds():
+    log = SendLog()
+    assert log.ages("a", 3, 5.0) == ()
+    for t in (1.0, 2.0, 3.0):
+        log.sent("a", t)
+    assert log.ages("a", 3, 5.0) == (2.0, 3.0, 4.0)  # newest first
+    assert log.ages("a", 1, 5.0) == (2.0,)  # two ended: the oldest are forgotten
+    assert log.ages("a", 3, 6.0) == (3.0,)  # a request another router sent is not in it
+    assert prefill_ahead((0.05, 0.3, 2.0), prefill_s=0.25) == pytest.approx(0.2)
 
 
 def test_cost_aware_without_measurements():

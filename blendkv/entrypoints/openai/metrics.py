@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from blendkv.entrypoints.async_llm import AsyncLLM
 from blendkv.entrypoints.openai.health_log import HealthLog
 from blendkv.guards.audit import DEFAULT_WARN_KL, AuditWatch
+from blendkv.loading.controller import MeanEstimate
 from blendkv.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -49,6 +50,7 @@ class ServerMetrics:
         self._audit_warn_kl = blend_audit_warn_kl
         self.audit_watch = None
         self.health = HealthLog()  # the recent window, for /v1/blendkv/health and /ui
+        self.ttft_mean = MeanEstimate()  # what a Ray Serve replica reports as its prefill_s
         # Declared in this order, /metrics' order.
         self._declare_audit_metrics(r)
         self._declare_request_metrics(r)
@@ -157,6 +159,7 @@ class ServerMetrics:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 if m.ttft is not None:
                     self.ttft.observe(m.ttft)
+                    self.ttft_mean.update(m.ttft)
                 if out.blend_stats is not None:
                     self.blend_requests.inc()
                     stats = out.blend_stats

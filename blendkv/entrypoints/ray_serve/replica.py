@@ -12,9 +12,10 @@ Ray Serve calls :meth:`BlendKVReplica.record_routing_stats` every few seconds; i
 replica's :class:`~.routing.TierSummary` (the digests of the chunk keys in its memory and
 device tiers), rebuilt only when the tiers' generation moved, and its
 :class:`~.routing.ReplicaCosts`: the seconds a chunk's load costs more from the store than from
-its memory tier (the engine's loading controller measures every load) and its busy seconds per
+its memory tier (the engine's loading controller measures every load), its busy seconds per
 finished request (:mod:`.service_clock`, timed around :meth:`BlendKVReplica.forward` for
-POST requests). The router reads the last ones reported; it never asks a replica per request.
+POST requests) and its requests' mean time to first token (the server's metrics). The router
+reads the last ones reported; it never asks a replica per request.
 """
 
 from __future__ import annotations
@@ -93,7 +94,11 @@ class BlendKVReplica:
         generation, memory, device = connector.held_chunks()
         if self._summary[0] != generation:
             self._summary = (generation, TierSummary.of(memory, device, generation))
-        costs = ReplicaCosts(connector.store_chunk_seconds(), self._clock.service_s)
+        costs = ReplicaCosts(
+            connector.store_chunk_seconds(),
+            self._clock.service_s,
+            self.state.metrics.ttft_mean.value,
+        )
         return {"tiers": self._summary[1].to_dict(), "costs": costs.to_dict()}
 
     def check_health(self) -> None:

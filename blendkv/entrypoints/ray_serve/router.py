@@ -6,10 +6,10 @@ reported (:meth:`BlendKVReplica.record_routing_stats
 <blendkv.entrypoints.ray_serve.replica.BlendKVReplica.record_routing_stats>`: its tier
 summary and measured costs), and keeps their queue depths (ongoing requests) in a cache it
 updates as requests are sent and finish, probing a replica it has no fresh number for. This
-router reads the request's chunks from the :class:`~.replica.ForwardedRequest`, asks the
-policy, and ranks the chosen replica first and the others by queue depth after it: Ray Serve
-sends to the first rank that has room (``max_ongoing_requests``), so a full replica never
-blocks a request.
+router reads the request's chunks from the :class:`~.replica.ForwardedRequest`, adds when it
+sent each replica the requests it holds (:class:`~.routing.SendLog`), asks the policy, and
+ranks the chosen replica first and the others by queue depth after it: Ray Serve sends to the
+first rank that has room (``max_ongoing_requests``), so a full replica never blocks a request.
 
 The policy is set per deployment (``request_router_kwargs``): ``cost-aware`` (least expected
 wait; chunk affinity with the ``imbalance`` bound until the replicas measured their costs),
@@ -20,6 +20,7 @@ wait; chunk affinity with the ``imbalance`` bound until the replicas measured th
 from __future__ import annotations
 
 import logging
+import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -27,6 +28,7 @@ from blendkv.entrypoints.ray_serve.routing import (
     DEFAULT_IMBALANCE,
     ReplicaCosts,
     ReplicaState,
+    SendLog,
     TierSummary,
     make_policy,
 )
@@ -42,6 +44,7 @@ class BlendKVRouter(RequestRouter):
     ) -> None:
         self.policy = make_policy(policy, imbalance)
         self._summaries: dict[str, tuple[int, TierSummary]] = {}  # replica -> parsed, by gen
+        self._sends = SendLog()
 
     async def choose_replicas(
         self,
@@ -51,11 +54,19 @@ class BlendKVRouter(RequestRouter):
         if not candidate_replicas:
             return []
         depths = await self._queue_depths(candidate_replicas)
+        now = time.monotonic()
         states = [
-            ReplicaState(r.replica_id.unique_id, depths[r.replica_id], self._summary(r), _costs(r))
+            ReplicaState(
+                r.replica_id.unique_id,
+                depths[r.replica_id],
+                self._summary(r),
+                _costs(r),
+                self._sends.ages(r.replica_id.unique_id, depths[r.replica_id], now),
+            )
             for r in candidate_replicas
         ]
         decision = self.policy.choose(_request_chunks(pending_request), states)
+        self._sends.sent(decision.replica_id, now)
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica_id]
         others = sorted(
             (r for r in candidate_replicas if r not in chosen), key=lambda r: depths[r.replica_id]

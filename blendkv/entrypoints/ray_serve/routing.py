@@ -12,12 +12,19 @@ request loads its chunks from host (or device) memory or from the shared store i
 of its *chunk set* with what a replica's tiers hold. How much that overlap is worth is measured,
 not assumed: :class:`CostAware` sends a request to the replica minimising
 
-    expected wait = queue depth × service_s + chunks its tiers do not hold × store_chunk_s
+    expected wait = prefill ahead + chunks its tiers do not hold × store_chunk_s
 
-where ``service_s`` is the replica's busy seconds per finished request and ``store_chunk_s``
-the seconds a chunk costs more loaded from the store than from its memory tier, both moving
-averages the replica measured (:class:`ReplicaCosts`). Equal waits go to the shorter queue,
-then in turn. A replica that has not measured one of them yet is given the mean of the
+``store_chunk_s`` is the seconds a chunk costs more loaded from the shared store than from the
+replica's memory tier. *Prefill ahead* is the prefill a new request would wait behind: the
+replica's requests that have not reached their first token, each for what is left of the
+replica's ``prefill_s`` (its mean time to first token) since the router sent it
+(:class:`SendLog`). A replica batches continuously, so a request past its first token only
+decodes beside a new one and does not hold it back. Counting every held request the same sends
+requests that arrive together (after a batch that ended together) to the same replica, where
+they prefill together, end together, and arrive together again. Without ``prefill_s``,
+``queue depth × service_s`` (busy seconds per finished request) stands in. All three are
+moving averages the replica measured (:class:`ReplicaCosts`). Equal waits go to the shorter
+queue, then in turn. A replica that has not measured one of them yet is given the mean of the
 replicas that have (same model, same store); while no replica has, :class:`ChunkAffinity`
 decides. :class:`ChunkAffinity` sends a request to the replica holding most of its chunks,
 among the replicas whose queue depth is within ``imbalance`` of the least loaded one; when none
@@ -40,6 +47,7 @@ from __future__ import annotations
 import itertools
 import math
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -100,31 +108,44 @@ class TierSummary:
 @dataclass(frozen=True)
 class ReplicaCosts:
     """What one replica measured (moving averages; None: not measured yet): ``store_chunk_s``,
-    the seconds a chunk costs more loaded from the shared store than from its memory tier, and
-    ``service_s``, its busy seconds per finished request."""
+    the seconds a chunk costs more loaded from the shared store than from its memory tier,
+    ``service_s``, its busy seconds per finished request, and ``prefill_s``, its requests' time
+    to first token."""
 
     store_chunk_s: float | None = None
     service_s: float | None = None
+    prefill_s: float | None = None
 
     def to_dict(self) -> dict:
-        return {"store_chunk_s": self.store_chunk_s, "service_s": self.service_s}
+        return {
+            "store_chunk_s": self.store_chunk_s,
+            "service_s": self.service_s,
+            "prefill_s": self.prefill_s,
+        }
 
     @classmethod
     def from_dict(cls, d: dict | None) -> ReplicaCosts:
         if not d:
             return cls()
-        return cls(_seconds(d.get("store_chunk_s")), _seconds(d.get("service_s")))
+        return cls(
+            _seconds(d.get("store_chunk_s")),
+            _seconds(d.get("service_s")),
+            _seconds(d.get("prefill_s")),
+        )
 
 
 @dataclass(frozen=True)
 class ReplicaState:
     """What the router knows of one replica: its id, how many requests it holds now (running
-    and queued), its last reported summary and costs (None: none reported yet)."""
+    and queued), its last reported summary and costs (None: none reported yet), and the ages of
+    the requests it holds, newest first (seconds since the router sent them; None: not
+    tracked, as in the simulation)."""
 
     replica_id: str
     queue_depth: int
     summary: TierSummary | None = None
     costs: ReplicaCosts | None = None
+    ages: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -240,12 +261,35 @@ class CostAware(LeastLoaded):
         return RoutingDecision(r.replica_id, "cost", _held(r, chunks))
 
 
-def expected_wait(
-    queue_depth: int, service_s: float, missing_chunks: int, store_chunk_s: float
-) -> float:
-    """Seconds a request is expected to wait on a replica before its first token beyond the
-    fastest case: the queue ahead of it plus its chunks loaded from the store."""
-    return queue_depth * service_s + missing_chunks * store_chunk_s
+def prefill_ahead(ages: Sequence[float], prefill_s: float) -> float:
+    """Seconds of prefill a new request waits behind on a replica whose held requests were sent
+    ``ages`` seconds ago: what is left of ``prefill_s`` for each that is younger."""
+    return sum(max(0.0, prefill_s - age) for age in ages)
+
+
+class SendLog:
+    """When the router sent each replica the requests it still holds: of its sends to a
+    replica, the newest ``queue depth`` (requests end about in the order they came, and the
+    router learns only how many a replica holds). A request another router sent there is not
+    in it, so it counts as past its prefill. Times are passed in: no clock is read here."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._keep = keep
+        self._sent: dict[str, deque[float]] = {}
+
+    def sent(self, replica_id: str, now: float) -> None:
+        """The router sent a request to ``replica_id`` at ``now``."""
+        self._sent.setdefault(replica_id, deque(maxlen=self._keep)).append(now)
+
+    def ages(self, replica_id: str, queue_depth: int, now: float) -> tuple[float, ...]:
+        """The ages at ``now`` of the requests ``replica_id`` holds (``queue_depth`` of them),
+        newest first; the older sends are forgotten."""
+        sent = self._sent.get(replica_id)
+        if sent is None:
+            return ()
+        while len(sent) > max(queue_depth, 0):
+            sent.popleft()
+        return tuple(now - t for t in reversed(sent))
 
 
 POLICIES = ("cost-aware", "chunk-affinity", "round-robin", "least-loaded")
@@ -274,26 +318,35 @@ def _held(r: ReplicaState, chunks: Sequence[Sequence[str]]) -> int:
 
 
 def _expected_wait(
-    r: ReplicaState, costs: tuple[float, float], chunks: Sequence[Sequence[str]]
+    r: ReplicaState, costs: ReplicaCosts, chunks: Sequence[Sequence[str]]
 ) -> tuple[float, int]:
-    """``(expected wait, queue depth)`` of a request on ``r`` with ``costs`` (service_s,
-    store_chunk_s): what :class:`CostAware` minimises."""
+    """``(expected wait, queue depth)`` of a request on ``r`` with ``costs`` (filled in): what
+    :class:`CostAware` minimises (the formula in the module docstring)."""
+    if costs.prefill_s is not None and r.ages is not None:
+        ahead = prefill_ahead(r.ages, costs.prefill_s)
+    else:
+        ahead = r.queue_depth * costs.service_s
     missing = len(chunks) - _held(r, chunks)
-    return expected_wait(r.queue_depth, costs[0], missing, costs[1]), r.queue_depth
+    return ahead + missing * costs.store_chunk_s, r.queue_depth
 
 
-def _filled_costs(replicas: Sequence[ReplicaState]) -> list[tuple[float, float]] | None:
-    """Per replica ``(service_s, store_chunk_s)``: its own measurement, else the mean of the
-    replicas that measured it; None while no replica has measured one of the two."""
+def _filled_costs(replicas: Sequence[ReplicaState]) -> list[ReplicaCosts] | None:
+    """Per replica its costs: its own measurements, else the mean of the replicas that
+    measured each; None while no replica has measured ``service_s`` or ``store_chunk_s``
+    (``prefill_s`` may stay None: queue depth stands in)."""
     reported = [r.costs or ReplicaCosts() for r in replicas]
-    service = _mean([c.service_s for c in reported])
-    store_chunk = _mean([c.store_chunk_s for c in reported])
-    if service is None or store_chunk is None:
+    mean = {
+        name: _mean([getattr(c, name) for c in reported])
+        for name in ("store_chunk_s", "service_s", "prefill_s")
+    }
+    if mean["service_s"] is None or mean["store_chunk_s"] is None:
         return None
     return [
-        (
-            service if c.service_s is None else c.service_s,
-            store_chunk if c.store_chunk_s is None else c.store_chunk_s,
+        ReplicaCosts(
+            **{
+                name: value if (value := getattr(c, name)) is not None else mean[name]
+                for name in mean
+            }
         )
         for c in reported
     ]
