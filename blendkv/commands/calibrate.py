@@ -18,7 +18,22 @@ def register(sub) -> None:
     )
     add_store_arg(p)
     p.add_argument("--prompts", type=int, default=24, help="prompts to measure (default 24)")
-    p.add_argument("--chunks-per-prompt", type=int, default=6, help="stored chunks in each prompt")
+    p.add_argument(
+        "--chunks-per-prompt",
+        type=int,
+        default=6,
+        help="stored chunks in each prompt of random chunks (not with --questions)",
+    )
+    p.add_argument(
+        "--questions",
+        default=None,
+        metavar="FILE",
+        help="calibrate on your own questions (one per line; the first --prompts of them), each "
+        "over the chunks it retrieves, instead of random chunk sets with generic questions",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=6, help="chunks each question retrieves (with --questions)"
+    )
     p.add_argument(
         "--ratios",
         default="0,0.05,0.1,0.2,0.3,0.5",
@@ -46,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--ratios takes numbers, got {args.ratios!r}") from exc
     if args.prompts < 2:
         raise InvalidRequestError(f"--prompts must be >= 2, got {args.prompts}")
+    questions = _questions(args.questions) if args.questions else None
+    if args.top_k < 1:
+        raise InvalidRequestError(f"--top-k must be >= 1, got {args.top_k}")
     pipeline = open_pipeline(args, create=False, enable_prefix_caching=True)
     try:
         report = calibrate_store(
@@ -53,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
             ratios=ratios,
             prompts=args.prompts,
             chunks_per_prompt=args.chunks_per_prompt,
+            questions=questions,
+            top_k=args.top_k,
             seconds=args.seconds,
             seed=args.seed,
             progress=not args.no_progress,
@@ -62,3 +82,17 @@ def run(args: argparse.Namespace) -> int:
         pipeline.close()
         pipeline.llm.close()
     return 0
+
+
+def _questions(path: str) -> list[str]:
+    """The questions of a file, one per line (blank lines skipped); at least 2."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            questions = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"--questions: cannot read {path}: {exc}") from exc
+    if len(questions) < 2:
+        raise InvalidRequestError(
+            f"--questions: {path} holds {len(questions)} question(s); a calibration needs 2"
+        )
+    return questions

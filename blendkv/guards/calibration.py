@@ -2,15 +2,17 @@
 ``BlendConfig(fidelity_target=...)`` picks its ratio from.
 
 ``blendkv calibrate --store S`` (:func:`calibrate`) builds prompts from the store's chunks
-(random sets of chunks, each followed by a question), runs full prefill's greedy answer, then
-teacher-forces the blend at each ratio of a grid along it. A prompt's **divergence** at a ratio
-is the largest next-token KL(full prefill || blend) over the answer's first tokens, in nats: the
-measure that catches a flip (one token where the two answers part), not a mean a flip barely
-moves. Per ratio the curve keeps the 90th percentile of the prompts' divergences with a
-bootstrap interval, made non-increasing in the ratio (a higher ratio never promises more
-drift). :meth:`Calibration.ratio_for` is the smallest ratio whose interval's upper end is within
-the target; ratio 1.0 is full prefill's answer (the start gate checks it), so a target no
-measured ratio meets gets 1.0, which the cost check then runs as full prefill.
+(random sets of chunks, each followed by a question; with ``--questions FILE``, each of the
+user's questions over the chunks it retrieves: :func:`calibrate_prompts`), runs full prefill's
+greedy answer, then teacher-forces the blend at each ratio of a grid along it. A prompt's
+**divergence** at a ratio is the largest next-token KL(full prefill || blend) over the
+answer's first tokens, in nats: the measure that catches a flip (one token where the two
+answers part), not a mean a flip barely moves. Per ratio the curve keeps the 90th percentile
+of the prompts' divergences with a bootstrap interval, made non-increasing in the ratio (a
+higher ratio never promises more drift). :meth:`Calibration.ratio_for` is the smallest ratio
+whose interval's upper end is within the target; ratio 1.0 is full prefill's answer (the start
+gate checks it), so a target no measured ratio meets gets 1.0, which the cost check then runs
+as full prefill.
 
 The curve is saved beside an LMDB store (``calibration.json``), tied to the model's
 fingerprint: a store's calibration is refused for another model.
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -132,26 +135,57 @@ def calibrate(
     progress: Callable[[int], None] | None = None,
 ) -> Calibration:
     """Measure the divergence of blends at ``ratios`` on ``num_prompts`` prompts of
-    ``chunks_per_prompt`` random stored chunks (``chunk_ids``) each; stop early, with at least
-    two prompts, once ``seconds`` have passed. ``progress(1)`` after each prompt."""
+    ``chunks_per_prompt`` random stored chunks (``chunk_ids``) each, followed by a generic
+    question; stop early, with at least two prompts, once ``seconds`` have passed.
+    ``progress(1)`` after each prompt."""
     if not chunk_ids:
         raise CalibrationError("the store holds no document chunks to calibrate on: ingest first")
+    rng = random.Random(seed)
+
+    def prompts() -> Iterator[dict]:
+        for _ in range(num_prompts):
+            picked = rng.sample(chunk_ids, min(chunks_per_prompt, len(chunk_ids)))
+            prompt = {
+                "chunk_ids": picked,
+                "query": f"\n\nQuestion: {rng.choice(QUESTIONS)}\nAnswer:",
+            }
+            if instruction:
+                prompt["instruction"] = instruction
+            yield prompt
+
+    return calibrate_prompts(
+        llm, prompts(), ratios=ratios, seconds=seconds, seed=seed, progress=progress
+    )
+
+
+def calibrate_prompts(
+    llm,
+    prompts: Iterable[dict],
+    *,
+    ratios: tuple[float, ...] = DEFAULT_RATIOS,
+    seconds: float | None = None,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Calibration:
+    """Measure the divergence of blends at ``ratios`` on the blended ``prompts`` given (``ask``
+    prompts of a query log: each question with the chunks it retrieves); stop early, with at
+    least two prompts, once ``seconds`` have passed. ``progress(1)`` after each prompt."""
     if any(not 0.0 <= r < 1.0 for r in ratios) or list(ratios) != sorted(set(ratios)):
         raise CalibrationError(f"ratios must be ascending in [0, 1), got {ratios}")
-    rng = random.Random(seed)
     t0 = time.perf_counter()
     rows: list[list[float]] = []  # per prompt, per ratio: its divergence
-    for _ in range(num_prompts):
-        picked = rng.sample(chunk_ids, min(chunks_per_prompt, len(chunk_ids)))
-        prompt = {"chunk_ids": picked, "query": f"\n\nQuestion: {rng.choice(QUESTIONS)}\nAnswer:"}
-        if instruction:
-            prompt["instruction"] = instruction
+    sizes: list[int] = []
+    for prompt in prompts:
         rows.append(prompt_divergence(llm, prompt, ratios))
+        sizes.append(len(prompt.get("chunk_ids") or prompt.get("documents") or ()))
         if progress is not None:
             progress(1)
         if seconds is not None and len(rows) >= 2 and time.perf_counter() - t0 > seconds:
             break
-    per_prompt = min(chunks_per_prompt, len(chunk_ids))
+    if len(rows) < 2:
+        raise CalibrationError(f"a calibration needs at least 2 prompts, got {len(rows)}")
+    per_prompt = round(statistics.median(sizes))
+    rng = random.Random(seed)
     return _curve(llm, ratios, rows, rng, time.perf_counter() - t0, per_prompt)
 
 
@@ -206,33 +240,59 @@ def calibrate_store(
     ratios: tuple[float, ...] = DEFAULT_RATIOS,
     prompts: int = 24,
     chunks_per_prompt: int = 6,
+    questions: Sequence[str] | None = None,
+    top_k: int = 6,
     seconds: float | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> str:
-    """Calibrate a :class:`~blendkv.rag.RAGPipeline`'s LMDB store on its own chunks (a
-    progress bar) and save the curve beside it; returns what ``blendkv calibrate`` and
-    ``blendkv ingest --calibrate`` print: the curve and where it went."""
+    """Calibrate a :class:`~blendkv.rag.RAGPipeline`'s LMDB store (a progress bar) and save the
+    curve beside it; returns what ``blendkv calibrate`` and ``blendkv ingest --calibrate``
+    print: the curve and where it went. The prompts are ``prompts`` random sets of
+    ``chunks_per_prompt`` stored chunks with generic questions or, given ``questions`` (a
+    sample of the user's traffic), the first ``prompts`` of them, each over the ``top_k``
+    chunks it retrieves, as :meth:`~blendkv.rag.RAGPipeline.query` builds it."""
     from tqdm import tqdm
 
     if str(pipeline.store_dir).startswith("redis"):
         raise CalibrationError("calibrations are kept beside an LMDB store, not in Redis")
-    ids = [m.chunk_id for m in pipeline.store.kv.iter_meta() if m.doc_id]
-    with tqdm(total=prompts, desc="calibrating", disable=not progress) as bar:
-        calibration = calibrate(
-            pipeline.llm,
-            ids,
-            pipeline.instruction,
-            ratios=ratios,
-            num_prompts=prompts,
-            chunks_per_prompt=chunks_per_prompt,
-            seconds=seconds,
-            seed=seed,
-            progress=bar.update,
-        )
+    total = prompts if questions is None else min(prompts, len(questions))
+    with tqdm(total=total, desc="calibrating", disable=not progress) as bar:
+        if questions is None:
+            ids = [m.chunk_id for m in pipeline.store.kv.iter_meta() if m.doc_id]
+            calibration = calibrate(
+                pipeline.llm,
+                ids,
+                pipeline.instruction,
+                ratios=ratios,
+                num_prompts=prompts,
+                chunks_per_prompt=chunks_per_prompt,
+                seconds=seconds,
+                seed=seed,
+                progress=bar.update,
+            )
+        else:
+            calibration = calibrate_prompts(
+                pipeline.llm,
+                _question_prompts(pipeline, questions[:total], top_k),
+                ratios=ratios,
+                seconds=seconds,
+                seed=seed,
+                progress=bar.update,
+            )
     path = calibration.save(pipeline.store_dir)
+    kind = "chunks" if questions is None else "retrieved chunks"
     done = (
-        f"{calibration.num_prompts} prompts of {calibration.chunks_per_prompt} chunks in "
+        f"{calibration.num_prompts} prompts of {calibration.chunks_per_prompt} {kind} in "
         f"{calibration.seconds:.0f} s; saved to {path}"
     )
     return f"{calibration.table()}\n{done}"
+
+
+def _question_prompts(pipeline, questions: Sequence[str], top_k: int) -> Iterator[dict]:
+    """Each question's blended prompt over the chunks it retrieves, in the pipeline's order."""
+    if len(questions) < 2:
+        raise CalibrationError(f"a calibration needs at least 2 questions, got {len(questions)}")
+    for question in questions:
+        sources = pipeline.order_sources(pipeline.retrieve(question, top_k))
+        yield pipeline.blended_prompt(question, sources)

@@ -18,6 +18,7 @@ from blendkv.guards.calibration import (
     Calibration,
     CalibrationError,
     calibrate,
+    calibrate_store,
 )
 from blendkv.rag import RAGPipeline
 
@@ -112,6 +113,38 @@ def test_the_command(tiny_llama_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 prompts" in out and (store / "calibration.json").exists()
     assert main(["calibrate", "--prompts", "2", "--ratios", "0.5,0", *args]) == 2
+
+
+def test_a_calibration_on_the_users_questions_uses_the_chunks_each_retrieves(rag, tmp_path):
+    """``calibrate_store(questions=...)``: each question over its ``top_k`` retrieved chunks, as
+    ``query`` builds it (the first ``prompts`` questions)."""
+    questions = ["Who created Python?", "What is Rust?", "Where is the Eiffel Tower?"]
+    report = calibrate_store(
+        rag, ratios=(0.0, 0.3), questions=questions, prompts=2, top_k=2, progress=False
+    )
+    assert "2 prompts of 2 retrieved chunks" in report
+    saved = rag.manager.calibration()
+    assert saved.num_prompts == 2 and saved.chunks_per_prompt == 2
+    assert saved.divergence[0] >= saved.divergence[1]
+    with pytest.raises(CalibrationError, match="at least 2 questions"):
+        calibrate_store(rag, questions=questions[:1], progress=False)
+
+
+def test_the_command_takes_a_question_file(tiny_llama_dir, tmp_path, capsys):
+    store = tmp_path / "store"
+    args = ["--store", str(store), "--model", str(tiny_llama_dir), "--dtype", "float32"]
+    args += QUIET_FLAGS
+    assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
+    questions = tmp_path / "questions.txt"
+    questions.write_text("Who created Python?\n\nWhat is Rust?\n")
+    argv = ["calibrate", "--questions", str(questions), "--top-k", "3", "--ratios", "0,0.5"]
+    assert main([*argv, "--no-progress", *args]) == 0
+    assert "2 prompts of 3 retrieved chunks" in capsys.readouterr().out
+    questions.write_text("Only one?\n")
+    assert main([*argv, *args]) == 2
+    assert "holds 1 question" in capsys.readouterr().err
+    assert main(["calibrate", "--questions", str(tmp_path / "none.txt"), *args]) == 2
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_ingest_calibrates_when_asked(tiny_llama_dir, tmp_path, capsys):
