@@ -135,10 +135,10 @@ def test_cost_aware_without_measurements():
 
 
 def test_replica_costs_round_trip_and_reject_bad_numbers():
-    costs = ReplicaCosts(store_chunk_s=0.031, service_s=1.8)
+    costs = ReplicaCosts(store_chunk_s=0.031, service_s=1.8, prefill_s=0.2)
     assert ReplicaCosts.from_dict(costs.to_dict()) == costs
     assert ReplicaCosts.from_dict(None) == ReplicaCosts()
-    bad = {"store_chunk_s": -1.0, "service_s": float("nan")}
+    bad = {"store_chunk_s": -1.0, "service_s": float("nan"), "prefill_s": "x"}
     assert ReplicaCosts.from_dict(bad) == ReplicaCosts()
 
 

@@ -361,5 +361,8 @@ def _seconds(value) -> float | None:
     """A reported measurement: a non-negative number of seconds, else None (not measured)."""
     if value is None or isinstance(value, bool):
         return None
-    value = float(value)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
     return value if math.isfinite(value) and value >= 0 else None
