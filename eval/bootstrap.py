@@ -94,10 +94,9 @@ def verdict(diff: Interval | None, metric: str) -> str:
 
 def default_baseline(methods: list[str]) -> str | None:
     """The run's method that is ``BlendConfig()``'s blend (whatever its name), or None."""
-    from blendkv.blend.config import BlendConfig
     from blendkv.eval.methods import MethodError, _identity, parse_method
 
-    want = _identity(parse_method(f"blend@{BlendConfig().recompute_ratio:g}"))
+    want = _identity(parse_method("default"))  # a target@T at the default target is the same
     for m in sorted(methods, key=lambda m: "[" in m):  # none's rows before --kv-codec's
         try:
             if _identity(parse_method(m)) == want:

@@ -3,13 +3,14 @@ strategies beyond it in :mod:`blendkv.blend.selection` and :mod:`blendkv.blend.c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from blendkv.errors import ConfigError
 
 SELECTIONS = ("v_deviation", "k_deviation", "attention", "random", "prophet", "heads")
-DEFAULT_RATIO = 0.10  # an unset recompute_ratio without a fidelity target
+DEFAULT_TARGET = 1.0  # nats: the fidelity target of a config that sets neither ratio nor target
 TARGET = "target"  # recompute_ratio while the engine has to pick it for fidelity_target
 CORRECTIONS = ("none", "k", "v", "kv")
 CORRECTION_PRIORS = ("pooled", "zero")
@@ -36,7 +37,8 @@ class BlendConfig:
             largest next-token KL(full prefill || blend) along the answer; the engine picks
             the smallest recompute ratio whose calibrated 90th percentile of that divergence
             stays within it (``blendkv calibrate``, :mod:`blendkv.guards.calibration`; without
-            a calibration, a conservative ratio). Not with an explicit ``recompute_ratio``.
+            a calibration, a conservative ratio). Unset: :data:`DEFAULT_TARGET` (1 nat), unless
+            ``recompute_ratio`` is given: an explicit ratio runs as given, with no target.
         min_recompute_ratio: the lower bound of ``"auto"`` (the quality floor).
         max_recompute_ratio: the upper bound of ``"auto"`` (the cost cap; the scheduler
             budgets a request at the cap).
@@ -149,9 +151,12 @@ class BlendConfig:
             prev_layer, prev_ratio = layer, ratio
 
     def _resolve_ratio(self) -> None:
-        """An unset ``recompute_ratio`` is ``DEFAULT_RATIO``, or ``"target"`` (chosen per request
-        from the calibration) when a ``fidelity_target`` is set."""
+        """An unset ``recompute_ratio`` is ``"target"``: chosen per request from the calibration
+        for ``fidelity_target`` (:data:`DEFAULT_TARGET` when that is unset too)."""
         target = self.fidelity_target
+        if target is None and self.recompute_ratio in (None, TARGET):
+            target = DEFAULT_TARGET
+            object.__setattr__(self, "fidelity_target", target)
         if target is not None:
             if isinstance(target, bool) or not isinstance(target, (int, float)):
                 raise ConfigError(f"fidelity_target must be a number of nats, got {target!r}")
@@ -163,8 +168,6 @@ class BlendConfig:
                     f"engine pick the ratio (got recompute_ratio={self.recompute_ratio!r})"
                 )
             object.__setattr__(self, "recompute_ratio", TARGET)
-        elif self.recompute_ratio in (None, TARGET):
-            object.__setattr__(self, "recompute_ratio", DEFAULT_RATIO)
 
     @property
     def target_mode(self) -> bool:
@@ -240,8 +243,12 @@ class BlendConfig:
         return self.selection
 
     def validate_for(self, num_layers: int) -> None:
-        """Raise ``ConfigError`` when a selection layer is past a ``num_layers`` model's last."""
-        last = max(self.selection_layers(num_layers))
+        """Raise ``ConfigError`` when a selection layer is past a ``num_layers`` model's last
+        (for a target, at a ratio below 1, which every ratio the engine may pick shares)."""
+        config = self
+        if self.target_mode:
+            config = dataclasses.replace(self, recompute_ratio=0.5, fidelity_target=None)
+        last = max(config.selection_layers(num_layers))
         if last >= num_layers:
             raise ConfigError(
                 f"blend layer {last} is out of range for a model with {num_layers} layers"

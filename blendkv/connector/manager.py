@@ -289,8 +289,9 @@ class BlendManager:
         The ratio run is the fidelity controller's: that pick moved along the calibration's
         grid by live audits."""
         calibration = self.calibration()
-        if calibration is None:
-            predicted, grid = UNCALIBRATED_RATIO, DEFAULT_RATIOS
+        if calibration is None:  # a target of 0 asks for full prefill's answer
+            predicted = UNCALIBRATED_RATIO if config.fidelity_target > 0 else 1.0
+            grid = DEFAULT_RATIOS
         else:
             predicted = calibration.ratio_for(config.fidelity_target)
             grid = calibration.ratios

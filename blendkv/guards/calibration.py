@@ -34,7 +34,7 @@ from blendkv.guards.measure import ANSWER_TOKENS, QUANTILE, quantile
 CALIBRATION_FILE = "calibration.json"
 DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
 # A target without a calibration: a ratio that keeps most prompts near full prefill on the
-# models measured (docs/guide/fidelity.md), at about three times the default's recompute.
+# models measured (docs/guide/fidelity.md). A target of 0 runs full prefill instead.
 UNCALIBRATED_RATIO = 0.3
 QUESTIONS = (
     "What do these passages say?",

@@ -185,8 +185,10 @@ def choose(
     model: ModelCosts,
     overlapped: bool,
 ) -> CostChoice:
-    """Blend with ``config`` (the engine's default), with :data:`CHEAPER_SELECTION`, or full
-    prefill: the first of these predicted cheaper than full prefill, else full prefill."""
+    """Blend with ``config`` (the engine's default, its target resolved to a ratio), with
+    :data:`CHEAPER_SELECTION`, or full prefill: the first of these predicted cheaper than full
+    prefill, else full prefill."""
+    assert not config.target_mode, "the cost check needs the ratio a target resolved to"
     if shape.missing_tokens:
         return CostChoice("", config, "chunks not stored yet: blending stores them for later")
     if shape.reused_tokens == 0:

@@ -104,10 +104,11 @@ class FullComparison:
     full_ttft: float  # seconds, median of warm runs from an empty prefix cache
     blend_answer: str
     blend_ttft: float  # seconds, as full_ttft (chunks warm in the store)
-    recompute_ratio: float | str
+    recompute_ratio: float | str  # what the blend ran at (a target's: the engine's pick)
     answer_kl: float  # mean KL(full || blend) along full's answer, nats
     answer_agreement: float  # share of those positions where both argmaxes agree
     scored_tokens: int  # positions scored: min(len(full's answer), answer_tokens)
+    fidelity_target: float | None = None  # nats, when the blend had a target
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +118,7 @@ class FullComparison:
                 "answer": self.blend_answer,
                 "ttft_s": self.blend_ttft,
                 "recompute_ratio": self.recompute_ratio,
+                "fidelity_target": self.fidelity_target,
             },
             "answer_kl": self.answer_kl,
             "answer_agreement": self.answer_agreement,
@@ -126,6 +128,8 @@ class FullComparison:
     def format(self) -> str:
         agree = round(self.answer_agreement * self.scored_tokens)
         blend = f"blend@{_ratio(self.recompute_ratio)}"
+        if self.fidelity_target is not None:
+            blend += f" (target {self.fidelity_target:g} nats)"
         return "\n".join(
             [
                 f"full prefill beside the blend (same {self.num_prompt_tokens} prompt tokens, "
@@ -163,16 +167,19 @@ def compare_full(
     test = teacher_forced_logits(llm, ids, answer, prompt, blend).rows
     k = len(answer)
     fidelity = teacher_forced_fidelity(ref[:k], test[:k], answer_tokens)
+    stats = blend_run.blend_stats
+    ran = stats.config if stats is not None and stats.config is not None else blend
     return FullComparison(
         num_prompt_tokens=len(ids),
         full_answer=full_run.text.strip(),
         full_ttft=full_ttft,
         blend_answer=blend_run.text.strip(),
         blend_ttft=blend_ttft,
-        recompute_ratio=blend.recompute_ratio,
+        recompute_ratio=ran.recompute_ratio,
         answer_kl=fidelity.mean_kl,
         answer_agreement=fidelity.top1_agreement,
         scored_tokens=min(k, answer_tokens),
+        fidelity_target=blend.fidelity_target,
     )
 
 

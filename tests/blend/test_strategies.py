@@ -389,7 +389,9 @@ def test_config_validation_and_cache_key():
     }
     assert len(keys) == 8
     with pytest.raises(ConfigError, match="out of range"):
-        BlendConfig(reselect=2).validate_for(2)
+        BlendConfig(reselect=2).validate_for(2)  # a target: checked at a ratio below 1
+    with pytest.raises(ConfigError, match="out of range"):
+        BlendConfig(recompute_ratio=0.1, reselect=2).validate_for(2)
     reselect = BlendConfig(recompute_ratio=0.1, reselect=2, selection="v_deviation")
     assert reselect.selection_layers(30) == pytest.approx({1: 0.15, 10: 0.1, 20: 0.05})
     assert BlendConfig(selection="prophet").first_partial_layer == 0

@@ -41,7 +41,7 @@ def check(stats, num_prompt_tokens: int):
 @pytest.mark.parametrize(
     "config",
     [
-        None,  # ProphetKV at 0.10, K correction
+        None,  # the default target: uncalibrated, ProphetKV at 0.3, K correction
         BlendConfig(selection="v_deviation", recompute_ratio=0.3),
         BlendConfig(selection="k_deviation", recompute_ratio=0.2, correction="none"),
         BlendConfig(selection="v_deviation", recompute_ratio=0.2, reselect=1, chunk_head_tokens=2),
@@ -53,7 +53,8 @@ def check(stats, num_prompt_tokens: int):
 def test_counts_match_the_blend_stats(llm, config):
     out = llm.generate([PROMPT], GREEDY, blend=config, token_map=True)[0]
     tm = check(out.blend_stats, len(out.prompt_token_ids))
-    cfg = config or BlendConfig()
+    cfg = out.blend_stats.config  # what ran (a target's: the ratio the engine picked)
+    assert not cfg.target_mode
     counts = tm.counts()
     chunk_tokens = sum(e - s for s, e in tm.chunk_spans)
     assert out.blend_stats.tokens_reused == chunk_tokens

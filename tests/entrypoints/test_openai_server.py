@@ -373,11 +373,11 @@ def test_metrics_parse_and_move(server, client):
     client.completions.create(
         model=MODEL, prompt="The quick", max_tokens=5, temperature=0, extra_body=NO_EOS
     )
-    client.chat.completions.create(
+    client.chat.completions.create(  # documents of its own: no earlier blend is in the cache
         model=MODEL,
         messages=HELLO,
         max_tokens=2,
-        extra_body={"documents": [{"text": d} for d in DOCS]},
+        extra_body={"documents": [{"text": f"{d} (metrics)"} for d in DOCS]},
     )
     after = scrape(server, API_KEY)
     ok = "blendkv_http_requests_total{route=/v1/completions,status=200}"

@@ -45,13 +45,13 @@ def test_audits_reach_metrics_and_warn(tmp_path, caplog):
             assert after["blendkv_blend_audit_kl_sum"] > 0
             assert "blendkv_blend_audit_kl_bucket{le=+Inf}" in after
             # a fidelity target's request: the controller's ratio and audited p90 per target
-            body["blend"] = {"fidelity_target": 0.0}
+            body["blend"] = {"fidelity_target": 0.01}
             status, _, reply = raw_request(url, "POST", "/v1/chat/completions", body=body)
             assert status == 200, reply
-            p90 = "blendkv_fidelity_target_audit_p90{target=0}"
+            p90 = "blendkv_fidelity_target_audit_p90{target=0.01}"
             assert wait_for(lambda: p90 in scrape(url))
             targets = scrape(url)
             assert targets["blendkv_blend_audit_kl_count"] == 2
-            assert targets["blendkv_fidelity_target_recompute_ratio{target=0}"] == 0.3
+            assert targets["blendkv_fidelity_target_recompute_ratio{target=0.01}"] == 0.3
             assert targets[p90] > 0
     assert "above --blend-audit-warn-kl 0" in caplog.text

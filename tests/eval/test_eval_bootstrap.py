@@ -22,28 +22,28 @@ def _journal(n: int = 30) -> dict[str, list[float]]:
     reuse = rng.gamma(2.0, 0.2, n)
     return {
         "reuse": list(reuse),
-        "blend@0.1": list(reuse * rng.uniform(0.1, 0.6, n)),
+        "default": list(reuse * rng.uniform(0.1, 0.6, n)),
         "blend@0.05": list(reuse * rng.uniform(0.3, 1.1, n)),
     }
 
 
 def test_known_interval_of_a_fixed_journal():
     values = _journal()
-    rows = {r.method: r for r in compare_methods(_records(values), baseline="blend@0.1")}
+    rows = {r.method: r for r in compare_methods(_records(values), baseline="default")}
     # The documented procedure, written out independently: one (10000, n) index matrix from
     # default_rng(0), ratio of resampled means, percentile interval.
     x = {m: np.array(v) for m, v in values.items()}
     idx = np.random.default_rng(0).integers(0, 30, size=(10_000, 30))
     ratio = x["blend@0.05"][idx].mean(1) / x["reuse"][idx].mean(1)
-    diff = x["blend@0.05"][idx].mean(1) - x["blend@0.1"][idx].mean(1)
+    diff = x["blend@0.05"][idx].mean(1) - x["default"][idx].mean(1)
     r = rows["blend@0.05"]
     assert (r.ratio.low, r.ratio.high) == pytest.approx(tuple(np.percentile(ratio, [2.5, 97.5])))
     assert (r.diff.low, r.diff.high) == pytest.approx(tuple(np.percentile(diff, [2.5, 97.5])))
     assert r.ratio.point == pytest.approx(x["blend@0.05"].mean() / x["reuse"].mean())
     assert r.ratio.low < r.ratio.point < r.ratio.high
     assert r.wins + r.losses + r.ties == r.n == 30
-    assert r.wins == int((x["blend@0.05"] < x["blend@0.1"]).sum())
-    assert rows["blend@0.1"].verdict == "baseline"
+    assert r.wins == int((x["blend@0.05"] < x["default"]).sum())
+    assert rows["default"].verdict == "baseline"
     assert r.verdict == "worse" and rows["reuse"].verdict == "worse"
 
 
@@ -60,20 +60,20 @@ def test_closed_form_when_every_example_agrees():
 
 def test_identical_runs_are_not_called_different():
     values = _journal()
-    values["copy"] = list(values["blend@0.1"])
-    rows = {r.method: r for r in compare_methods(_records(values), baseline="blend@0.1")}
+    values["copy"] = list(values["default"])
+    rows = {r.method: r for r in compare_methods(_records(values), baseline="default")}
     copy = rows["copy"]
     assert copy.verdict == "no difference"
     assert (copy.diff.low, copy.diff.high, copy.wins, copy.losses, copy.ties) == (0, 0, 0, 0, 30)
-    assert copy.ratio == rows["blend@0.1"].ratio
+    assert copy.ratio == rows["default"].ratio
 
 
 def test_accuracy_is_higher_is_better_and_noise_is_no_difference():
-    em = {"full": [1.0] * 20, "reuse": [1.0, 0.0] * 10, "blend@0.1": [1.0] * 19 + [0.0]}
+    em = {"full": [1.0] * 20, "reuse": [1.0, 0.0] * 10, "default": [1.0] * 19 + [0.0]}
     rows = {r.method: r for r in compare_methods(_records(em, "em"), "em", "full", None)}
     assert rows["reuse"].verdict == "worse" and rows["reuse"].ratio is None
-    assert rows["blend@0.1"].verdict == "no difference"  # one example of twenty
-    assert rows["blend@0.1"].losses == 1
+    assert rows["default"].verdict == "no difference"  # one example of twenty
+    assert rows["default"].losses == 1
 
 
 def test_only_examples_every_method_finished():
@@ -83,10 +83,10 @@ def test_only_examples_every_method_finished():
 
 
 def test_default_baseline_is_the_default_blend_whatever_its_name():
-    assert default_baseline(["full", "reuse", "blend@0.10"]) == "blend@0.10"
-    assert default_baseline(["full", "blend@0.1:prophet+ck+s32", "blend@0.15"]) is not None
-    assert default_baseline(["full", "reuse", "blend@0.15"]) is None
-    assert default_baseline(["reuse[int8]", "blend@0.1[int8]", "blend@0.1"]) == "blend@0.1"
+    assert default_baseline(["full", "reuse", "default"]) == "default"
+    assert default_baseline(["full", "reuse", "target@1"]) == "target@1"  # the default target
+    assert default_baseline(["full", "reuse", "target@0.5", "blend@0.1"]) is None
+    assert default_baseline(["reuse[int8]", "target@1.0[int8]", "target@1.0"]) == "target@1.0"
     assert verdict(None, "answer_kl") == ""
 
 
@@ -96,8 +96,8 @@ def test_report_wording():
         {"id": f"ex{i}", "method": "full", "answer_kl": 0.0} for i in range(30)
     ]
     rows = interval_rows([{**r, "em": 1.0} for r in records], None)
-    assert [r.method for r in rows["answer_kl"]] == ["reuse", "blend@0.1", "blend@0.05"]
+    assert [r.method for r in rows["answer_kl"]] == ["reuse", "default", "blend@0.05"]
     text = format_intervals(rows)
-    assert "| ratio to reuse [95% CI] | diff to blend@0.1 [95% CI] |" in text
+    assert "| ratio to reuse [95% CI] | diff to default [95% CI] |" in text
     assert "| reuse | 30 |" in text and "| worse |" in text and "| baseline |" in text
     assert "| no difference |" in text  # em: every method 1.0

@@ -5,7 +5,7 @@ import json
 import pytest
 from helpers import QuietLLM
 
-from blendkv.blend.config import BlendConfig
+from blendkv.blend.config import DEFAULT_TARGET, BlendConfig
 from blendkv.eval.methods import MethodError, parse_method, parse_methods
 from blendkv.eval.report import _blend_sweeps, format_table, write_outputs
 from blendkv.eval.runner import EvalConfig, EvalResult, summarize_method
@@ -39,14 +39,14 @@ def test_parse_blend_selection():
 def test_parse_default_and_fidelity_target():
     m = parse_method("default")
     assert (m.name, m.kind, m.blend) == ("default", "blend", BlendConfig())  # as shipped
-    assert m.fidelity_target is None
+    assert m.fidelity_target == DEFAULT_TARGET  # the default is a target
     t = parse_method("target@0.5")
     assert (t.name, t.kind, t.blend) == ("target@0.5", "blend", BlendConfig(fidelity_target=0.5))
     assert t.blend.target_mode and t.fidelity_target == 0.5
     assert parse_method("target@0").fidelity_target == 0.0
     # Targets are told apart by T (their ratio is the engine's pick, not part of the name).
-    names = [m.name for m in parse_methods("full,default,target@0.5,target@1,blend@0.2")]
-    assert names == ["full", "default", "target@0.5", "target@1", "blend@0.2"]
+    names = [m.name for m in parse_methods("full,default,target@0.5,target@2,blend@0.2")]
+    assert names == ["full", "default", "target@0.5", "target@2", "blend@0.2"]
 
 
 @pytest.mark.parametrize("spec", ["target@-1", "target@x", "target@", "target@inf", "target@nan"])
@@ -75,7 +75,7 @@ def test_bad_fidelity_target_is_a_method_error(spec):
         ("blend@0.15,blend@0.15:prophet", "same method"),  # the default strategy
         ("reuse,blend@0:attention", "same method"),  # nothing recomputed: no pick to make
         ("blend@1,blend@1.0:random", "same method"),  # everything recomputed
-        ("default,blend@0.1", "same method"),  # BlendConfig()'s ratio and strategy
+        ("default,target@1", "same method"),  # BlendConfig() is the default target
         ("target@0.5,target@0.50", "same method"),
         ("target", "unknown method"),
     ],

@@ -10,7 +10,7 @@ from helpers import QUIET_FLAGS, QuietLLM
 from rag_helpers import DEMO_DOCS
 
 from blendkv import SamplingParams
-from blendkv.blend.config import BlendConfig
+from blendkv.blend.config import DEFAULT_TARGET, BlendConfig
 from blendkv.cli import main
 from blendkv.errors import ConfigError
 from blendkv.guards.calibration import (
@@ -159,3 +159,23 @@ def test_ingest_calibrates_when_asked(tiny_llama_dir, tmp_path, capsys):
     for bad in (["--calibrate", "-1"], ["--calibrate", "--workers", "2"]):
         assert main(["ingest", str(DEMO_DOCS), *args, *bad]) == 2
         assert "--calibrate" in capsys.readouterr().err
+
+
+def test_without_a_calibration_a_target_of_zero_runs_full_prefill(tiny_llama_dir):
+    with QuietLLM(str(tiny_llama_dir), dtype="float32") as llm:
+        prompt = {"documents": ["Paris is in France.", "Rome is in Italy."], "query": "Paris?"}
+        out = llm.generate([prompt], GREEDY, blend=BlendConfig(fidelity_target=0))[0]
+        full = llm.generate([out.prompt_token_ids], GREEDY)[0]
+    stats = out.blend_stats
+    assert stats.calibrated is False and stats.chosen_recompute_ratio == 1.0
+    assert out.outputs[0].token_ids == full.outputs[0].token_ids
+
+
+def test_the_default_config_is_the_default_target():
+    default = BlendConfig()
+    assert default.target_mode and default.fidelity_target == DEFAULT_TARGET
+    assert BlendConfig(selection="v_deviation").fidelity_target == DEFAULT_TARGET
+    for explicit in (0.1, "auto"):  # an explicit ratio sets no target
+        config = BlendConfig(recompute_ratio=explicit)
+        assert config.fidelity_target is None and not config.target_mode
+    assert dataclasses.replace(default, selection="k_deviation").target_mode

@@ -38,11 +38,14 @@ def _measured(controller: LoadingController, blend_rate, full_rate, bandwidth) -
 
 # ---- the prediction alone (pure Python) -----------------------------------------------------
 MODEL = ModelCosts(num_layers=30, token_layer_bytes=4096, qkv_share=0.2)
+# What the check sees of a request that set no config: the default target, resolved to a ratio
+# (the engine's pick from the store's calibration) before the check runs.
+RESOLVED = BlendConfig(recompute_ratio=0.1)
 SHAPE = RequestShape(num_prompt_tokens=1500, reused_by_tier={"lmdb": 1000})
 
 
 def test_nothing_measured_blends_as_configured():
-    config = BlendConfig()
+    config = RESOLVED
     choice = choose(LoadingController(), config, SHAPE, MODEL, overlapped=True)
     assert choice.choice == "" and choice.config is config and "not measured" in choice.reason
 
@@ -50,15 +53,15 @@ def test_nothing_measured_blends_as_configured():
 def test_slow_compute_blends():
     c = LoadingController()
     _measured(c, blend_rate=1e4, full_rate=1e4, bandwidth=1e12)
-    choice = choose(c, BlendConfig(), SHAPE, MODEL, overlapped=True)
-    assert choice.choice == "blend" and choice.config == BlendConfig()
+    choice = choose(c, RESOLVED, SHAPE, MODEL, overlapped=True)
+    assert choice.choice == "blend" and choice.config == RESOLVED
 
 
 def test_fast_compute_and_a_slow_tier_run_full_prefill():
     c = LoadingController()
     _measured(c, blend_rate=1e9, full_rate=1e9, bandwidth=1e6)
     tiny = RequestShape(num_prompt_tokens=40, reused_by_tier={"lmdb": 30})
-    choice = choose(c, BlendConfig(), tiny, MODEL, overlapped=True)
+    choice = choose(c, RESOLVED, tiny, MODEL, overlapped=True)
     assert choice.choice == "full_prefill" and choice.config is None
     assert "full prefill predicted" in choice.reason
 
@@ -68,25 +71,25 @@ def test_a_dominant_query_pass_picks_the_one_pass_selection():
     shape = RequestShape(num_prompt_tokens=1500, reused_by_tier={"lmdb": 1000})
     c = LoadingController()
     _measured(c, blend_rate=6e5, full_rate=1e6, bandwidth=1e12)
-    choice = choose(c, BlendConfig(), shape, MODEL, overlapped=True)
+    choice = choose(c, RESOLVED, shape, MODEL, overlapped=True)
     assert choice.choice == "cheaper_selection"
     assert choice.config.selection == "v_deviation" and choice.config.recompute_ratio == 0.15
-    assert choice.config.correction == BlendConfig().correction  # the rest stays the default
+    assert choice.config.correction == RESOLVED.correction  # the rest stays the default
 
 
 def test_unstored_chunks_blend_and_are_stored():
     c = LoadingController()
     _measured(c, blend_rate=1e9, full_rate=1e9, bandwidth=1e6)
     cold = RequestShape(num_prompt_tokens=40, reused_by_tier={}, missing_tokens=30)
-    assert choose(c, BlendConfig(), cold, MODEL, overlapped=True).choice == ""
+    assert choose(c, RESOLVED, cold, MODEL, overlapped=True).choice == ""
 
 
 def test_loading_hides_behind_compute_only_when_pipelined():
     c = LoadingController()
     # Load ~ compute: pipelined, the load hides and blending wins; serial, they add up.
     _measured(c, blend_rate=1e6, full_rate=1e6, bandwidth=1000 * 30 * 4096 / 0.02)
-    assert choose(c, BlendConfig(), SHAPE, MODEL, overlapped=True).choice == "blend"
-    assert choose(c, BlendConfig(), SHAPE, MODEL, overlapped=False).choice != "blend"
+    assert choose(c, RESOLVED, SHAPE, MODEL, overlapped=True).choice == "blend"
+    assert choose(c, RESOLVED, SHAPE, MODEL, overlapped=False).choice != "blend"
 
 
 def test_switch(tiny_llama_dir, tmp_path):
@@ -178,7 +181,9 @@ def test_a_requests_own_config_is_never_overridden(llm, config):
     stats = llm.generate(PROMPT, GREEDY, blend=config)[0].blend_stats
     assert stats.cost_choice == "" and "own BlendConfig" in stats.cost_reason
     assert stats.tokens_reused > 0 and not hasattr(stats, "fallback")
-    assert stats.reused_tokens_recomputed == round(config.recompute_ratio * stats.tokens_reused)
+    ran = stats.config  # a target's: the ratio the engine picked for it
+    assert ran == config or (config.target_mode and not ran.target_mode)
+    assert stats.reused_tokens_recomputed == round(ran.recompute_ratio * stats.tokens_reused)
 
 
 def test_off_switch_blends_as_configured(tiny_llama_dir, tmp_path):
@@ -208,6 +213,6 @@ def test_predicted_row_layers_are_what_the_fused_prefill_counts(llm, config):
     lead = llm.blend_manager().prepare(PROMPT, config).prompt.chunk_starts[0]
     assert lead > 0  # the template's head: ProphetKV's pass settles it
     predicted = blend_row_layers(
-        config, layers, stats.tokens_reused, other, _qkv_share(model), lead
+        stats.config, layers, stats.tokens_reused, other, _qkv_share(model), lead
     )
     assert predicted == pytest.approx(stats.row_layers, rel=1e-9)

@@ -118,8 +118,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 def test_the_engine_raises_a_drifting_targets_ratio_and_leaves_explicit_ratios(tiny_llama_dir):
-    """No calibration: a target runs at the conservative ratio (0.3). Target 0 nats is one the
-    real blends on the random model miss, so the audits (every request, each run before the
+    """No calibration: a target runs at the conservative ratio (0.3). A target of 1e-6 nats is one
+    the real blends on the random model miss, so the audits (every request, each run before the
     next request) move it up a step within ``min_audits`` requests; an explicit ratio runs as
     given and moves nothing."""
     llm = QuietLLM(
@@ -127,7 +127,7 @@ def test_the_engine_raises_a_drifting_targets_ratio_and_leaves_explicit_ratios(t
     )
     with llm:
         ctl = llm.engine.fidelity
-        target = BlendConfig(fidelity_target=0.0)
+        target = BlendConfig(fidelity_target=1e-6)
         stats = []
         for i in range(ctl.min_audits + 1):
             prompt = {"documents": DOCS, "query": f"{QUERY} ({i})"}
@@ -138,9 +138,9 @@ def test_the_engine_raises_a_drifting_targets_ratio_and_leaves_explicit_ratios(t
         assert chosen[: ctl.min_audits] == [UNCALIBRATED_RATIO] * ctl.min_audits
         assert chosen[-1] == 0.5  # the next grid step (DEFAULT_RATIOS) above 0.3
         records = llm.blend_audit_records()
-        assert all(r.fidelity_target == 0.0 for r in records)
+        assert all(r.fidelity_target == 1e-6 for r in records)
         assert [r.recompute_ratio for r in records][: ctl.min_audits] == chosen[: ctl.min_audits]
-        assert ctl.state()[0.0].ratio == 0.5
+        assert ctl.state()[1e-6].ratio == 0.5
 
         before = ctl.state()
         prompt = {"documents": DOCS, "query": f"{QUERY} (explicit)"}

@@ -93,7 +93,8 @@ def test_text_output(store_args, capsys):
         "=== query",
     ):
         assert marker in out
-    assert "answer KL" in out and "full prefill" in out and "blend@0.1" in out
+    assert "answer KL" in out and "full prefill" in out
+    assert "blend@0.3 (target 1 nats)" in out  # the default target, uncalibrated: 0.3 ran
     # The stats line's parts add up to the prompt.
     [line] = [x for x in out.splitlines() if "prompt tokens =" in x]
     numbers = [int(v) for v in re.findall(r"(\d+) (?:prompt tokens|reused|others)", line)]
