@@ -4,7 +4,7 @@
 
 By default it runs the two MuSiQue dev examples bundled with the tests
 (``tests/data/musique_dev_first2.json``: 4 passages each, ~2.4K-token prompts) through full
-prefill, full reuse and the default blend (ProphetKV at 0.10 with the K correction), in
+prefill, full reuse and a blend at ratio 0.1 (``blend@0.1``: ProphetKV with the K correction), in
 float32; a few minutes on two CPU cores. For the benchmark's setting give CacheBlend's
 MuSiQue file (``--data musique_dev.json --limit 50``: 10 passages, ~6K tokens; ten examples
 through five methods take about 50 minutes on two cores). ``blendkv eval --help`` lists every

@@ -25,8 +25,8 @@ class BlendConfig:
 
     Attributes:
         recompute_ratio: fraction of *reused* tokens recomputed from ``check_layer`` on (from
-            layer 0 with ``selection="prophet"``, the default); unset: 0.10, or with
-            ``fidelity_target`` the least the engine's calibration says meets it. Tokens
+            layer 0 with ``selection="prophet"``, the default); unset: the least the engine's
+            calibration says meets ``fidelity_target``. Tokens
             without reused K/V (template, query, misses) are always recomputed and do not count.
             ``1.0`` reproduces full prefill; ``0.0`` is full reuse: the stored K/V is used at
             every layer, the first included, and only the non-reused tokens run. ``"auto"``:
@@ -83,8 +83,9 @@ class BlendConfig:
             ``recompute_ratio`` of all reused tokens, goes to the other chunks' rows.
     """
 
-    # The defaults (ProphetKV's pick of a tenth, the K correction) are the measured best of the
-    # strategies tried, on both evaluated models: docs/guide/blending.md says what they cost.
+    # The defaults (ProphetKV's pick, the K correction) are the measured best of the strategies
+    # tried, on both evaluated models: docs/guide/blending.md says what they cost. How much it
+    # picks is the fidelity target's ratio (docs/guide/fidelity.md).
     recompute_ratio: float | str | None = None
     check_layer: int = 1
     selection: str = "prophet"

@@ -33,7 +33,10 @@ def register(sub) -> None:
         "question; the default), relevance_first or source (by document, in reading order)",
     )
     p.add_argument(
-        "--ratio", type=float, default=None, help="recompute ratio (default: BlendConfig's)"
+        "--ratio",
+        type=float,
+        default=None,
+        help="recompute ratio (default: the engine picks it for the default fidelity target)",
     )
     p.add_argument(
         "--fidelity-target",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.errors import ConfigError
+from blendkv.eval.bench.gpu_blend import PROPHET
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def time_variant(variant: Variant, llm, prompt: dict, repeats: int) -> dict:
     one = SamplingParams(temperature=0.0, max_tokens=1)
     state = llm.blend_manager().prepare(prompt, BlendConfig())
     llm.precompute_chunks(state.prompt.chunks)
-    configs = {"blend": BlendConfig(), "reuse": BlendConfig(recompute_ratio=0.0)}
+    configs = {"blend": PROPHET, "reuse": BlendConfig(recompute_ratio=0.0)}
 
     def run(request: str):
         if request == "full":

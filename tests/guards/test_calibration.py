@@ -108,11 +108,15 @@ def test_the_command(tiny_llama_dir, tmp_path, capsys):
     args = ["--store", str(store), "--model", str(tiny_llama_dir), "--dtype", "float32"]
     args += QUIET_FLAGS
     assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
+    assert "not calibrated: requests run the default fidelity target" in capsys.readouterr().out
     argv = ["calibrate", "--prompts", "2", "--ratios", "0,0.5", "--no-progress", *args]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 prompts" in out and (store / "calibration.json").exists()
     assert main(["calibrate", "--prompts", "2", "--ratios", "0.5,0", *args]) == 2
+    capsys.readouterr()
+    assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
+    assert "not calibrated" not in capsys.readouterr().out  # the store's curve is for this model
 
 
 def test_a_calibration_on_the_users_questions_uses_the_chunks_each_retrieves(rag, tmp_path):
