@@ -181,25 +181,16 @@ def run(args: argparse.Namespace) -> int:
             from blendkv.guards.calibration import calibrate_store
 
             print(calibrate_store(pipeline, seconds=args.calibrate, progress=not args.no_progress))
-        elif _uncalibrated(pipeline):
-            from blendkv.guards.calibration import UNCALIBRATED_RATIO
+        else:
+            from blendkv.guards.calibration import uncalibrated_note
 
-            print(
-                f"not calibrated: requests run the default fidelity target at ratio "
-                f"{UNCALIBRATED_RATIO:g}; `blendkv calibrate --store {args.store}` measures this "
-                "store so they run at the least ratio that meets it"
-            )
+            note = uncalibrated_note(pipeline.manager, args.store)
+            if note is not None:
+                print(note)
     finally:
         pipeline.close()
         pipeline.llm.close()
     return 0
-
-
-def _uncalibrated(pipeline) -> bool:
-    """An LMDB store with no calibration for this model (a Redis store keeps none)."""
-    manager = pipeline.manager
-    local = not str(manager.document_store.path).startswith("redis")
-    return local and manager.calibration() is None
 
 
 def _check_calibrate(args: argparse.Namespace) -> None:

@@ -296,3 +296,16 @@ def _question_prompts(pipeline, questions: Sequence[str], top_k: int) -> Iterato
     for question in questions:
         sources = pipeline.order_sources(pipeline.retrieve(question, top_k))
         yield pipeline.blended_prompt(question, sources)
+
+
+def uncalibrated_note(manager, store: str) -> str | None:
+    """What to tell the user of an LMDB store with no calibration for this model (None: it has
+    one, or the store is Redis, which keeps none): its requests run the default target at the
+    conservative ratio."""
+    if str(manager.document_store.path).startswith("redis") or manager.calibration() is not None:
+        return None
+    return (
+        f"store {store} is not calibrated: requests run the default fidelity target at ratio "
+        f"{UNCALIBRATED_RATIO:g}; `blendkv calibrate --store {store}` measures it so they run "
+        "at the least ratio that meets the target"
+    )

@@ -3,6 +3,8 @@ store: a real server is sent more documents than the cache holds."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from helpers import QuietLLM
 from server_helpers import make_tiny_chat_model_dir, raw_request, running_server
@@ -27,12 +29,14 @@ def _chat(i: int) -> dict:
     }
 
 
-def test_request_documents_stay_in_a_bounded_cache(tmp_path):
+def test_request_documents_stay_in_a_bounded_cache(tmp_path, caplog):
     model_dir = make_tiny_chat_model_dir(tmp_path / "model")
     store = tmp_path / "store"
     config = ServeConfig(store_dir=str(store), request_cache_bytes=BOUND)
     app = create_app(lambda: QuietLLM(str(model_dir), **ENGINE), config)
+    caplog.set_level(logging.WARNING, logger="blendkv.entrypoints.openai.api_server")
     with running_server(app) as url:
+        assert f"store {store} is not calibrated" in caplog.text  # the new store has no curve
         manager = app.state.blendkv.served.rag.manager
         assert isinstance(manager.store, LayeredKVStore)
         cache, rag_store = manager.store.cache, manager.document_store

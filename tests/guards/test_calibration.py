@@ -108,7 +108,7 @@ def test_the_command(tiny_llama_dir, tmp_path, capsys):
     args = ["--store", str(store), "--model", str(tiny_llama_dir), "--dtype", "float32"]
     args += QUIET_FLAGS
     assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
-    assert "not calibrated: requests run the default fidelity target" in capsys.readouterr().out
+    assert "is not calibrated: requests run the default fidelity target" in capsys.readouterr().out
     argv = ["calibrate", "--prompts", "2", "--ratios", "0,0.5", "--no-progress", *args]
     assert main(argv) == 0
     out = capsys.readouterr().out

@@ -142,6 +142,12 @@ class ServerState:
                 replica_name=self.config.replica_name,
             )
             logger.info("model %s loaded; serving", self.served.model_name)
+            if rag is not None:
+                from blendkv.guards.calibration import uncalibrated_note
+
+                note = uncalibrated_note(rag.manager, str(self.config.store_dir))
+                if note is not None:
+                    logger.warning(note)
             if self._closing.is_set():  # the server stopped while the model loaded
                 self.close()
         except BaseException as exc:
