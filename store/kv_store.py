@@ -333,7 +333,10 @@ class KVStore:
             try:
                 evicted = self._commit(self._txn_evict_pages)
             except lmdb.MapFullError:
-                evicted = []
+                # Even the eviction needs free pages, and the pages freed before are still
+                # seen by a snapshot: wait for it, then write (and evict) again.
+                self._wait_for_older_snapshots()
+                return
             if evicted:
                 self._room_pages *= 2
                 self._note_evicted(evicted)
