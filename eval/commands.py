@@ -75,7 +75,8 @@ def _add_run_args(p) -> None:
         metavar="N",
         help="before the run, calibrate the store for target@T methods on N prompts of random "
         "passages of the first N examples (with the calibration's own questions) and save it "
-        "beside the store; default 0: target@T runs uncalibrated (ratio 0.3)",
+        "beside the store; default 0: default and target@T run at the store's calibration, or "
+        "uncalibrated at ratio 0.3",
     )
     add_config_args(p, EngineConfig, ("max_model_len",))
 

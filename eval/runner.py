@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ from blendkv.eval.methods import (
 from blendkv.eval.ordering import order_examples
 from blendkv.eval.prompts import get_prompt_spec, render_prompt
 from blendkv.eval.reference_cache import ReferenceCache, reference_identity
+from blendkv.guards.calibration import UNCALIBRATED_RATIO
 from blendkv.rag.chunk_order import check_chunk_order
 
 __all__ = ["EvalConfig", "EvalResult", "run_eval", "summarize_method"]
@@ -210,6 +212,13 @@ def _run_examples(config, methods, examples, calibration, num_examples, progress
             resumed = journal.run_config if journal is not None else None
             curve = _calibrate(llm, stores, measured, config, progress, resumed)
             result.config["calibration"] = curve
+        targets = [m.name for m in methods if m.fidelity_target is not None]
+        if targets and manager.calibration() is None:
+            print(
+                f"note: the run's store has no calibration: {', '.join(targets)} run at ratio "
+                f"{UNCALIBRATED_RATIO:g} (--calibrate N measures one first)",
+                file=sys.stderr,
+            )
         if journal is not None:
             journal.start(result.config)
         if not examples:

@@ -127,6 +127,16 @@ def test_calibrate_first_then_targets_run_at_the_calibrated_ratio(tmp_path, eval
     assert all(r["blend_stats"]["predicted_recompute_ratio"] == picked for r in rows)
 
 
+def test_an_uncalibrated_store_is_named_for_the_default(tmp_path, eval_model_dir, capsys):
+    argv = ["eval", "--data", "synthetic", "--limit", "1", "--methods", "full,default"]
+    argv += ["--model", str(eval_model_dir), "--kv-store-dir", str(tmp_path / "store")]
+    argv += ["--dtype", "float32", "--max-tokens", "2", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--no-progress"]) == 0
+    assert "no calibration: default run at ratio 0.3" in capsys.readouterr().err
+    rows = [r for r in _records(tmp_path / "out") if r["method"] == "default"]
+    assert rows and rows[0]["recompute_ratio"] == UNCALIBRATED_RATIO
+
+
 def test_a_resumed_run_keeps_its_calibration(tmp_path, eval_model_dir, capsys):
     """``--resume`` after a calibrated run: the curve beside the store is the one the first
     examples ran with, so it is kept, not measured again on the examples still to run; the
