@@ -290,6 +290,9 @@ def test_ask_streams_the_answer_sources_and_token_map(server, browser, screensho
     assert p.is_visible("#answer-full")
     assert p.text_content("#answer-full .text") == full["choices"][0]["text"]
     assert "first token after" in p.text_content("#answer-blend .ttft")
+    # The default config is a fidelity target: the summary says what it ran at.
+    target = f"fidelity target {info['fidelity_target']:g} nats: recompute ratio"
+    assert target in p.text_content("#summary")
     # Sources: file names in prompt order.
     names = page.texts("#source-list li .name")
     assert names == [file_name(s["source"]) for s in info["sources"]]

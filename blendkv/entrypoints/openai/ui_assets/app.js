@@ -427,6 +427,11 @@ function renderBlend(result, body) {
       `(${fmtPct(info.recompute_fraction)})`,
     `load ${fmtSeconds(info.load_seconds)}`,
   );
+  if (info.fidelity_target !== null && info.fidelity_target !== undefined) {
+    parts.push(`fidelity target ${info.fidelity_target} nats: recompute ratio ` +
+      `${info.chosen_recompute_ratio} (${info.calibrated ? "the store's calibration" :
+        "no calibration: the conservative ratio"})`);
+  }
   if (info.fallback) parts.push(`ran as full prefill: ${info.fallback}`);
   else if (info.cost_choice) parts.push(`cost check: ${info.cost_choice.replace("_", " ")}`);
   summary.textContent = parts.join(" · ");
