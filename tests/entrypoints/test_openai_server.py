@@ -25,6 +25,7 @@ from server_helpers import (
 from blendkv import SamplingParams
 from blendkv.blend.config import BlendConfig
 from blendkv.entrypoints.openai.api_server import ServeConfig, create_app
+from blendkv.guards.calibration import UNCALIBRATED_RATIO
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -389,6 +390,8 @@ def test_metrics_parse_and_move(server, client):
     assert after["blendkv_blend_requests_total"] == before["blendkv_blend_requests_total"] + 1
     chunks = lambda m: m["blendkv_blend_chunks_hit_total"] + m["blendkv_blend_chunks_missed_total"]  # noqa: E731
     assert chunks(after) == chunks(before) + 2
+    # the chat passed no blend config: the default target, uncalibrated here, at ratio 0.3
+    assert after["blendkv_fidelity_target_recompute_ratio{target=1}"] == UNCALIBRATED_RATIO
     assert after["blendkv_blend_chunks_on_device_total"] == 0  # (no device tier)
     assert after["blendkv_blend_tokens_reused_total"] > before["blendkv_blend_tokens_reused_total"]
     assert after["blendkv_engine_steps_total"] > before["blendkv_engine_steps_total"]
