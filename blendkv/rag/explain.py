@@ -130,13 +130,14 @@ class FullComparison:
         blend = f"blend@{_ratio(self.recompute_ratio)}"
         if self.fidelity_target is not None:
             blend += f" (target {self.fidelity_target:g} nats)"
+        w = max(14, len(blend))
         return "\n".join(
             [
                 f"full prefill beside the blend (same {self.num_prompt_tokens} prompt tokens, "
                 f"both greedy; TTFT: median of {TIMED_RUNS} warm runs):",
-                f"  {'full prefill':14s} TTFT {self.full_ttft * 1e3:7.0f} ms  "
+                f"  {'full prefill':{w}s} TTFT {self.full_ttft * 1e3:7.0f} ms  "
                 f"{' '.join(self.full_answer.split())}",
-                f"  {blend:14s} TTFT {self.blend_ttft * 1e3:7.0f} ms  "
+                f"  {blend:{w}s} TTFT {self.blend_ttft * 1e3:7.0f} ms  "
                 f"{' '.join(self.blend_answer.split())}",
                 f"  answer KL {self.answer_kl:.4f} nats (teacher-forced along full prefill's "
                 f"first {self.scored_tokens} answer tokens); top-1 agreement "
