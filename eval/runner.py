@@ -302,7 +302,7 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
             seed=config.seed,
             progress=bar.update,
         )
-    curve.save(manager.document_store.path)
+    manager.save_calibration(curve)
     return _curve_dict(curve)
 
 

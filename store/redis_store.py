@@ -44,7 +44,13 @@ from . import codecs, layout
 from . import format as fmt
 from .base import fill_misses
 from .codecs import EncodedKV, decode_reference
-from .errors import CorruptValueError, FingerprintMismatchError, StoreError, StoreFormatError
+from .errors import (
+    CorruptValueError,
+    FingerprintMismatchError,
+    StoreError,
+    StoreFormatError,
+    StoreReadOnlyError,
+)
 from .fingerprint import ModelFingerprint, mismatch_message
 from .memory_tier import MemoryTier
 from .records import ChunkKV, ChunkMeta, NewChunk, PutResult, StoreStats, VerifyReport
@@ -477,6 +483,15 @@ class RedisKVStore:
         return True
 
     # ---- metadata -----------------------------------------------------------------------
+    def get_setting(self, name: str) -> bytes | None:
+        """A store-wide value every engine sharing the store reads (e.g. its calibration)."""
+        return self._call(lambda: self.client.get(self._k("setting", name)), StoreError)
+
+    def put_setting(self, name: str, value: bytes) -> None:
+        if self.readonly:
+            raise StoreReadOnlyError(f"store {self.url} is open read-only")
+        self._call(lambda: self.client.set(self._k("setting", name), value), StoreError)
+
     def get_meta(self, key: bytes) -> ChunkMeta | None:
         raw = self._call(lambda: self.client.get(self._chunk(key, "m")), None)
         return ChunkMeta.from_json(raw) if raw is not None else None

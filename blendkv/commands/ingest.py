@@ -194,15 +194,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_calibrate(args: argparse.Namespace) -> None:
-    """``--calibrate`` needs an LMDB store (the curve is kept beside it): refused before any
-    document is read."""
+    """``--calibrate`` runs in this process after the ingest: not with ``--workers`` (run
+    ``blendkv calibrate`` on the store after); refused before any document is read."""
     if args.calibrate is None:
         return
     if args.calibrate < 0:
         raise InvalidRequestError(f"--calibrate takes seconds >= 0, got {args.calibrate}")
-    if args.workers is not None or str(args.store).startswith("redis"):
+    if args.workers is not None:
         raise InvalidRequestError(
-            "--calibrate keeps the curve beside an LMDB store: not with --workers or redis://"
+            "--calibrate runs in this process: not with --workers (run `blendkv calibrate "
+            "--store ...` after the ingest)"
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +24,13 @@ import xxhash
 from blendkv.blend.config import BlendConfig
 from blendkv.connector.prompt import BlendedPrompt, PromptBuilder, parse_prompt
 from blendkv.connector.request_state import BlendRequestState
-from blendkv.guards.calibration import DEFAULT_RATIOS, UNCALIBRATED_RATIO, Calibration
+from blendkv.guards.calibration import (
+    DEFAULT_RATIOS,
+    UNCALIBRATED_RATIO,
+    Calibration,
+    load_calibration,
+    save_calibration,
+)
 from blendkv.layers.rotary import rope_parameters
 from blendkv.store import (
     FingerprintMismatchError,
@@ -46,6 +53,9 @@ if TYPE_CHECKING:
     from blendkv.store.base import ChunkKVStore
 
 logger = logging.getLogger(__name__)
+# How often a calibration kept in a shared (Redis) store is read again: another engine may save
+# one (a local store's file is checked on every request, a stat).
+SHARED_CALIBRATION_S = 10.0
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -301,15 +311,26 @@ class BlendManager:
         resolved = dataclasses.replace(config, recompute_ratio=ratio, fidelity_target=None)
         return resolved, predicted, calibration is not None
 
+    def save_calibration(self, calibration: Calibration) -> str:
+        """Keep ``calibration`` with the document store (this engine reads it from now on);
+        returns where it went."""
+        where = save_calibration(calibration, self.document_store)
+        self._calibration = None
+        return where
+
     def calibration(self) -> Calibration | None:
-        """The calibration saved beside the document store for this model (read again only
-        when its file changed: one saved by this process, e.g. by ``calibrate``, is seen)."""
-        path = self.document_store.path
-        local = not str(path).startswith("redis")
-        key = (path, Calibration.stamp(path) if local else None)
+        """The calibration kept with the document store for this model. Read again when its
+        file changed (one saved by this process, e.g. by ``calibrate``, is seen), or from a
+        Redis store at most every :data:`SHARED_CALIBRATION_S` seconds (another engine may
+        save one)."""
+        store = self.document_store
+        if store.tier == "redis":
+            stamp = int(time.monotonic() // SHARED_CALIBRATION_S)
+        else:
+            stamp = Calibration.stamp(store.path)
+        key = (store.path, stamp)
         if self._calibration is None or self._calibration[0] != key:
-            found = Calibration.load(path, self.fingerprint.digest()) if local else None
-            self._calibration = (key, found)
+            self._calibration = (key, load_calibration(store, self.fingerprint.digest()))
         return self._calibration[1]
 
     def reconfigure(self, state: BlendRequestState, config: BlendConfig) -> BlendRequestState:

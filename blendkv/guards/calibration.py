@@ -14,8 +14,9 @@ whose interval's upper end is within the target; ratio 1.0 is full prefill's ans
 gate checks it), so a target no measured ratio meets gets 1.0, which the cost check then runs
 as full prefill.
 
-The curve is saved beside an LMDB store (``calibration.json``), tied to the model's
-fingerprint: a store's calibration is refused for another model.
+The curve is kept with the store (:func:`save_calibration`): beside an LMDB store
+(``calibration.json``), under a key of a Redis store (every engine sharing it reads it), tied
+to the model's fingerprint: a store's calibration is refused for another model.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from blendkv.errors import BlendKVError
 from blendkv.guards.measure import ANSWER_TOKENS, QUANTILE, quantile
 
 CALIBRATION_FILE = "calibration.json"
+CALIBRATION_KEY = "calibration"  # in a Redis store
 DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
 # A target without a calibration: a ratio that keeps most prompts near full prefill on the
 # models measured (docs/guide/fidelity.md). A target of 0 runs full prefill instead.
@@ -85,7 +87,7 @@ class Calibration:
     def save(self, store_dir: str | Path) -> Path:
         """Write it beside the LMDB store in ``store_dir``."""
         path = Path(store_dir) / CALIBRATION_FILE
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        path.write_text(self.to_json())
         return path
 
     @staticmethod
@@ -105,14 +107,23 @@ class Calibration:
         path = Path(store_dir) / CALIBRATION_FILE
         if not path.exists():
             return None
-        data = json.loads(path.read_text())
+        return cls.from_json(path.read_text(), fingerprint, str(path))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, fingerprint: str, where: str) -> Calibration:
+        """A saved calibration (``where``: what a message names). Raises
+        :class:`CalibrationError` when it was measured with another model."""
+        data = json.loads(text)
         if data.get("fingerprint") != fingerprint:
             raise CalibrationError(
-                f"{path} was measured with another model (fingerprint "
+                f"{where} was measured with another model (fingerprint "
                 f"{str(data.get('fingerprint'))[:12]}..., this engine's {fingerprint[:12]}...); "
                 "run `blendkv calibrate` again with this model"
             )
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1) + "\n"
 
     def table(self) -> str:
         """The curve, a line per ratio."""
@@ -254,8 +265,6 @@ def calibrate_store(
     chunks it retrieves, as :meth:`~blendkv.rag.RAGPipeline.query` builds it."""
     from tqdm import tqdm
 
-    if str(pipeline.store_dir).startswith("redis"):
-        raise CalibrationError("calibrations are kept beside an LMDB store, not in Redis")
     total = prompts if questions is None else min(prompts, len(questions))
     with tqdm(total=total, desc="calibrating", disable=not progress) as bar:
         if questions is None:
@@ -280,7 +289,7 @@ def calibrate_store(
                 seed=seed,
                 progress=bar.update,
             )
-    path = calibration.save(pipeline.store_dir)
+    path = pipeline.manager.save_calibration(calibration)
     kind = "chunks" if questions is None else "retrieved chunks"
     done = (
         f"{calibration.num_prompts} prompts of {calibration.chunks_per_prompt} {kind} in "
@@ -298,11 +307,33 @@ def _question_prompts(pipeline, questions: Sequence[str], top_k: int) -> Iterato
         yield pipeline.blended_prompt(question, sources)
 
 
+def save_calibration(calibration: Calibration, store) -> str:
+    """Keep ``calibration`` with the chunk store ``store``: beside an LMDB store's file, or
+    under a key of a Redis store. Returns where it went."""
+    if _in_redis(store):
+        store.put_setting(CALIBRATION_KEY, calibration.to_json().encode())
+        return f"{store.path} (key {CALIBRATION_KEY})"
+    return str(calibration.save(store.path))
+
+
+def load_calibration(store, fingerprint: str) -> Calibration | None:
+    """The calibration kept with ``store`` (None: none). Raises :class:`CalibrationError` when
+    it was measured with another model."""
+    if not _in_redis(store):
+        return Calibration.load(store.path, fingerprint)
+    raw = store.get_setting(CALIBRATION_KEY)
+    where = f"the calibration in {store.path}"
+    return None if raw is None else Calibration.from_json(raw, fingerprint, where)
+
+
+def _in_redis(store) -> bool:
+    return getattr(store, "tier", None) == "redis"
+
+
 def uncalibrated_note(manager, store: str) -> str | None:
-    """What to tell the user of an LMDB store with no calibration for this model (None: it has
-    one, or the store is Redis, which keeps none): its requests run the default target at the
-    conservative ratio."""
-    if str(manager.document_store.path).startswith("redis") or manager.calibration() is not None:
+    """What to tell the user of a store with no calibration for this model (None: it has one):
+    its requests run the default target at the conservative ratio."""
+    if manager.calibration() is not None:
         return None
     return (
         f"store {store} is not calibrated: requests run the default fidelity target at ratio "

@@ -19,6 +19,7 @@ from blendkv.guards.calibration import (
     CalibrationError,
     calibrate,
     calibrate_store,
+    uncalibrated_note,
 )
 from blendkv.rag import RAGPipeline
 
@@ -183,3 +184,28 @@ def test_the_default_config_is_the_default_target():
         config = BlendConfig(recompute_ratio=explicit)
         assert config.fidelity_target is None and not config.target_mode
     assert dataclasses.replace(default, selection="k_deviation").target_mode
+
+
+def test_a_redis_store_keeps_its_calibration_for_every_engine(tiny_llama_dir, redis_server):
+    """A store shared over Redis keeps the curve under a key: an engine that calibrates it and
+    another that opens it later both run a target at the calibrated ratio; before, both were
+    told the store had none."""
+    redis_server.flush()
+    url = redis_server.url
+    llm = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    with RAGPipeline(url, llm=llm, chunk_tokens=48) as rag:
+        rag.ingest([DEMO_DOCS], progress=False)
+        assert "is not calibrated" in uncalibrated_note(rag.manager, url)
+        report = calibrate_store(rag, ratios=(0.0, 0.5), prompts=2, progress=False)
+        assert f"saved to {url} (key calibration)" in report
+        saved = rag.manager.calibration()
+        assert saved is not None and saved.ratios == (0.0, 0.5)
+        assert uncalibrated_note(rag.manager, url) is None
+    llm.close()
+    other = QuietLLM(str(tiny_llama_dir), dtype="float32", block_size=4)
+    with RAGPipeline(url, llm=other, chunk_tokens=48) as rag:
+        assert rag.manager.calibration() == saved
+        answer = rag.query("Who created Python?", k=2, sampling_params=GREEDY)
+        stats = answer.blend_stats
+        assert stats.calibrated and stats.predicted_recompute_ratio == saved.ratio_for(1.0)
+    other.close()
