@@ -60,6 +60,8 @@ class BlendStats:
             conservative one without a calibration): the floor the controller moves up from.
         calibrated: with a target, whether a calibration picked the ratio (False: no
             calibration for this store and model, the conservative ratio ran).
+        calibration_chunks: with a calibration, the chunks each of its prompts held (0: not
+            recorded). A request holding many more drifts more than the curve says.
         precompute_seconds: time computing missed chunks.
         store_errors: store calls that failed (e.g. Redis unreachable); their chunks were
             recomputed.
@@ -103,6 +105,7 @@ class BlendStats:
     fidelity_target: float | None = None
     predicted_recompute_ratio: float | None = None
     calibrated: bool | None = None
+    calibration_chunks: int | None = None
     precompute_seconds: float = 0.0
     store_errors: int = 0
     ttft: float | None = None

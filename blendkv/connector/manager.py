@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 # How often a calibration kept in a shared (Redis) store is read again: another engine may save
 # one (a local store's file is checked on every request, a stat).
 SHARED_CALIBRATION_S = 10.0
+# a target request holding over this many times the chunks its calibration's prompts held
+# gets a warning (once per calibration): its drift may exceed the curve's
+CALIBRATION_CHUNKS_SLACK = 1.5
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -101,6 +104,7 @@ class BlendManager:
         self.request_cache_bytes = request_cache_bytes
         # ((store path, its file's stamp), the calibration read)
         self._calibration: tuple[object, Calibration | None] | None = None
+        self._calibration_size_warned: Calibration | None = None
         self._tmpdirs: list[tempfile.TemporaryDirectory] = []
         self._private = store_dir is None
         self.store = self._open_store(store_dir, store_max_bytes, memory_tier_bytes)
@@ -268,9 +272,9 @@ class BlendManager:
         Raises on bad input."""
         config = config or BlendConfig()
         target = config.fidelity_target if config.target_mode else None
-        calibrated = predicted = None
+        calibration = predicted = None
         if target is not None:  # the least ratio the store's calibration says meets it
-            config, predicted, calibrated = self._for_target(config)
+            config, predicted, calibration = self._for_target(config)
         config.validate_for(self.num_layers)
         prompt = replace_in_blended_prompt(prompt)  # lone surrogates -> U+FFFD, with a warning
         parts = parse_prompt(prompt, self.builder.encode, self._stored_tokens)
@@ -288,14 +292,17 @@ class BlendManager:
         state.stats.num_prompt_tokens = len(built.token_ids)
         if target is not None:
             state.stats.fidelity_target = target
-            state.stats.calibrated = calibrated
+            state.stats.calibrated = calibration is not None
             state.stats.predicted_recompute_ratio = predicted
+            if calibration is not None:
+                state.stats.calibration_chunks = calibration.chunks_per_prompt
+                self._check_calibration_size(calibration, len(chunks))
             state.stats.chosen_recompute_ratio = config.recompute_ratio
         return state
 
-    def _for_target(self, config: BlendConfig) -> tuple[BlendConfig, float, bool]:
+    def _for_target(self, config: BlendConfig) -> tuple[BlendConfig, float, Calibration | None]:
         """``config`` with the ratio to run its target at, the ratio the calibration picks for
-        it (the conservative one without a calibration) and whether a calibration picked it.
+        it (the conservative one without a calibration) and the calibration that picked it.
         The ratio run is the fidelity controller's: that pick moved along the calibration's
         grid by live audits."""
         calibration = self.calibration()
@@ -309,7 +316,26 @@ class BlendManager:
         if self.fidelity is not None:
             ratio = self.fidelity.ratio_for(config.fidelity_target, predicted, grid)
         resolved = dataclasses.replace(config, recompute_ratio=ratio, fidelity_target=None)
-        return resolved, predicted, calibration is not None
+        return resolved, predicted, calibration
+
+    def _check_calibration_size(self, calibration: Calibration, num_chunks: int) -> None:
+        """Warn, once per calibration, when a target request holds well over the chunks the
+        calibration's prompts did: drift grows with a prompt's chunks, so its pick may be low
+        (Qwen2.5-0.5B on MuSiQue: the upper ends at ratios 0.2 / 0.3 were 0.54 / 0.26 nats on
+        6-passage prompts, 1.27 / 0.43 on 20-passage ones)."""
+        measured = calibration.chunks_per_prompt
+        if not measured or num_chunks <= CALIBRATION_CHUNKS_SLACK * measured:
+            return
+        if self._calibration_size_warned is calibration:
+            return
+        self._calibration_size_warned = calibration
+        logger.warning(
+            "a request holds %d chunks; the store's calibration measured prompts of %d, so its "
+            "ratios may be too low for it: run `blendkv calibrate --chunks-per-prompt %d`",
+            num_chunks,
+            measured,
+            num_chunks,
+        )
 
     def save_calibration(self, calibration: Calibration) -> str:
         """Keep ``calibration`` with the document store (this engine reads it from now on);

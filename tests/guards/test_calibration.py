@@ -209,3 +209,30 @@ def test_a_redis_store_keeps_its_calibration_for_every_engine(tiny_llama_dir, re
         stats = answer.blend_stats
         assert stats.calibrated and stats.predicted_recompute_ratio == saved.ratio_for(1.0)
     other.close()
+
+
+def test_a_request_with_more_chunks_than_the_calibration_measured_is_warned_once(
+    tiny_llama_dir, tmp_path, caplog
+):
+    """Drift grows with a prompt's chunks: a target request holding well over the chunks the
+    calibration's prompts held is told (once) that the picked ratio may be too low."""
+    documents = ["Paris is in France.", "Rome is in Italy.", "Bern is in Switzerland."]
+    with QuietLLM(str(tiny_llama_dir), dtype="float32", kv_store_dir=str(tmp_path)) as llm:
+        manager = llm.blend_manager()
+        curve = Calibration(
+            manager.fingerprint.digest(), (0.0, 0.3), (2.0, 0.5), (1.0, 0.2), (3.0, 0.8), 4
+        )
+        manager.save_calibration(dataclasses.replace(curve, chunks_per_prompt=1))
+        with caplog.at_level("WARNING", logger="blendkv.connector.manager"):
+            outs = [
+                llm.generate([{"documents": d, "query": "Rome?"}], GREEDY)[0]
+                for d in (documents[:1], documents, documents)
+            ]
+        warned = [r for r in caplog.records if "calibrate --chunks-per-prompt 3" in r.message]
+        assert len(warned) == 1 and "holds 3 chunks" in warned[0].message
+        assert [o.blend_stats.calibration_chunks for o in outs] == [1, 1, 1]
+        caplog.clear()
+        manager.save_calibration(dataclasses.replace(curve, chunks_per_prompt=3))
+        with caplog.at_level("WARNING", logger="blendkv.connector.manager"):
+            out = llm.generate([{"documents": documents, "query": "Rome?"}], GREEDY)[0]
+        assert out.blend_stats.calibration_chunks == 3 and not caplog.records
