@@ -321,8 +321,7 @@ class BlendManager:
     def _check_calibration_size(self, calibration: Calibration, num_chunks: int) -> None:
         """Warn, once per calibration, when a target request holds well over the chunks the
         calibration's prompts did: drift grows with a prompt's chunks, so its pick may be low
-        (Qwen2.5-0.5B on MuSiQue: the upper ends at ratios 0.2 / 0.3 were 0.54 / 0.26 nats on
-        6-passage prompts, 1.27 / 0.43 on 20-passage ones)."""
+        (docs/guide/fidelity.md)."""
         measured = calibration.chunks_per_prompt
         if not measured or num_chunks <= CALIBRATION_CHUNKS_SLACK * measured:
             return
