@@ -295,7 +295,17 @@ def calibrate_store(
         f"{calibration.num_prompts} prompts of {calibration.chunks_per_prompt} {kind} in "
         f"{calibration.seconds:.0f} s; saved to {path}"
     )
-    return f"{calibration.table()}\n{done}"
+    return f"{calibration.table()}\n{done}\n{default_pick(calibration)}"
+
+
+def default_pick(calibration: Calibration) -> str:
+    """What the calibration means for requests that pass no config: the ratio the default
+    target now runs at."""
+    from blendkv.blend.config import DEFAULT_TARGET
+
+    ratio = calibration.ratio_for(DEFAULT_TARGET)
+    ran = "full prefill" if ratio >= 1.0 else f"ratio {ratio:g}"
+    return f"the default fidelity target ({DEFAULT_TARGET:g} nat) now runs at {ran}"
 
 
 def _question_prompts(pipeline, questions: Sequence[str], top_k: int) -> Iterator[dict]:

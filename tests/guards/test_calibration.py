@@ -4,6 +4,7 @@ beside it, tied to the model), the ratio a target picks from it, and the errors.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from helpers import QUIET_FLAGS, QuietLLM
@@ -114,6 +115,11 @@ def test_the_command(tiny_llama_dir, tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 prompts" in out and (store / "calibration.json").exists()
+    text = (store / "calibration.json").read_text()
+    saved = Calibration.from_json(text, json.loads(text)["fingerprint"], "saved")
+    ratio = saved.ratio_for(DEFAULT_TARGET)
+    ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
+    assert f"the default fidelity target (1 nat) now runs at {ran}" in out
     assert main(["calibrate", "--prompts", "2", "--ratios", "0.5,0", *args]) == 2
     capsys.readouterr()
     assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
@@ -161,6 +167,11 @@ def test_ingest_calibrates_when_asked(tiny_llama_dir, tmp_path, capsys):
     assert main(["ingest", str(DEMO_DOCS), *args, "--calibrate", "0"]) == 0
     out = capsys.readouterr().out
     assert "2 prompts" in out and (store / "calibration.json").exists()
+    text = (store / "calibration.json").read_text()
+    saved = Calibration.from_json(text, json.loads(text)["fingerprint"], "saved")
+    ratio = saved.ratio_for(DEFAULT_TARGET)
+    ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
+    assert f"the default fidelity target (1 nat) now runs at {ran}" in out
     for bad in (["--calibrate", "-1"], ["--calibrate", "--workers", "2"]):
         assert main(["ingest", str(DEMO_DOCS), *args, *bad]) == 2
         assert "--calibrate" in capsys.readouterr().err
