@@ -300,12 +300,12 @@ def calibrate_store(
 
 def default_pick(calibration: Calibration) -> str:
     """What the calibration means for requests that pass no config: the ratio the default
-    target now runs at."""
+    target picks on the store."""
     from blendkv.blend.config import DEFAULT_TARGET
 
     ratio = calibration.ratio_for(DEFAULT_TARGET)
     ran = "full prefill" if ratio >= 1.0 else f"ratio {ratio:g}"
-    return f"the default fidelity target ({DEFAULT_TARGET:g} nat) now runs at {ran}"
+    return f"the default fidelity target ({DEFAULT_TARGET:g} nat) picks {ran} on this store"
 
 
 def _question_prompts(pipeline, questions: Sequence[str], top_k: int) -> Iterator[dict]:

@@ -119,7 +119,7 @@ def test_the_command(tiny_llama_dir, tmp_path, capsys):
     saved = Calibration.from_json(text, json.loads(text)["fingerprint"], "saved")
     ratio = saved.ratio_for(DEFAULT_TARGET)
     ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
-    assert f"the default fidelity target (1 nat) now runs at {ran}" in out
+    assert f"the default fidelity target (1 nat) picks {ran} on this store" in out
     assert main(["calibrate", "--prompts", "2", "--ratios", "0.5,0", *args]) == 2
     capsys.readouterr()
     assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
@@ -171,7 +171,7 @@ def test_ingest_calibrates_when_asked(tiny_llama_dir, tmp_path, capsys):
     saved = Calibration.from_json(text, json.loads(text)["fingerprint"], "saved")
     ratio = saved.ratio_for(DEFAULT_TARGET)
     ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
-    assert f"the default fidelity target (1 nat) now runs at {ran}" in out
+    assert f"the default fidelity target (1 nat) picks {ran} on this store" in out
     for bad in (["--calibrate", "-1"], ["--calibrate", "--workers", "2"]):
         assert main(["ingest", str(DEMO_DOCS), *args, *bad]) == 2
         assert "--calibrate" in capsys.readouterr().err
