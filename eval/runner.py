@@ -280,7 +280,7 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
     store: what ``target@T`` methods pick their ratio from. Returns the curve, for
     results.json. A resumed run (``resumed``: the journal's config) whose curve is still the
     one beside the store keeps it: its earlier records ran with that curve."""
-    from blendkv.guards.calibration import calibrate
+    from blendkv.guards.calibration import CONFIDENT_PROMPTS, calibrate, few_prompts_note
 
     manager = stores.manager
     saved = manager.calibration()
@@ -303,6 +303,8 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
             progress=bar.update,
         )
     manager.save_calibration(curve)
+    if curve.num_prompts < CONFIDENT_PROMPTS:
+        print(few_prompts_note(curve.num_prompts), file=sys.stderr)
     return _curve_dict(curve)
 
 

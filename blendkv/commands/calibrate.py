@@ -9,6 +9,7 @@ import argparse
 from blendkv.cli import add_model_args
 from blendkv.commands.ingest import add_store_arg
 from blendkv.errors import InvalidRequestError
+from blendkv.guards.calibration import CONFIDENT_PROMPTS, DEFAULT_PROMPTS
 
 
 def register(sub) -> None:
@@ -17,7 +18,13 @@ def register(sub) -> None:
         help="measure blends against full prefill on a store's chunks, per recompute ratio",
     )
     add_store_arg(p)
-    p.add_argument("--prompts", type=int, default=24, help="prompts to measure (default 24)")
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=DEFAULT_PROMPTS,
+        help=f"prompts to measure (default {DEFAULT_PROMPTS}; {CONFIDENT_PROMPTS} or more bound "
+        "the 90th percentile with 95%% confidence)",
+    )
     p.add_argument(
         "--chunks-per-prompt",
         type=int,

@@ -38,6 +38,10 @@ DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
 # A target without a calibration: a ratio that keeps most prompts near full prefill on the
 # models measured (docs/guide/fidelity.md). A target of 0 runs full prefill instead.
 UNCALIBRATED_RATIO = 0.3
+# The largest of n prompts' divergences is at least their 90th percentile with chance 1 - 0.9**n:
+# 95 % from 29 prompts on. With fewer, a pick can rest on whether one rare hard prompt was drawn.
+CONFIDENT_PROMPTS = 29
+DEFAULT_PROMPTS = 32
 QUESTIONS = (
     "What do these passages say?",
     "Which names and numbers appear above?",
@@ -139,7 +143,7 @@ def calibrate(
     instruction: str | None,
     *,
     ratios: tuple[float, ...] = DEFAULT_RATIOS,
-    num_prompts: int = 24,
+    num_prompts: int = DEFAULT_PROMPTS,
     chunks_per_prompt: int = 6,
     seconds: float | None = None,
     seed: int = 0,
@@ -249,7 +253,7 @@ def calibrate_store(
     pipeline,
     *,
     ratios: tuple[float, ...] = DEFAULT_RATIOS,
-    prompts: int = 24,
+    prompts: int = DEFAULT_PROMPTS,
     chunks_per_prompt: int = 6,
     questions: Sequence[str] | None = None,
     top_k: int = 6,
@@ -295,7 +299,26 @@ def calibrate_store(
         f"{calibration.num_prompts} prompts of {calibration.chunks_per_prompt} {kind} in "
         f"{calibration.seconds:.0f} s; saved to {path}"
     )
-    return f"{calibration.table()}\n{done}\n{default_pick(calibration)}"
+    lines = [calibration.table(), done, default_pick(calibration)]
+    if calibration.num_prompts < CONFIDENT_PROMPTS:
+        lines.append(few_prompts_note(calibration.num_prompts))
+    return "\n".join(lines)
+
+
+def max_bound_confidence(num_prompts: int, q: float = QUANTILE) -> float:
+    """The chance that the largest of ``num_prompts`` independent divergences is at least their
+    ``q``-quantile: how surely a curve's upper end, at most that largest, bounds the quantile."""
+    return 1.0 - q**num_prompts
+
+
+def few_prompts_note(num_prompts: int) -> str:
+    """What a calibration on fewer than :data:`CONFIDENT_PROMPTS` prompts should be told."""
+    chance = max_bound_confidence(num_prompts)
+    return (
+        f"note: the largest of {num_prompts} prompts bounds the p{QUANTILE * 100:.0f} with "
+        f"{chance:.0%} confidence; {CONFIDENT_PROMPTS} or more give 95% (--prompts; a rare "
+        "hard prompt missed can lower the pick)"
+    )
 
 
 def default_pick(calibration: Calibration) -> str:

@@ -106,15 +106,16 @@ def test_target_for():
             EvalConfig(data="synthetic", fidelity_target=bad)
 
 
-def test_calibrate_first_then_targets_run_at_the_calibrated_ratio(tmp_path, eval_model_dir):
+def test_calibrate_first_then_targets_run_at_the_calibrated_ratio(tmp_path, eval_model_dir, capsys):
     """``--calibrate 2``: the run's store is calibrated before the methods run (the curve goes
     in results.json and beside the store), and a target's records ran at the ratio the curve
-    picks, marked calibrated."""
+    picks, marked calibrated. Two prompts are too few to bound a 90th percentile: it says so."""
     out, store = tmp_path / "out", tmp_path / "store"
     argv = ["eval", "--data", "synthetic", "--limit", "2", "--methods", "full,target@0.5"]
     argv += ["--model", str(eval_model_dir), "--calibrate", "2", "--kv-store-dir", str(store)]
     argv += ["--dtype", "float32", "--max-tokens", "4", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
+    assert "the largest of 2 prompts bounds the p90 with 19% confidence" in capsys.readouterr().err
     curve = json.loads((out / "results.json").read_text())["config"]["calibration"]
     assert curve["num_prompts"] == 2 and list(curve["ratios"]) == [0.0, 0.05, 0.1, 0.2, 0.3, 0.5]
     passages = [len(ex.passages) for ex in load_dataset("synthetic", 2, 0, 0)]

@@ -15,11 +15,14 @@ from blendkv.blend.config import DEFAULT_TARGET, BlendConfig
 from blendkv.cli import main
 from blendkv.errors import ConfigError
 from blendkv.guards.calibration import (
+    CONFIDENT_PROMPTS,
+    DEFAULT_PROMPTS,
     UNCALIBRATED_RATIO,
     Calibration,
     CalibrationError,
     calibrate,
     calibrate_store,
+    max_bound_confidence,
     uncalibrated_note,
 )
 from blendkv.rag import RAGPipeline
@@ -120,6 +123,7 @@ def test_the_command(tiny_llama_dir, tmp_path, capsys):
     ratio = saved.ratio_for(DEFAULT_TARGET)
     ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
     assert f"the default fidelity target (1 nat) picks {ran} on this store" in out
+    assert "the largest of 2 prompts bounds the p90 with 19% confidence; 29 or more" in out
     assert main(["calibrate", "--prompts", "2", "--ratios", "0.5,0", *args]) == 2
     capsys.readouterr()
     assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
@@ -172,6 +176,7 @@ def test_ingest_calibrates_when_asked(tiny_llama_dir, tmp_path, capsys):
     ratio = saved.ratio_for(DEFAULT_TARGET)
     ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
     assert f"the default fidelity target (1 nat) picks {ran} on this store" in out
+    assert "the largest of 2 prompts bounds the p90 with 19% confidence; 29 or more" in out
     for bad in (["--calibrate", "-1"], ["--calibrate", "--workers", "2"]):
         assert main(["ingest", str(DEMO_DOCS), *args, *bad]) == 2
         assert "--calibrate" in capsys.readouterr().err
@@ -247,3 +252,13 @@ def test_a_request_with_more_chunks_than_the_calibration_measured_is_warned_once
         with caplog.at_level("WARNING", logger="blendkv.connector.manager"):
             out = llm.generate([{"documents": documents, "query": "Rome?"}], GREEDY)[0]
         assert out.blend_stats.calibration_chunks == 3 and not caplog.records
+
+
+def test_the_default_prompts_bound_the_90th_percentile_with_95_percent_confidence():
+    assert (
+        max_bound_confidence(CONFIDENT_PROMPTS)
+        >= 0.95
+        > max_bound_confidence(CONFIDENT_PROMPTS - 1)
+    )
+    assert DEFAULT_PROMPTS >= CONFIDENT_PROMPTS
+    assert max_bound_confidence(16) == pytest.approx(0.815, abs=0.001)
