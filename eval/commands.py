@@ -78,6 +78,14 @@ def _add_run_args(p) -> None:
         "beside the store; default 0: default and target@T run at the store's calibration, or "
         "uncalibrated at ratio 0.3",
     )
+    p.add_argument(
+        "--calibrate-on",
+        default="passages",
+        choices=["passages", "questions"],
+        help="what --calibrate measures: random sets of the first N examples' passages with "
+        "the calibration's own questions, or those N examples' own prompts with their "
+        "questions (as `blendkv calibrate --questions` measures a sample of your traffic)",
+    )
     add_config_args(p, EngineConfig, ("max_model_len",))
 
 
@@ -165,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         reference_cache=args.reference_cache,
         fidelity_target=args.fidelity_target,
         calibrate=args.calibrate,
+        calibrate_on=args.calibrate_on,
     )  # validates the method names before the model loads
     names = [m.name for m, _ in config.variants]
     if args.baseline is not None and args.baseline not in names:

@@ -33,9 +33,16 @@ RESUME_KEYS = (
     "anchor_boundary",
     "chunk_order",
     "calibrate",
+    "calibrate_on",
 )
 # What a journal written before a key existed ran with.
-_OLD_DEFAULTS = {"anchor": "prompt", "anchor_boundary": 0, "chunk_order": "source", "calibrate": 0}
+_OLD_DEFAULTS = {
+    "anchor": "prompt",
+    "anchor_boundary": 0,
+    "chunk_order": "source",
+    "calibrate": 0,
+    "calibrate_on": "passages",
+}
 
 
 class JournalError(ConfigError):

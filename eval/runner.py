@@ -48,6 +48,9 @@ from blendkv.rag.chunk_order import check_chunk_order
 
 __all__ = ["EvalConfig", "EvalResult", "run_eval", "summarize_method"]
 
+# What `--calibrate N` measures (EvalConfig.calibrate_on).
+CALIBRATE_ON = ("passages", "questions")
+
 
 # What chunks are precomputed behind, after the chat template's prefix: nothing more
 # ("template"), an instruction that is not the prompt's ("generic"), or the prompt's own
@@ -99,6 +102,10 @@ class EvalConfig:
     fidelity_target: float | None = None
     # Calibrate the run's store for target@T methods first, on this many prompts (0: none).
     calibrate: int = 0
+    # What those prompts are: random sets of the first examples' passages with the
+    # calibration's own questions ("passages"), or those examples' own prompts, each with its
+    # question ("questions", as `blendkv calibrate --questions` measures a query log).
+    calibrate_on: str = "passages"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "answer_tokens"):
@@ -112,6 +119,10 @@ class EvalConfig:
         c = self.calibrate
         if isinstance(c, bool) or not isinstance(c, int) or c < 0 or c == 1:
             raise ConfigError(f"calibrate must be 0 (none) or at least 2 prompts, got {c!r}")
+        if self.calibrate_on not in CALIBRATE_ON:
+            raise ConfigError(
+                f"calibrate_on must be one of {', '.join(CALIBRATE_ON)}, got {self.calibrate_on!r}"
+            )
         if self.anchor not in ANCHORS:
             raise ConfigError(f"anchor must be one of {', '.join(ANCHORS)}, got {self.anchor!r}")
         if isinstance(self.anchor_boundary, bool) or self.anchor_boundary < 0:
@@ -276,11 +287,17 @@ def _store_chunks(llm, stores: CodecStores, prompt: ExamplePrompt) -> tuple[list
 def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: bool, resumed):
     """Calibrate the run's store (:mod:`blendkv.guards.calibration`) on ``config.calibrate``
     random sets of the stored passages of ``prompts`` (the run's first examples), each followed
-    by one of the calibration's own questions (not the data set's), and save it beside the
-    store: what ``target@T`` methods pick their ratio from. Returns the curve, for
-    results.json. A resumed run (``resumed``: the journal's config) whose curve is still the
-    one beside the store keeps it: its earlier records ran with that curve."""
-    from blendkv.guards.calibration import CONFIDENT_PROMPTS, calibrate, few_prompts_note
+    by one of the calibration's own questions (not the data set's), or with ``calibrate_on``
+    "questions" on ``prompts`` themselves, and save it beside the store: what ``target@T``
+    methods pick their ratio from. Returns the curve, for results.json. A resumed run
+    (``resumed``: the journal's config) whose curve is still the one beside the store keeps it:
+    its earlier records ran with that curve."""
+    from blendkv.guards.calibration import (
+        CONFIDENT_PROMPTS,
+        calibrate,
+        calibrate_prompts,
+        few_prompts_note,
+    )
 
     manager = stores.manager
     saved = manager.calibration()
@@ -293,15 +310,19 @@ def _calibrate(llm, stores: CodecStores, prompts, config: EvalConfig, progress: 
     # prompts as long as the run's: drift grows with the passages a prompt holds
     per_prompt = round(statistics.median(len(p.blended["documents"]) for p in prompts))
     with tqdm(total=config.calibrate, desc="calibrating", disable=not progress) as bar:
-        curve = calibrate(
-            llm,
-            ids,
-            prompts[0].blended["instruction"],
-            num_prompts=config.calibrate,
-            chunks_per_prompt=max(1, per_prompt),
-            seed=config.seed,
-            progress=bar.update,
-        )
+        if config.calibrate_on == "questions":
+            blended = [p.blended for p in prompts]
+            curve = calibrate_prompts(llm, blended, seed=config.seed, progress=bar.update)
+        else:
+            curve = calibrate(
+                llm,
+                ids,
+                prompts[0].blended["instruction"],
+                num_prompts=config.calibrate,
+                chunks_per_prompt=max(1, per_prompt),
+                seed=config.seed,
+                progress=bar.update,
+            )
     manager.save_calibration(curve)
     if curve.num_prompts < CONFIDENT_PROMPTS:
         print(few_prompts_note(curve.num_prompts), file=sys.stderr)

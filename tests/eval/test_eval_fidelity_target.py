@@ -165,3 +165,21 @@ def test_calibrate_takes_zero_or_at_least_two_prompts():
     with pytest.raises(ConfigError, match="calibrate"):
         EvalConfig(data="synthetic", calibrate=1)
     assert EvalConfig(data="synthetic", calibrate=0).calibrate == 0
+
+
+def test_calibrate_on_questions_measures_the_examples_own_prompts(tmp_path, eval_model_dir):
+    """``--calibrate-on questions``: the first N examples' own prompts, each with its question
+    (a sample of traffic), not random passage sets with generic questions: another curve."""
+    curves = {}
+    for mode in ("passages", "questions"):
+        out, store = tmp_path / mode, tmp_path / f"store-{mode}"
+        argv = ["eval", "--data", "synthetic", "--limit", "2", "--methods", "full,target@0.5"]
+        argv += ["--model", str(eval_model_dir), "--calibrate", "2", "--calibrate-on", mode]
+        argv += ["--kv-store-dir", str(store), "--dtype", "float32", "--max-tokens", "4"]
+        assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+        config = json.loads((out / "results.json").read_text())["config"]
+        assert config["calibrate_on"] == mode and config["calibration"]["num_prompts"] == 2
+        curves[mode] = config["calibration"]["divergence"]
+    assert curves["passages"] != curves["questions"]
+    with pytest.raises(ConfigError, match="calibrate_on must be one of passages, questions"):
+        EvalConfig(data="synthetic", methods="full", calibrate_on="log")

@@ -26,6 +26,7 @@ SETTINGS = dict(
     anchor_boundary=0,
     chunk_order="source",
     calibrate=0,
+    calibrate_on="passages",
 )
 
 
