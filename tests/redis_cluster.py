@@ -63,28 +63,36 @@ class RedisCluster:
             self.procs[port] = subprocess.Popen(
                 args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
-        import redis
-
         for port in self.ports:
-            client = redis.Redis(port=port, socket_connect_timeout=1)
-            for _ in range(100):
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    time.sleep(0.05)
-            client.close()
+            self._wait_up(port)
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
-        subprocess.run(
-            [self.cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas)]
-            + ["--cluster-yes"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=60,
-        )
+        create = [self.cli, "--cluster", "create", *nodes, "--cluster-replicas"]
+        create += [str(self.replicas), "--cluster-yes"]
+        done = subprocess.run(create, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:  # say why: a loaded host once failed here without a word
+            raise RuntimeError(f"{' '.join(create)} failed:\n{done.stdout[-2000:]}{done.stderr}")
         self.wait_ok()
         return self
+
+    def _wait_up(self, port: int, timeout: float = 30.0) -> None:
+        """Until the node on ``port`` answers PING; raises if it exited or stays silent."""
+        import redis
+
+        client = redis.Redis(port=port, socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if self.procs[port].poll() is not None:
+                        raise RuntimeError(f"redis-server on port {port} exited") from None
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server on {port}: silent {timeout} s") from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
 
     def wait_ok(self, timeout: float = 20.0) -> None:
         """Until every live node says ``cluster_state:ok`` and sees every slot covered, and
