@@ -108,6 +108,18 @@ def test_bad_input_is_a_typed_error(rag):
         calibrate(rag.llm, [], None)
 
 
+def _assert_reports_the_saved_curve(store, out: str) -> None:
+    """A 2-prompt calibration's report: saved beside the store, the default target's pick on
+    it, and that 2 prompts are too few to bound the 90th percentile."""
+    assert "2 prompts" in out and (store / "calibration.json").exists()
+    text = (store / "calibration.json").read_text()
+    saved = Calibration.from_json(text, json.loads(text)["fingerprint"], "saved")
+    ratio = saved.ratio_for(DEFAULT_TARGET)
+    ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
+    assert f"the default fidelity target (1 nat) picks {ran} on this store" in out
+    assert "the largest of 2 prompts bounds the p90 with 19% confidence; 29 or more" in out
+
+
 def test_the_command(tiny_llama_dir, tmp_path, capsys):
     store = tmp_path / "store"
     args = ["--store", str(store), "--model", str(tiny_llama_dir), "--dtype", "float32"]
@@ -117,13 +129,7 @@ def test_the_command(tiny_llama_dir, tmp_path, capsys):
     argv = ["calibrate", "--prompts", "2", "--ratios", "0,0.5", "--no-progress", *args]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "2 prompts" in out and (store / "calibration.json").exists()
-    text = (store / "calibration.json").read_text()
-    saved = Calibration.from_json(text, json.loads(text)["fingerprint"], "saved")
-    ratio = saved.ratio_for(DEFAULT_TARGET)
-    ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
-    assert f"the default fidelity target (1 nat) picks {ran} on this store" in out
-    assert "the largest of 2 prompts bounds the p90 with 19% confidence; 29 or more" in out
+    _assert_reports_the_saved_curve(store, out)
     assert main(["calibrate", "--prompts", "2", "--ratios", "0.5,0", *args]) == 2
     capsys.readouterr()
     assert main(["ingest", str(DEMO_DOCS), "--chunk-tokens", "64", "--no-progress", *args]) == 0
@@ -170,13 +176,7 @@ def test_ingest_calibrates_when_asked(tiny_llama_dir, tmp_path, capsys):
     args += [*QUIET_FLAGS, "--chunk-tokens", "64", "--no-progress"]
     assert main(["ingest", str(DEMO_DOCS), *args, "--calibrate", "0"]) == 0
     out = capsys.readouterr().out
-    assert "2 prompts" in out and (store / "calibration.json").exists()
-    text = (store / "calibration.json").read_text()
-    saved = Calibration.from_json(text, json.loads(text)["fingerprint"], "saved")
-    ratio = saved.ratio_for(DEFAULT_TARGET)
-    ran = "full prefill" if ratio == 1.0 else f"ratio {ratio:g}"
-    assert f"the default fidelity target (1 nat) picks {ran} on this store" in out
-    assert "the largest of 2 prompts bounds the p90 with 19% confidence; 29 or more" in out
+    _assert_reports_the_saved_curve(store, out)
     for bad in (["--calibrate", "-1"], ["--calibrate", "--workers", "2"]):
         assert main(["ingest", str(DEMO_DOCS), *args, *bad]) == 2
         assert "--calibrate" in capsys.readouterr().err
