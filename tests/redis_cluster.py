@@ -18,13 +18,15 @@ import pytest
 
 
 def _free_ports(n: int) -> list[int]:
-    """``n`` ports whose cluster bus ports (+10000) are free too."""
+    """``n`` ports whose cluster bus ports (+10000) are free too, and no one's port another's
+    bus port (44123 and 54123 once were: one node could not start, and the cluster failed)."""
     ports: list[int] = []
+    taken: set[int] = set()
     while len(ports) < n:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port > 55000 or port in ports:
+        if port > 55000 or port in taken or port + 10000 in taken:
             continue
         with socket.socket() as bus:
             try:
@@ -32,6 +34,7 @@ def _free_ports(n: int) -> list[int]:
             except OSError:
                 continue
         ports.append(port)
+        taken.update((port, port + 10000))
     return ports
 
 
@@ -63,16 +66,23 @@ class RedisCluster:
             self.procs[port] = subprocess.Popen(
                 args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
+        try:  # a cluster that fails to form leaves no server behind
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _form(self) -> None:
         for port in self.ports:
             self._wait_up(port)
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
         create = [self.cli, "--cluster", "create", *nodes, "--cluster-replicas"]
         create += [str(self.replicas), "--cluster-yes"]
         done = subprocess.run(create, capture_output=True, text=True, timeout=60)
-        if done.returncode != 0:  # say why: a loaded host once failed here without a word
+        if done.returncode != 0:
             raise RuntimeError(f"{' '.join(create)} failed:\n{done.stdout[-2000:]}{done.stderr}")
         self.wait_ok()
-        return self
 
     def _wait_up(self, port: int, timeout: float = 30.0) -> None:
         """Until the node on ``port`` answers PING; raises if it exited or stays silent."""
